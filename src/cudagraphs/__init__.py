@@ -1,0 +1,33 @@
+"""cudagraphs: CUDA Graphs made practical in PyTorch.
+
+* :mod:`cudagraphs.capture`: capture primitives (one way to capture, one way to
+  recover from a failed capture).
+* :func:`make_graphed_callables`: Transformer Engine-compatible graph helper with
+  ``capture_time_hooks`` and pipeline (``_order``) schedules.
+* :mod:`cudagraphs.introspect`: node counts and executable memory of graphs.
+"""
+
+from .capture import capture_into_graph, capture_with_static_outputs, new_pool
+from .core import GraphedCallable, make_graphed_callables
+from .errors import (
+    CaptureTimeHookError,
+    CudaGraphCaptureError,
+    CudaGraphInputError,
+    CudaGraphsError,
+    GraphReleasedError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureTimeHookError",
+    "CudaGraphCaptureError",
+    "CudaGraphInputError",
+    "CudaGraphsError",
+    "GraphReleasedError",
+    "GraphedCallable",
+    "capture_into_graph",
+    "capture_with_static_outputs",
+    "make_graphed_callables",
+    "new_pool",
+]

@@ -1,0 +1,252 @@
+"""Capture primitives: the one way this package turns a Python callable into a CUDA graph.
+
+Every layer (the core helper, programs, partial graphs, serving) captures through
+:func:`capture_into_graph`, so the rules below hold everywhere:
+
+* Capture is a transaction. Everything changed for the capture (the garbage
+  collector, ``cudnn.benchmark``, torch.compile's stance, the current stream, the
+  caching allocator's routing into the pool) is restored in ``finally``.
+* A capture that fails part way is abandoned cleanly: the stream leaves capture
+  mode, the allocator stops routing this thread's allocations into the pool, and the
+  caller's stream is current again. The next capture in the same pool works.
+* The caller always knows the pool id, because we create one when none is given:
+  the pool id is what the allocator needs to stop routing after a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import CudaGraphCaptureError
+
+__all__ = [
+    "capture_environment",
+    "capture_into_graph",
+    "capture_with_static_outputs",
+    "new_pool",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PoolHandle = tuple[int, int]
+
+_CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+def new_pool() -> PoolHandle:
+    """Return a fresh memory-pool handle for graphs that should share memory."""
+    return torch.cuda.graph_pool_handle()
+
+
+@contextlib.contextmanager
+def capture_environment() -> Iterator[None]:
+    """Process-wide settings that must hold while a stream is being captured.
+
+    * The garbage collector is off: a collection during capture can run a
+      ``__del__`` that destroys another graph or frees a tensor with a pending
+      event query, which is illegal while the stream captures.
+    * ``torch.backends.cudnn.benchmark`` is off: a benchmark search inside capture
+      empties the allocator cache and launches timing kernels that cannot be captured.
+    * torch.compile may not recompile (``fail_on_recompile`` stance, where the
+      installed torch has it): a recompilation inside capture runs Python-side guards
+      and Triton autotuning, which cannot be captured and would fail obscurely.
+
+    Every setting is restored on exit, also when the body raises.
+    """
+    gc_was_enabled = gc.isenabled()
+    cudnn_benchmark = torch.backends.cudnn.benchmark
+    with contextlib.ExitStack() as stack:
+        gc.disable()
+        torch.backends.cudnn.benchmark = False
+        stack.callback(torch.backends.cudnn.__setattr__, "benchmark", cudnn_benchmark)
+        if gc_was_enabled:
+            stack.callback(gc.enable)
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if set_stance is not None:
+            stack.enter_context(set_stance("fail_on_recompile"))
+        yield
+
+
+def _new_graph(keep_graph: bool) -> torch.cuda.CUDAGraph:
+    if keep_graph:
+        # keep_graph keeps the cudaGraph_t alive after capture, which introspection
+        # (node count, measured instantiation) needs. Every torch we support has it.
+        return torch.cuda.CUDAGraph(keep_graph=True)
+    return torch.cuda.CUDAGraph()
+
+
+def _abandon_capture(graph: torch.cuda.CUDAGraph, device: int, pool: PoolHandle) -> None:
+    """Leave capture mode after ``run`` failed inside a capture.
+
+    ``CUDAGraph.capture_end`` raises when the capture was invalidated (for example by
+    a host sync), and depending on the torch version it raises before telling the
+    caching allocator that the capture is over. We therefore (1) end the stream
+    capture, ignoring the invalidation error it reports, and (2) end the allocator's
+    routing into the pool ourselves; both steps tolerate having been done already.
+    """
+    if torch.cuda.is_current_stream_capturing():
+        try:
+            graph.capture_end()
+        except Exception as exc:  # the capture is known to be broken; the cause is re-raised
+            logger.debug("capture_end of an abandoned capture reported: %s", exc)
+    end_routing = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end_routing is not None:
+        # Raises when capture_end already ended the routing: nothing left to undo then.
+        with contextlib.suppress(Exception):
+            end_routing(device, pool)
+    try:
+        graph.reset()
+    except Exception as exc:
+        logger.debug("reset of an abandoned graph reported: %s", exc)
+
+
+def capture_into_graph(
+    run: Callable[[], T],
+    pool: PoolHandle | None = None,
+    *,
+    stream: torch.cuda.Stream | None = None,
+    capture_error_mode: str = "thread_local",
+    keep_graph: bool = False,
+    what: str = "callable",
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture ``run()`` into a new CUDA graph whose memory comes from ``pool``.
+
+    Args:
+        run: called once, with the capture stream current; its CUDA work is recorded,
+            not executed. Whatever it returns is returned as ``output``: tensors in it
+            live in the pool and are overwritten by every replay.
+        pool: memory-pool handle shared with other graphs (:func:`new_pool`); a new
+            pool when ``None``. Graphs sharing a pool must be replayed in an order
+            where no graph reads memory that a later-captured graph reuses; in
+            practice, replay in capture order.
+        stream: side stream to capture on; a new one when ``None``. Work already
+            queued on the current stream is finished before capture starts.
+        capture_error_mode: ``"thread_local"`` (default: other threads' unsafe CUDA
+            calls cannot invalidate this capture), ``"global"`` or ``"relaxed"``.
+        keep_graph: keep the ``cudaGraph_t`` after capture so that
+            :mod:`cudagraphs.introspect` can inspect it; instantiation then happens on
+            the first replay or an explicit ``graph.instantiate()``.
+        what: a name for error messages (a module name, a bucket).
+
+    Returns:
+        ``(graph, output)``.
+
+    Raises:
+        ValueError: unknown ``capture_error_mode``.
+        CudaGraphCaptureError: ``run`` raised or the capture was invalidated. The
+            cause is chained. The allocator, the current stream and the global
+            settings are restored, so another capture may follow at once.
+    """
+    if capture_error_mode not in _CAPTURE_ERROR_MODES:
+        raise ValueError(
+            f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {capture_error_mode!r}"
+        )
+    if not torch.cuda.is_available():
+        raise CudaGraphCaptureError(f"cannot capture {what}: no CUDA device is available")
+    if torch.cuda.is_current_stream_capturing():
+        raise CudaGraphCaptureError(
+            f"cannot capture {what}: the current stream is already capturing; "
+            "nested captures are not supported"
+        )
+    device = torch.cuda.current_device()
+    pool = new_pool() if pool is None else pool
+    stream = torch.cuda.Stream(device) if stream is None else stream
+    caller_stream = torch.cuda.current_stream(device)
+    graph = _new_graph(keep_graph)
+    # The capture records work; it must not overlap work still queued for the buffers
+    # it reads (warmup outputs, freshly copied inputs).
+    torch.cuda.synchronize(device)
+    with capture_environment():
+        torch.cuda.set_stream(stream)
+        try:
+            graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+            try:
+                output = run()
+            except BaseException:
+                _abandon_capture(graph, device, pool)
+                raise
+            try:
+                graph.capture_end()
+            except BaseException:
+                _abandon_capture(graph, device, pool)
+                raise
+        except Exception as exc:
+            raise CudaGraphCaptureError(
+                f"capture of {what} failed: {type(exc).__name__}: {exc}. Common causes: a "
+                "host sync (.item(), .cpu(), printing a CUDA tensor, data-dependent "
+                "shapes) or an op that allocates pinned memory inside the captured code; "
+                "the allocator and stream were restored, so fix the code and capture again."
+            ) from exc
+        finally:
+            torch.cuda.set_stream(caller_stream)
+    return graph, output
+
+
+def capture_with_static_outputs(
+    run: Callable[[], Any],
+    like: Any,
+    pool: PoolHandle | None = None,
+    **capture_kwargs: Any,
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture ``run()`` and end the graph with a copy of its outputs into buffers
+    allocated outside ``pool``.
+
+    Use this for graphs that share a pool but replay in a data-dependent order: the
+    pool's memory may be reused by another graph's replay, while the static outputs
+    here stay valid until *this* graph replays again.
+
+    Args:
+        run: the work to capture; returns a tree of tensors (and other leaves).
+        like: a tree of the same structure (for example the output of a warmup call):
+            its tensor leaves give the shapes, dtypes and devices of the buffers.
+        pool, capture_kwargs: as for :func:`capture_into_graph`.
+
+    Returns:
+        ``(graph, static_outputs)``: a tree like ``like`` whose tensors are owned by the
+        caller, outside the pool, and overwritten by each replay of ``graph``.
+
+    Raises:
+        CudaGraphCaptureError: the capture failed, or ``run`` returned a tree whose
+            structure, shapes or dtypes differ from ``like`` (the message lists every
+            difference).
+    """
+    like_leaves, like_spec = pytree.tree_flatten(like)
+    # Allocated before capture begins, so the buffers come from the ordinary allocator.
+    buffers = [torch.empty_like(x) if isinstance(x, torch.Tensor) else x for x in like_leaves]
+
+    def run_and_copy() -> Any:
+        out_leaves, out_spec = pytree.tree_flatten(run())
+        problems = _describe_mismatch(like_leaves, like_spec, out_leaves, out_spec)
+        if problems:
+            raise ValueError("output differs from `like`: " + "; ".join(problems))
+        for buf, out in zip(buffers, out_leaves):
+            if isinstance(buf, torch.Tensor):
+                buf.copy_(out)
+        return None
+
+    graph, _ = capture_into_graph(run_and_copy, pool, **capture_kwargs)
+    return graph, pytree.tree_unflatten(buffers, like_spec)
+
+
+def _describe_mismatch(
+    like_leaves: list[Any], like_spec: Any, out_leaves: list[Any], out_spec: Any
+) -> list[str]:
+    if like_spec != out_spec:
+        return [f"tree structure {out_spec} != expected {like_spec}"]
+    problems = []
+    for i, (a, b) in enumerate(zip(like_leaves, out_leaves)):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            problems.append(f"leaf {i}: {type(b).__name__} != expected {type(a).__name__}")
+        elif isinstance(a, torch.Tensor) and (a.shape, a.dtype) != (b.shape, b.dtype):
+            problems.append(
+                f"leaf {i}: {tuple(b.shape)}/{b.dtype} != expected {tuple(a.shape)}/{a.dtype}"
+            )
+    return problems

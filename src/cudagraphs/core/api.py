@@ -1,0 +1,190 @@
+"""``make_graphed_callables``: canonicalize -> schedule -> warmup -> capture -> wrap."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..capture import PoolHandle, new_pool
+from .canonicalize import GraphPlan, canonicalize, check_devices
+from .capture_phase import CaptureOptions, capture_plan
+from .runtime import EntryGraphs, GraphedCallable
+from .warmup import run_warmup
+
+__all__ = ["make_graphed_callables"]
+
+logger = logging.getLogger(__name__)
+
+HookMap = Mapping[str, Mapping[Hashable, Callable[[Any], None]]]
+
+
+def _install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> None:
+    """Swap ``module.forward`` for the graphed one; ``reset()`` swaps it back."""
+    had_instance_forward = "forward" in module.__dict__
+    original_forward = module.forward
+
+    def graphed_forward(*args: Any, **kwargs: Any) -> Any:
+        return graphed(*args, **kwargs)
+
+    def restore() -> None:
+        if had_instance_forward:
+            module.forward = original_forward
+        else:
+            module.__dict__.pop("forward", None)
+        module.__dict__.pop("cuda_graph", None)
+        if module.__dict__.get("reset") is graphed.reset:
+            del module.__dict__["reset"]
+
+    graphed._eager = original_forward
+    graphed._on_reset = restore
+    module.forward = graphed_forward
+    module.cuda_graph = graphed
+    # reset() on the module, as on a graphed function, unless the class already uses
+    # the name (then module.cuda_graph.reset() is the way).
+    if not hasattr(type(module), "reset") and "reset" not in module.__dict__:
+        module.reset = graphed.reset
+
+
+def _wrap(plan: GraphPlan, entry_graphs: list[EntryGraphs]) -> list[Any]:
+    one_entry_per_callable = plan.layout.num_microbatches == 1
+    results = []
+    for spec, g in zip(plan.entries, entry_graphs):
+        target = plan.callables[spec.entry.callable_index]
+        graphed = GraphedCallable(
+            g,
+            eager=target.fn,
+            module=target.module,
+            captured_training=plan.module_training,
+        )
+        if target.module is not None and one_entry_per_callable:
+            _install_on_module(target.module, graphed)
+            results.append(target.module)
+        else:
+            results.append(graphed)
+    return results
+
+
+def make_graphed_callables(
+    modules: Any,
+    sample_args: Any,
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    sample_kwargs: Any = None,
+    pool: PoolHandle | None = None,
+    retain_graph_in_backward: bool = False,
+    _order: Sequence[int] | None = None,
+    _num_layers_per_chunk: Sequence[int] | None = None,
+    _reuse_graph_input_output_buffers: bool = False,
+    clone_param_grads_on_return: bool = True,
+    pre_warmup_hook: Callable[[], Any] | None = None,
+    post_warmup_hook: Callable[[], Any] | None = None,
+    capture_time_hooks: Sequence[HookMap | None] | None = None,
+) -> Any:
+    """Graph modules or functions: forward (and in training backward) CUDA graphs,
+    replayed behind an autograd node.
+
+    The parameters are Transformer Engine's graphing parameters (without its FP8/FP4
+    ones), so code written for ``transformer_engine.pytorch.make_graphed_callables``
+    runs unchanged.
+
+    Args:
+        modules: one callable, or a tuple of them: ``nn.Module`` s or functions. Under
+            ``_order``, the layers of every chunk, chunk by chunk.
+        sample_args: per entry, a tuple of arguments (a single tuple when one callable
+            is passed). Tensor leaves (nested in lists, tuples, dicts) become graph
+            inputs; other leaves are constants every call must repeat. Under ``_order``
+            one entry per (chunk, microbatch, layer), ordered by chunk, then
+            microbatch, then layer.
+        num_warmup_iters: eager iterations of the whole schedule before capture.
+        allow_unused_input: allow inputs/parameters that require grad but are not used
+            (their gradient is ``None``); otherwise that is a ``ValueError``.
+        sample_kwargs: per entry, a dict of keyword arguments (tensors are graph inputs).
+        pool: memory-pool handle to capture into; a new pool shared by all graphs
+            made here when ``None``.
+        retain_graph_in_backward: capture the backward with ``retain_graph=True``
+            (keeps the forward's saved tensors alive, costing memory).
+        _order: interleaved pipeline schedule: 1-based chunk ids, positive for the
+            forward of the chunk's next microbatch, negative for its backward.
+        _num_layers_per_chunk: layers per chunk under ``_order`` (default: even split).
+        _reuse_graph_input_output_buffers: under ``_order`` in training, microbatches
+            of a layer whose forward-to-backward lifetimes do not overlap share static
+            input and incoming-gradient buffers.
+        clone_param_grads_on_return: parameter gradients handed to autograd are owned
+            copies (default). With ``False`` they are views of static buffers: a
+            ``.grad`` that is ``None`` before backward then aliases the buffer and the
+            next backward replay overwrites it, so accumulate only into existing grads
+            (``zero_grad(set_to_none=False)``).
+        pre_warmup_hook, post_warmup_hook: called with no arguments once before and
+            once after the whole warmup phase.
+        capture_time_hooks: one entry per callable, ``None`` or a dict with any of
+            ``forward_pre_hooks``, ``forward_hooks``, ``backward_pre_hooks``,
+            ``backward_hooks``, each ``{hook_id: fn(module) -> None}``. They run around
+            every warmup and capture forward/backward of that callable, outside the
+            capture context, and never on replay.
+
+    Returns:
+        One result per entry (a single one when one callable was passed). A module
+        with one entry is returned itself, its ``forward`` replaced by one that
+        replays when ``module.training`` equals its flag at capture and runs eagerly
+        otherwise; ``module.cuda_graph`` is its :class:`GraphedCallable`. Everything
+        else is a :class:`GraphedCallable`. Each has ``reset()`` to release its graphs.
+        Outputs are borrowed (overwritten by the next replay of that entry).
+
+    Raises:
+        TypeError, ValueError: bad arguments, before any GPU work (see the message).
+        CaptureTimeHookError: a capture-time hook returned a value.
+        CudaGraphCaptureError: a capture failed; graphs captured so far are released
+            and the pool and stream stay usable.
+
+    Replay contract: graphs share one pool, so replay them in the order they were
+    captured (the schedule): forwards in order, backwards in reverse order, or the
+    ``_order`` schedule. Only one host thread may replay a given graph at a time.
+    """
+    plan = canonicalize(
+        modules,
+        sample_args,
+        sample_kwargs=sample_kwargs,
+        num_warmup_iters=num_warmup_iters,
+        capture_time_hooks=capture_time_hooks,
+        order=_order,
+        num_layers_per_chunk=_num_layers_per_chunk,
+        reuse_buffers=_reuse_graph_input_output_buffers,
+    )
+    device = check_devices(plan)
+    with torch.cuda.device(device):
+        # Warmup and capture share one side stream: libraries that create per-stream
+        # state lazily (cuBLAS workspaces) do so during warmup, not inside capture.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            run_warmup(
+                plan,
+                num_warmup_iters,
+                allow_unused_input=allow_unused_input,
+                pre_warmup_hook=pre_warmup_hook,
+                post_warmup_hook=post_warmup_hook,
+            )
+        torch.cuda.current_stream(device).wait_stream(stream)
+        t1 = time.perf_counter()
+        opts = CaptureOptions(
+            pool=new_pool() if pool is None else pool,
+            stream=stream,
+            allow_unused_input=allow_unused_input,
+            retain_graph_in_backward=retain_graph_in_backward,
+            clone_param_grads_on_return=clone_param_grads_on_return,
+        )
+        entry_graphs = capture_plan(plan, opts)
+        logger.info(
+            "graphed %d entries (%d steps): warmup %.3fs, capture %.3fs",
+            len(entry_graphs),
+            len(plan.schedule),
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
+    results = _wrap(plan, entry_graphs)
+    return results[0] if plan.single else tuple(results)

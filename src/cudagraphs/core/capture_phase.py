@@ -1,0 +1,177 @@
+"""Capture: one forward graph (and in training one backward graph) per entry, in
+schedule order, all in one memory pool.
+
+Capture-time hooks run here too, always outside the capture context: pre-hooks
+before ``capture_into_graph`` is entered, post-hooks after it returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..capture import PoolHandle, capture_into_graph
+from .canonicalize import EntrySpec, GraphPlan
+from .runtime import EntryGraphs
+from .warmup import differentiable_inputs
+
+__all__ = ["CaptureOptions", "capture_plan"]
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    pool: PoolHandle
+    stream: torch.cuda.Stream
+    allow_unused_input: bool
+    retain_graph_in_backward: bool
+    clone_param_grads_on_return: bool
+
+
+def _describe(plan: GraphPlan, entry_index: int) -> str:
+    e = plan.entries[entry_index].entry
+    name = plan.callable_of(entry_index).name
+    if plan.layout.order is None:
+        return name
+    return (
+        f"{name}, entry {e.index} (chunk {e.chunk + 1}, microbatch {e.microbatch}, layer {e.layer})"
+    )
+
+
+def _new_static_inputs(spec: EntrySpec) -> list[torch.Tensor]:
+    # Fresh buffers rather than the user's sample tensors: the caller may reuse or free
+    # the samples, and the graph must own what it reads.
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in spec.tensors]
+
+
+def _entry_graphs(
+    plan: GraphPlan, index: int, static_inputs: list[torch.Tensor], opts: CaptureOptions
+) -> EntryGraphs:
+    spec = plan.entries[index]
+    params = plan.callable_of(index).params if plan.training else ()
+    positional_only = not spec.kwargs and len(spec.leaves) == len(spec.args) == len(
+        spec.tensor_positions
+    )
+    return EntryGraphs(
+        name=_describe(plan, index),
+        in_spec=spec.in_spec,
+        leaves=list(spec.leaves),
+        tensor_positions=spec.tensor_positions,
+        paths=spec.paths,
+        input_meta=tuple((t.shape, t.dtype, t.requires_grad) for t in spec.tensors),
+        static_inputs=static_inputs,
+        params=params,
+        clone_param_grads=opts.clone_param_grads_on_return,
+        positional_only=positional_only,
+    )
+
+
+def _capture_forward(plan: GraphPlan, g: EntryGraphs, index: int, opts: CaptureOptions) -> None:
+    target = plan.callable_of(index)
+    leaves = list(g.leaves)
+    for pos, t in zip(g.tensor_positions, g.static_inputs):
+        leaves[pos] = t
+    args, kwargs = pytree.tree_unflatten(leaves, g.in_spec)
+    grad_mode = torch.enable_grad if plan.training else torch.no_grad
+
+    def run() -> Any:
+        with grad_mode():
+            return target.fn(*args, **kwargs)
+
+    g.fwd_graph, output = capture_into_graph(
+        run, opts.pool, stream=opts.stream, what=f"forward of {g.name}"
+    )
+    g.out_leaves, g.out_spec = pytree.tree_flatten(output)
+    g.out_tensor_positions = tuple(
+        i for i, x in enumerate(g.out_leaves) if isinstance(x, torch.Tensor)
+    )
+    g.out_differentiable = tuple(g.out_leaves[i].requires_grad for i in g.out_tensor_positions)
+
+
+def _grad_output_buffers(
+    outs: list[torch.Tensor], differentiable: tuple[bool, ...], shared: list | None
+) -> list[torch.Tensor | None]:
+    """Static incoming-gradient buffers; reuses ``shared`` (a slot's buffers from an
+    earlier entry) when every shape and dtype fits, and fills it otherwise."""
+    like = [o if d else None for o, d in zip(outs, differentiable)]
+
+    def fits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        if a is None or b is None:
+            return a is b
+        return (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+
+    if shared and len(shared) == len(like) and all(fits(a, b) for a, b in zip(shared, like)):
+        return list(shared)
+    # Allocated before capture, so they come from the ordinary allocator, not the pool.
+    buffers = [torch.zeros_like(o) if o is not None else None for o in like]
+    if shared is not None:
+        shared[:] = buffers
+    return buffers
+
+
+def _capture_backward(g: EntryGraphs, opts: CaptureOptions, shared: list | None = None) -> None:
+    outs = [g.out_leaves[i] for i in g.out_tensor_positions]
+    positions, inputs = differentiable_inputs(g.static_inputs, g.params)
+    g.diff_input_positions = tuple(positions)
+    diff_outs = [o for o, d in zip(outs, g.out_differentiable) if d]
+    if not diff_outs or not inputs:
+        return
+    # Incoming gradients are copied into these before each backward replay.
+    g.static_grad_outputs = _grad_output_buffers(outs, g.out_differentiable, shared)
+    grad_outputs = [s for s in g.static_grad_outputs if s is not None]
+
+    def run() -> tuple[torch.Tensor | None, ...]:
+        return torch.autograd.grad(
+            diff_outs,
+            inputs,
+            grad_outputs=grad_outputs,
+            allow_unused=opts.allow_unused_input,
+            retain_graph=opts.retain_graph_in_backward,
+        )
+
+    g.bwd_graph, grads = capture_into_graph(
+        run, opts.pool, stream=opts.stream, what=f"backward of {g.name}"
+    )
+    g.static_grad_inputs = tuple(grads)
+
+
+def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
+    """Capture every step of ``plan.schedule``; return one :class:`EntryGraphs` per entry.
+
+    On failure every graph captured so far is released before the error propagates.
+    """
+    graphs: dict[int, EntryGraphs] = {}
+    # Under _reuse_graph_input_output_buffers, entries of one slot (same callable, same
+    # shapes, lifetimes that never overlap in the schedule) share their static inputs
+    # and incoming-gradient buffers.
+    slot_inputs: dict[int, list[torch.Tensor]] = {}
+    slot_grad_outputs: dict[int, list] = {}
+    try:
+        for step in plan.schedule:
+            target = plan.callables[step.callable_index]
+            hooks = plan.hooks[step.callable_index]
+            if step.kind == "fwd":
+                spec = plan.entries[step.entry]
+                if plan.buffer_slots is not None:
+                    slot = plan.buffer_slots[step.entry]
+                    static_inputs = slot_inputs.setdefault(slot, _new_static_inputs(spec))
+                else:
+                    static_inputs = _new_static_inputs(spec)
+                g = graphs[step.entry] = _entry_graphs(plan, step.entry, static_inputs, opts)
+                hooks.run("forward_pre_hooks", target.fn)
+                _capture_forward(plan, g, step.entry, opts)
+                hooks.run("forward_hooks", target.fn)
+            else:
+                hooks.run("backward_pre_hooks", target.fn)
+                shared = None
+                if plan.buffer_slots is not None:
+                    shared = slot_grad_outputs.setdefault(plan.buffer_slots[step.entry], [])
+                _capture_backward(graphs[step.entry], opts, shared)
+                hooks.run("backward_hooks", target.fn)
+    except BaseException:
+        for g in graphs.values():
+            g.release()
+        raise
+    return [graphs[i] for i in range(len(plan.entries))]

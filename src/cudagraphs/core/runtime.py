@@ -1,0 +1,273 @@
+"""The replay side of ``make_graphed_callables``: one :class:`EntryGraphs` per graphed
+entry, the autograd Function that replays it, and the :class:`GraphedCallable` users
+call.
+
+The replay path does per call only what cannot be done at capture: one comparison of
+each input's shape/dtype/requires_grad against the captured ones, one fused copy of
+the inputs that are not already the static buffers, the replay, and detached views of
+the static outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.utils import _pytree as pytree
+
+from ..errors import CudaGraphInputError, GraphReleasedError
+
+__all__ = ["EntryGraphs", "GraphedCallable"]
+
+logger = logging.getLogger(__name__)
+
+
+def copy_into(dsts: list[torch.Tensor], srcs: Any) -> None:
+    """Copy each source into its static buffer, skipping sources that already are
+    the buffer; all remaining copies go out in one fused launch."""
+    pairs = [(d, s) for d, s in zip(dsts, srcs) if s is not None and s.data_ptr() != d.data_ptr()]
+    if len(pairs) == 1:
+        pairs[0][0].copy_(pairs[0][1])
+    elif pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
+@dataclass
+class EntryGraphs:
+    """The graphs and static buffers of one graphed entry (one ``sample_args`` element).
+
+    ``static_inputs`` are owned by this object (shared with entries of the same slot
+    under ``_reuse_graph_input_output_buffers``); ``static_outputs`` and
+    ``static_grad_inputs`` live in the shared pool and are overwritten by each replay.
+    """
+
+    name: str
+    in_spec: pytree.TreeSpec
+    leaves: list[Any]  # captured leaves of (args, kwargs); tensors are replaced per call
+    tensor_positions: tuple[int, ...]
+    paths: tuple[str, ...]
+    input_meta: tuple[tuple[torch.Size, torch.dtype, bool], ...]
+    static_inputs: list[torch.Tensor]
+    params: tuple[torch.nn.Parameter, ...]
+    fwd_graph: torch.cuda.CUDAGraph | None = None
+    bwd_graph: torch.cuda.CUDAGraph | None = None
+    out_spec: pytree.TreeSpec | None = None
+    out_leaves: list[Any] = field(default_factory=list)  # static output leaves
+    out_tensor_positions: tuple[int, ...] = ()
+    out_differentiable: tuple[bool, ...] = ()  # per tensor output
+    static_grad_outputs: list[torch.Tensor | None] = field(default_factory=list)
+    diff_input_positions: tuple[int, ...] = ()  # which static inputs get a gradient
+    static_grad_inputs: tuple[torch.Tensor | None, ...] = ()  # diff inputs, then params
+    clone_param_grads: bool = True
+    positional_only: bool = False  # captured call was f(t0, t1, ...) with tensors only
+    released: bool = False
+
+    # ---- validation -------------------------------------------------------------
+    def user_tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensor leaves of a call, after checking it against the captured call."""
+        if self.positional_only and not kwargs and len(args) == len(self.static_inputs):
+            tensors = list(args)
+            if all(isinstance(t, torch.Tensor) for t in tensors):
+                self._check_meta(tensors)
+                return tensors
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.in_spec:
+            raise CudaGraphInputError(
+                f"{self.name}: call structure differs from the captured one.\n"
+                f"  captured: {self.in_spec}\n  received: {spec}\n"
+                "Pass arguments with the same nesting and keyword names as sample_args/"
+                "sample_kwargs."
+            )
+        problems = []
+        tensor_positions = set(self.tensor_positions)
+        for pos, (got, want) in enumerate(zip(leaves, self.leaves)):
+            if pos in tensor_positions:
+                if not isinstance(got, torch.Tensor):
+                    problems.append(
+                        f"{self.paths[pos]}: expected a tensor, got {type(got).__name__}"
+                    )
+            elif isinstance(got, torch.Tensor) or got != want:
+                problems.append(
+                    f"{self.paths[pos]}: non-tensor argument {got!r} != captured {want!r}"
+                )
+        if problems:
+            raise CudaGraphInputError(
+                f"{self.name}: call differs from the captured one:\n  " + "\n  ".join(problems)
+            )
+        tensors = [leaves[i] for i in self.tensor_positions]
+        self._check_meta(tensors)
+        return tensors
+
+    def _check_meta(self, tensors: list[torch.Tensor]) -> None:
+        grad_on = torch.is_grad_enabled()
+        for t, (shape, dtype, rg) in zip(tensors, self.input_meta):
+            if t.shape != shape or t.dtype != dtype or (grad_on and t.requires_grad and not rg):
+                self._raise_meta(tensors, grad_on)
+
+    def _raise_meta(self, tensors: list[torch.Tensor], grad_on: bool) -> None:
+        problems = []
+        for pos, t, (shape, dtype, rg) in zip(self.tensor_positions, tensors, self.input_meta):
+            where = self.paths[pos]
+            if t.shape != shape:
+                problems.append(f"{where}: shape {tuple(t.shape)} != captured {tuple(shape)}")
+            if t.dtype != dtype:
+                problems.append(f"{where}: dtype {t.dtype} != captured {dtype}")
+            if grad_on and t.requires_grad and not rg:
+                problems.append(
+                    f"{where}: requires_grad=True but the graph was captured without a "
+                    "gradient for it (its sample arg did not require grad)"
+                )
+        raise CudaGraphInputError(
+            f"{self.name}: inputs differ from the captured ones (graphs have fixed shapes):\n  "
+            + "\n  ".join(problems)
+            + "\nCapture another graph for this shape, or pad the inputs."
+        )
+
+    # ---- replay -----------------------------------------------------------------
+    def _live(self) -> None:
+        if self.released:
+            raise GraphReleasedError(
+                f"{self.name}: its graphs were released by reset(); graph it again with "
+                "make_graphed_callables"
+            )
+
+    def replay_forward(self, tensors: Any) -> None:
+        self._live()
+        copy_into(self.static_inputs, tensors)
+        self.fwd_graph.replay()
+
+    def output_tensors(self) -> tuple[torch.Tensor, ...]:
+        # Detached views: autograd attaches its graph to these, never to the buffers.
+        return tuple(self.out_leaves[i].detach() for i in self.out_tensor_positions)
+
+    def output_tree(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        leaves = list(self.out_leaves)
+        for pos, t in zip(self.out_tensor_positions, tensors):
+            leaves[pos] = t
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+    def replay_backward(
+        self, grads: tuple[torch.Tensor | None, ...], clone_inputs: tuple[bool, ...]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Replay the backward graph; return one gradient per Function input
+        (user tensors, then parameters)."""
+        self._live()
+        n_user = len(self.static_inputs)
+        if self.bwd_graph is None:
+            return (None,) * (n_user + len(self.params))
+        copy_into(
+            [g for g in self.static_grad_outputs if g is not None],
+            [g for g, s in zip(grads, self.static_grad_outputs) if s is not None],
+        )
+        self.bwd_graph.replay()
+        result: list[torch.Tensor | None] = [None] * (n_user + len(self.params))
+        n_diff = len(self.diff_input_positions)
+        for k, pos in enumerate(self.diff_input_positions):
+            g = self.static_grad_inputs[k]
+            if g is not None:
+                result[pos] = g.clone() if clone_inputs[pos] else g.detach()
+        for k in range(len(self.params)):
+            g = self.static_grad_inputs[n_diff + k]
+            if g is not None:
+                result[n_user + k] = g.clone() if self.clone_param_grads else g.detach()
+        return tuple(result)
+
+    def release(self) -> None:
+        """Drop the graphs and static buffers (idempotent)."""
+        if self.released:
+            return
+        for g in (self.fwd_graph, self.bwd_graph):
+            if g is not None:
+                g.reset()
+        self.fwd_graph = self.bwd_graph = None
+        self.static_inputs = []
+        self.out_leaves = []
+        self.static_grad_outputs = []
+        self.static_grad_inputs = ()
+        self.released = True
+
+
+class _ReplayFunction(torch.autograd.Function):
+    """Autograd node for one graphed entry: forward replays the forward graph,
+    backward the backward graph. Inputs: the entry, then user tensors, then params."""
+
+    @staticmethod
+    def forward(ctx: Any, graphs: EntryGraphs, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n_user = len(graphs.static_inputs)
+        graphs.replay_forward(inputs[:n_user])
+        ctx.graphs = graphs
+        # A gradient returned for a leaf input becomes its .grad, so it must not alias
+        # a static buffer that the next replay overwrites; non-leaf inputs hand it on
+        # to the producer's backward at once, so a view is enough there.
+        ctx.clone_inputs = tuple(t.is_leaf for t in inputs[:n_user])
+        outs = graphs.output_tensors()
+        non_diff = [o for o, d in zip(outs, graphs.out_differentiable) if not d]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, *ctx.graphs.replay_backward(grads, ctx.clone_inputs))
+
+
+class GraphedCallable:
+    """What ``make_graphed_callables`` returns for one entry (or installs as a module's
+    ``forward``).
+
+    Calling it replays the captured graphs when the call matches the capture, and
+    raises :class:`~cudagraphs.errors.CudaGraphInputError` naming every difference
+    otherwise. For a module whose ``training`` flag differs from the one it was
+    captured with, it runs the original forward eagerly instead.
+
+    Outputs are borrowed: views of static buffers that the next replay of this entry
+    overwrites. Clone what must outlive it.
+    """
+
+    def __init__(
+        self,
+        graphs: EntryGraphs,
+        eager: Callable[..., Any],
+        module: torch.nn.Module | None,
+        captured_training: bool | None,
+        on_reset: Callable[[], None] | None = None,
+    ) -> None:
+        self.graphs = graphs
+        self._eager = eager
+        self._module = module
+        self._captured_training = captured_training
+        self._on_reset = on_reset
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module
+        if module is not None and module.training != self._captured_training:
+            return self._eager(*args, **kwargs)
+        graphs = self.graphs
+        tensors = graphs.user_tensors(args, kwargs)
+        if graphs.bwd_graph is not None and torch.is_grad_enabled():
+            return graphs.output_tree(_ReplayFunction.apply(graphs, *tensors, *graphs.params))
+        # Forward-only graph (inference capture) or grad disabled: no autograd node, so
+        # outputs do not require grad and a stray backward() fails loudly instead of
+        # silently leaving parameter gradients untouched.
+        graphs.replay_forward(tensors)
+        return graphs.output_tree(graphs.output_tensors())
+
+    def reset(self) -> None:
+        """Release this entry's graphs and buffers; a module gets its eager forward back.
+
+        Idempotent. Calling the graphed callable afterwards raises
+        :class:`~cudagraphs.errors.GraphReleasedError` (a module runs eagerly).
+        """
+        self.graphs.release()
+        if self._on_reset is not None:
+            self._on_reset()
+            self._on_reset = None
+
+    def __repr__(self) -> str:
+        state = "released" if self.graphs.released else "live"
+        return f"GraphedCallable({self.graphs.name}, {state})"
