@@ -83,16 +83,21 @@ def _new_graph(keep_graph: bool) -> torch.cuda.CUDAGraph:
     return torch.cuda.CUDAGraph()
 
 
-def _abandon_capture(graph: torch.cuda.CUDAGraph, device: int, pool: PoolHandle) -> None:
-    """Leave capture mode after ``run`` failed inside a capture.
+def _abandon_capture(
+    graph: torch.cuda.CUDAGraph, device: int, pool: PoolHandle, *, end_capture: bool
+) -> None:
+    """Leave capture mode after a failure inside a capture.
 
     ``CUDAGraph.capture_end`` raises when the capture was invalidated (for example by
     a host sync), and depending on the torch version it raises before telling the
     caching allocator that the capture is over. We therefore (1) end the stream
-    capture, ignoring the invalidation error it reports, and (2) end the allocator's
-    routing into the pool ourselves; both steps tolerate having been done already.
+    capture unless capture_end itself is what failed (``cudaStreamEndCapture`` leaves
+    capture mode even when it reports the invalidation), and (2) end the allocator's
+    routing into the pool ourselves. Both steps tolerate having been done already.
+    The stream's capture status is not consulted: an invalidated capture may report
+    itself as not capturing while the stream still sits in capture mode.
     """
-    if torch.cuda.is_current_stream_capturing():
+    if end_capture:
         try:
             graph.capture_end()
         except Exception as exc:  # the capture is known to be broken; the cause is re-raised
@@ -171,12 +176,12 @@ def capture_into_graph(
             try:
                 output = run()
             except BaseException:
-                _abandon_capture(graph, device, pool)
+                _abandon_capture(graph, device, pool, end_capture=True)
                 raise
             try:
                 graph.capture_end()
             except BaseException:
-                _abandon_capture(graph, device, pool)
+                _abandon_capture(graph, device, pool, end_capture=False)
                 raise
         except Exception as exc:
             raise CudaGraphCaptureError(

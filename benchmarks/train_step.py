@@ -1,0 +1,261 @@
+"""Training-step benchmark: a stack of pre-norm transformer blocks, forward + backward.
+
+For each config, in one process, every variant gets its own freshly made stack (same
+seed) and its own input (same seed), and runs the same per-step Python:
+
+    out = forward(x); out.float().pow(2).mean().backward()
+
+Variants:
+
+* ``eager``: the blocks one after another.
+* ``torch_make_graphed_callables``: ``torch.cuda.make_graphed_callables`` per block.
+* ``cudagraphs``: ``cudagraphs.make_graphed_callables``, same arguments (defaults).
+* ``cudagraphs_no_clone``: the same with ``clone_param_grads_on_return=False``, which
+  is what the torch helper does (it hands out views of its static gradient buffers).
+* ``raw_cuda_graph``: one ``torch.cuda.CUDAGraph`` holding forward, loss and backward
+  (gradient accumulation included); a step is one input copy and one replay. The
+  launch-free reference.
+* ``torch_compile_reduce_overhead``: ``torch.compile(mode="reduce-overhead")`` of the
+  forward over the stack (AOTAutograd graphs the backward too). A failure here
+  (no Triton, ...) is recorded, not raised.
+* ``kernel_busy``: profiler kernel-busy time of the eager step, the physical floor.
+
+There is no optimizer: every parameter gets a zero ``.grad`` before graphing and the
+step only accumulates into it, so every variant does the same work (an in-place add
+per parameter) and no variant's ``.grad`` can alias a graph's static buffer.
+
+Prints one JSON object; ``--out`` also writes it. Without a CUDA device it says so on
+stderr and exits 0 (2 with ``--require-gpu``). Exits 1 after printing when a variant
+other than torch.compile failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO / "src") not in sys.path:
+    # Run against this checkout's sources, also without PYTHONPATH=src.
+    sys.path.insert(0, str(_REPO / "src"))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import cudagraphs  # noqa: E402
+from cudagraphs.models import BlockConfig, make_block_stack  # noqa: E402
+from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
+
+NUM_LAYERS = 8
+DTYPE = torch.bfloat16
+STACK_SEED = 0
+INPUT_SEED = 1234
+WARMUP_STEPS = 10  # before timing; also records torch.compile's cudagraph trees
+CHECK_STEPS = 3  # steps from zeroed grads before comparing layer-0 grads with eager
+GRAD_REL_TOL = 2e-2  # of the eager gradient's max |value|: bf16 rounding, not a bug
+COMPILE_VARIANT = "torch_compile_reduce_overhead"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    block: BlockConfig
+    batch: int
+    seq: int
+    iters: int
+    repeats: int
+
+    def describe(self) -> dict:
+        b = self.block
+        return {
+            "layers": NUM_LAYERS,
+            "hidden": b.hidden,
+            "heads": b.heads,
+            "ffn": b.ffn,
+            "batch": self.batch,
+            "seq": self.seq,
+            "dtype": str(DTYPE).removeprefix("torch."),
+            "iters": self.iters,
+            "repeats": self.repeats,
+            "warmup": WARMUP_STEPS,
+        }
+
+
+CONFIGS = {
+    "launch_bound": BenchConfig("launch_bound", BlockConfig(512, 8, 2048), 1, 64, 50, 5),
+    "compute_bound": BenchConfig("compute_bound", BlockConfig(2048, 16, 8192), 2, 512, 20, 5),
+}
+
+
+@dataclass
+class Built:
+    """One variant, ready to time: its step, its stack, and how to release it."""
+
+    step: Callable[[], None]
+    blocks: nn.ModuleList
+    setup_s: float
+    release: Callable[[], None] = field(default=lambda: None)
+
+
+# ---- model, input, step ------------------------------------------------------------
+
+
+def make_stack(cfg: BenchConfig) -> nn.ModuleList:
+    """A fresh stack in training mode, every parameter with a zero ``.grad``."""
+    blocks = make_block_stack(NUM_LAYERS, cfg.block, device="cuda", dtype=DTYPE, seed=STACK_SEED)
+    blocks.train()
+    for p in blocks.parameters():
+        p.grad = torch.zeros_like(p)
+    return blocks
+
+
+def make_input(cfg: BenchConfig, *, requires_grad: bool = False, seed: int = INPUT_SEED):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (cfg.batch, cfg.seq, cfg.block.hidden)
+    x = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    return x.requires_grad_(requires_grad)
+
+
+def sample_args(cfg: BenchConfig) -> tuple[tuple[torch.Tensor], ...]:
+    """Layer 0 reads the (non-differentiable) input, later layers an activation."""
+    return tuple((make_input(cfg, requires_grad=i > 0, seed=i),) for i in range(NUM_LAYERS))
+
+
+def run_stack(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+def train_step(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    out = forward(x)
+    out.float().pow(2).mean().backward()
+
+
+def zero_grads(blocks: nn.ModuleList) -> None:
+    # In place: the raw graph accumulates into these very tensors.
+    for p in blocks.parameters():
+        p.grad.zero_()
+
+
+# ---- variants ----------------------------------------------------------------------
+
+
+def build_eager(cfg: BenchConfig) -> Built:
+    blocks, x = make_stack(cfg), make_input(cfg)
+
+    def forward(inp: torch.Tensor) -> torch.Tensor:
+        return run_stack(blocks, inp)
+
+    return Built(lambda: train_step(forward, x), blocks, 0.0)
+
+
+def _build_per_layer(cfg: BenchConfig, graph_fn: Callable[..., object], **kwargs) -> Built:
+    blocks, x = make_stack(cfg), make_input(cfg)
+    samples = sample_args(cfg)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    # Both helpers return the modules themselves with ``forward`` swapped, so the step
+    # is the eager step, Python for Python.
+    graph_fn(tuple(blocks), samples, **kwargs)
+    torch.cuda.synchronize()
+    setup_s = time.perf_counter() - t0
+    del samples
+
+    def forward(inp: torch.Tensor) -> torch.Tensor:
+        return run_stack(blocks, inp)
+
+    def release() -> None:
+        for block in blocks:
+            graphed = block.__dict__.get("cuda_graph")
+            if graphed is not None:
+                graphed.reset()
+
+    return Built(lambda: train_step(forward, x), blocks, setup_s, release)
+
+
+def build_torch_helper(cfg: BenchConfig) -> Built:
+    return _build_per_layer(cfg, torch.cuda.make_graphed_callables)
+
+
+def build_ours(cfg: BenchConfig) -> Built:
+    return _build_per_layer(cfg, cudagraphs.make_graphed_callables)
+
+
+def build_ours_no_clone(cfg: BenchConfig) -> Built:
+    return _build_per_layer(
+        cfg, cudagraphs.make_graphed_callables, clone_param_grads_on_return=False
+    )
+
+
+def build_raw_graph(cfg: BenchConfig) -> Built:
+    blocks, x = make_stack(cfg), make_input(cfg)
+    static_x = x.clone()
+
+    def body() -> None:
+        train_step(lambda inp: run_stack(blocks, inp), static_x)
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    # Whole-network capture as in the PyTorch CUDA-graphs notes: warm up on a side
+    # stream (cuBLAS workspaces, autograd state), then capture forward + backward.
+    # The grads exist already, so the captured AccumulateGrad adds into them in place.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    torch.cuda.synchronize()
+    setup_s = time.perf_counter() - t0
+
+    def step() -> None:
+        static_x.copy_(x)
+        graph.replay()
+
+    return Built(step, blocks, setup_s, graph.reset)
+
+
+def build_compile(cfg: BenchConfig) -> Built:
+    blocks, x = make_stack(cfg), make_input(cfg)
+
+    def stack_forward(inp: torch.Tensor) -> torch.Tensor:
+        return run_stack(blocks, inp)
+
+    compiled = torch.compile(stack_forward, mode="reduce-overhead")
+
+    def step() -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+        train_step(compiled, x)
+
+    # Compilation happens on the first steps; setup_s counts it with cudagraph-tree
+    # warmup and recording (the first three steps).
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    return Built(step, blocks, time.perf_counter() - t0, torch.compiler.reset)
+
+
+VARIANTS: dict[str, Callable[[BenchConfig], Built]] = {
+    "eager": build_eager,
+    "torch_make_graphed_callables": build_torch_helper,
+    "cudagraphs": build_ours,
+    "cudagraphs_no_clone": build_ours_no_clone,
+    "raw_cuda_graph": build_raw_graph,
+    COMPILE_VARIANT: build_compile,
+}

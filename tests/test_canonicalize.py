@@ -1,0 +1,178 @@
+"""Argument validation of make_graphed_callables, all before any GPU work (CPU only)."""
+
+import pytest
+import torch
+from torch import nn
+
+from cudagraphs import make_graphed_callables
+from cudagraphs.core.canonicalize import canonicalize, check_devices
+
+
+def lin():
+    return nn.Linear(4, 4)
+
+
+def x(requires_grad=False):
+    return torch.randn(2, 4, requires_grad=requires_grad)
+
+
+def test_single_callable_plan():
+    m = lin()
+    plan = canonicalize(m, (x(),))
+    assert plan.single and len(plan.entries) == 1
+    assert plan.training is True and plan.module_training is True
+    assert plan.callables[0].params == tuple(m.parameters())
+    assert [(s.kind, s.entry) for s in plan.schedule] == [("fwd", 0), ("bwd", 0)]
+
+
+def test_tuple_of_callables_and_functions():
+    def f(a, b):
+        return a * b
+
+    plan = canonicalize((lin(), f), ((x(),), (x(True), x())))
+    assert not plan.single and len(plan.entries) == 2
+    assert plan.callables[1].module is None and plan.callables[1].params == ()
+    assert "callables[1] (test_tuple_of_callables_and_functions.<locals>.f)" == plan.callables[1].name
+
+
+def test_functions_only_train_when_an_input_requires_grad():
+    def f(a):
+        return a + 1
+
+    assert canonicalize(f, (x(),)).training is False
+    assert canonicalize(f, (x(True),)).training is True
+    with torch.no_grad():
+        assert canonicalize(f, (x(True),)).training is False
+
+
+def test_eval_modules_and_no_grad_are_inference():
+    m = lin().eval()
+    plan = canonicalize(m, (x(),))
+    assert plan.training is False and plan.module_training is False
+    assert [s.kind for s in plan.schedule] == ["fwd"]
+    with torch.no_grad():
+        plan = canonicalize(lin(), (x(),))
+    assert plan.training is False and plan.module_training is True
+
+
+def test_mixed_training_and_eval_modules_is_an_error():
+    with pytest.raises(ValueError, match=r"mix training mode \(callables\[0\] \(Linear\)\) and eval mode \(callables\[1\] \(Linear\)\)"):
+        canonicalize((lin(), lin().eval()), ((x(),), (x(),)))
+
+
+def test_tensor_kwargs_and_constants_are_flattened_with_paths():
+    plan = canonicalize(
+        lin(), (x(), 3), sample_kwargs={"mask": x(), "opts": {"scale": 2.0, "bias": [x()]}}
+    )
+    e = plan.entries[0]
+    tensor_paths = [e.paths[i] for i in e.tensor_positions]
+    assert tensor_paths == ["args[0]", "kwargs['mask']", "kwargs['opts']['bias'][0]"]
+    assert "args[1]" in e.paths and "kwargs['opts']['scale']" in e.paths
+
+
+@pytest.mark.parametrize(
+    "callables, sample_args, exc, match",
+    [
+        ((), (), ValueError, "at least one callable"),
+        ((lin(), 3), ((x(),), (x(),)), TypeError, r"callables\[1\] is a int"),
+        (lin(), x(), TypeError, r"sample_args\[0\] \(for callables\[0\] \(Linear\)\) must be a tuple"),
+        ((lin(), lin()), ((x(),),), ValueError, "sample_args has 1 entries but there are 2 callables"),
+        ((lin(),), [x()], TypeError, r"sample_args\[0\] .* must be a tuple"),
+        ((lin(),), 5, TypeError, "sample_args must be a tuple of tuples"),
+    ],
+)
+def test_bad_callables_and_sample_args(callables, sample_args, exc, match):
+    with pytest.raises(exc, match=match):
+        canonicalize(callables, sample_args)
+
+
+def test_same_callable_twice_is_rejected():
+    m = lin()
+    with pytest.raises(ValueError, match=r"callables\[1\] is the same object as callables\[0\]"):
+        canonicalize((m, m), ((x(),), (x(),)))
+
+
+def test_sample_kwargs_errors():
+    with pytest.raises(ValueError, match=r"one dict per sample_args entry \(2\), got 1"):
+        canonicalize((lin(), lin()), ((x(),), (x(),)), sample_kwargs=[{}])
+    with pytest.raises(TypeError, match=r"sample_kwargs\[0\] must be a dict"):
+        canonicalize(lin(), (x(),), sample_kwargs=[1])
+
+
+def test_sparse_input_is_rejected_with_its_path():
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises(ValueError, match=r"tensor at \[0\]\[1\] has layout torch.sparse_coo"):
+        canonicalize(lin(), (x(), sparse))
+
+
+@pytest.mark.parametrize("n", [-1, 1.5, "3"])
+def test_num_warmup_iters_must_be_non_negative_int(n):
+    with pytest.raises(ValueError, match="num_warmup_iters must be an int >= 0"):
+        canonicalize(lin(), (x(),), num_warmup_iters=n)
+
+
+@pytest.mark.parametrize("hook_attr", ["forward_pre", "forward", "backward_pre", "full_backward"])
+def test_modules_with_registered_hooks_are_rejected(hook_attr):
+    m = nn.Sequential(lin(), nn.ReLU())
+    target = m[0]
+    register = {
+        "forward_pre": lambda: target.register_forward_pre_hook(lambda mod, a: None),
+        "forward": lambda: target.register_forward_hook(lambda mod, a, o: None),
+        "backward_pre": lambda: target.register_full_backward_pre_hook(lambda mod, g: None),
+        "full_backward": lambda: target.register_full_backward_hook(lambda mod, gi, go: None),
+    }[hook_attr]
+    handle = register()
+    with pytest.raises(ValueError, match=r"callables\[0\] \(Sequential\) has registered module hooks \(0\."):
+        canonicalize(m, (x(),))
+    handle.remove()
+    canonicalize(m, (x(),))  # fine once removed
+
+
+def test_autocast_with_weight_cache_is_rejected():
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="cache_enabled=False"):
+        canonicalize(lin(), (x(),))
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        canonicalize(lin(), (x(),))
+
+
+def test_reuse_buffers_needs_order_and_training():
+    with pytest.raises(ValueError, match="needs _order and training"):
+        canonicalize(lin(), (x(),), reuse_buffers=True)
+    m1, m2 = lin().eval(), lin().eval()
+    with pytest.raises(ValueError, match="needs _order and training"):
+        canonicalize((m1, m2), ((x(),), (x(),)), order=[1, 2, -2, -1], reuse_buffers=True)
+
+
+def test_reuse_buffers_plan_assigns_slots():
+    mods = tuple(lin() for _ in range(2))
+    order = [1, 2, -2, -1, 1, 2, -2, -1]
+    sample = tuple((x(True),) for _ in range(4))
+    plan = canonicalize(mods, sample, order=order, reuse_buffers=True)
+    # chunk 0: entries 0 (mb0), 1 (mb1); mb1 starts after mb0's backward -> same slot
+    assert plan.buffer_slots[0] == plan.buffer_slots[1]
+    assert plan.buffer_slots[2] == plan.buffer_slots[3]
+    assert plan.buffer_slots[0] != plan.buffer_slots[2]
+
+
+def test_ordered_plan_layout_errors_surface():
+    with pytest.raises(ValueError, match="needs 4"):
+        canonicalize((lin(), lin()), ((x(),), (x(),)), order=[1, 2, -2, -1, 1, 2, -2, -1])
+
+
+def test_check_devices_requires_cuda_tensors():
+    plan = canonicalize(lin(), (x(),), sample_kwargs={"mask": x()})
+    with pytest.raises(ValueError, match=r"sample_args\[0\] args\[0\] is on cpu; graph inputs must be CUDA"):
+        check_devices(plan)
+
+
+def test_make_graphed_callables_rejects_cpu_inputs_before_gpu_work():
+    calls = []
+    hooks = [{"forward_pre_hooks": {"h": lambda m: calls.append(m)}}]
+    with pytest.raises(ValueError, match="graph inputs must be CUDA tensors"):
+        make_graphed_callables(lin(), (x(),), capture_time_hooks=hooks)
+    assert calls == []  # nothing ran
+
+
+def test_make_graphed_callables_validates_hooks_first():
+    with pytest.raises(ValueError, match="has 2 entries but there are 1 callables"):
+        make_graphed_callables(lin(), (x(),), capture_time_hooks=[None, None])

@@ -1,0 +1,88 @@
+"""Capture primitives' host-side logic (CPU only)."""
+
+import gc
+
+import pytest
+import torch
+
+from cudagraphs import CudaGraphCaptureError, capture_into_graph
+from cudagraphs.capture import _describe_mismatch, capture_environment
+from cudagraphs.introspect import GraphMemory, driver_backend
+from cudagraphs.timing import _union_length
+
+
+def test_capture_environment_sets_and_restores_even_on_error():
+    torch.backends.cudnn.benchmark = True
+    gc.enable()
+    try:
+        with pytest.raises(RuntimeError, match="boom"), capture_environment():
+            assert not gc.isenabled()
+            assert torch.backends.cudnn.benchmark is False
+            raise RuntimeError("boom")
+        assert gc.isenabled()
+        assert torch.backends.cudnn.benchmark is True
+    finally:
+        torch.backends.cudnn.benchmark = False
+
+
+def test_capture_environment_keeps_gc_off_if_it_was_off():
+    gc.disable()
+    try:
+        with capture_environment():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_capture_environment_refuses_recompilation_where_torch_can():
+    if not hasattr(torch.compiler, "set_stance"):
+        pytest.skip("this torch has no compiler stances")
+    calls = []
+
+    @torch.compile(backend="eager")
+    def f(t):
+        calls.append(1)
+        return t + 1
+
+    f(torch.zeros(2))
+    with capture_environment(), pytest.raises(Exception, match="(?i)recompil"):
+        f(torch.zeros(3, 3))  # a new rank forces a recompilation
+
+
+def test_bad_capture_error_mode():
+    with pytest.raises(ValueError, match="capture_error_mode must be one of"):
+        capture_into_graph(lambda: None, capture_error_mode="strict")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_capture_without_cuda_is_a_capture_error_naming_what():
+    with pytest.raises(CudaGraphCaptureError, match="cannot capture bucket 8: no CUDA device"):
+        capture_into_graph(lambda: None, what="bucket 8")
+
+
+def test_describe_mismatch_lists_every_difference():
+    a = [torch.zeros(2), torch.zeros(3), 1]
+    b = [torch.zeros(2), torch.zeros(4, dtype=torch.float16), "x"]
+    spec = object()
+    problems = _describe_mismatch(a, spec, b, spec)
+    assert problems == ["leaf 1: (4,)/torch.float16 != expected (3,)/torch.float32"]
+    b2 = [torch.zeros(2), 1.0, torch.zeros(1)]
+    assert len(_describe_mismatch(a, spec, b2, spec)) == 2
+    assert "tree structure" in _describe_mismatch(a, 1, b, 2)[0]
+
+
+def test_union_of_intervals():
+    assert _union_length([]) == 0
+    assert _union_length([(0, 1), (2, 3)]) == 2
+    assert _union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.75)]) == 4
+
+
+def test_driver_backend_never_raises():
+    backend = driver_backend()
+    assert backend is None or backend.name in ("ctypes", "cuda.bindings")
+
+
+def test_graph_memory_per_node():
+    assert GraphMemory(nodes=4, exec_bytes=4096).bytes_per_node == 1024
+    assert GraphMemory(nodes=None, exec_bytes=0).bytes_per_node == 0.0

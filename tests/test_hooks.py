@@ -1,0 +1,93 @@
+"""capture_time_hooks canonicalization and invocation (CPU only)."""
+
+import pytest
+import torch
+
+from cudagraphs import CaptureTimeHookError
+from cudagraphs.core.hooks import HOOK_GROUPS, CaptureTimeHooks, canonicalize_capture_time_hooks
+
+
+def test_none_gives_empty_groups_per_callable():
+    hooks = canonicalize_capture_time_hooks(None, 3)
+    assert len(hooks) == 3
+    for i, h in enumerate(hooks):
+        assert h.callable_index == i
+        assert all(getattr(h, g) == () for g in HOOK_GROUPS)
+
+
+def test_missing_groups_are_filled_and_order_is_kept():
+    def a(m):
+        return None
+
+    def b(m):
+        return None
+
+    hooks = canonicalize_capture_time_hooks([None, {"forward_hooks": {"x": a, "y": b}}], 2)
+    assert hooks[0] == CaptureTimeHooks()
+    assert hooks[1].forward_hooks == (("x", a), ("y", b))
+    assert hooks[1].forward_pre_hooks == ()
+    assert hooks[1].backward_hooks == ()
+
+
+def test_group_may_be_none():
+    hooks = canonicalize_capture_time_hooks([{"backward_hooks": None}], 1)
+    assert hooks[0].backward_hooks == ()
+
+
+@pytest.mark.parametrize("value, n", [([], 1), ([None], 2), ([None, None, None], 2)])
+def test_wrong_length_is_value_error(value, n):
+    with pytest.raises(ValueError, match=f"has {len(value)} entries but there are {n} callables"):
+        canonicalize_capture_time_hooks(value, n)
+
+
+def test_unknown_key_is_value_error_naming_entry_and_key():
+    with pytest.raises(ValueError, match=r"capture_time_hooks\[1\] has unknown key\(s\) \['forward_pre'\]"):
+        canonicalize_capture_time_hooks([None, {"forward_pre": {}}], 2)
+    # the upstream discussion's *_with_kwargs variants are not part of the contract
+    with pytest.raises(ValueError, match="forward_hooks_with_kwargs"):
+        canonicalize_capture_time_hooks([{"forward_hooks_with_kwargs": {}}], 1)
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ({"forward_hooks": {}}, "must be a list"),
+        ("forward_hooks", "must be a list"),
+        (5, "must be a list"),
+        ([5], r"capture_time_hooks\[0\] must be None or a dict"),
+        ([{"forward_hooks": [print]}], r"\['forward_hooks'\] must be a dict"),
+        ([{"backward_hooks": {"h": 3}}], r"\['backward_hooks'\]\['h'\] is not callable"),
+    ],
+)
+def test_wrong_types_are_type_errors(value, match):
+    with pytest.raises(TypeError, match=match):
+        canonicalize_capture_time_hooks(value, 1)
+
+
+def test_run_calls_hooks_in_order_with_the_module():
+    seen = []
+    module = torch.nn.Linear(2, 2)
+    hooks = canonicalize_capture_time_hooks(
+        [
+            {
+                "forward_pre_hooks": {
+                    1: lambda m: seen.append(("first", m)),
+                    0: lambda m: seen.append(("second", m)),
+                }
+            }
+        ],
+        1,
+    )[0]
+    hooks.run("forward_pre_hooks", module)
+    hooks.run("forward_hooks", module)  # empty: no-op
+    assert [s[0] for s in seen] == ["first", "second"]
+    assert all(s[1] is module for s in seen)
+
+
+def test_hook_returning_a_value_is_runtime_error_naming_it():
+    hooks = canonicalize_capture_time_hooks(
+        [None, {"backward_pre_hooks": {"unshard": lambda m: m}}], 2
+    )[1]
+    with pytest.raises(CaptureTimeHookError, match=r"capture_time_hooks\[1\]\['backward_pre_hooks'\]\['unshard'\] returned Linear"):
+        hooks.run("backward_pre_hooks", torch.nn.Linear(1, 1))
+    assert issubclass(CaptureTimeHookError, RuntimeError)

@@ -1,0 +1,162 @@
+"""Pipeline layout, schedules and buffer-slot assignment (pure policy, CPU only)."""
+
+import pytest
+
+from cudagraphs.core.schedule import (
+    Step,
+    assign_buffer_slots,
+    build_layout,
+    build_schedule,
+)
+
+
+def steps(schedule):
+    return [(s.kind, s.entry) for s in schedule]
+
+
+def test_unordered_schedule_forwards_then_reverse_backwards():
+    layout = build_layout(3, 3)
+    assert layout.num_chunks == 1 and layout.num_microbatches == 1
+    assert steps(build_schedule(layout, training=True)) == [
+        ("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 2), ("bwd", 1), ("bwd", 0),
+    ]
+    assert steps(build_schedule(layout, training=False)) == [("fwd", 0), ("fwd", 1), ("fwd", 2)]
+
+
+def test_one_chunk_one_microbatch():
+    layout = build_layout(2, 2, order=[1, -1])
+    assert layout.layers_per_chunk == (2,)
+    assert steps(build_schedule(layout, True)) == [("fwd", 0), ("fwd", 1), ("bwd", 1), ("bwd", 0)]
+
+
+def test_two_chunks_one_microbatch_matches_hook_order_contract():
+    layout = build_layout(2, 2, order=[1, 2, -2, -1])
+    sched = build_schedule(layout, True)
+    assert [(s.kind, s.callable_index) for s in sched] == [
+        ("fwd", 0), ("fwd", 1), ("bwd", 1), ("bwd", 0),
+    ]
+
+
+def test_two_chunks_three_microbatches_interleaved_1f1b():
+    order = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
+    layout = build_layout(4, 12, order=order)  # 2 layers per chunk
+    assert layout.layers_per_chunk == (2, 2) and layout.num_microbatches == 3
+    # entries: chunk-major, then microbatch, then layer
+    entries = layout.entries()
+    assert [(e.chunk, e.microbatch, e.layer) for e in entries[:7]] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    ]
+    assert [e.callable_index for e in entries] == [0, 1] * 3 + [2, 3] * 3
+    sched = build_schedule(layout, True)
+    idx = layout.entry_index
+    expected = [
+        ("fwd", idx(0, 0, 0)), ("fwd", idx(0, 0, 1)),
+        ("fwd", idx(1, 0, 0)), ("fwd", idx(1, 0, 1)),
+        ("fwd", idx(0, 1, 0)), ("fwd", idx(0, 1, 1)),
+        ("fwd", idx(1, 1, 0)), ("fwd", idx(1, 1, 1)),
+        ("bwd", idx(1, 0, 1)), ("bwd", idx(1, 0, 0)),
+        ("bwd", idx(0, 0, 1)), ("bwd", idx(0, 0, 0)),
+        ("fwd", idx(0, 2, 0)), ("fwd", idx(0, 2, 1)),
+        ("fwd", idx(1, 2, 0)), ("fwd", idx(1, 2, 1)),
+        ("bwd", idx(1, 1, 1)), ("bwd", idx(1, 1, 0)),
+        ("bwd", idx(0, 1, 1)), ("bwd", idx(0, 1, 0)),
+        ("bwd", idx(1, 2, 1)), ("bwd", idx(1, 2, 0)),
+        ("bwd", idx(0, 2, 1)), ("bwd", idx(0, 2, 0)),
+    ]
+    assert steps(sched) == expected
+    assert sorted(e for k, e in steps(sched) if k == "fwd") == list(range(12))
+    assert sorted(e for k, e in steps(sched) if k == "bwd") == list(range(12))
+
+
+def test_num_layers_per_chunk_uneven():
+    order = [1, 2, -2, -1, 1, 2, -2, -1]  # 2 chunks, 2 microbatches
+    layout = build_layout(3, 6, order=order, num_layers_per_chunk=[1, 2])
+    assert layout.layers_per_chunk == (1, 2)
+    # chunk 0: entries 0 (mb0), 1 (mb1); chunk 1: 2,3 (mb0 layers 0,1), 4,5 (mb1)
+    assert layout.entry_index(0, 1, 0) == 1
+    assert layout.entry_index(1, 0, 1) == 3
+    assert layout.entry_index(1, 1, 0) == 4
+    assert [e.callable_index for e in layout.entries()] == [0, 0, 1, 2, 1, 2]
+    sched = build_schedule(layout, True)
+    assert steps(sched)[:6] == [("fwd", 0), ("fwd", 2), ("fwd", 3), ("bwd", 3), ("bwd", 2), ("bwd", 0)]
+
+
+def test_inference_schedule_drops_backwards():
+    layout = build_layout(2, 2, order=[1, 2, -2, -1])
+    assert steps(build_schedule(layout, False)) == [("fwd", 0), ("fwd", 1)]
+
+
+@pytest.mark.parametrize(
+    "order, message",
+    [
+        ([], "non-empty"),
+        ("12", "non-empty"),
+        ([1, 0, -1], "never 0"),
+        ([1, 2.0, -2, -1], "never 0"),
+        ([-1, 1], "before its forward"),
+        ([1, 2, -2, -1, 1, -1, 1], "as often forward as backward"),
+        ([1, 1, -1, -1, 2, -2], "as often forward as backward"),
+        ([2, -2], "as often forward as backward"),
+    ],
+)
+def test_invalid_orders(order, message):
+    with pytest.raises(ValueError, match=message):
+        build_layout(2, 2, order=order)
+
+
+def test_layout_count_errors():
+    with pytest.raises(ValueError, match="sample_args has 3 entries but there are 2 callables"):
+        build_layout(2, 3)
+    with pytest.raises(ValueError, match="only meaningful together with _order"):
+        build_layout(2, 2, num_layers_per_chunk=[2])
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        build_layout(3, 3, order=[1, 2, -2, -1])
+    with pytest.raises(ValueError, match="must hold 2 positive ints"):
+        build_layout(3, 3, order=[1, 2, -2, -1], num_layers_per_chunk=[3])
+    with pytest.raises(ValueError, match="must hold 2 positive ints"):
+        build_layout(3, 3, order=[1, 2, -2, -1], num_layers_per_chunk=[0, 3])
+    with pytest.raises(ValueError, match="sums to 4 but there are 3"):
+        build_layout(3, 3, order=[1, 2, -2, -1], num_layers_per_chunk=[2, 2])
+    with pytest.raises(ValueError, match=r"needs 8 \(ordered by chunk"):
+        build_layout(4, 4, order=[1, 2, -2, -1, 1, 2, -2, -1])
+
+
+def test_buffer_slots_unordered_never_share():
+    layout = build_layout(3, 3)
+    sched = build_schedule(layout, True)
+    assert assign_buffer_slots(sched, ["a", "a", "a"]) == [0, 1, 2]
+
+
+def test_buffer_slots_interleaved_reuse_after_backward():
+    order = [1, 2, 1, 2, -2, -1, 1, 2, -2, -1, -2, -1]
+    layout = build_layout(4, 12, order=order)
+    sched = build_schedule(layout, True)
+    keys = [e.callable_index for e in layout.entries()]
+    slots = assign_buffer_slots(sched, keys)
+    idx = layout.entry_index
+    # Microbatches 0 and 1 are alive together; microbatch 2's forward comes after
+    # microbatch 0's backward, so it takes microbatch 0's slot, layer by layer.
+    for chunk in (0, 1):
+        for layer in (0, 1):
+            m0, m1, m2 = (slots[idx(chunk, m, layer)] for m in range(3))
+            assert m0 != m1
+            assert m2 == m0
+    # different callables never share
+    by_slot = {}
+    for e, s in enumerate(slots):
+        by_slot.setdefault(s, set()).add(keys[e])
+    assert all(len(v) == 1 for v in by_slot.values())
+    # the number of slots is what the schedule needs at most: 2 live microbatches x 4 layers
+    assert len(set(slots)) == 8
+
+
+def test_buffer_slots_respect_keys():
+    # Same callable, different shapes (keys) -> no sharing even when lifetimes allow it.
+    sched = [Step("fwd", 0, 0), Step("bwd", 0, 0), Step("fwd", 1, 0), Step("bwd", 1, 0)]
+    assert assign_buffer_slots(sched, ["k", "k"]) == [0, 0]
+    assert assign_buffer_slots(sched, ["k", "other"]) == [0, 1]
+
+
+def test_buffer_slots_need_a_forward_for_every_entry():
+    with pytest.raises(ValueError, match=r"entries \[1\] have no forward"):
+        assign_buffer_slots([Step("fwd", 0, 0), Step("bwd", 0, 0)], ["a", "a"])
