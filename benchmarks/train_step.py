@@ -40,7 +40,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -56,6 +56,7 @@ import cudagraphs  # noqa: E402
 from cudagraphs.models import BlockConfig, make_block_stack  # noqa: E402
 from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
 
+DEVICE = "cuda"
 NUM_LAYERS = 8
 DTYPE = torch.bfloat16
 STACK_SEED = 0
@@ -64,6 +65,8 @@ WARMUP_STEPS = 10  # before timing; also records torch.compile's cudagraph trees
 CHECK_STEPS = 3  # steps from zeroed grads before comparing layer-0 grads with eager
 GRAD_REL_TOL = 2e-2  # of the eager gradient's max |value|: bf16 rounding, not a bug
 COMPILE_VARIANT = "torch_compile_reduce_overhead"
+# Failures of these are recorded and do not change the exit status: neither is ours.
+NOT_FATAL = (COMPILE_VARIANT, "kernel_busy")
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ class Built:
 
 def make_stack(cfg: BenchConfig) -> nn.ModuleList:
     """A fresh stack in training mode, every parameter with a zero ``.grad``."""
-    blocks = make_block_stack(NUM_LAYERS, cfg.block, device="cuda", dtype=DTYPE, seed=STACK_SEED)
+    blocks = make_block_stack(NUM_LAYERS, cfg.block, device=DEVICE, dtype=DTYPE, seed=STACK_SEED)
     blocks.train()
     for p in blocks.parameters():
         p.grad = torch.zeros_like(p)
@@ -120,9 +123,9 @@ def make_stack(cfg: BenchConfig) -> nn.ModuleList:
 
 
 def make_input(cfg: BenchConfig, *, requires_grad: bool = False, seed: int = INPUT_SEED):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     shape = (cfg.batch, cfg.seq, cfg.block.hidden)
-    x = torch.randn(shape, generator=gen, device="cuda", dtype=DTYPE)
+    x = torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE)
     return x.requires_grad_(requires_grad)
 
 
@@ -245,9 +248,13 @@ def build_compile(cfg: BenchConfig) -> Built:
     # warmup and recording (the first three steps).
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
+    try:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    except BaseException:
+        torch.compiler.reset()  # drop half-made compiled code and cudagraph trees
+        raise
     return Built(step, blocks, time.perf_counter() - t0, torch.compiler.reset)
 
 
@@ -259,3 +266,228 @@ VARIANTS: dict[str, Callable[[BenchConfig], Built]] = {
     "raw_cuda_graph": build_raw_graph,
     COMPILE_VARIANT: build_compile,
 }
+
+
+# ---- measurement -------------------------------------------------------------------
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def layer0_grad(built: Built) -> torch.Tensor:
+    """Layer 0's qkv weight gradient after ``CHECK_STEPS`` steps from zeroed grads."""
+    zero_grads(built.blocks)
+    for _ in range(CHECK_STEPS):
+        built.step()
+    torch.cuda.synchronize()
+    return built.blocks[0].qkv.weight.grad.detach().float().clone()
+
+
+def describe_error(exc: BaseException) -> dict:
+    tb = traceback.format_exc()
+    print(tb, file=sys.stderr)
+    return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-4000:]}
+
+
+def _timed(built: Built, cfg: BenchConfig, profile: bool) -> tuple[dict, torch.Tensor, dict | None]:
+    grad = layer0_grad(built)
+    ms = step_time_ms(built.step, iters=cfg.iters, warmup=WARMUP_STEPS, repeats=cfg.repeats)
+    result = {"ms": ms, "setup_s": round(built.setup_s, 3)}
+    busy = None
+    if profile:
+        try:
+            busy = {"ms": kernel_busy_ms(built.step)}
+        except Exception as exc:
+            busy = describe_error(exc)
+    return result, grad, busy
+
+
+def measure(
+    name: str, cfg: BenchConfig, *, profile: bool = False, timed: bool = True
+) -> tuple[dict, torch.Tensor | None, dict | None]:
+    """Build one variant, take its layer-0 gradient, time it (and with ``profile`` its
+    kernel-busy time). Errors are returned as ``{"error": ...}``, never raised."""
+    print(f"train_step: {cfg.name}: {name}", file=sys.stderr, flush=True)
+    builder = build_eager if name == "eager_repeat" else VARIANTS[name]
+    try:
+        built = builder(cfg)
+    except Exception as exc:
+        return describe_error(exc), None, None
+    try:
+        if not timed:
+            return {}, layer0_grad(built), None
+        return _timed(built, cfg, profile)
+    except Exception as exc:
+        return describe_error(exc), None, None
+    finally:
+        try:
+            built.release()
+        except Exception as exc:
+            describe_error(exc)
+
+
+def grad_check(grads: dict[str, torch.Tensor]) -> dict:
+    """Max |grad - eager grad| of layer 0's qkv weight per variant. ``eager_repeat`` is
+    a second eager stack: its difference is the run-to-run noise of the kernels."""
+    ref = grads.get("eager")
+    if ref is None:
+        return {"error": "no eager gradient to compare with"}
+    scale = ref.abs().max().item()
+    diffs = {n: (g - ref).abs().max().item() for n, g in grads.items() if n != "eager"}
+    return {
+        "param": "blocks[0].qkv.weight.grad",
+        "steps": CHECK_STEPS,
+        "ref_max_abs": scale,
+        "max_abs_diff": diffs,
+        "rel_tol": GRAD_REL_TOL,
+        "within_tol": {n: d <= GRAD_REL_TOL * scale for n, d in diffs.items()},
+    }
+
+
+RATIOS = [
+    ("cudagraphs", "torch_make_graphed_callables"),
+    ("cudagraphs", "eager"),
+    ("cudagraphs", "kernel_busy"),
+    ("cudagraphs_no_clone", "torch_make_graphed_callables"),
+    ("cudagraphs_no_clone", "kernel_busy"),
+    ("torch_make_graphed_callables", "kernel_busy"),
+    ("eager", "kernel_busy"),
+    ("raw_cuda_graph", "kernel_busy"),
+    (COMPILE_VARIANT, "kernel_busy"),
+]
+
+
+def ratios(ms: dict[str, float]) -> dict[str, float | None]:
+    out = {}
+    for a, b in RATIOS:
+        ok = a in ms and b in ms and ms[b] > 0
+        out[f"{a}/{b}"] = round(ms[a] / ms[b], 4) if ok else None
+    return out
+
+
+def run_config(cfg: BenchConfig, variants: list[str]) -> dict:
+    results: dict[str, dict] = {}
+    grads: dict[str, torch.Tensor] = {}
+    for name in variants:
+        result, grad, busy = measure(name, cfg, profile=name == "eager")
+        results[name] = result
+        if busy is not None:
+            results["kernel_busy"] = busy
+        if grad is not None:
+            grads[name] = grad
+        free_memory()
+    if "eager" in grads:
+        _, grad, _ = measure("eager_repeat", cfg, timed=False)
+        if grad is not None:
+            grads["eager_repeat"] = grad
+        free_memory()
+    ms = {n: r["ms"] for n, r in results.items() if "ms" in r}
+    ours, helper = ms.get("cudagraphs"), ms.get("torch_make_graphed_callables")
+    target = None if ours is None or helper is None else ours <= helper
+    report = {
+        "settings": cfg.describe(),
+        "ms": ms,
+        "variants": results,
+        "ratios": ratios(ms),
+        "targets": {"cudagraphs_le_torch_make_graphed_callables": target},
+        "grad_check": grad_check(grads),
+    }
+    del grads
+    free_memory()
+    return report
+
+
+# ---- report and CLI ----------------------------------------------------------------
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def environment() -> dict:
+    porcelain = _git("status", "--porcelain")
+    return {
+        "benchmark": "train_step",
+        "commit": _git("rev-parse", "HEAD") or "unknown",
+        "dirty": None if porcelain is None else bool(porcelain),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudagraphs": cudagraphs.__version__,
+        "python": sys.version.split()[0],
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def result_path(out: str, report: dict) -> Path:
+    """``out`` itself, or inside a directory (existing, or ``out`` ends with ``/``) the
+    standard name ``train_step-<device>-<commit>.json``."""
+    path = Path(out)
+    if not (out.endswith("/") or path.is_dir()):
+        return path
+    device = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
+    commit = report["commit"][:12] + ("-dirty" if report["dirty"] else "")
+    return path / f"train_step-{device}-{commit}.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--iters", type=int, help="timed steps per repeat (default: per config)")
+    p.add_argument("--repeats", type=int, help="repeats, median taken (default: per config)")
+    p.add_argument("--out", help="also write the JSON here (a directory: standard name)")
+    p.add_argument("--require-gpu", action="store_true", help="exit 2 without a CUDA device")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "train_step: no CUDA device (torch.cuda.is_available() is False); nothing measured.",
+            file=sys.stderr,
+        )
+        return 2 if args.require_gpu else 0
+    overrides = {k: v for k, v in {"iters": args.iters, "repeats": args.repeats}.items() if v}
+    configs = [replace(CONFIGS[name], **overrides) for name in args.configs]
+    report = environment()
+    report["settings"] = {
+        "variants": args.variants,
+        "warmup": WARMUP_STEPS,
+        "check_steps": CHECK_STEPS,
+        "kernel_busy": "cudagraphs.timing.kernel_busy_ms defaults (iters=20, warmup=5)",
+        "iters": {c.name: c.iters for c in configs},
+        "repeats": {c.name: c.repeats for c in configs},
+        "step_time": "median over repeats of the mean wall time of iters steps",
+    }
+    report["configs"] = {c.name: run_config(c, args.variants) for c in configs}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        path = result_path(args.out, report)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+        print(f"train_step: wrote {path}", file=sys.stderr)
+    failed = [
+        f"{c}/{v}"
+        for c, res in report["configs"].items()
+        for v, r in res["variants"].items()
+        if "error" in r and v not in NOT_FATAL
+    ]
+    if failed:
+        print(f"train_step: failed variants: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,7 +32,7 @@ def test_tuple_of_callables_and_functions():
     plan = canonicalize((lin(), f), ((x(),), (x(True), x())))
     assert not plan.single and len(plan.entries) == 2
     assert plan.callables[1].module is None and plan.callables[1].params == ()
-    assert "callables[1] (test_tuple_of_callables_and_functions.<locals>.f)" == plan.callables[1].name
+    assert plan.callables[1].name == "callables[1] (test_tuple_of_callables_and_functions.<locals>.f)"
 
 
 def test_functions_only_train_when_an_input_requires_grad():

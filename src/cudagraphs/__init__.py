@@ -7,7 +7,7 @@
 * :mod:`cudagraphs.introspect`: node counts and executable memory of graphs.
 """
 
-from .capture import capture_into_graph, capture_with_static_outputs, new_pool
+from .capture import GraphPool, capture_into_graph, capture_with_static_outputs, new_pool
 from .core import GraphedCallable, make_graphed_callables
 from .errors import (
     CaptureTimeHookError,
@@ -24,6 +24,7 @@ __all__ = [
     "CudaGraphCaptureError",
     "CudaGraphInputError",
     "CudaGraphsError",
+    "GraphPool",
     "GraphReleasedError",
     "GraphedCallable",
     "capture_into_graph",

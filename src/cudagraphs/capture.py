@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from .errors import CudaGraphCaptureError
 
 __all__ = [
+    "GraphPool",
     "capture_environment",
     "capture_into_graph",
     "capture_with_static_outputs",
@@ -41,9 +42,95 @@ PoolHandle = tuple[int, int]
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 
-def new_pool() -> PoolHandle:
-    """Return a fresh memory-pool handle for graphs that should share memory."""
-    return torch.cuda.graph_pool_handle()
+class GraphPool:
+    """A memory pool that graphs share, and that stays usable after a failed capture.
+
+    torch identifies a graph pool by a handle (``torch.cuda.graph_pool_handle()``), and
+    two torch facts make a bare handle fragile:
+
+    * After a capture fails part way, the pinned-host allocator (torch 2.11) still
+      believes it records into that handle, and there is no Python call to stop it:
+      every later capture into the handle fails with "already recording".
+    * Once the last graph of a handle is released, capturing into it again trips an
+      internal use-count assertion.
+
+    A ``GraphPool`` is therefore a logical pool. It keeps one tiny *anchor* graph in
+    its current handle (captured lazily before the first real capture; it allocates
+    nothing), so the handle never runs out of users, and after a failed capture it
+    retires the handle and moves on to a fresh one. Graphs captured before a failure
+    keep their memory; graphs captured after it simply do not share memory with them.
+
+    Not thread safe: one capture at a time, as CUDA graph capture requires anyway.
+    """
+
+    def __init__(self, handle: PoolHandle | None = None) -> None:
+        self._handle = handle
+        self._anchor: torch.cuda.CUDAGraph | None = None
+        self._anchor_buffer: torch.Tensor | None = None
+        self.retired: list[PoolHandle] = []  # handles given up after failed captures
+
+    @property
+    def handle(self) -> PoolHandle:
+        """The torch pool handle captures go into now (changes after a failure)."""
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+    def prepare(self, stream: torch.cuda.Stream) -> PoolHandle:
+        """Anchor the current handle (once) and return it; call before each capture."""
+        handle = self.handle
+        if self._anchor is None:
+            # The anchor writes to a buffer allocated outside the pool, so the pool
+            # gets a user but no memory.
+            self._anchor_buffer = torch.zeros(1, device=stream.device)
+            anchor = _new_graph(keep_graph=False)
+            with torch.cuda.stream(stream):
+                anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
+                try:
+                    self._anchor_buffer.zero_()
+                finally:
+                    anchor.capture_end()
+            self._anchor = anchor
+        return handle
+
+    def retire(self) -> None:
+        """Give up the current handle after a failed capture; the next capture uses a
+        fresh one. Graphs already in the old handle keep their memory."""
+        if self._handle is not None:
+            self.retired.append(self._handle)
+            logger.warning(
+                "graph pool %s retired after a failed capture; later graphs go to a new "
+                "pool and do not share memory with the graphs captured before",
+                self._handle,
+            )
+        self._handle = None
+        self._anchor = None  # releases the old handle once its other graphs are gone
+
+    def __repr__(self) -> str:
+        return f"GraphPool(handle={self._handle}, retired={len(self.retired)})"
+
+
+def new_pool() -> GraphPool:
+    """A fresh :class:`GraphPool` for graphs that should share memory."""
+    return GraphPool()
+
+
+def as_graph_pool(pool: GraphPool | PoolHandle | None) -> GraphPool:
+    """Accept a :class:`GraphPool`, a raw torch pool handle, or ``None`` (a new pool).
+
+    A raw handle is wrapped; that wrapper retires the handle on failure like any
+    ``GraphPool``, but only for the captures that go through the same wrapper, so keep
+    the returned object (or pass ``new_pool()`` from the start) to capture again.
+    """
+    if isinstance(pool, GraphPool):
+        return pool
+    if pool is None:
+        return GraphPool()
+    if isinstance(pool, tuple) and len(pool) == 2:
+        return GraphPool(handle=pool)
+    raise TypeError(
+        f"pool must be a cudagraphs.GraphPool, a torch graph pool handle or None, got {pool!r}"
+    )
 
 
 @contextlib.contextmanager
@@ -107,15 +194,34 @@ def _abandon_capture(
         # Raises when capture_end already ended the routing: nothing left to undo then.
         with contextlib.suppress(Exception):
             end_routing(device, pool)
+
+
+def _repair_generators(stream: torch.cuda.Stream) -> None:
+    """Take the CUDA random generators out of capture mode after a failed capture.
+
+    When ``capture_end`` fails, torch skips the generators' capture epilogue, and every
+    later eager random op raises "Offset increment outside graph capture". A capture
+    that succeeds runs prologue and epilogue again, so we capture a trivial graph into
+    a throwaway pool and drop it.
+    """
+    buffer = torch.zeros(1, device=stream.device)
+    graph = _new_graph(keep_graph=False)
     try:
-        graph.reset()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(
+                pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local"
+            )
+            try:
+                buffer.zero_()
+            finally:
+                graph.capture_end()
     except Exception as exc:
-        logger.debug("reset of an abandoned graph reported: %s", exc)
+        logger.warning("could not reset the CUDA generators after a failed capture: %s", exc)
 
 
 def capture_into_graph(
     run: Callable[[], T],
-    pool: PoolHandle | None = None,
+    pool: GraphPool | PoolHandle | None = None,
     *,
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "thread_local",
@@ -128,10 +234,11 @@ def capture_into_graph(
         run: called once, with the capture stream current; its CUDA work is recorded,
             not executed. Whatever it returns is returned as ``output``: tensors in it
             live in the pool and are overwritten by every replay.
-        pool: memory-pool handle shared with other graphs (:func:`new_pool`); a new
-            pool when ``None``. Graphs sharing a pool must be replayed in an order
-            where no graph reads memory that a later-captured graph reuses; in
-            practice, replay in capture order.
+        pool: the :class:`GraphPool` shared with other graphs (:func:`new_pool`), a
+            raw torch pool handle (wrapped; see :func:`as_graph_pool`), or ``None`` for
+            a new pool. Graphs sharing a pool must be replayed in an order where no
+            graph reads memory that a later-captured graph reuses; in practice,
+            replay in capture order.
         stream: side stream to capture on; a new one when ``None``. Work already
             queued on the current stream is finished before capture starts.
         capture_error_mode: ``"thread_local"`` (default: other threads' unsafe CUDA
@@ -147,8 +254,9 @@ def capture_into_graph(
     Raises:
         ValueError: unknown ``capture_error_mode``.
         CudaGraphCaptureError: ``run`` raised or the capture was invalidated. The
-            cause is chained. The allocator, the current stream and the global
-            settings are restored, so another capture may follow at once.
+            cause is chained. The allocator, the current stream, the random
+            generators and the global settings are restored, and ``pool`` moved to a
+            fresh handle, so another capture into it may follow at once.
     """
     if capture_error_mode not in _CAPTURE_ERROR_MODES:
         raise ValueError(
@@ -162,7 +270,7 @@ def capture_into_graph(
             "nested captures are not supported"
         )
     device = torch.cuda.current_device()
-    pool = new_pool() if pool is None else pool
+    pool = as_graph_pool(pool)
     stream = torch.cuda.Stream(device) if stream is None else stream
     caller_stream = torch.cuda.current_stream(device)
     graph = _new_graph(keep_graph)
@@ -170,20 +278,24 @@ def capture_into_graph(
     # it reads (warmup outputs, freshly copied inputs).
     torch.cuda.synchronize(device)
     with capture_environment():
+        handle = pool.prepare(stream)
         torch.cuda.set_stream(stream)
         try:
-            graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+            graph.capture_begin(pool=handle, capture_error_mode=capture_error_mode)
             try:
                 output = run()
             except BaseException:
-                _abandon_capture(graph, device, pool, end_capture=True)
+                _abandon_capture(graph, device, handle, end_capture=True)
                 raise
             try:
                 graph.capture_end()
             except BaseException:
-                _abandon_capture(graph, device, pool, end_capture=False)
+                _abandon_capture(graph, device, handle, end_capture=False)
                 raise
         except Exception as exc:
+            torch.cuda.set_stream(caller_stream)
+            pool.retire()
+            _repair_generators(stream)
             raise CudaGraphCaptureError(
                 f"capture of {what} failed: {type(exc).__name__}: {exc}. Common causes: a "
                 "host sync (.item(), .cpu(), printing a CUDA tensor, data-dependent "
@@ -198,7 +310,7 @@ def capture_into_graph(
 def capture_with_static_outputs(
     run: Callable[[], Any],
     like: Any,
-    pool: PoolHandle | None = None,
+    pool: GraphPool | PoolHandle | None = None,
     **capture_kwargs: Any,
 ) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture ``run()`` and end the graph with a copy of its outputs into buffers

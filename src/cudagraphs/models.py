@@ -60,10 +60,9 @@ def make_block_stack(
     seed: int = 0,
 ) -> nn.ModuleList:
     """``num_layers`` blocks with weights drawn from ``seed`` (the same for every call)."""
-    gen_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
+    # Weights are drawn on the CPU from a forked CPU generator: neither the caller's CPU
+    # nor any CUDA random state changes.
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(seed)
         blocks = nn.ModuleList(PreNormBlock(cfg) for _ in range(num_layers))
-    finally:
-        torch.random.set_rng_state(gen_state)
     return blocks.to(device=device, dtype=dtype)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..capture import PoolHandle, new_pool
+from ..capture import GraphPool, PoolHandle, as_graph_pool
 from .canonicalize import GraphPlan, canonicalize, check_devices
 from .capture_phase import CaptureOptions, capture_plan
 from .runtime import EntryGraphs, GraphedCallable
@@ -36,7 +36,7 @@ def _install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> Non
         else:
             module.__dict__.pop("forward", None)
         module.__dict__.pop("cuda_graph", None)
-        if module.__dict__.get("reset") is graphed.reset:
+        if module.__dict__.get("reset") == graphed.reset:  # bound methods compare by ==
             del module.__dict__["reset"]
 
     graphed._eager = original_forward
@@ -74,7 +74,7 @@ def make_graphed_callables(
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
     sample_kwargs: Any = None,
-    pool: PoolHandle | None = None,
+    pool: GraphPool | PoolHandle | None = None,
     retain_graph_in_backward: bool = False,
     _order: Sequence[int] | None = None,
     _num_layers_per_chunk: Sequence[int] | None = None,
@@ -103,8 +103,8 @@ def make_graphed_callables(
         allow_unused_input: allow inputs/parameters that require grad but are not used
             (their gradient is ``None``); otherwise that is a ``ValueError``.
         sample_kwargs: per entry, a dict of keyword arguments (tensors are graph inputs).
-        pool: memory-pool handle to capture into; a new pool shared by all graphs
-            made here when ``None``.
+        pool: the :class:`~cudagraphs.GraphPool` (or raw torch pool handle) to
+            capture into; a new pool shared by all graphs made here when ``None``.
         retain_graph_in_backward: capture the backward with ``retain_graph=True``
             (keeps the forward's saved tensors alive, costing memory).
         _order: interleaved pipeline schedule: 1-based chunk ids, positive for the
@@ -113,11 +113,15 @@ def make_graphed_callables(
         _reuse_graph_input_output_buffers: under ``_order`` in training, microbatches
             of a layer whose forward-to-backward lifetimes do not overlap share static
             input and incoming-gradient buffers.
-        clone_param_grads_on_return: parameter gradients handed to autograd are owned
-            copies (default). With ``False`` they are views of static buffers: a
-            ``.grad`` that is ``None`` before backward then aliases the buffer and the
-            next backward replay overwrites it, so accumulate only into existing grads
-            (``zero_grad(set_to_none=False)``).
+        clone_param_grads_on_return: a parameter gradient that becomes ``.grad``
+            (the parameter's ``.grad`` is ``None`` at backward) is an owned copy
+            (default), so it never aliases a static buffer and accumulation across
+            replays equals the eager sum exactly; gradients added into an existing
+            ``.grad`` are passed as views, since autograd adds them in place and drops
+            them (a tensor hook on the parameter sees that view: clone it if you keep
+            it). With ``False`` every gradient is a view: a ``.grad`` that was ``None``
+            then aliases the buffer and the next backward replay overwrites it, so
+            zero with ``zero_grad(set_to_none=False)``.
         pre_warmup_hook, post_warmup_hook: called with no arguments once before and
             once after the whole warmup phase.
         capture_time_hooks: one entry per callable, ``None`` or a dict with any of
@@ -172,7 +176,7 @@ def make_graphed_callables(
         torch.cuda.current_stream(device).wait_stream(stream)
         t1 = time.perf_counter()
         opts = CaptureOptions(
-            pool=new_pool() if pool is None else pool,
+            pool=as_graph_pool(pool),
             stream=stream,
             allow_unused_input=allow_unused_input,
             retain_graph_in_backward=retain_graph_in_backward,

@@ -144,7 +144,8 @@ def _canonical_entry(entry: Entry, args: Any, kwargs: Any, callable_name: str) -
         kwargs = {}
     if not isinstance(kwargs, Mapping):
         raise TypeError(f"sample_kwargs[{entry.index}] must be a dict, got {type(kwargs).__name__}")
-    args, kwargs = tuple(args), dict(kwargs)
+    # Keyword order is not part of a call's identity: sorted here and on every call.
+    args, kwargs = tuple(args), dict(sorted(kwargs.items()))
     leaves_with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
     leaves = [leaf for _, leaf in leaves_with_path]
     positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))

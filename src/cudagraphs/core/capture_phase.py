@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..capture import PoolHandle, capture_into_graph
+from ..capture import GraphPool, capture_into_graph
 from .canonicalize import EntrySpec, GraphPlan
 from .runtime import EntryGraphs
 from .warmup import differentiable_inputs
@@ -23,7 +23,7 @@ __all__ = ["CaptureOptions", "capture_plan"]
 
 @dataclass(frozen=True)
 class CaptureOptions:
-    pool: PoolHandle
+    pool: GraphPool
     stream: torch.cuda.Stream
     allow_unused_input: bool
     retain_graph_in_backward: bool
@@ -135,6 +135,11 @@ def _capture_backward(g: EntryGraphs, opts: CaptureOptions, shared: list | None 
         run, opts.pool, stream=opts.stream, what=f"backward of {g.name}"
     )
     g.static_grad_inputs = tuple(grads)
+    if not opts.retain_graph_in_backward:
+        # Drop the captured autograd graph that the static outputs still hang on to.
+        # It holds the parameters' AccumulateGrad nodes, created on the capture stream;
+        # kept alive, autograd would reuse them, with that stream, in eager backwards.
+        g.out_leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in g.out_leaves]
 
 
 def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
@@ -174,4 +179,6 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
         for g in graphs.values():
             g.release()
         raise
+    for g in graphs.values():
+        g.finalize()
     return [graphs[i] for i in range(len(plan.entries))]

@@ -74,7 +74,7 @@ class EntryGraphs:
             if all(isinstance(t, torch.Tensor) for t in tensors):
                 self._check_meta(tensors)
                 return tensors
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
         if spec != self.in_spec:
             raise CudaGraphInputError(
                 f"{self.name}: call structure differs from the captured one.\n"
@@ -150,31 +150,60 @@ class EntryGraphs:
             leaves[pos] = t
         return pytree.tree_unflatten(leaves, self.out_spec)
 
+    def finalize(self) -> None:
+        """Precompute, once after capture, what each backward replay hands out."""
+        n_user, n_diff = len(self.static_inputs), len(self.diff_input_positions)
+        grads = self.static_grad_inputs
+        if self.bwd_graph is None:
+            n_diff, grads = 0, (None,) * len(self.params)
+            self.diff_input_positions = ()
+        self._input_grads = tuple(
+            (pos, grads[k])
+            for k, pos in enumerate(self.diff_input_positions)
+            if grads[k] is not None
+        )
+        self._param_grad_slots = tuple(
+            n_user + k for k in range(len(self.params)) if grads[n_diff + k] is not None
+        )
+        self._param_grad_buffers = [g for g in grads[n_diff:] if g is not None]
+        self._param_grad_params = [p for p, g in zip(self.params, grads[n_diff:]) if g is not None]
+        self._grad_output_buffers = [g for g in self.static_grad_outputs if g is not None]
+        self._grad_output_mask = tuple(g is not None for g in self.static_grad_outputs)
+
     def replay_backward(
         self, grads: tuple[torch.Tensor | None, ...], clone_inputs: tuple[bool, ...]
-    ) -> tuple[torch.Tensor | None, ...]:
+    ) -> list[torch.Tensor | None]:
         """Replay the backward graph; return one gradient per Function input
         (user tensors, then parameters)."""
         self._live()
-        n_user = len(self.static_inputs)
+        result: list[torch.Tensor | None] = [None] * (len(self.static_inputs) + len(self.params))
         if self.bwd_graph is None:
-            return (None,) * (n_user + len(self.params))
+            return result
         copy_into(
-            [g for g in self.static_grad_outputs if g is not None],
-            [g for g, s in zip(grads, self.static_grad_outputs) if s is not None],
+            self._grad_output_buffers, [g for g, m in zip(grads, self._grad_output_mask) if m]
         )
         self.bwd_graph.replay()
-        result: list[torch.Tensor | None] = [None] * (n_user + len(self.params))
-        n_diff = len(self.diff_input_positions)
-        for k, pos in enumerate(self.diff_input_positions):
-            g = self.static_grad_inputs[k]
-            if g is not None:
-                result[pos] = g.clone() if clone_inputs[pos] else g.detach()
-        for k in range(len(self.params)):
-            g = self.static_grad_inputs[n_diff + k]
-            if g is not None:
-                result[n_user + k] = g.clone() if self.clone_param_grads else g.detach()
-        return tuple(result)
+        for pos, g in self._input_grads:
+            result[pos] = g.clone() if clone_inputs[pos] else g.detach()
+        if self._param_grad_buffers:
+            self._hand_out_param_grads(result)
+        return result
+
+    def _hand_out_param_grads(self, result: list[torch.Tensor | None]) -> None:
+        views = [g.detach() for g in self._param_grad_buffers]
+        if self.clone_param_grads:
+            # AccumulateGrad adopts an incoming gradient as .grad only when .grad is
+            # None; otherwise it adds it in place and drops it. So only those gradients
+            # must be owned copies, or the next replay would overwrite .grad. One fused
+            # multi-tensor kernel makes them (x * 1.0 reproduces every value exactly).
+            params = self._param_grad_params
+            fresh = [i for i, p in enumerate(params) if p.grad is None]
+            if fresh:
+                copies = torch._foreach_mul([views[i] for i in fresh], 1.0)
+                for i, c in zip(fresh, copies):
+                    views[i] = c
+        for pos, g in zip(self._param_grad_slots, views):
+            result[pos] = g
 
     def release(self) -> None:
         """Drop the graphs and static buffers (idempotent)."""
@@ -188,6 +217,7 @@ class EntryGraphs:
         self.out_leaves = []
         self.static_grad_outputs = []
         self.static_grad_inputs = ()
+        self.finalize()  # drops the precomputed references to the buffers
         self.released = True
 
 
