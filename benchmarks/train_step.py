@@ -415,6 +415,9 @@ def run_config(cfg: BenchConfig, variants: list[str]) -> dict:
         except Exception as exc:
             describe_error(exc)
     del built
+    # Drop compiled code and torch.compile's cudagraph trees before the next config:
+    # its tree manager is per device and would otherwise outlive the stacks it graphed.
+    torch._dynamo.reset()
     free_memory()
     ms = {n: r["ms"] for n, r in results.items() if "ms" in r}
     ours, helper = ms.get("cudagraphs"), ms.get("torch_make_graphed_callables")
