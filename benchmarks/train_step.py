@@ -35,7 +35,6 @@ import argparse
 import gc
 import json
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -55,7 +54,7 @@ from torch import nn  # noqa: E402
 
 import cudagraphs  # noqa: E402
 from cudagraphs.models import BlockConfig, make_block_stack  # noqa: E402
-from cudagraphs.timing import kernel_busy_ms  # noqa: E402
+from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
 
 DEVICE = "cuda"
 NUM_LAYERS = 8
@@ -293,56 +292,41 @@ def describe_error(exc: BaseException) -> dict:
     return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-4000:]}
 
 
-def build(name: str, cfg: BenchConfig) -> Built | dict:
-    """Build one variant, or return ``{"error": ...}``; never raises."""
-    print(f"train_step: {cfg.name}: building {name}", file=sys.stderr, flush=True)
+def _timed(built: Built, cfg: BenchConfig, profile: bool) -> tuple[dict, torch.Tensor, dict | None]:
+    grad = layer0_grad(built)
+    ms = step_time_ms(built.step, iters=cfg.iters, warmup=WARMUP_STEPS, repeats=cfg.repeats)
+    result = {"ms": ms, "setup_s": round(built.setup_s, 3)}
+    busy = None
+    if profile:
+        try:
+            busy = {"ms": kernel_busy_ms(built.step)}
+        except Exception as exc:
+            busy = describe_error(exc)
+    return result, grad, busy
+
+
+def measure(
+    name: str, cfg: BenchConfig, *, profile: bool = False, timed: bool = True
+) -> tuple[dict, torch.Tensor | None, dict | None]:
+    """Build one variant, take its layer-0 gradient, time it (and with ``profile`` its
+    kernel-busy time). Errors are returned as ``{"error": ...}``, never raised."""
+    print(f"train_step: {cfg.name}: {name}", file=sys.stderr, flush=True)
     builder = build_eager if name == "eager_repeat" else VARIANTS[name]
     try:
-        return builder(cfg)
+        built = builder(cfg)
     except Exception as exc:
-        return describe_error(exc)
-
-
-def _round(built: Built, iters: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        built.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / iters
-
-
-def time_round_robin(built: dict[str, Built], cfg: BenchConfig) -> dict[str, dict]:
-    """Time every variant in interleaved rounds (each round runs ``iters`` steps of each
-    variant, the starting variant rotating), so clock and thermal drift reach all
-    variants alike; the median round is reported. Errors are recorded per variant."""
-    results: dict[str, dict] = {}
-    live = dict(built)
-    for name, b in list(live.items()):
+        return describe_error(exc), None, None
+    try:
+        if not timed:
+            return {}, layer0_grad(built), None
+        return _timed(built, cfg, profile)
+    except Exception as exc:
+        return describe_error(exc), None, None
+    finally:
         try:
-            for _ in range(WARMUP_STEPS):
-                b.step()
-            torch.cuda.synchronize()
+            built.release()
         except Exception as exc:
-            results[name] = describe_error(exc)
-            del live[name]
-    samples: dict[str, list[float]] = {name: [] for name in live}
-    names = list(live)
-    for r in range(cfg.repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            if name not in live:
-                continue
-            try:
-                samples[name].append(_round(live[name], cfg.iters))
-            except Exception as exc:
-                results[name] = describe_error(exc)
-                del live[name]
-    for name in live:
-        results[name] = {
-            "ms": statistics.median(samples[name]),
-            "rounds_ms": [round(x, 4) for x in samples[name]],
-            "setup_s": round(live[name].setup_s, 3),
-        }
-    return results
+            describe_error(exc)
 
 
 def grad_check(grads: dict[str, torch.Tensor]) -> dict:
@@ -385,40 +369,21 @@ def ratios(ms: dict[str, float]) -> dict[str, float | None]:
 
 
 def run_config(cfg: BenchConfig, variants: list[str]) -> dict:
-    built: dict[str, Built] = {}
     results: dict[str, dict] = {}
     grads: dict[str, torch.Tensor] = {}
-    for name in [*variants, "eager_repeat"] if "eager" in variants else variants:
-        b = build(name, cfg)
-        if isinstance(b, dict):
-            results[name] = b
-            continue
-        try:
-            grads[name] = layer0_grad(b)
-        except Exception as exc:
-            results[name] = describe_error(exc)
-            b.release()
-            continue
-        if name == "eager_repeat":  # only there to show the kernels' run-to-run noise
-            b.release()
-            continue
-        built[name] = b
-    results.update(time_round_robin(built, cfg))
-    if "eager" in built:
-        try:
-            results["kernel_busy"] = {"ms": kernel_busy_ms(built["eager"].step)}
-        except Exception as exc:
-            results["kernel_busy"] = describe_error(exc)
-    for b in built.values():
-        try:
-            b.release()
-        except Exception as exc:
-            describe_error(exc)
-    del built
-    # Drop compiled code and torch.compile's cudagraph trees before the next config:
-    # its tree manager is per device and would otherwise outlive the stacks it graphed.
-    torch._dynamo.reset()
-    free_memory()
+    for name in variants:
+        result, grad, busy = measure(name, cfg, profile=name == "eager")
+        results[name] = result
+        if busy is not None:
+            results["kernel_busy"] = busy
+        if grad is not None:
+            grads[name] = grad
+        free_memory()
+    if "eager" in grads:
+        _, grad, _ = measure("eager_repeat", cfg, timed=False)
+        if grad is not None:
+            grads["eager_repeat"] = grad
+        free_memory()
     ms = {n: r["ms"] for n, r in results.items() if "ms" in r}
     ours, helper = ms.get("cudagraphs"), ms.get("torch_make_graphed_callables")
     target = None if ours is None or helper is None else ours <= helper
@@ -506,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernel_busy": "cudagraphs.timing.kernel_busy_ms defaults (iters=20, warmup=5)",
         "iters": {c.name: c.iters for c in configs},
         "repeats": {c.name: c.repeats for c in configs},
-        "step_time": "median over interleaved rounds of the mean wall time of iters steps",
+        "step_time": "median over repeats of the mean wall time of iters steps",
     }
     report["configs"] = {c.name: run_config(c, args.variants) for c in configs}
     text = json.dumps(report, indent=2)
