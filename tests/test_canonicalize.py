@@ -32,7 +32,9 @@ def test_tuple_of_callables_and_functions():
     plan = canonicalize((lin(), f), ((x(),), (x(True), x())))
     assert not plan.single and len(plan.entries) == 2
     assert plan.callables[1].module is None and plan.callables[1].params == ()
-    assert plan.callables[1].name == "callables[1] (test_tuple_of_callables_and_functions.<locals>.f)"
+    assert (
+        plan.callables[1].name == "callables[1] (test_tuple_of_callables_and_functions.<locals>.f)"
+    )
 
 
 def test_functions_only_train_when_an_input_requires_grad():
@@ -56,7 +58,10 @@ def test_eval_modules_and_no_grad_are_inference():
 
 
 def test_mixed_training_and_eval_modules_is_an_error():
-    with pytest.raises(ValueError, match=r"mix training mode \(callables\[0\] \(Linear\)\) and eval mode \(callables\[1\] \(Linear\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"mix training mode \(callables\[0\] \(Linear\)\) and eval mode \(callables\[1\] \(Linear\)\)",
+    ):
         canonicalize((lin(), lin().eval()), ((x(),), (x(),)))
 
 
@@ -75,8 +80,18 @@ def test_tensor_kwargs_and_constants_are_flattened_with_paths():
     [
         ((), (), ValueError, "at least one callable"),
         ((lin(), 3), ((x(),), (x(),)), TypeError, r"callables\[1\] is a int"),
-        (lin(), x(), TypeError, r"sample_args\[0\] \(for callables\[0\] \(Linear\)\) must be a tuple"),
-        ((lin(), lin()), ((x(),),), ValueError, "sample_args has 1 entries but there are 2 callables"),
+        (
+            lin(),
+            x(),
+            TypeError,
+            r"sample_args\[0\] \(for callables\[0\] \(Linear\)\) must be a tuple",
+        ),
+        (
+            (lin(), lin()),
+            ((x(),),),
+            ValueError,
+            "sample_args has 1 entries but there are 2 callables",
+        ),
         ((lin(),), [x()], TypeError, r"sample_args\[0\] .* must be a tuple"),
         ((lin(),), 5, TypeError, "sample_args must be a tuple of tuples"),
     ],
@@ -122,14 +137,19 @@ def test_modules_with_registered_hooks_are_rejected(hook_attr):
         "full_backward": lambda: target.register_full_backward_hook(lambda mod, gi, go: None),
     }[hook_attr]
     handle = register()
-    with pytest.raises(ValueError, match=r"callables\[0\] \(Sequential\) has registered module hooks \(0\."):
+    with pytest.raises(
+        ValueError, match=r"callables\[0\] \(Sequential\) has registered module hooks \(0\."
+    ):
         canonicalize(m, (x(),))
     handle.remove()
     canonicalize(m, (x(),))  # fine once removed
 
 
 def test_autocast_with_weight_cache_is_rejected():
-    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="cache_enabled=False"):
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(ValueError, match="cache_enabled=False"),
+    ):
         canonicalize(lin(), (x(),))
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
         canonicalize(lin(), (x(),))
@@ -161,7 +181,9 @@ def test_ordered_plan_layout_errors_surface():
 
 def test_check_devices_requires_cuda_tensors():
     plan = canonicalize(lin(), (x(),), sample_kwargs={"mask": x()})
-    with pytest.raises(ValueError, match=r"sample_args\[0\] args\[0\] is on cpu; graph inputs must be CUDA"):
+    with pytest.raises(
+        ValueError, match=r"sample_args\[0\] args\[0\] is on cpu; graph inputs must be CUDA"
+    ):
         check_devices(plan)
 
 

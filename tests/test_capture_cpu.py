@@ -86,3 +86,26 @@ def test_driver_backend_never_raises():
 def test_graph_memory_per_node():
     assert GraphMemory(nodes=4, exec_bytes=4096).bytes_per_node == 1024
     assert GraphMemory(nodes=None, exec_bytes=0).bytes_per_node == 0.0
+
+
+def test_as_graph_pool_accepts_pools_and_handles_only():
+    from cudagraphs import GraphPool
+    from cudagraphs.capture import as_graph_pool
+
+    pool = GraphPool(handle=(0, 7))
+    assert as_graph_pool(pool) is pool
+    wrapped = as_graph_pool((0, 9))
+    assert isinstance(wrapped, GraphPool) and wrapped.handle == (0, 9)
+    with pytest.raises(TypeError, match="pool must be a cudagraphs.GraphPool"):
+        as_graph_pool("pool")
+
+
+def test_graph_pool_retire_moves_off_the_failed_handle(caplog):
+    from cudagraphs import GraphPool
+
+    pool = GraphPool(handle=(0, 11))
+    with caplog.at_level("WARNING", logger="cudagraphs.capture"):
+        pool.retire()
+    assert pool.retired == [(0, 11)]
+    assert "retired after a failed capture" in caplog.text
+    assert pool._handle is None and pool._anchor is None  # a fresh handle comes next

@@ -1,6 +1,5 @@
 """Capture primitives on a real GPU: capture, failure recovery, static outputs, introspection."""
 
-import contextlib
 import gc
 
 import pytest
@@ -8,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import cudagraphs
+from _asserts import contain_failed_capture
 from cudagraphs import (
     CudaGraphCaptureError,
     capture_into_graph,
@@ -26,21 +26,7 @@ def _randn(*shape, seed=0, dtype=torch.float32):
     return torch.randn(*shape, generator=g, dtype=dtype).cuda()
 
 
-def _contain_failed_capture(pool):
-    """Test-side cleanup after a deliberately failed capture, so that a library bug
-    found by one test does not cascade into later ones. It runs in ``finally``, after
-    the test has checked the state the library left behind."""
-    # Stop routing allocations into ``pool`` if the library left it on (raises if not).
-    end_routing = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end_routing is not None and pool is not None:
-        with contextlib.suppress(Exception):
-            end_routing(torch.cuda.current_device(), pool)
-    # A successful capture takes the CUDA generator out of capture mode, which a
-    # failed capture can leave it in (see test_eager_rng_works_after_a_failed_capture).
-    graph = torch.cuda.CUDAGraph()
-    x = torch.zeros(1, device="cuda")
-    with torch.cuda.graph(graph):
-        x.add_(1)
+_contain_failed_capture = contain_failed_capture
 
 
 def _assert_equal(actual, expected, what):

@@ -5,7 +5,6 @@ comparison here is ``torch.equal``. The eager reference is a deep copy taken bef
 graphing, fed with identical inputs.
 """
 
-import contextlib
 import copy
 
 import pytest
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cudagraphs
+from _asserts import assert_bitwise_equal, contain_failed_capture
 from _pipeline import (
     INTERLEAVED_ORDER,
     LAYERS_PER_CHUNK,
@@ -58,17 +58,7 @@ def _mlp(seed=0, dtype=torch.float32):
     )
 
 
-def _assert_equal(actual, expected, what):
-    assert actual is not None, f"{what}: got None"
-    assert expected is not None, f"{what}: reference is None"
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    if not torch.equal(actual, expected):
-        diff = (actual.double() - expected.double()).abs()
-        raise AssertionError(
-            f"{what}: not bitwise equal to eager; max abs difference {diff.max().item():.3e} "
-            f"at {diff.argmax().item()} ({(diff > 0).sum().item()} of {diff.numel()} differ)"
-        )
+_assert_equal = assert_bitwise_equal
 
 
 def _assert_param_grads_equal(graphed, eager, what):
@@ -78,19 +68,7 @@ def _assert_param_grads_equal(graphed, eager, what):
         _assert_equal(p.grad, q.grad, f"{what}: grad of {name}")
 
 
-def _contain_failed_capture(pool):
-    """Test-side cleanup after a deliberately failed capture, so a library bug found
-    by one test does not cascade into later tests (see test_cuda_capture for the
-    checks): stop any leftover allocator routing into ``pool`` and take the CUDA
-    generator out of capture mode (a successful capture does that)."""
-    end_routing = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end_routing is not None and pool is not None:
-        with contextlib.suppress(Exception):
-            end_routing(torch.cuda.current_device(), pool)
-    graph = torch.cuda.CUDAGraph()
-    x = torch.zeros(1, device="cuda")
-    with torch.cuda.graph(graph):
-        x.add_(1)
+_contain_failed_capture = contain_failed_capture
 
 
 def _check_train_step(graphed, eager, x_seed, g_seed, shape, dtype, what):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from _asserts import assert_bitwise_equal
 from _pipeline import (
     INTERLEAVED_ORDER,
     LAYERS_PER_CHUNK,
@@ -154,19 +155,7 @@ def _mask(seed):
     return (mask | torch.eye(SEQ, dtype=torch.bool)).cuda()
 
 
-def _assert_equal(actual, expected, what):
-    assert actual is not None and expected is not None, (
-        f"{what}: graphed {'None' if actual is None else 'set'}, "
-        f"eager {'None' if expected is None else 'set'}"
-    )
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
-    if not torch.equal(actual, expected):
-        diff = (actual.double() - expected.double()).abs()
-        raise AssertionError(
-            f"{what}: not bitwise equal to eager; max abs difference {diff.max().item():.3e} "
-            f"({(diff > 0).sum().item()} of {diff.numel()} elements differ)"
-        )
+_assert_equal = assert_bitwise_equal
 
 
 def _assert_same_trace(got, want, what):

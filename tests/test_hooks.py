@@ -41,7 +41,9 @@ def test_wrong_length_is_value_error(value, n):
 
 
 def test_unknown_key_is_value_error_naming_entry_and_key():
-    with pytest.raises(ValueError, match=r"capture_time_hooks\[1\] has unknown key\(s\) \['forward_pre'\]"):
+    with pytest.raises(
+        ValueError, match=r"capture_time_hooks\[1\] has unknown key\(s\) \['forward_pre'\]"
+    ):
         canonicalize_capture_time_hooks([None, {"forward_pre": {}}], 2)
     # the upstream discussion's *_with_kwargs variants are not part of the contract
     with pytest.raises(ValueError, match="forward_hooks_with_kwargs"):
@@ -88,6 +90,9 @@ def test_hook_returning_a_value_is_runtime_error_naming_it():
     hooks = canonicalize_capture_time_hooks(
         [None, {"backward_pre_hooks": {"unshard": lambda m: m}}], 2
     )[1]
-    with pytest.raises(CaptureTimeHookError, match=r"capture_time_hooks\[1\]\['backward_pre_hooks'\]\['unshard'\] returned Linear"):
+    with pytest.raises(
+        CaptureTimeHookError,
+        match=r"capture_time_hooks\[1\]\['backward_pre_hooks'\]\['unshard'\] returned Linear",
+    ):
         hooks.run("backward_pre_hooks", torch.nn.Linear(1, 1))
     assert issubclass(CaptureTimeHookError, RuntimeError)

@@ -18,7 +18,12 @@ def test_unordered_schedule_forwards_then_reverse_backwards():
     layout = build_layout(3, 3)
     assert layout.num_chunks == 1 and layout.num_microbatches == 1
     assert steps(build_schedule(layout, training=True)) == [
-        ("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 2), ("bwd", 1), ("bwd", 0),
+        ("fwd", 0),
+        ("fwd", 1),
+        ("fwd", 2),
+        ("bwd", 2),
+        ("bwd", 1),
+        ("bwd", 0),
     ]
     assert steps(build_schedule(layout, training=False)) == [("fwd", 0), ("fwd", 1), ("fwd", 2)]
 
@@ -33,7 +38,10 @@ def test_two_chunks_one_microbatch_matches_hook_order_contract():
     layout = build_layout(2, 2, order=[1, 2, -2, -1])
     sched = build_schedule(layout, True)
     assert [(s.kind, s.callable_index) for s in sched] == [
-        ("fwd", 0), ("fwd", 1), ("bwd", 1), ("bwd", 0),
+        ("fwd", 0),
+        ("fwd", 1),
+        ("bwd", 1),
+        ("bwd", 0),
     ]
 
 
@@ -44,24 +52,42 @@ def test_two_chunks_three_microbatches_interleaved_1f1b():
     # entries: chunk-major, then microbatch, then layer
     entries = layout.entries()
     assert [(e.chunk, e.microbatch, e.layer) for e in entries[:7]] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (0, 2, 0),
+        (0, 2, 1),
+        (1, 0, 0),
     ]
     assert [e.callable_index for e in entries] == [0, 1] * 3 + [2, 3] * 3
     sched = build_schedule(layout, True)
     idx = layout.entry_index
     expected = [
-        ("fwd", idx(0, 0, 0)), ("fwd", idx(0, 0, 1)),
-        ("fwd", idx(1, 0, 0)), ("fwd", idx(1, 0, 1)),
-        ("fwd", idx(0, 1, 0)), ("fwd", idx(0, 1, 1)),
-        ("fwd", idx(1, 1, 0)), ("fwd", idx(1, 1, 1)),
-        ("bwd", idx(1, 0, 1)), ("bwd", idx(1, 0, 0)),
-        ("bwd", idx(0, 0, 1)), ("bwd", idx(0, 0, 0)),
-        ("fwd", idx(0, 2, 0)), ("fwd", idx(0, 2, 1)),
-        ("fwd", idx(1, 2, 0)), ("fwd", idx(1, 2, 1)),
-        ("bwd", idx(1, 1, 1)), ("bwd", idx(1, 1, 0)),
-        ("bwd", idx(0, 1, 1)), ("bwd", idx(0, 1, 0)),
-        ("bwd", idx(1, 2, 1)), ("bwd", idx(1, 2, 0)),
-        ("bwd", idx(0, 2, 1)), ("bwd", idx(0, 2, 0)),
+        ("fwd", idx(0, 0, 0)),
+        ("fwd", idx(0, 0, 1)),
+        ("fwd", idx(1, 0, 0)),
+        ("fwd", idx(1, 0, 1)),
+        ("fwd", idx(0, 1, 0)),
+        ("fwd", idx(0, 1, 1)),
+        ("fwd", idx(1, 1, 0)),
+        ("fwd", idx(1, 1, 1)),
+        ("bwd", idx(1, 0, 1)),
+        ("bwd", idx(1, 0, 0)),
+        ("bwd", idx(0, 0, 1)),
+        ("bwd", idx(0, 0, 0)),
+        ("fwd", idx(0, 2, 0)),
+        ("fwd", idx(0, 2, 1)),
+        ("fwd", idx(1, 2, 0)),
+        ("fwd", idx(1, 2, 1)),
+        ("bwd", idx(1, 1, 1)),
+        ("bwd", idx(1, 1, 0)),
+        ("bwd", idx(0, 1, 1)),
+        ("bwd", idx(0, 1, 0)),
+        ("bwd", idx(1, 2, 1)),
+        ("bwd", idx(1, 2, 0)),
+        ("bwd", idx(0, 2, 1)),
+        ("bwd", idx(0, 2, 0)),
     ]
     assert steps(sched) == expected
     assert sorted(e for k, e in steps(sched) if k == "fwd") == list(range(12))
@@ -78,7 +104,14 @@ def test_num_layers_per_chunk_uneven():
     assert layout.entry_index(1, 1, 0) == 4
     assert [e.callable_index for e in layout.entries()] == [0, 0, 1, 2, 1, 2]
     sched = build_schedule(layout, True)
-    assert steps(sched)[:6] == [("fwd", 0), ("fwd", 2), ("fwd", 3), ("bwd", 3), ("bwd", 2), ("bwd", 0)]
+    assert steps(sched)[:6] == [
+        ("fwd", 0),
+        ("fwd", 2),
+        ("fwd", 3),
+        ("bwd", 3),
+        ("bwd", 2),
+        ("bwd", 0),
+    ]
 
 
 def test_inference_schedule_drops_backwards():
