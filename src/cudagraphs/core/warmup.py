@@ -76,19 +76,29 @@ def run_warmup(
     grad_mode = torch.enable_grad if plan.training else torch.no_grad
     for _ in range(num_iters):
         outputs: dict[int, Any] = {}
-        for step in plan.schedule:
-            spec = plan.entries[step.entry]
-            target = plan.callables[step.callable_index]
-            hooks = plan.hooks[step.callable_index]
-            if step.kind == "fwd":
-                hooks.run("forward_pre_hooks", target.fn)
-                with grad_mode():
-                    outputs[step.entry] = target.fn(*spec.args, **spec.kwargs)
-                hooks.run("forward_hooks", target.fn)
-            else:
-                hooks.run("backward_pre_hooks", target.fn)
-                _warmup_backward(plan, step.entry, outputs.pop(step.entry), allow_unused_input)
-                hooks.run("backward_hooks", target.fn)
-        del outputs
+        try:
+            _warmup_iteration(plan, outputs, grad_mode, allow_unused_input)
+        finally:
+            # On failure too: live outputs would keep autograd graphs (and the
+            # parameters' AccumulateGrad nodes, bound to the warmup stream) alive.
+            outputs.clear()
     if post_warmup_hook is not None:
         post_warmup_hook()
+
+
+def _warmup_iteration(
+    plan: GraphPlan, outputs: dict[int, Any], grad_mode: Callable, allow_unused_input: bool
+) -> None:
+    for step in plan.schedule:
+        spec = plan.entries[step.entry]
+        target = plan.callables[step.callable_index]
+        hooks = plan.hooks[step.callable_index]
+        if step.kind == "fwd":
+            hooks.run("forward_pre_hooks", target.fn)
+            with grad_mode():
+                outputs[step.entry] = target.fn(*spec.args, **spec.kwargs)
+            hooks.run("forward_hooks", target.fn)
+        else:
+            hooks.run("backward_pre_hooks", target.fn)
+            _warmup_backward(plan, step.entry, outputs.pop(step.entry), allow_unused_input)
+            hooks.run("backward_hooks", target.fn)
