@@ -16,10 +16,30 @@ from .errors import (
     CudaGraphsError,
     GraphReleasedError,
 )
+from .program import (
+    CopyHandle,
+    CudaGraphCaptureStats,
+    CudaGraphPool,
+    CudaGraphProgram,
+    LeafTypes,
+    ProgramClosedError,
+    ReusableValueBuffer,
+    TensorSignature,
+    ValueTreeSignature,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CopyHandle",
+    "CudaGraphCaptureStats",
+    "CudaGraphPool",
+    "CudaGraphProgram",
+    "LeafTypes",
+    "ProgramClosedError",
+    "ReusableValueBuffer",
+    "TensorSignature",
+    "ValueTreeSignature",
     "CaptureTimeHookError",
     "CudaGraphCaptureError",
     "CudaGraphInputError",

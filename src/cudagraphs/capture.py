@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -219,6 +220,19 @@ def _repair_generators(stream: torch.cuda.Stream) -> None:
         logger.warning("could not reset the CUDA generators after a failed capture: %s", exc)
 
 
+def _begin_options(capture_error_mode: str, check_input_liveness: bool) -> dict[str, Any]:
+    options: dict[str, Any] = {"capture_error_mode": capture_error_mode}
+    if check_input_liveness:
+        if (
+            "check_input_liveness"
+            in inspect.signature(torch.cuda.CUDAGraph.capture_begin).parameters
+        ):
+            options["check_input_liveness"] = True
+        else:
+            logger.debug("this torch has no check_input_liveness; capturing without it")
+    return options
+
+
 def capture_into_graph(
     run: Callable[[], T],
     pool: GraphPool | PoolHandle | None = None,
@@ -226,6 +240,7 @@ def capture_into_graph(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "thread_local",
     keep_graph: bool = False,
+    check_input_liveness: bool = False,
     what: str = "callable",
 ) -> tuple[torch.cuda.CUDAGraph, T]:
     """Capture ``run()`` into a new CUDA graph whose memory comes from ``pool``.
@@ -246,6 +261,9 @@ def capture_into_graph(
         keep_graph: keep the ``cudaGraph_t`` after capture so that
             :mod:`cudagraphs.introspect` can inspect it; instantiation then happens on
             the first replay or an explicit ``graph.instantiate()``.
+        check_input_liveness: ask torch to track tensors the graph reads from outside
+            its pool and fail a replay after one was freed (torch versions that have
+            it; ignored with a debug log elsewhere).
         what: a name for error messages (a module name, a bucket).
 
     Returns:
@@ -281,7 +299,9 @@ def capture_into_graph(
         handle = pool.prepare(stream)
         torch.cuda.set_stream(stream)
         try:
-            graph.capture_begin(pool=handle, capture_error_mode=capture_error_mode)
+            graph.capture_begin(
+                pool=handle, **_begin_options(capture_error_mode, check_input_liveness)
+            )
             try:
                 output = run()
             except BaseException:
@@ -337,16 +357,21 @@ def capture_with_static_outputs(
     """
     like_leaves, like_spec = pytree.tree_flatten(like)
     # Allocated before capture begins, so the buffers come from the ordinary allocator.
-    buffers = [torch.empty_like(x) if isinstance(x, torch.Tensor) else x for x in like_leaves]
+    buffers = [
+        torch.empty_like(x, requires_grad=False) if isinstance(x, torch.Tensor) else x
+        for x in like_leaves
+    ]
 
     def run_and_copy() -> Any:
         out_leaves, out_spec = pytree.tree_flatten(run())
         problems = _describe_mismatch(like_leaves, like_spec, out_leaves, out_spec)
         if problems:
             raise ValueError("output differs from `like`: " + "; ".join(problems))
-        for buf, out in zip(buffers, out_leaves):
-            if isinstance(buf, torch.Tensor):
-                buf.copy_(out)
+        # Plain data movement: the static outputs must carry no autograd history.
+        with torch.no_grad():
+            for buf, out in zip(buffers, out_leaves):
+                if isinstance(buf, torch.Tensor):
+                    buf.copy_(out)
         return None
 
     graph, _ = capture_into_graph(run_and_copy, pool, **capture_kwargs)

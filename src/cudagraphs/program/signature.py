@@ -1,0 +1,305 @@
+"""Device-independent signatures of a program's input tree.
+
+A signature records what a fixed-address buffer needs from every later payload:
+the nesting (lists, tuples, dicts), and for each leaf its tensor topology (shape,
+stride, dtype, layout, requires_grad) or, for a registered leaf type, its type name,
+format version, metadata and named tensors. Devices are not part of it: a payload may
+come from the CPU or another GPU, and the copy moves it.
+
+``validate`` walks the whole tree and reports every difference at once, each with
+its path, before anything is copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from ..errors import CudaGraphInputError
+from .leaves import LeafTypes
+
+__all__ = [
+    "Mismatch",
+    "SignatureMismatchError",
+    "TensorSignature",
+    "ValueSignature",
+    "ValueTreeSignature",
+]
+
+TreeKind = Literal["tensor", "value", "list", "tuple", "dict", "none"]
+_TENSOR_FIELDS = ("shape", "stride", "dtype", "layout", "requires_grad")
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One difference between a payload and a signature."""
+
+    path: str
+    field: str
+    expected: Any
+    received: Any
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.field} expected {self.expected!r}, received {self.received!r}"
+
+
+class SignatureMismatchError(CudaGraphInputError):
+    """A payload differs from the captured signature; ``mismatches`` lists every
+    difference (path, field, expected, received)."""
+
+    def __init__(self, what: str, mismatches: list[Mismatch]) -> None:
+        self.mismatches = mismatches
+        lines = "\n  ".join(str(m) for m in mismatches)
+        super().__init__(
+            f"{what} differs from the captured signature in {len(mismatches)} place(s):\n"
+            f"  {lines}\nNothing was copied. Pass values with the captured structure, "
+            "shapes, strides and dtypes (devices may differ), or capture another program."
+        )
+
+
+@dataclass(frozen=True)
+class TensorSignature:
+    """Copy compatibility of one tensor with fixed target storage (device excluded)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    layout: torch.layout
+    requires_grad: bool
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> TensorSignature:
+        return cls(
+            shape=tuple(tensor.shape),
+            stride=tuple(tensor.stride()),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def mismatches(self, tensor: torch.Tensor, path: str) -> list[Mismatch]:
+        got = TensorSignature.from_tensor(tensor)
+        if got == self:
+            return []
+        return [
+            Mismatch(path, f, getattr(self, f), getattr(got, f))
+            for f in _TENSOR_FIELDS
+            if getattr(self, f) != getattr(got, f)
+        ]
+
+    def empty(self, device: torch.device | str) -> torch.Tensor:
+        """A new tensor with this topology on ``device`` (the fixed target)."""
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+        return t.requires_grad_(self.requires_grad)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storage span this topology covers."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        span = 1 + sum((n - 1) * st for n, st in zip(self.shape, self.stride))
+        return span * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ValueSignature:
+    """A registered leaf's type, format version, metadata and named tensor topology."""
+
+    type_name: str
+    schema_version: int
+    metadata: tuple[tuple[str, Any], ...]
+    tensors: tuple[tuple[str, TensorSignature], ...]
+
+
+def _sorted_keys(d: dict) -> list:
+    # Key order is not part of a dict's identity: compare and copy in one canonical order.
+    return sorted(d, key=lambda k: (type(k).__name__, repr(k)))
+
+
+@dataclass(frozen=True)
+class ValueTreeSignature:
+    """Structure of tensors and registered values in a payload (see module docs)."""
+
+    kind: TreeKind
+    leaf: TensorSignature | ValueSignature | None = None
+    children: tuple[ValueTreeSignature, ...] = ()
+    keys: tuple[Any, ...] = ()
+    _leaf_types: LeafTypes | None = field(default=None, compare=False, repr=False)
+
+    # ---- construction ---------------------------------------------------------------
+    @classmethod
+    def from_value(
+        cls,
+        value: Any,
+        *,
+        leaf_types: LeafTypes | None = None,
+        path: str = "value",
+        allow_none: bool = False,
+    ) -> ValueTreeSignature:
+        """Describe ``value``: tensors and registered leaves nested in lists, tuples
+        and dicts (and ``None`` leaves with ``allow_none``, as outputs may hold).
+
+        Raises:
+            TypeError: a leaf is neither a tensor nor a registered type (the message
+                names its path), or a container is of another kind.
+        """
+        if isinstance(value, torch.Tensor):
+            return cls("tensor", TensorSignature.from_tensor(value), _leaf_types=leaf_types)
+        if value is None and allow_none:
+            return cls("none", _leaf_types=leaf_types)
+        leaf_type = leaf_types.get(value) if leaf_types is not None else None
+        if leaf_type is not None:
+            tensors, metadata = leaf_type.split(value, path)
+            sig = ValueSignature(
+                type_name=leaf_type.name,
+                schema_version=leaf_type.version,
+                metadata=metadata,
+                tensors=tuple(
+                    (name, TensorSignature.from_tensor(tensors[name])) for name in sorted(tensors)
+                ),
+            )
+            return cls("value", sig, _leaf_types=leaf_types)
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            kind: TreeKind = "list" if isinstance(value, list) else "tuple"
+            children = tuple(
+                cls.from_value(v, leaf_types=leaf_types, path=f"{path}[{i}]", allow_none=allow_none)
+                for i, v in enumerate(value)
+            )
+            return cls(kind, children=children, _leaf_types=leaf_types)
+        if type(value) is dict:
+            keys = _sorted_keys(value)
+            children = tuple(
+                cls.from_value(value[k], leaf_types=leaf_types, path=f"{path}[{k!r}]") for k in keys
+            )
+            return cls("dict", children=children, keys=tuple(keys), _leaf_types=leaf_types)
+        registered = leaf_types.names() if leaf_types is not None else []
+        raise TypeError(
+            f"{path}: unsupported input leaf of type {type(value).__qualname__}. Inputs are "
+            "tensors and registered leaf types (registered here: "
+            f"{registered or 'none'}) nested in lists, tuples and dicts; bind Python scalars "
+            "and other objects in the function (closure or functools.partial)."
+        )
+
+    # ---- checking ---------------------------------------------------------------------
+    def validate(self, value: Any, *, path: str = "value") -> None:
+        """Raise :class:`SignatureMismatchError` listing every difference of ``value``."""
+        problems: list[Mismatch] = []
+        self._collect(value, path, problems, None)
+        if problems:
+            raise SignatureMismatchError(path, problems)
+
+    def flatten(self, value: Any, *, path: str = "value") -> list[torch.Tensor]:
+        """Validate ``value`` and return its tensors in signature order (registered
+        leaves contribute their named tensors, sorted by name)."""
+        problems: list[Mismatch] = []
+        out: list[torch.Tensor] = []
+        self._collect(value, path, problems, out)
+        if problems:
+            raise SignatureMismatchError(path, problems)
+        return out
+
+    def _collect(self, value: Any, path: str, problems: list, out: list | None) -> None:
+        kind = self.kind
+        if kind == "none":
+            if value is not None:
+                problems.append(Mismatch(path, "type", "None", type(value).__qualname__))
+        elif kind == "tensor":
+            if not isinstance(value, torch.Tensor):
+                problems.append(Mismatch(path, "type", "Tensor", type(value).__qualname__))
+                return
+            leaf = self.leaf
+            # The common case (a match) compares fields directly: building a signature
+            # per tensor would dominate the replay path.
+            if (
+                value.shape != leaf.shape
+                or value.dtype != leaf.dtype
+                or value.stride() != leaf.stride
+                or value.requires_grad != leaf.requires_grad
+                or value.layout != leaf.layout
+            ):
+                problems.extend(leaf.mismatches(value, path))
+            if out is not None:
+                out.append(value)
+        elif kind == "value":
+            self._collect_value(value, path, problems, out)
+        elif kind in ("list", "tuple"):
+            expected_type = list if kind == "list" else tuple
+            if type(value) is not expected_type:
+                problems.append(Mismatch(path, "type", kind, type(value).__qualname__))
+                return
+            if len(value) != len(self.children):
+                problems.append(Mismatch(path, "length", len(self.children), len(value)))
+                return
+            for i, (child, v) in enumerate(zip(self.children, value)):
+                child._collect(v, f"{path}[{i}]", problems, out)
+        else:
+            if type(value) is not dict:
+                problems.append(Mismatch(path, "type", "dict", type(value).__qualname__))
+                return
+            if set(value) != set(self.keys):
+                problems.append(
+                    Mismatch(path, "keys", sorted(map(repr, self.keys)), sorted(map(repr, value)))
+                )
+                return
+            for k, child in zip(self.keys, self.children):
+                child._collect(value[k], f"{path}[{k!r}]", problems, out)
+
+    def _collect_value(self, value: Any, path: str, problems: list, out: list | None) -> None:
+        sig = self.leaf
+        leaf_type = self._leaf_types.get(value) if self._leaf_types is not None else None
+        if leaf_type is None or leaf_type.name != sig.type_name:
+            got = leaf_type.name if leaf_type is not None else type(value).__qualname__
+            problems.append(Mismatch(path, "type", sig.type_name, got))
+            return
+        if leaf_type.version != sig.schema_version:
+            problems.append(Mismatch(path, "schema_version", sig.schema_version, leaf_type.version))
+        tensors, metadata = leaf_type.split(value, path)
+        if metadata != sig.metadata:
+            problems.append(Mismatch(path, "metadata", dict(sig.metadata), dict(metadata)))
+        names = tuple(n for n, _ in sig.tensors)
+        if tuple(sorted(tensors)) != names:
+            problems.append(Mismatch(path, "tensor names", list(names), sorted(tensors)))
+            return
+        for name, tsig in sig.tensors:
+            problems.extend(tsig.mismatches(tensors[name], f"{path}.{name}"))
+            if out is not None:
+                out.append(tensors[name])
+
+    # ---- buffers --------------------------------------------------------------------
+    def tensor_signatures(self) -> list[TensorSignature]:
+        """Every tensor's signature, in :meth:`flatten` order."""
+        if self.kind == "tensor":
+            return [self.leaf]
+        if self.kind == "value":
+            return [t for _, t in self.leaf.tensors]
+        if self.kind == "none":
+            return []
+        return [t for child in self.children for t in child.tensor_signatures()]
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+        """A tree of this structure around ``tensors`` (in :meth:`flatten` order)."""
+        it = iter(tensors)
+        tree = self._rebuild(it)
+        if next(it, None) is not None:
+            raise ValueError("more tensors than the signature holds")
+        return tree
+
+    def _rebuild(self, it: Any) -> Any:
+        if self.kind == "none":
+            return None
+        if self.kind == "tensor":
+            return next(it)
+        if self.kind == "value":
+            named = {name: next(it) for name, _ in self.leaf.tensors}
+            leaf_type = self._leaf_types.by_name(self.leaf.type_name)
+            return leaf_type.unflatten(named, dict(self.leaf.metadata))
+        if self.kind == "dict":
+            return {k: child._rebuild(it) for k, child in zip(self.keys, self.children)}
+        items = [child._rebuild(it) for child in self.children]
+        return items if self.kind == "list" else tuple(items)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensor_signatures())
