@@ -277,19 +277,19 @@ class CudaGraphProgram(Generic[OutputT]):
         if self._pool is None:
             self._graph_pool = GraphPool()
             self._graph, output = capture_into_graph(lambda: fn(*args), self._graph_pool, **opts)
-            self._out_sig = _output_signature(output, self._leaf_types)
             # Detached views of the graph's output memory: the captured autograd graph
             # is not kept alive through them.
-            tensors = self._out_sig.flatten(output, path="output")
-            self._output = self._out_sig.rebuild([t.detach() for t in tensors])
+            self._output = _detached(output, self._leaf_types)
+            self._out_sig = _output_signature(self._output, self._leaf_types)
             return
         # Retained outputs are copied, inside the graph, into buffers allocated outside
         # the shared scratch, so other programs' replays cannot overwrite them.
-        self._out_sig = _output_signature(last, self._leaf_types)
-        like = self._out_sig.flatten(last, path="output")
+        leaf_types = self._leaf_types
+        self._out_sig = _output_signature(_detached(last, leaf_types), leaf_types)
+        like = self._out_sig.flatten(_detached(last, leaf_types), path="output")
         self._graph, static = capture_with_static_outputs(
-            lambda: self._out_sig.flatten(fn(*args), path="output"),
-            [t.detach() for t in like],
+            lambda: self._out_sig.flatten(_detached(fn(*args), leaf_types), path="output"),
+            like,
             self._pool._graph_pool,
             **opts,
         )
@@ -307,7 +307,7 @@ class CudaGraphProgram(Generic[OutputT]):
         if last is None:
             return
         got = self._out_sig.flatten(self._output, path="output")
-        want = self._out_sig.flatten(last, path="output")
+        want = self._out_sig.flatten(_detached(last, self._leaf_types), path="output")
         bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
         if bad:
             self.close()
@@ -497,6 +497,12 @@ def _output_signature(output: Any, leaf_types: LeafTypes | None) -> ValueTreeSig
             f"{exc}. A program's output must be CUDA tensors, registered leaves or None, "
             "nested in lists, tuples and dicts."
         ) from None
+
+
+def _detached(tree: Any, leaf_types: LeafTypes | None) -> Any:
+    """``tree`` with every tensor replaced by a detached view (no copies, no kernels)."""
+    sig = _output_signature(tree, leaf_types)
+    return sig.rebuild([t.detach() for t in sig.flatten(tree, path="output")])
 
 
 def _warm_up(
