@@ -103,10 +103,14 @@ def shifted(t: torch.Tensor) -> torch.Tensor:
 @st.composite
 def tensors(draw, dtypes=DTYPES) -> torch.Tensor:
     dtype = draw(st.sampled_from(dtypes))
-    shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
     seed = draw(st.integers(0, 2**16))
-    if len(shape) == 2 and draw(st.booleans()):
-        # A transposed view: non-contiguous unless a size-0/1 dim makes it degenerate.
+    transposed = draw(st.integers(0, 3)) == 0
+    if transposed:
+        shape = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    else:
+        shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
+    if transposed:
+        # A transposed view: non-contiguous unless a size-1 dim makes it degenerate.
         base = filled(shape[::-1], torch.empty(shape[::-1]).stride(), dtype, seed)
         t = base.t()
     else:
@@ -183,6 +187,8 @@ def map_tensors(tree, fn):
         return PackedTensor(fn(tree.data), fn(tree.scale), tree.block)
     if type(tree) is dict:
         return {k: map_tensors(v, fn) for k, v in tree.items()}
+    if type(tree) not in (list, tuple):
+        return tree  # a non-tensor put in by a mutation
     items = [map_tensors(v, fn) for v in tree]
     return items if type(tree) is list else tuple(items)
 

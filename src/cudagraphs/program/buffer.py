@@ -20,10 +20,20 @@ class ReusableValueBuffer:
         signature: the payload structure this buffer holds.
         device: where the storage lives (the graph's device).
 
+    Raises:
+        ValueError: the signature holds expanded (stride-0) tensors.
+
     Not thread safe; one owner (a program) copies into it.
     """
 
     def __init__(self, signature: ValueTreeSignature, device: torch.device | str) -> None:
+        overlapping = [i for i, t in enumerate(signature.tensor_signatures()) if t.self_overlapping]
+        if overlapping:
+            raise ValueError(
+                f"input tensors {overlapping} (in flatten order) are expanded views whose "
+                "elements share memory (stride 0); a fixed buffer cannot hold them. Pass "
+                "materialized tensors (.contiguous()) or expand inside the function."
+            )
         self.signature = signature
         self.device = torch.device(device)
         self.tensors: list[torch.Tensor] = [

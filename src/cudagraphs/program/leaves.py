@@ -44,6 +44,8 @@ class LeafType:
                 f"{path}: flatten of leaf type {self.name!r} returned non-tensors for {bad}"
             )
         try:
+            if not all(isinstance(k, str) for k in metadata):
+                raise TypeError("metadata keys must be str")
             frozen = tuple(sorted(metadata.items()))
             hash(frozen)
         except TypeError as exc:

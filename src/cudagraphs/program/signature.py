@@ -95,6 +95,12 @@ class TensorSignature:
         return t.requires_grad_(self.requires_grad)
 
     @property
+    def self_overlapping(self) -> bool:
+        """Whether elements share memory (an expanded view, stride 0): such a tensor
+        cannot be a copy target."""
+        return any(st == 0 and n > 1 for n, st in zip(self.shape, self.stride))
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the storage span this topology covers."""
         if any(s == 0 for s in self.shape):
@@ -280,11 +286,11 @@ class ValueTreeSignature:
 
     def rebuild(self, tensors: list[torch.Tensor]) -> Any:
         """A tree of this structure around ``tensors`` (in :meth:`flatten` order)."""
-        it = iter(tensors)
-        tree = self._rebuild(it)
-        if next(it, None) is not None:
-            raise ValueError("more tensors than the signature holds")
-        return tree
+        tensors = list(tensors)
+        expected = len(self.tensor_signatures())
+        if len(tensors) != expected:
+            raise ValueError(f"rebuild needs {expected} tensors, got {len(tensors)}")
+        return self._rebuild(iter(tensors))
 
     def _rebuild(self, it: Any) -> Any:
         if self.kind == "none":
