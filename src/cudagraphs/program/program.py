@@ -126,6 +126,12 @@ def _check_examples(signature: ValueTreeSignature, tensors: list[torch.Tensor]) 
         raise ValueError(
             f"example_inputs must all sit on one CUDA device, found {sorted(map(str, devices))}"
         )
+    expanded = [i for i, t in enumerate(signature.tensor_signatures()) if t.self_overlapping]
+    if expanded:
+        raise ValueError(
+            f"example input tensors {expanded} (in flatten order) are expanded views (stride "
+            "0); each input needs storage of its own (pass .contiguous() copies)"
+        )
     storages: dict[int, int] = {}
     for i, t in enumerate(tensors):
         ptr = t.untyped_storage().data_ptr()
