@@ -71,7 +71,7 @@ import torch  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 
 import cudagraphs  # noqa: E402
-from cudagraphs import CudaGraphProgram  # noqa: E402
+from cudagraphs import CudaGraphCaptureError, CudaGraphProgram  # noqa: E402
 from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
 
 DEVICE = "cuda"
@@ -377,18 +377,12 @@ def run_per_call_case(case: Case, variants: list[str], iters: int, repeats: int)
     }
     if case.name == "one_input":
         gap = _diff(ours, raw)
-        report["targets"] = {
-            f"{OURS}_minus_raw_le_{ONE_INPUT_TARGET_US:g}us": None
-            if gap is None
-            else gap <= ONE_INPUT_TARGET_US
-        }
+        ok = None if gap is None else gap <= ONE_INPUT_TARGET_US
+        report["targets"] = {f"{OURS}_minus_raw_le_{ONE_INPUT_TARGET_US:g}us": ok}
     else:
         ratio = _ratio(ours, raw_copy)
-        report["targets"] = {
-            f"{OURS}_le_{TREE_TARGET_RATIO:g}x_raw_plus_copy": None
-            if ratio is None
-            else ratio <= TREE_TARGET_RATIO
-        }
+        ok = None if ratio is None else ratio <= TREE_TARGET_RATIO
+        report["targets"] = {f"{OURS}_le_{TREE_TARGET_RATIO:g}x_raw_plus_copy": ok}
     return report
 
 
@@ -413,17 +407,31 @@ class PrefetchRig:
             program.close()
 
 
-def make_rig(case: Case) -> tuple[PrefetchRig, float]:
+def capture_matmul_program(fn: Callable[..., object], example: tuple, notes: list[str]):
+    """Capture with the default first-replay check (bitwise equality with the last
+    warmup). Should only that check fail (cuBLAS choosing another kernel inside
+    capture), capture again without it, note why, and leave correctness to the
+    tolerance check against eager: one failed check must not cost the whole case."""
+    try:
+        return CudaGraphProgram.capture(fn, example_inputs=example)
+    except CudaGraphCaptureError as exc:
+        if "first replay's output differs" not in str(exc):
+            raise
+        notes.append(f"recaptured with check_first_replay=False after: {exc}"[:1000])
+        return CudaGraphProgram.capture(fn, example_inputs=example, check_first_replay=False)
+
+
+def make_rig(case: Case) -> tuple[PrefetchRig, float, list[str]]:
     gpu = [case.make_args(SOURCE_SEED + k)[0] for k in range(PREFETCH_SOURCES)]
     sources = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in gpu]
     expected = [case.fn(t) for t in gpu]
     del gpu
-    example = case.make_args(EXAMPLE_SEED)
+    example, notes = case.make_args(EXAMPLE_SEED), []
     programs, setup_s = _timed_setup(
-        lambda: [CudaGraphProgram.capture(case.fn, example_inputs=example) for _ in range(2)]
+        lambda: [capture_matmul_program(case.fn, example, notes) for _ in range(2)]
     )
     rig = PrefetchRig(programs, sources, expected, torch.cuda.Stream(), PREFETCH_STEPS)
-    return rig, setup_s
+    return rig, setup_s, notes
 
 
 def window_serial(rig: PrefetchRig, outputs: list | None = None) -> None:
@@ -519,12 +527,14 @@ def run_prefetch_case(case: Case, repeats: int) -> dict:
     report["settings"]["float32_matmul_precision"] = torch.get_float32_matmul_precision()
     print("program_replay: prefetch: capture", file=sys.stderr, flush=True)
     try:
-        rig, setup_s = make_rig(case)
+        rig, setup_s, notes = make_rig(case)
     except Exception as exc:
         report["variants"] = {"setup": describe_error(exc)}
         return report
     try:
         report["setup_s"] = round(setup_s, 4)
+        if notes:
+            report["notes"] = notes
         report["stats"] = [dataclasses.asdict(p.stats) for p in rig.programs]
         results = _time_windows(rig, repeats)
     finally:

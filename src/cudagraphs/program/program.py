@@ -253,6 +253,7 @@ class CudaGraphProgram(Generic[OutputT]):
         self._generation, self._token = 0, id(self)
         self._last_replay: torch.cuda.Event | None = None
         self._launched = torch.cuda.Event()
+        self._last_copy: torch.cuda.Event | None = None
         self._closed = False
         with torch.cuda.device(device):
             stream = torch.cuda.Stream(device)
@@ -438,6 +439,7 @@ class CudaGraphProgram(Generic[OutputT]):
         done = torch.cuda.Event()
         done.record(stream)
         self._generation += 1
+        self._last_copy = done
         return CopyHandle(self._token, self._generation, done, tuple(sources))
 
     def replay_prepared(
@@ -447,8 +449,9 @@ class CudaGraphProgram(Generic[OutputT]):
         copy_output: bool = False,
         synchronize: bool = False,
     ) -> OutputT:
-        """Replay on the payload the buffer holds. With ``copy_handle`` the current
-        stream first waits (on the device, not the host) for that copy.
+        """Replay on the payload the buffer holds. The current stream first waits (on
+        the device, not the host) for ``copy_handle``'s copy, or without a handle for
+        the latest :meth:`copy_inputs_from`.
 
         Raises:
             CudaGraphInputError: the handle belongs to another program, or a newer copy
@@ -467,6 +470,9 @@ class CudaGraphProgram(Generic[OutputT]):
                     f", buffer now holds payload {self._generation}); use the latest handle"
                 )
             stream.wait_event(copy_handle.event)
+        elif self._last_copy is not None:
+            # Without a handle, still never read a payload that is half copied.
+            stream.wait_event(self._last_copy)
         self._launch(stream)
         return self._result(copy_output, synchronize)
 
@@ -480,7 +486,7 @@ class CudaGraphProgram(Generic[OutputT]):
         if getattr(self, "_graph", None) is not None:
             self._graph.reset()
         self._graph = self._buffer = self._output = None
-        self._last_replay = None
+        self._last_replay = self._last_copy = None
         self._graph_pool = None
         if self._pool is not None:
             self._pool._members.discard(self)
