@@ -54,7 +54,7 @@ class CopyHandle:
     """Proof of one :meth:`CudaGraphProgram.copy_inputs_from`: which program, which
     payload generation, and the event that completes when the copy has landed."""
 
-    program_token: int
+    program_token: object
     generation: int
     event: torch.cuda.Event
     sources: tuple[torch.Tensor, ...]  # kept alive until the copy is consumed
@@ -76,7 +76,9 @@ class CudaGraphPool:
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"a CudaGraphPool lives on a CUDA device, got {device}")
-        self._device = device if device.index is not None else torch.device("cuda", 0)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
         self._graph_pool = GraphPool()
         self._members: weakref.WeakSet[CudaGraphProgram] = weakref.WeakSet()
         self._last_launch: torch.cuda.Event | None = None
@@ -250,10 +252,12 @@ class CudaGraphProgram(Generic[OutputT]):
         name = getattr(function, "__qualname__", type(function).__name__)
         self._function, self._device, self._signature = function, device, signature
         self._pool, self._leaf_types, self._name = pool, leaf_types, name
-        self._generation, self._token = 0, id(self)
+        # A fresh object per program: unlike id(self), never reused by another program.
+        self._generation, self._token = 0, object()
         self._last_replay: torch.cuda.Event | None = None
         self._launched = torch.cuda.Event()
         self._last_copy: torch.cuda.Event | None = None
+        self._last_replay_stream: torch.cuda.Stream | None = None
         self._closed = False
         with torch.cuda.device(device):
             stream = torch.cuda.Stream(device)
@@ -286,14 +290,20 @@ class CudaGraphProgram(Generic[OutputT]):
             self._graph, output = capture_into_graph(lambda: fn(*args), self._graph_pool, **opts)
             # Detached views of the graph's output memory: the captured autograd graph
             # is not kept alive through them.
-            self._output = _detached(output, self._leaf_types)
-            self._out_sig = _output_signature(self._output, self._leaf_types)
+            try:
+                self._output = _detached(output, self._leaf_types)
+                self._out_sig = _output_signature(self._output, self._leaf_types)
+                _check_output_device(self._out_sig.flatten(self._output), self._device)
+            except Exception:
+                self._graph.reset()
+                raise
             return
         # Retained outputs are copied, inside the graph, into buffers allocated outside
         # the shared scratch, so other programs' replays cannot overwrite them.
         leaf_types = self._leaf_types
         self._out_sig = _output_signature(_detached(last, leaf_types), leaf_types)
         like = self._out_sig.flatten(_detached(last, leaf_types), path="output")
+        _check_output_device(like, self._device)
         self._graph, static = capture_with_static_outputs(
             lambda: self._out_sig.flatten(_detached(fn(*args), leaf_types), path="output"),
             like,
@@ -376,9 +386,21 @@ class CudaGraphProgram(Generic[OutputT]):
         # One event, re-recorded per launch: a wait issued later always refers to the
         # latest launch, which is what overwrite protection and the pool chain need.
         self._launched.record(stream)
-        self._last_replay = self._launched
+        self._last_replay, self._last_replay_stream = self._launched, stream
+        # The launch waited for the latest copy, so later buffer writers, which wait
+        # for this launch, are ordered after that copy too.
+        self._last_copy = None
         if pool is not None:
             pool._last_launch = self._launched
+
+    def _order_buffer_write(self, stream: torch.cuda.Stream) -> None:
+        """Before ``stream`` writes the input buffer: wait for the last launched replay
+        (it may still read the inputs) and the last prefetch copy (so buffer writes land
+        in the order they were issued), whatever streams those ran on."""
+        if self._last_replay is not None and stream != self._last_replay_stream:
+            stream.wait_event(self._last_replay)
+        if self._last_copy is not None:
+            stream.wait_event(self._last_copy)
 
     def _result(self, copy_output: bool, synchronize: bool) -> Any:
         out = self._output
@@ -401,6 +423,7 @@ class CudaGraphProgram(Generic[OutputT]):
         self._check_open()
         sources = self._signature.flatten(inputs, path="inputs")
         stream = torch.cuda.current_stream(self._device)
+        self._order_buffer_write(stream)
         self._buffer.copy_tensors(sources)
         self._generation += 1  # any earlier CopyHandle is stale now
         self._launch(stream)
@@ -424,8 +447,7 @@ class CudaGraphProgram(Generic[OutputT]):
         self._check_open()
         sources = self._signature.flatten(inputs, path="inputs")
         stream = torch.cuda.current_stream(self._device) if stream is None else stream
-        if self._last_replay is not None:
-            stream.wait_event(self._last_replay)
+        self._order_buffer_write(stream)
         events = [wait_for] if isinstance(wait_for, torch.cuda.Event) else list(wait_for or ())
         for event in events:
             stream.wait_event(event)
@@ -460,7 +482,7 @@ class CudaGraphProgram(Generic[OutputT]):
         self._check_open()
         stream = torch.cuda.current_stream(self._device)
         if copy_handle is not None:
-            if copy_handle.program_token != self._token:
+            if copy_handle.program_token is not self._token:
                 raise CudaGraphInputError(
                     f"program {self._name}: copy_handle was made by another program"
                 )
@@ -509,6 +531,15 @@ def _output_signature(output: Any, leaf_types: LeafTypes | None) -> ValueTreeSig
             f"{exc}. A program's output must be CUDA tensors, registered leaves or None, "
             "nested in lists, tuples and dicts."
         ) from None
+
+
+def _check_output_device(tensors: list[torch.Tensor], device: torch.device) -> None:
+    elsewhere = sorted({str(t.device) for t in tensors if t.device != device})
+    if elsewhere:
+        raise TypeError(
+            f"the function returned tensors on {elsewhere}; a program's outputs must be "
+            f"tensors on its device {device} (a graph replay never writes other devices)"
+        )
 
 
 def _detached(tree: Any, leaf_types: LeafTypes | None) -> Any:

@@ -177,15 +177,18 @@ class ValueTreeSignature:
         if type(value) is dict:
             keys = _sorted_keys(value)
             children = tuple(
-                cls.from_value(value[k], leaf_types=leaf_types, path=f"{path}[{k!r}]") for k in keys
+                cls.from_value(
+                    value[k], leaf_types=leaf_types, path=f"{path}[{k!r}]", allow_none=allow_none
+                )
+                for k in keys
             )
             return cls("dict", children=children, keys=tuple(keys), _leaf_types=leaf_types)
         registered = leaf_types.names() if leaf_types is not None else []
         raise TypeError(
-            f"{path}: unsupported input leaf of type {type(value).__qualname__}. Inputs are "
-            "tensors and registered leaf types (registered here: "
-            f"{registered or 'none'}) nested in lists, tuples and dicts; bind Python scalars "
-            "and other objects in the function (closure or functools.partial)."
+            f"{path}: unsupported leaf of type {type(value).__qualname__}. Leaves are tensors "
+            f"and registered leaf types (registered here: {registered or 'none'}) nested in "
+            "lists, tuples and dicts; bind Python scalars and other objects in the function "
+            "(closure or functools.partial)."
         )
 
     # ---- checking ---------------------------------------------------------------------
