@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -42,6 +43,8 @@ class ReusableValueBuffer:
         #: The buffer as a tree of the signature's structure (borrowed: its tensors are
         #: overwritten by every copy).
         self.value: Any = signature.rebuild(self.tensors)
+        # Copy groups by dtype, fixed by the signature.
+        self._groups = _dtype_groups(self.tensors)
 
     @property
     def nbytes(self) -> int:
@@ -53,8 +56,8 @@ class ReusableValueBuffer:
 
         The whole tree is validated first, so a mismatch leaves the buffer untouched.
         Sources may sit on the CPU (pinned memory for a truly asynchronous copy) or on
-        any CUDA device. Copies are grouped by source device and dtype, one fused
-        launch per group (``torch._foreach_copy_``), on the current stream.
+        any CUDA device. Copies are grouped by dtype, one fused launch per group
+        (``torch._foreach_copy_``), on the current stream.
 
         Raises:
             SignatureMismatchError: naming every path that differs.
@@ -62,26 +65,48 @@ class ReusableValueBuffer:
         self.copy_tensors(self.signature.flatten(value, path=path), non_blocking=non_blocking)
 
     def copy_tensors(self, sources: list[torch.Tensor], *, non_blocking: bool = False) -> None:
-        """Copy already-validated sources (in signature order) into the buffer,
-        skipping any source that is the buffer tensor itself."""
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}
-        for dst, src in zip(self.tensors, sources):
-            if src.device == dst.device and src.data_ptr() == dst.data_ptr():
-                continue
-            dsts, srcs = groups.setdefault((src.device, src.dtype), ([], []))
-            dsts.append(dst)
-            srcs.append(src)
+        """Copy already-validated sources (in signature order) into the buffer; nothing
+        is copied when the sources are the buffer's own tensors."""
+        targets = self.tensors
+        same = list(map(operator.is_, sources, targets))
+        if any(same):
+            if all(same):
+                return
+            # Some sources are the buffer itself: copy only the others (rare path).
+            keep = [i for i, s in enumerate(same) if not s]
+            sources = [sources[i] for i in keep]
+            groups = _dtype_groups([targets[i] for i in keep])
+        else:
+            groups = self._groups
         # Buffers may require grad (their signature records it); copying into them is
-        # data movement, not a differentiable op.
-        with torch.no_grad():
-            for dsts, srcs in groups.values():
+        # data movement, not a differentiable op. The raw switch is cheaper than a
+        # no_grad() context on this per-replay path.
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            for dsts, idx in groups:
                 if len(dsts) == 1:
-                    dsts[0].copy_(srcs[0], non_blocking=non_blocking)
+                    dsts[0].copy_(sources[0 if idx is None else idx[0]], non_blocking=non_blocking)
                 else:
+                    # One fused launch per dtype; sources on another device are handled
+                    # inside torch (it splits the work as needed).
+                    srcs = sources if idx is None else [sources[i] for i in idx]
                     torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+        finally:
+            torch._C._set_grad_enabled(grad_was)
 
     def __repr__(self) -> str:
         return (
             f"ReusableValueBuffer({len(self.tensors)} tensors, {self.nbytes} bytes on "
             f"{self.device})"
         )
+
+
+def _dtype_groups(targets: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], list[int] | None]]:
+    """Copy groups by dtype: (targets, source indices, or None when the group is every
+    tensor in order)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(targets):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    single = len(by_dtype) == 1
+    return [([targets[i] for i in idx], None if single else idx) for idx in by_dtype.values()]

@@ -258,6 +258,8 @@ class CudaGraphProgram(Generic[OutputT]):
         self._launched = torch.cuda.Event()
         self._last_copy: torch.cuda.Event | None = None
         self._last_replay_stream: torch.cuda.Stream | None = None
+        self._stream_key: object = None
+        self._stream: torch.cuda.Stream | None = None
         self._closed = False
         with torch.cuda.device(device):
             stream = torch.cuda.Stream(device)
@@ -393,11 +395,20 @@ class CudaGraphProgram(Generic[OutputT]):
         if pool is not None:
             pool._last_launch = self._launched
 
+    def _current_stream(self) -> torch.cuda.Stream:
+        # torch.cuda.current_stream() builds a new Stream object per call; on the replay
+        # path we reuse the last one while the current stream stays the same.
+        key = torch._C._cuda_getCurrentStream(self._device.index)
+        if key != self._stream_key:
+            self._stream_key = key
+            self._stream = torch.cuda.current_stream(self._device)
+        return self._stream
+
     def _order_buffer_write(self, stream: torch.cuda.Stream) -> None:
         """Before ``stream`` writes the input buffer: wait for the last launched replay
         (it may still read the inputs) and the last prefetch copy (so buffer writes land
         in the order they were issued), whatever streams those ran on."""
-        if self._last_replay is not None and stream != self._last_replay_stream:
+        if self._last_replay is not None and stream is not self._last_replay_stream:
             stream.wait_event(self._last_replay)
         if self._last_copy is not None:
             stream.wait_event(self._last_copy)
@@ -422,7 +433,7 @@ class CudaGraphProgram(Generic[OutputT]):
         """
         self._check_open()
         sources = self._signature.flatten(inputs, path="inputs")
-        stream = torch.cuda.current_stream(self._device)
+        stream = self._current_stream()
         self._order_buffer_write(stream)
         self._buffer.copy_tensors(sources)
         self._generation += 1  # any earlier CopyHandle is stale now
@@ -480,7 +491,7 @@ class CudaGraphProgram(Generic[OutputT]):
                 or replay has replaced its payload.
         """
         self._check_open()
-        stream = torch.cuda.current_stream(self._device)
+        stream = self._current_stream()
         if copy_handle is not None:
             if copy_handle.program_token is not self._token:
                 raise CudaGraphInputError(

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import CudaGraphInputError
+from .fastpath import compile_matcher
 from .leaves import LeafTypes
 
 __all__ = [
@@ -202,12 +203,29 @@ class ValueTreeSignature:
     def flatten(self, value: Any, *, path: str = "value") -> list[torch.Tensor]:
         """Validate ``value`` and return its tensors in signature order (registered
         leaves contribute their named tensors, sorted by name)."""
+        matcher = self._matcher()
+        if matcher is not None:
+            try:
+                tensors = matcher(value)
+            except Exception:  # e.g. stride() of a sparse tensor: the full walk explains
+                tensors = None
+            if tensors is not None:
+                return tensors
         problems: list[Mismatch] = []
         out: list[torch.Tensor] = []
         self._collect(value, path, problems, out)
         if problems:
             raise SignatureMismatchError(path, problems)
         return out
+
+    def _matcher(self) -> Any:
+        # Generated on first use and cached on this (frozen) signature object.
+        try:
+            return self.__dict__["_fast"]
+        except KeyError:
+            matcher = compile_matcher(self)
+            object.__setattr__(self, "_fast", matcher)
+            return matcher
 
     def _collect(self, value: Any, path: str, problems: list, out: list | None) -> None:
         kind = self.kind
