@@ -1,0 +1,113 @@
+"""Memory planning for bucketed capture: which buckets fit in free device memory.
+
+Costs are measured per bucket before the real capture (the runner does that on the
+GPU: eager warm-up peak, a thrown-away capture for the pool bytes, and executable
+memory per graph node through the driver). The choice below is a pure function of
+those numbers, tested on the CPU with synthetic costs.
+
+Model: all buckets share one pool and are captured largest first, so the pool grows
+to about the largest chosen bucket's pool bytes; every graph adds its executable
+memory; and the largest eager step (batches no bucket fits run eagerly) must still
+fit beside all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .buckets import Bucket
+
+__all__ = ["BucketCost", "MemoryPlan", "plan_buckets"]
+
+
+@dataclass(frozen=True)
+class BucketCost:
+    """Measured costs of one bucket, in bytes."""
+
+    bucket: Bucket
+    eager_peak_bytes: int  # peak allocation of one eager step at this bucket
+    pool_bytes: int  # what its capture took from the pool (captured alone)
+    graph_nodes: int  # nodes of its graph(s)
+    exec_bytes_per_node: float  # driver memory per node of an instantiated graph
+
+    @property
+    def exec_bytes(self) -> int:
+        return int(self.graph_nodes * self.exec_bytes_per_node)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The buckets to capture and the prediction to log against the actual figures."""
+
+    chosen: tuple[Bucket, ...]
+    dropped: dict[Bucket, str] = field(default_factory=dict)
+    predicted_pool_bytes: int = 0
+    predicted_exec_bytes: int = 0
+    eager_reserve_bytes: int = 0
+    budget_bytes: int = 0
+
+    @property
+    def predicted_bytes(self) -> int:
+        return self.predicted_pool_bytes + self.predicted_exec_bytes
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        return (
+            f"memory plan: {len(self.chosen)} bucket(s) predicted to take "
+            f"{self.predicted_pool_bytes / mib:.1f} MiB of pool and "
+            f"{self.predicted_exec_bytes / mib:.1f} MiB of executable graphs, beside "
+            f"{self.eager_reserve_bytes / mib:.1f} MiB kept for the largest eager step, "
+            f"within {self.budget_bytes / mib:.1f} MiB free; dropped: "
+            + (", ".join(f"{b} ({why})" for b, why in self.dropped.items()) or "none")
+        )
+
+
+def _need(costs: Sequence[BucketCost]) -> tuple[int, int]:
+    if not costs:
+        return 0, 0
+    return max(c.pool_bytes for c in costs), sum(c.exec_bytes for c in costs)
+
+
+def plan_buckets(
+    costs: Sequence[BucketCost], free_bytes: int, *, headroom_bytes: int = 0
+) -> MemoryPlan:
+    """Choose the buckets that fit in ``free_bytes``.
+
+    The largest eager step's peak (over all buckets' eager peaks) is kept free, plus
+    ``headroom_bytes``. While the chosen buckets' predicted pool + executable memory
+    does not fit in what is left, the most expensive bucket (largest pool bytes,
+    then largest executable memory) is dropped, so a tight budget loses the
+    expensive large buckets and keeps the cheap small ones.
+
+    Raises:
+        ValueError: negative budgets or duplicate buckets.
+    """
+    if free_bytes < 0 or headroom_bytes < 0:
+        raise ValueError("free_bytes and headroom_bytes must be >= 0")
+    buckets = [c.bucket for c in costs]
+    if len(set(buckets)) != len(buckets):
+        raise ValueError(f"duplicate buckets in costs: {buckets}")
+    reserve = max((c.eager_peak_bytes for c in costs), default=0) + headroom_bytes
+    budget = free_bytes - reserve
+    chosen = sorted(costs, key=lambda c: c.bucket, reverse=True)
+    dropped: dict[Bucket, str] = {}
+    while chosen:
+        pool, execs = _need(chosen)
+        if pool + execs <= budget:
+            break
+        victim = max(chosen, key=lambda c: (c.pool_bytes, c.exec_bytes, c.bucket))
+        chosen.remove(victim)
+        dropped[victim.bucket] = (
+            f"does not fit: the plan needed {(pool + execs) >> 20} MiB with it, "
+            f"{max(budget, 0) >> 20} MiB are free beside the eager reserve"
+        )
+    pool, execs = _need(chosen)
+    return MemoryPlan(
+        chosen=tuple(c.bucket for c in chosen),
+        dropped=dropped,
+        predicted_pool_bytes=pool,
+        predicted_exec_bytes=execs,
+        eager_reserve_bytes=reserve,
+        budget_bytes=free_bytes,
+    )
