@@ -42,6 +42,11 @@ class Bucket:
         return self.batch_size if self.num_tokens is None else self.num_tokens
 
 
+def _size_key(bucket: Bucket) -> tuple[int, int]:
+    # Rows size the static buffers and the pool; capture and report the biggest first.
+    return (bucket.rows, bucket.batch_size)
+
+
 def _positive_ints(values: Iterable[int], what: str) -> tuple[int, ...]:
     out = tuple(values)
     bad = [v for v in out if not isinstance(v, int) or isinstance(v, bool) or v < 1]
@@ -94,7 +99,7 @@ class BucketConfig:
                         )
                     buckets.append(Bucket(bs, tokens))
         # Capture order: largest first, so smaller graphs reuse the largest one's pool.
-        object.__setattr__(self, "_buckets", tuple(sorted(buckets, reverse=True)))
+        object.__setattr__(self, "_buckets", tuple(sorted(buckets, key=_size_key, reverse=True)))
 
     def buckets(self) -> list[Bucket]:
         """Every configured bucket, in capture order (largest first)."""
@@ -102,11 +107,14 @@ class BucketConfig:
 
     @property
     def largest(self) -> Bucket:
+        """The bucket with the most rows: it sizes the static buffers."""
         return self._buckets[0]
 
 
 def pad_ratio(bucket: Bucket, batch_size: int, num_tokens: int | None = None) -> float:
     """Share of the bucket's rows that would be padding for this batch."""
+    if bucket.num_tokens is not None and num_tokens is None:
+        raise ValueError(f"{bucket} is a token bucket: pass num_tokens")
     real = batch_size if bucket.num_tokens is None else num_tokens
     return (bucket.rows - real) / bucket.rows
 
@@ -163,7 +171,8 @@ def check_dropped_buckets(dropped: Mapping[Bucket, str], require_all: bool | Non
             "yes",
         )
     if require_all and dropped:
-        lines = "\n  ".join(f"{b}: {why}" for b, why in sorted(dropped.items(), reverse=True))
+        ordered = sorted(dropped.items(), key=lambda item: _size_key(item[0]), reverse=True)
+        lines = "\n  ".join(f"{b}: {why}" for b, why in ordered)
         raise CudaGraphCaptureError(
             f"{len(dropped)} bucket(s) were dropped at startup and all are required:\n  {lines}\n"
             f"Fix the causes, or allow dropped buckets (require_all_buckets=False, unset "

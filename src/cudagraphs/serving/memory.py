@@ -63,6 +63,14 @@ class MemoryPlan:
         )
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def _need(costs: Sequence[BucketCost]) -> tuple[int, int]:
     if not costs:
         return 0, 0
@@ -90,7 +98,7 @@ def plan_buckets(
         raise ValueError(f"duplicate buckets in costs: {buckets}")
     reserve = max((c.eager_peak_bytes for c in costs), default=0) + headroom_bytes
     budget = free_bytes - reserve
-    chosen = sorted(costs, key=lambda c: c.bucket, reverse=True)
+    chosen = sorted(costs, key=lambda c: (c.bucket.rows, c.bucket.batch_size), reverse=True)
     dropped: dict[Bucket, str] = {}
     while chosen:
         pool, execs = _need(chosen)
@@ -99,8 +107,8 @@ def plan_buckets(
         victim = max(chosen, key=lambda c: (c.pool_bytes, c.exec_bytes, c.bucket))
         chosen.remove(victim)
         dropped[victim.bucket] = (
-            f"does not fit: the plan needed {(pool + execs) >> 20} MiB with it, "
-            f"{max(budget, 0) >> 20} MiB are free beside the eager reserve"
+            f"does not fit: the plan needed {_size(pool + execs)} with it, "
+            f"{_size(max(budget, 0))} are free beside the eager reserve"
         )
     pool, execs = _need(chosen)
     return MemoryPlan(

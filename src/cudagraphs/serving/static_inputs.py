@@ -102,15 +102,15 @@ class StaticInputs:
                 f"inputs {bad} do not have {max_rows} rows (the largest bucket) in their row_dim"
             )
         self.specs = {s.name: s for s in specs}
-        self.device = torch.device(device)
         self.max_rows = max_rows
         # Row dimension first: a bucket's rows are one contiguous leading block.
         self._storage = {
-            s.name: torch.full(
-                (max_rows, *s.trailing), s.pad_value, dtype=s.dtype, device=self.device
-            )
+            s.name: torch.full((max_rows, *s.trailing), s.pad_value, dtype=s.dtype, device=device)
             for s in specs
         }
+        # The device as tensors report it ("cuda" becomes "cuda:0"), for comparisons.
+        probe = next(iter(self._storage.values()), None)
+        self.device = probe.device if probe is not None else torch.device(device)
 
     def view(self, name: str, rows: int) -> torch.Tensor:
         """Input ``name`` for ``rows`` rows, in the caller's layout (a view of the
@@ -161,6 +161,8 @@ class StaticInputs:
                 )
         if rows > bucket.rows:
             problems.append(f"{rows} rows do not fit {bucket} ({bucket.rows} rows)")
+        if bucket.rows > self.max_rows:
+            problems.append(f"{bucket} needs {bucket.rows} rows, the buffers hold {self.max_rows}")
         if problems:
             raise CudaGraphInputError(
                 f"inputs for {bucket} rejected; nothing was staged:\n  " + "\n  ".join(problems)
