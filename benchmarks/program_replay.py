@@ -19,6 +19,7 @@ capture example, in the caller's default grad mode (no input requires grad):
 * ``raw_plus_copy``: ``static.copy_(x)`` (one leaf) or one fused
   ``torch._foreach_copy_`` over pre-flattened leaves (tree), then ``graph.replay()``.
 * ``cudagraphs_program``: ``CudaGraphProgram.replay(tree)`` (validation + copy + replay).
+* ``cudagraphs_program_unvalidated``: ``replay(tree, validate=False)`` (copy + replay).
 * ``naive_wrapper``: what one writes by hand: ``pytree.tree_leaves`` of the tree, one
   ``copy_`` per leaf, ``graph.replay()``.
 * ``torch_make_graphed_callables``: the torch helper around a wrapper taking the leaves
@@ -270,18 +271,24 @@ def _build_raw(case: Case, copy: str | None) -> Built:
     return Built(step, setup_s, graph.reset)
 
 
-def build_ours(case: Case) -> Built:
+def build_ours(case: Case, validate: bool = True) -> Built:
     example, src = case.make_args(EXAMPLE_SEED), case.make_args(SOURCE_SEED)
     program, setup_s = _timed_setup(
         lambda: CudaGraphProgram.capture(case.fn, example_inputs=example)
     )
 
     def check() -> dict:
-        out = program.replay(*src, copy_output=True, synchronize=True)
+        out = program.replay(*src, copy_output=True, synchronize=True, validate=validate)
         return compare(out, case.fn(*src), CHECK_RTOL[case.name])
 
     stats = dataclasses.asdict(program.stats)
-    return Built(lambda: program.replay(*src), setup_s, program.close, check, {"stats": stats})
+    return Built(
+        lambda: program.replay(*src, validate=validate),
+        setup_s,
+        program.close,
+        check,
+        {"stats": stats},
+    )
 
 
 def build_helper(case: Case) -> Built:
@@ -323,6 +330,8 @@ VARIANTS: dict[str, Callable[[Case], Built]] = {
     "raw": lambda case: _build_raw(case, None),
     "raw_plus_copy": lambda case: _build_raw(case, "fused"),
     OURS: build_ours,
+    # The same with replay(validate=False): no per-leaf checks, for trusted callers.
+    f"{OURS}_unvalidated": lambda case: build_ours(case, validate=False),
     "naive_wrapper": lambda case: _build_raw(case, "naive"),
     HELPER_VARIANT: build_helper,
     COMPILE_VARIANT: build_compile,

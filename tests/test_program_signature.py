@@ -407,3 +407,39 @@ def test_rebuild_with_too_few_tensors_is_a_value_error():
     sig = signature([torch.zeros(2), torch.zeros(3)])
     with pytest.raises(ValueError, match="rebuild needs 2 tensors, got 1"):
         sig.rebuild([torch.zeros(2)])
+
+
+# ---- the generated fast path (fastpath.py) ---------------------------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(tree=trees())
+def test_fast_path_and_extract_agree_with_the_full_walk(tree):
+    sig = ValueTreeSignature.from_value(tree, leaf_types=LEAF_TYPES)
+    slow: list = []
+    problems: list = []
+    sig._collect(tree, "value", problems, slow)
+    assert problems == []
+    fast = sig.flatten(tree)
+    assert len(fast) == len(slow) and all(a is b for a, b in zip(fast, slow))
+    extracted = sig.extract(tree)
+    assert len(extracted) == len(slow) and all(a is b for a, b in zip(extracted, slow))
+
+
+def test_fast_path_exists_only_without_registered_leaves():
+    plain = ValueTreeSignature.from_value({"a": [torch.zeros(2), (torch.ones(3),)]})
+    assert plain._matcher() is not None and plain._matcher(checks=False) is not None
+    q = QuantizedTensor(torch.zeros(4, dtype=torch.int8), torch.ones(1), 32)
+    with_leaf = ValueTreeSignature.from_value({"q": q}, leaf_types=LEAF_TYPES)
+    assert with_leaf._matcher() is None
+    assert len(with_leaf.extract({"q": q})) == 2  # falls back to the full walk
+
+
+def test_fast_path_rejections_fall_back_to_the_full_report():
+    sig = ValueTreeSignature.from_value((torch.zeros(2, 3), {"k": torch.zeros(4)}))
+    sparse = torch.zeros(2, 3).to_sparse()  # stride() raises inside the matcher
+    with pytest.raises(SignatureMismatchError) as info:
+        sig.flatten((sparse, {"k": torch.zeros(5)}))
+    fields = {(m.path, m.field) for m in info.value.mismatches}
+    assert ("value[0]", "layout") in fields
+    assert ("value[1]['k']", "shape") in fields

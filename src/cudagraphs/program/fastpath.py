@@ -30,7 +30,8 @@ Matcher = Callable[[Any], "list[torch.Tensor] | None"]
 
 
 class _Emitter:
-    def __init__(self) -> None:
+    def __init__(self, checks: bool = True) -> None:
+        self.checks = checks  # False: extract leaves only, trusting the structure
         self.lines: list[str] = []
         self.consts: list[Any] = []
         self.leaves: list[str] = []
@@ -44,46 +45,47 @@ class _Emitter:
         self.counter += 1
         return f"v{self.counter}"
 
+    def check(self, condition: str) -> None:
+        if self.checks:
+            self.lines.append(f"if {condition}: return None")
+
     def emit(self, sig: ValueTreeSignature, expr: str) -> bool:
         """Emit checks for ``expr`` against ``sig``; False if no fast path exists."""
         kind = sig.kind
         if kind == "value":
             return False
         if kind == "none":
-            self.lines.append(f"if {expr} is not None: return None")
-            return True
-        if kind == "tensor":
-            leaf = sig.leaf
-            name = self.var()
-            self.lines.append(f"{name} = {expr}")
-            self.lines.append(
-                f"if not isinstance({name}, Tensor) or {name}.shape != {self.const(leaf.shape)} "
-                f"or {name}.dtype is not {self.const(leaf.dtype)} "
-                f"or {name}.requires_grad is not {leaf.requires_grad} "
-                f"or {name}.stride() != {self.const(leaf.stride)}: return None"
-            )
-            self.leaves.append(name)
+            self.check(f"{expr} is not None")
             return True
         name = self.var()
         self.lines.append(f"{name} = {expr}")
+        if kind == "tensor":
+            leaf = sig.leaf
+            self.check(
+                f"not isinstance({name}, Tensor) or {name}.shape != {self.const(leaf.shape)} "
+                f"or {name}.dtype is not {self.const(leaf.dtype)} "
+                f"or {name}.requires_grad is not {leaf.requires_grad} "
+                f"or {name}.stride() != {self.const(leaf.stride)}"
+            )
+            self.leaves.append(name)
+            return True
         container = {"list": "list", "tuple": "tuple", "dict": "dict"}[kind]
-        self.lines.append(
-            f"if type({name}) is not {container} or len({name}) != {len(sig.children)}: return None"
-        )
+        self.check(f"type({name}) is not {container} or len({name}) != {len(sig.children)}")
         if kind == "dict":
             for key, child in zip(sig.keys, sig.children):
                 k = self.const(key)
-                self.lines.append(f"if {k} not in {name}: return None")
+                self.check(f"{k} not in {name}")
                 if not self.emit(child, f"{name}[{k}]"):
                     return False
             return True
         return all(self.emit(child, f"{name}[{i}]") for i, child in enumerate(sig.children))
 
 
-def compile_matcher(signature: ValueTreeSignature) -> Matcher | None:
+def compile_matcher(signature: ValueTreeSignature, *, checks: bool = True) -> Matcher | None:
     """A function ``value -> list of tensors | None`` for ``signature`` (see module
-    docs), or ``None`` when the signature has no fast path."""
-    em = _Emitter()
+    docs), or ``None`` when the signature has no fast path. With ``checks=False`` it
+    only extracts the leaves, trusting the structure (``replay(validate=False)``)."""
+    em = _Emitter(checks)
     if not em.emit(signature, "value"):
         return None
     body = "\n    ".join([*em.lines, f"return [{', '.join(em.leaves)}]"])

@@ -218,14 +218,25 @@ class ValueTreeSignature:
             raise SignatureMismatchError(path, problems)
         return out
 
-    def _matcher(self) -> Any:
+    def _matcher(self, checks: bool = True) -> Any:
         # Generated on first use and cached on this (frozen) signature object.
+        key = "_fast" if checks else "_extract"
         try:
-            return self.__dict__["_fast"]
+            return self.__dict__[key]
         except KeyError:
-            matcher = compile_matcher(self)
-            object.__setattr__(self, "_fast", matcher)
+            matcher = compile_matcher(self, checks=checks)
+            object.__setattr__(self, key, matcher)
             return matcher
+
+    def extract(self, value: Any, *, path: str = "value") -> list[torch.Tensor]:
+        """The tensors of ``value`` in :meth:`flatten` order, trusting that ``value``
+        matches this signature (no metadata checks; a wrong structure may raise a
+        plain ``KeyError``/``IndexError`` or pick wrong leaves). Falls back to
+        :meth:`flatten` for signatures holding registered leaf types."""
+        extractor = self._matcher(checks=False)
+        if extractor is None:
+            return self.flatten(value, path=path)
+        return extractor(value)
 
     def _collect(self, value: Any, path: str, problems: list, out: list | None) -> None:
         kind = self.kind
