@@ -53,14 +53,11 @@ import argparse
 import dataclasses
 import gc
 import json
-import re
-import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +68,7 @@ if str(_REPO / "src") not in sys.path:
 import torch  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 
-import cudagraphs  # noqa: E402
+from _report import environment, result_path  # noqa: E402
 from cudagraphs import CudaGraphCaptureError, CudaGraphProgram  # noqa: E402
 from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
 
@@ -590,42 +587,6 @@ def add_kernel_busy(report: dict) -> None:
 # ---- report and CLI ----------------------------------------------------------------
 
 
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10, check=True
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip()
-
-
-def environment() -> dict:
-    porcelain = _git("status", "--porcelain")
-    return {
-        "benchmark": "program_replay",
-        "commit": _git("rev-parse", "HEAD") or "unknown",
-        "dirty": None if porcelain is None else bool(porcelain),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudagraphs": cudagraphs.__version__,
-        "python": sys.version.split()[0],
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def result_path(out: str, report: dict) -> Path:
-    """``out`` itself, or inside a directory (existing, or ``out`` ends with ``/``) the
-    standard name ``program_replay-<device>-<commit>.json``."""
-    path = Path(out)
-    if not (out.endswith("/") or path.is_dir()):
-        return path
-    device = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
-    commit = report["commit"][:12] + ("-dirty" if report["dirty"] else "")
-    return path / f"program_replay-{device}-{commit}.json"
-
-
 def write_report(report: dict, out: str | None, *, final: bool) -> None:
     text = json.dumps(report, indent=2)
     if final:
@@ -671,9 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if args.require_gpu else 0
     started = time.perf_counter()
     variants = [v for v in VARIANTS if not (args.skip_compile and v == COMPILE_VARIANT)]
-    report = environment()
-    if args.commit:
-        report["commit"], report["dirty"] = args.commit, False
+    report = environment("program_replay", args.commit)
     report["settings"] = {
         "variants": variants,
         "step_time": "median over repeats of the mean wall time of iters back-to-back "

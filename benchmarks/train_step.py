@@ -34,14 +34,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import re
-import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +50,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cudagraphs  # noqa: E402
+from _report import environment, result_path  # noqa: E402
 from cudagraphs.models import BlockConfig, make_block_stack  # noqa: E402
 from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
 
@@ -403,42 +401,6 @@ def run_config(cfg: BenchConfig, variants: list[str]) -> dict:
 # ---- report and CLI ----------------------------------------------------------------
 
 
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10, check=True
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip()
-
-
-def environment() -> dict:
-    porcelain = _git("status", "--porcelain")
-    return {
-        "benchmark": "train_step",
-        "commit": _git("rev-parse", "HEAD") or "unknown",
-        "dirty": None if porcelain is None else bool(porcelain),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudagraphs": cudagraphs.__version__,
-        "python": sys.version.split()[0],
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def result_path(out: str, report: dict) -> Path:
-    """``out`` itself, or inside a directory (existing, or ``out`` ends with ``/``) the
-    standard name ``train_step-<device>-<commit>.json``."""
-    path = Path(out)
-    if not (out.endswith("/") or path.is_dir()):
-        return path
-    device = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
-    commit = report["commit"][:12] + ("-dirty" if report["dirty"] else "")
-    return path / f"train_step-{device}-{commit}.json"
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
@@ -461,9 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if args.require_gpu else 0
     overrides = {k: v for k, v in {"iters": args.iters, "repeats": args.repeats}.items() if v}
     configs = [replace(CONFIGS[name], **overrides) for name in args.configs]
-    report = environment()
-    if args.commit:
-        report["commit"], report["dirty"] = args.commit, False
+    report = environment("train_step", args.commit)
     report["settings"] = {
         "variants": args.variants,
         "warmup": WARMUP_STEPS,

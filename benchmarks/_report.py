@@ -1,0 +1,53 @@
+"""What every benchmark report records about its run, and where it is written."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+import cudagraphs
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def environment(benchmark: str, commit: str | None = None) -> dict:
+    """The run's identity: benchmark, commit (``commit`` overrides git, for checkouts
+    without ``.git`` such as the GPU machine's), device and versions, UTC time."""
+    porcelain = None if commit else _git("status", "--porcelain")
+    return {
+        "benchmark": benchmark,
+        "commit": commit or _git("rev-parse", "HEAD") or "unknown",
+        "dirty": False if commit else (None if porcelain is None else bool(porcelain)),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudagraphs": cudagraphs.__version__,
+        "python": sys.version.split()[0],
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def result_path(out: str, report: dict) -> Path:
+    """``out`` itself, or inside a directory (existing, or ``out`` ends with ``/``) the
+    standard name ``<benchmark>-<device>-<commit12>[-dirty].json``."""
+    path = Path(out)
+    if not (out.endswith("/") or path.is_dir()):
+        return path
+    device = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
+    commit = report["commit"][:12] + ("-dirty" if report["dirty"] else "")
+    return path / f"{report['benchmark']}-{device}-{commit}.json"
