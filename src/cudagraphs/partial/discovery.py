@@ -1,0 +1,261 @@
+"""Structural discovery of partial-graph targets in a training model.
+
+Nothing here looks at model names: a transformer block is recognized by what it holds
+(an attention submodule), attention by how it is called (``hidden_states`` plus an
+attention mask or position embeddings) and what it owns (projections), an MoE
+sublayer by having a router (a gate with a weight) beside experts. A model label is
+produced for diagnostics only.
+
+Targets are the modules a manager will graph: each block's whole attention module and
+its MoE router. Users can choose targets themselves by name pattern or predicate.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+__all__ = [
+    "DiscoveredBlock",
+    "Target",
+    "TargetSelectionError",
+    "discover_blocks",
+    "find_attention",
+    "find_moe",
+    "model_label",
+    "select_targets",
+    "unwrap_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+TargetKind = Literal["attention", "router", "custom"]
+_ROUTER_NAMES = ("gate", "router")  # the router child of an MoE sublayer
+_EXPERT_NAMES = ("experts",)
+
+
+class TargetSelectionError(ValueError):
+    """A chosen target cannot be graphed safely (the message names it and why)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One module to graph."""
+
+    name: str  # qualified name in the model part, wrappers unwrapped
+    module: nn.Module = field(compare=False)
+    kind: TargetKind
+    block: str | None = None  # the block it belongs to, when discovered in one
+
+
+@dataclass(frozen=True)
+class DiscoveredBlock:
+    """One transformer block and the graphable pieces found in it."""
+
+    name: str
+    module: nn.Module = field(compare=False)
+    attention: Target | None
+    router: Target | None
+    moe: str | None  # qualified name of the MoE sublayer, if any
+
+
+def unwrap_checkpoint(module: nn.Module) -> nn.Module:
+    """The module beneath any nesting of activation-checkpoint wrappers."""
+    while True:
+        inner = getattr(module, "_checkpoint_wrapped_module", None)
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def _children(module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        if hasattr(child, "_checkpoint_wrapped_module"):
+            # The wrapper's own child name is an implementation detail; report the
+            # wrapped module under the wrapper's name.
+            yield name, unwrap_checkpoint(child)
+        else:
+            yield name, child
+
+
+def _forward_parameters(module: nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _is_attention(module: nn.Module) -> bool:
+    params = _forward_parameters(module)
+    takes_hidden = "hidden_states" in params or "x" in params
+    takes_context = bool({"attention_mask", "position_embeddings", "position_ids"} & params)
+    projections = sum(isinstance(m, nn.Linear) for m in module.modules())
+    return takes_hidden and takes_context and projections >= 2
+
+
+def find_attention(block: nn.Module, prefix: str = "") -> tuple[str, nn.Module] | None:
+    """The block's whole attention module: a direct child called with hidden states
+    and an attention mask or position embeddings, owning at least two projections."""
+    found = [(n, m) for n, m in _children(block) if _is_attention(m)]
+    if len(found) > 1:
+        logger.debug(
+            "block %s has several attention-like children %s; taking the first",
+            prefix,
+            [n for n, _ in found],
+        )
+    if not found:
+        return None
+    name, module = found[0]
+    return (f"{prefix}.{name}" if prefix else name), module
+
+
+def _router_of(module: nn.Module) -> tuple[str, nn.Module] | None:
+    children = dict(_children(module))
+    if not any(n in children for n in _EXPERT_NAMES):
+        return None
+    for n in _ROUTER_NAMES:
+        router = children.get(n)
+        weight = getattr(router, "weight", None)
+        if router is not None and getattr(weight, "dim", lambda: 0)() == 2:
+            return n, router
+    return None
+
+
+def find_moe(block: nn.Module, prefix: str = "") -> tuple[str, nn.Module, str, nn.Module] | None:
+    """The block's MoE sublayer (a module with experts and a router that owns a 2-D
+    weight) and its router: ``(moe name, moe, router name, router)``."""
+    stack = [(prefix, block)]
+    while stack:
+        name, module = stack.pop(0)
+        hit = _router_of(module)
+        if hit is not None and module is not block:
+            rname, router = hit
+            return name, module, f"{name}.{rname}", router
+        for child_name, child in _children(module):
+            stack.append((f"{name}.{child_name}" if name else child_name, child))
+    return None
+
+
+def _is_block_stack(container: nn.Module) -> bool:
+    blocks = [unwrap_checkpoint(m) for _, m in container.named_children()]
+    if not blocks:
+        return False
+    return len({type(b) for b in blocks}) == 1 and all(find_attention(b) for b in blocks)
+
+
+def discover_blocks(model: nn.Module, prefix: str = "") -> list[DiscoveredBlock]:
+    """Every transformer block of ``model``: the children of each block stack (a
+    ``ModuleList``/``ModuleDict`` of same-typed blocks that each hold an attention
+    module), main stack and extra stacks (multi-token-prediction layers) alike."""
+    out: list[DiscoveredBlock] = []
+    stack = [(prefix, model)]
+    while stack:
+        name, module = stack.pop(0)
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and _is_block_stack(module):
+            for child_name, child in _children(module):
+                out.append(_describe_block(f"{name}.{child_name}" if name else child_name, child))
+            continue  # blocks found: do not look for stacks inside them
+        for child_name, child in _children(module):
+            stack.append((f"{name}.{child_name}" if name else child_name, child))
+    return out
+
+
+def _describe_block(name: str, block: nn.Module) -> DiscoveredBlock:
+    attn = find_attention(block, name)
+    moe = find_moe(block, name)
+    return DiscoveredBlock(
+        name=name,
+        module=block,
+        attention=Target(attn[0], attn[1], "attention", name) if attn else None,
+        router=Target(moe[2], moe[3], "router", name) if moe else None,
+        moe=moe[0] if moe else None,
+    )
+
+
+def model_label(model: nn.Module) -> str:
+    """A short label for logs (class name and block count); never used to decide."""
+    return f"{type(model).__name__} with {len(discover_blocks(model))} block(s)"
+
+
+Selector = Sequence[str] | Callable[[str, nn.Module], bool]
+
+
+def select_targets(
+    model: nn.Module,
+    *,
+    attention: bool = True,
+    router: bool = True,
+    include: Selector | None = None,
+) -> list[Target]:
+    """The targets to graph in ``model``, in module order.
+
+    Args:
+        attention, router: take the discovered attention modules / MoE routers.
+        include: extra user-chosen targets: glob patterns over qualified names
+            (``"model.layers.*.mlp.shared_experts"``) or a predicate
+            ``(name, module) -> bool``.
+
+    Raises:
+        TargetSelectionError: the same physical module would be graphed under two
+            names (a shared layer runs more than once per forward), or one target
+            contains another.
+    """
+    targets: list[Target] = []
+    for block in discover_blocks(model):
+        if attention and block.attention is not None:
+            targets.append(block.attention)
+        if router and block.router is not None:
+            targets.append(block.router)
+    if include is not None:
+        chosen = {t.name for t in targets}
+        for name, module in _named_modules(model):
+            if name not in chosen and _included(include, name, module):
+                targets.append(Target(name, module, "custom"))
+    _reject_shared(targets)
+    order = {name: i for i, (name, _) in enumerate(_named_modules(model))}
+    return sorted(targets, key=lambda t: order.get(t.name, len(order)))
+
+
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    out, stack = [], [("", model)]
+    while stack:
+        name, module = stack.pop()
+        if name:
+            out.append((name, module))
+        children = list(_children(module))
+        for child_name, child in reversed(children):
+            stack.append((f"{name}.{child_name}" if name else child_name, child))
+    return out
+
+
+def _included(include: Selector, name: str, module: nn.Module) -> bool:
+    if callable(include):
+        return bool(include(name, module))
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in include)
+
+
+def _reject_shared(targets: list[Target]) -> None:
+    by_module: dict[int, str] = {}
+    for t in targets:
+        other = by_module.setdefault(id(t.module), t.name)
+        if other != t.name:
+            raise TargetSelectionError(
+                f"{t.name} and {other} are the same module object: it runs more than once "
+                "per forward, and one graph cannot stand for several calls with different "
+                "inputs. Untie the modules or leave them out of the targets."
+            )
+    names = {t.name for t in targets}
+    for inner in sorted(names):
+        parts = inner.split(".")
+        for k in range(1, len(parts)):
+            outer = ".".join(parts[:k])
+            if outer in names:
+                raise TargetSelectionError(
+                    f"target {inner} lies inside target {outer}; graph one of them, not both"
+                )
