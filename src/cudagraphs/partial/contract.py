@@ -106,41 +106,58 @@ class CallContract:
         self, args: tuple, kwargs: dict, *, training: bool
     ) -> tuple[str | None, list[torch.Tensor]]:
         """``(None, tensors)`` when the call may replay this contract, else
-        ``(reason, [])`` with the first reason from :data:`REASONS` that applies."""
+        ``(reason, [])`` with the first reason in :data:`REASONS` order that applies."""
+        reasons = self.differences(args, kwargs, training=training)
+        if reasons:
+            return min(reasons, key=REASONS.index), []
+        leaves = pytree.tree_leaves((tuple(args), dict(sorted(kwargs.items()))))
+        return None, [leaves[pos] for pos in self.tensor_positions]
+
+    def differences(self, args: tuple, kwargs: dict, *, training: bool) -> set[str]:
+        """Every reason (from :data:`REASONS`) why the call differs; empty if none."""
+        found: set[str] = set()
         if torch.is_grad_enabled() != self.grad_enabled:
-            return "grad_mode", []
+            found.add("grad_mode")
         if training != self.training:
-            return "training", []
+            found.add("training")
         leaves, spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
         if spec != self.in_spec:
-            return "structure", []
-        tensors = []
-        for pos in self.tensor_positions:
-            t = leaves[pos]
-            if not isinstance(t, torch.Tensor):
-                return "structure", []
-            tensors.append(t)
+            found.add("structure")
+            return found
+        tensors = [leaves[pos] for pos in self.tensor_positions]
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            found.add("structure")
+            return found
         for pos, value in self.controls:
             if isinstance(leaves[pos], torch.Tensor):
-                return "structure", []
-            if not same_control(leaves[pos], value):
-                return "control", []
+                found.add("structure")
+            elif not same_control(leaves[pos], value):
+                found.add("control")
         for t, want in zip(tensors, self.tensor_meta):
-            got = _meta(t)
-            if got != want:
-                return _first_difference(got, want), []
+            found.update(f for f, a, b in zip(_META_FIELDS, _meta(t), want) if a != b)
         if _alias_pattern(tensors) != self.alias:
-            return "alias", []
-        return None, tensors
+            found.add("alias")
+        return found
+
+    def same_as(self, other: CallContract) -> bool:
+        """Whether two contracts accept the same calls (controls compared with
+        :func:`same_control`, as :meth:`match` does)."""
+        return (
+            self.in_spec == other.in_spec
+            and self.tensor_positions == other.tensor_positions
+            and self.tensor_meta == other.tensor_meta
+            and self.alias == other.alias
+            and self.grad_enabled == other.grad_enabled
+            and self.training == other.training
+            and len(self.controls) == len(other.controls)
+            and all(
+                p == q and same_control(a, b)
+                for (p, a), (q, b) in zip(self.controls, other.controls)
+            )
+        )
 
 
-def _first_difference(got: TensorMeta, want: TensorMeta) -> str:
-    for reason, a, b in zip(
-        ("tensor_type", "shape", "stride", "dtype", "device", "requires_grad"), got, want
-    ):
-        if a != b:
-            return reason
-    return "structure"
+_META_FIELDS = ("tensor_type", "shape", "stride", "dtype", "device", "requires_grad")
 
 
 class ContractSet:
@@ -157,7 +174,7 @@ class ContractSet:
         """Record a variant; its index, the index of an identical one, or ``None``
         when the set is full."""
         for i, v in enumerate(self.variants):
-            if v == contract:
+            if v.same_as(contract):
                 return i
         if len(self.variants) >= self.max_variants:
             return None

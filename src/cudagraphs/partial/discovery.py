@@ -75,7 +75,11 @@ def unwrap_checkpoint(module: nn.Module) -> nn.Module:
 
 
 def _children(module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    for name, child in module.named_children():
+    # _modules, not named_children(): the latter skips a module registered twice (a
+    # tied layer), which is exactly what target selection must see and reject.
+    for name, child in module._modules.items():
+        if child is None:
+            continue
         if hasattr(child, "_checkpoint_wrapped_module"):
             # The wrapper's own child name is an implementation detail; report the
             # wrapped module under the wrapper's name.
@@ -143,7 +147,7 @@ def find_moe(block: nn.Module, prefix: str = "") -> tuple[str, nn.Module, str, n
 
 
 def _is_block_stack(container: nn.Module) -> bool:
-    blocks = [unwrap_checkpoint(m) for _, m in container.named_children()]
+    blocks = [m for _, m in _children(container)]
     if not blocks:
         return False
     return len({type(b) for b in blocks}) == 1 and all(find_attention(b) for b in blocks)

@@ -1,0 +1,459 @@
+"""Structural discovery of partial-graph targets: HF model families built from config,
+checkpoint wrappers, extra (MTP) stacks, user models and rejected selections (CPU only)."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from cudagraphs.partial import (
+    DiscoveredBlock,
+    Target,
+    TargetSelectionError,
+    discover_blocks,
+    find_attention,
+    find_moe,
+    model_label,
+    select_targets,
+    unwrap_checkpoint,
+)
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    ),
+    "qwen3_moe": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        head_dim=16,
+    ),
+    "mixtral": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+    ),
+    "deepseek_v3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        vocab_size=128,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+    ),
+}
+
+ATTN = "model.layers.{}.self_attn"
+ROUTER = "model.layers.{}.mlp.gate"
+EXPECTED_TARGETS = {
+    "llama": [(ATTN.format(0), "attention"), (ATTN.format(1), "attention")],
+    "qwen3_moe": [
+        (ATTN.format(0), "attention"),
+        (ROUTER.format(0), "router"),
+        (ATTN.format(1), "attention"),
+        (ROUTER.format(1), "router"),
+    ],
+    "mixtral": [
+        (ATTN.format(0), "attention"),
+        (ROUTER.format(0), "router"),
+        (ATTN.format(1), "attention"),
+        (ROUTER.format(1), "router"),
+    ],
+    # first_k_dense_replace=1: layer 0 has a dense MLP (no router), layer 1 is MoE.
+    "deepseek_v3": [
+        (ATTN.format(0), "attention"),
+        (ATTN.format(1), "attention"),
+        (ROUTER.format(1), "router"),
+    ],
+}
+EXPECTED_MOE = {
+    "llama": [None, None],
+    "qwen3_moe": ["model.layers.0.mlp", "model.layers.1.mlp"],
+    "mixtral": ["model.layers.0.mlp", "model.layers.1.mlp"],
+    "deepseek_v3": [None, "model.layers.1.mlp"],
+}
+FAMILIES = sorted(CONFIGS)
+
+
+def tiny(family: str) -> nn.Module:
+    """A fresh tiny causal LM of ``family``; fresh because several tests mutate it."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, **CONFIGS[family])
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def names_kinds(targets: list[Target]) -> list[tuple[str, str]]:
+    return [(t.name, t.kind) for t in targets]
+
+
+# --- the four HF families -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_family_targets(family):
+    model = tiny(family)
+    targets = select_targets(model)
+    assert names_kinds(targets) == EXPECTED_TARGETS[family]
+    modules = dict(model.named_modules())
+    for t in targets:
+        assert t.module is modules[t.name], f"{t.name} is not the model's own module"
+        assert t.block == t.name.split(".self_attn")[0].split(".mlp")[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_family_blocks(family):
+    model = tiny(family)
+    blocks = discover_blocks(model)
+    assert all(isinstance(b, DiscoveredBlock) for b in blocks)
+    assert [b.name for b in blocks] == ["model.layers.0", "model.layers.1"]
+    assert [b.module for b in blocks] == list(model.model.layers)
+    assert [b.moe for b in blocks] == EXPECTED_MOE[family]
+    for i, b in enumerate(blocks):
+        assert b.attention is not None and b.attention.name == ATTN.format(i)
+        assert b.attention.module is model.model.layers[i].self_attn
+        if b.moe is None:
+            assert b.router is None
+        else:
+            assert b.router is not None and b.router.name == ROUTER.format(i)
+            assert b.router.module is model.model.layers[i].mlp.gate
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_find_moe_on_hf_layer(family):
+    model = tiny(family)
+    layer = model.model.layers[1]
+    moe_name, moe, router_name, router = find_moe(layer, "model.layers.1")
+    assert (moe_name, router_name) == ("model.layers.1.mlp", "model.layers.1.mlp.gate")
+    assert moe is layer.mlp and router is layer.mlp.gate
+    assert find_moe(layer.self_attn) is None
+
+
+def test_find_attention_prefix():
+    layer = tiny("llama").model.layers[0]
+    assert find_attention(layer) == ("self_attn", layer.self_attn)
+    assert find_attention(layer, "model.layers.0") == ("model.layers.0.self_attn", layer.self_attn)
+    assert find_attention(layer.mlp) is None
+
+
+def test_deepseek_shared_experts_only_by_include():
+    model = tiny("deepseek_v3")
+    assert "model.layers.1.mlp.shared_experts" not in [t.name for t in select_targets(model)]
+    targets = select_targets(model, include=["model.layers.*.mlp.shared_experts"])
+    assert names_kinds(targets) == EXPECTED_TARGETS["deepseek_v3"] + [
+        ("model.layers.1.mlp.shared_experts", "custom")
+    ]
+    assert targets[-1].module is model.model.layers[1].mlp.shared_experts
+    assert targets[-1].block is None
+
+
+# --- activation checkpoint wrappers -------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_checkpoint_wrapped_layers_are_unwrapped(family, depth):
+    model = tiny(family)
+    inner = list(model.model.layers)
+    for i, layer in enumerate(inner):
+        wrapped = layer
+        for _ in range(depth):
+            wrapped = checkpoint_wrapper(wrapped)
+        model.model.layers[i] = wrapped
+    assert all(unwrap_checkpoint(w) is layer for w, layer in zip(model.model.layers, inner))
+
+    assert names_kinds(select_targets(model)) == EXPECTED_TARGETS[family]
+    blocks = discover_blocks(model)
+    assert [b.name for b in blocks] == ["model.layers.0", "model.layers.1"]
+    assert [b.module for b in blocks] == inner, "blocks must be the wrapped layers"
+    assert [b.moe for b in blocks] == EXPECTED_MOE[family]
+    assert blocks[0].attention.module is inner[0].self_attn
+
+
+def test_checkpoint_wrapped_attention_is_unwrapped():
+    model = tiny("llama")
+    attn = model.model.layers[1].self_attn
+    model.model.layers[1].self_attn = checkpoint_wrapper(attn)
+    targets = select_targets(model)
+    assert names_kinds(targets) == EXPECTED_TARGETS["llama"]
+    assert targets[1].module is attn
+
+
+def test_unwrap_checkpoint_plain_module_is_itself():
+    m = nn.Linear(2, 2)
+    assert unwrap_checkpoint(m) is m
+    assert unwrap_checkpoint(checkpoint_wrapper(checkpoint_wrapper(m))) is m
+
+
+# --- user models: toy blocks and an extra (MTP) stack ---------------------------------
+
+
+class ToyAttention(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, hidden_states, attention_mask=None):
+        return self.o(self.q(hidden_states) + self.k(hidden_states) + self.v(hidden_states))
+
+
+class ToyMoE(nn.Module):
+    def __init__(self, d=8, n=2, router_name="router"):
+        super().__init__()
+        self.add_module(router_name, nn.Linear(d, n, bias=False))
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, d=8, moe=False):
+        super().__init__()
+        self.attn = ToyAttention(d)
+        self.ffn = ToyMoE(d) if moe else nn.Linear(d, d)
+
+
+class OtherBlock(nn.Module):
+    """An MTP block of another type: projection plus a full block inside."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.proj = nn.Linear(2 * d, d)
+        self.mixer = ToyAttention(d)
+
+
+class ToyModel(nn.Module):
+    def __init__(self, mtp_block=ToyBlock):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([ToyBlock(), ToyBlock(moe=True)])
+        self.mtp = nn.ModuleList([mtp_block()])
+
+
+@pytest.mark.parametrize("mtp_block", [ToyBlock, OtherBlock])
+def test_extra_mtp_stack_is_discovered(mtp_block):
+    model = ToyModel(mtp_block)
+    blocks = discover_blocks(model)
+    assert [b.name for b in blocks] == ["layers.0", "layers.1", "mtp.0"]
+    assert [b.moe for b in blocks] == [None, "layers.1.ffn", None]
+    mtp_attn = "mtp.0.attn" if mtp_block is ToyBlock else "mtp.0.mixer"
+    assert names_kinds(select_targets(model)) == [
+        ("layers.0.attn", "attention"),
+        ("layers.1.attn", "attention"),
+        ("layers.1.ffn.router", "router"),
+        (mtp_attn, "attention"),
+    ]
+
+
+def test_module_dict_stack_and_prefix():
+    stack = nn.ModuleDict({"a": ToyBlock(), "b": ToyBlock()})
+    assert [b.name for b in discover_blocks(stack, "decoder")] == ["decoder.a", "decoder.b"]
+
+
+def test_not_a_stack():
+    # Mixed block types, or blocks without attention, are not a block stack.
+    mixed = nn.Module()
+    mixed.layers = nn.ModuleList([ToyBlock(), OtherBlock()])
+    assert discover_blocks(mixed) == []
+    plain = nn.Module()
+    plain.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+    assert discover_blocks(plain) == []
+    assert select_targets(plain) == []
+
+
+def test_attention_is_recognized_by_capability():
+    class NoContext(nn.Module):  # takes hidden states but no mask/positions
+        def __init__(self):
+            super().__init__()
+            self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, hidden_states):
+            return self.o(self.q(hidden_states))
+
+    class OneProjection(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = nn.Linear(8, 8)
+
+        def forward(self, hidden_states, attention_mask=None):
+            return self.q(hidden_states)
+
+    class XAttention(ToyAttention):  # "x" plus position embeddings also qualifies
+        def forward(self, x, position_embeddings=None):
+            return self.o(x)
+
+    for child, found in [(NoContext(), False), (OneProjection(), False), (XAttention(), True)]:
+        block = nn.Module()
+        block.mixer = child
+        hit = find_attention(block, "b")
+        assert (hit == ("b.mixer", child)) if found else hit is None, type(child).__name__
+
+
+def test_moe_is_recognized_by_gate_and_experts():
+    assert find_moe(ToyBlock(moe=True), "blk")[::2] == ("blk.ffn", "blk.ffn.router")
+    gate_named = ToyBlock()
+    gate_named.ffn = ToyMoE(router_name="gate")
+    assert find_moe(gate_named)[2] == "ffn.gate"
+
+    no_experts = ToyBlock()
+    no_experts.ffn = nn.Module()
+    no_experts.ffn.gate = nn.Linear(8, 2)
+    assert find_moe(no_experts) is None
+
+    weightless_router = ToyBlock(moe=True)
+    weightless_router.ffn.router = nn.ReLU()
+    assert find_moe(weightless_router) is None
+
+    # The block itself holding gate+experts is not "an MoE sublayer of the block".
+    flat = ToyMoE(router_name="gate")
+    assert find_moe(flat) is None
+
+
+# --- selection switches and include ---------------------------------------------------
+
+
+def test_attention_and_router_switches():
+    model = tiny("qwen3_moe")
+    assert names_kinds(select_targets(model, attention=False)) == [
+        (ROUTER.format(0), "router"),
+        (ROUTER.format(1), "router"),
+    ]
+    assert names_kinds(select_targets(model, router=False)) == [
+        (ATTN.format(0), "attention"),
+        (ATTN.format(1), "attention"),
+    ]
+    assert select_targets(model, attention=False, router=False) == []
+
+
+def test_include_by_predicate():
+    model = tiny("mixtral")
+    seen = []
+
+    def pick(name, module):
+        seen.append(name)
+        return name.endswith(".mlp.experts")
+
+    targets = select_targets(model, attention=False, router=False, include=pick)
+    assert names_kinds(targets) == [
+        ("model.layers.0.mlp.experts", "custom"),
+        ("model.layers.1.mlp.experts", "custom"),
+    ]
+    assert targets[0].module is model.model.layers[0].mlp.experts
+    assert "model.layers.0.self_attn.q_proj" in seen, "the predicate sees every submodule"
+
+
+def test_include_matching_nothing_adds_nothing():
+    model = tiny("llama")
+    assert select_targets(model, include=["no.such.module"]) == select_targets(model)
+    assert select_targets(model, include=lambda n, m: False) == select_targets(model)
+    assert select_targets(model, include=[]) == select_targets(model)
+
+
+def test_include_of_an_already_chosen_target_is_not_duplicated():
+    model = tiny("llama")
+    targets = select_targets(model, include=["*.self_attn"])
+    assert names_kinds(targets) == EXPECTED_TARGETS["llama"]
+
+
+def test_include_with_attention_off_takes_custom_kind():
+    targets = select_targets(tiny("llama"), attention=False, include=["*.self_attn"])
+    assert names_kinds(targets) == [(ATTN.format(0), "custom"), (ATTN.format(1), "custom")]
+
+
+@pytest.mark.parametrize(
+    "pattern, inner, outer",
+    [
+        ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj", ATTN.format(0)),
+        ("model.layers.1", ATTN.format(1), "model.layers.1"),
+    ],
+)
+def test_include_nested_in_a_target_is_rejected(pattern, inner, outer):
+    model = tiny("llama")
+    msg = f"target {re.escape(inner)} lies inside target {re.escape(outer)}"
+    with pytest.raises(TargetSelectionError, match=msg):
+        select_targets(model, include=[pattern])
+
+
+def test_target_selection_error_is_value_error():
+    assert issubclass(TargetSelectionError, ValueError)
+
+
+# --- physical modules invoked more than once per forward ------------------------------
+
+
+def test_tied_layers_in_one_stack_are_rejected():
+    model = tiny("llama")
+    model.model.layers.append(model.model.layers[0])  # layers 0 and 2 are one object
+    with pytest.raises(TargetSelectionError) as err:
+        select_targets(model)
+    assert "model.layers.0.self_attn" in str(err.value)
+    assert "model.layers.2.self_attn" in str(err.value)
+
+
+def test_mtp_reusing_a_main_layer_is_rejected():
+    model = ToyModel()
+    model.mtp[0] = model.layers[0]
+    with pytest.raises(TargetSelectionError) as err:
+        select_targets(model)
+    msg = str(err.value)
+    assert "layers.0.attn" in msg and "mtp.0.attn" in msg and "same module object" in msg
+
+
+def test_shared_attention_between_blocks_is_rejected():
+    model = tiny("llama")
+    model.model.layers[1].self_attn = model.model.layers[0].self_attn
+    with pytest.raises(TargetSelectionError) as err:
+        select_targets(model)
+    assert ATTN.format(0) in str(err.value) and ATTN.format(1) in str(err.value)
+    # Leaving the shared module out of the targets is the documented way around it.
+    assert select_targets(model, attention=False) == []
+
+
+# --- model_label is only a label ----------------------------------------------------
+
+
+def test_model_label_is_not_a_capability_gate():
+    base = tiny("qwen3_moe")
+    renamed_cls = type("SomethingElse", (type(base),), {})
+    renamed = tiny("qwen3_moe")
+    renamed.__class__ = renamed_cls
+    assert model_label(base) == "Qwen3MoeForCausalLM with 2 block(s)"
+    assert model_label(renamed) == "SomethingElse with 2 block(s)"
+    assert names_kinds(select_targets(renamed)) == names_kinds(select_targets(base))
+
+    # A model with no recognizable name at all (a bare container) still works.
+    anonymous = nn.Module()
+    anonymous.body = base.model
+    assert [t.name for t in select_targets(anonymous)] == [
+        "body." + name.removeprefix("model.") for name, _ in EXPECTED_TARGETS["qwen3_moe"]
+    ]
+    assert model_label(ToyModel()) == "ToyModel with 3 block(s)"
