@@ -1,8 +1,8 @@
 """Partial graphs for training (issue in progress): graph the fixed-shape pieces of
 each transformer block (attention, the MoE router) inside an eager training loop.
 
-Available now: structural target discovery and the per-call replay contract. The
-manager that records, captures and replays builds on them.
+The manager records, captures and replays with counted eager fallback; its capture
+path (the core ``make_graphed_callables``) has not yet run on a GPU in this form.
 """
 
 from .contract import CallContract, ContractSet, FallbackCounter
@@ -17,8 +17,12 @@ from .discovery import (
     select_targets,
     unwrap_checkpoint,
 )
+from .manager import CaptureBackend, PartialCudaGraphManager, PartialGraphEntry
 
 __all__ = [
+    "CaptureBackend",
+    "PartialCudaGraphManager",
+    "PartialGraphEntry",
     "CallContract",
     "ContractSet",
     "DiscoveredBlock",
