@@ -1,8 +1,9 @@
 """Serving: bucketed graph runners for inference (issue in progress).
 
-Available now: the pure policies a runner is built from (bucket configuration and
-choice, padding ratio, shared static input buffers, memory planning, rank
-agreement). The runner that captures and replays buckets builds on them.
+The pure policies (bucket configuration and choice, padding ratio, shared static
+input buffers, memory planning, rank agreement) and ``GraphRunner``, which captures
+one graph per bucket and replays it; the runner's GPU path is not yet validated and
+the memory plan is not yet wired into its capture.
 """
 
 from .buckets import (
@@ -16,6 +17,7 @@ from .buckets import (
 )
 from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
 from .memory import BucketCost, MemoryPlan, plan_buckets
+from .runner import BucketGraph, GraphRunner
 from .static_inputs import InputSpec, StaticInputs, infer_row_dim
 
 __all__ = [
@@ -24,6 +26,8 @@ __all__ = [
     "Bucket",
     "BucketConfig",
     "BucketCost",
+    "BucketGraph",
+    "GraphRunner",
     "InputSpec",
     "MemoryPlan",
     "StaticInputs",

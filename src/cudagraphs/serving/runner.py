@@ -1,0 +1,229 @@
+"""GraphRunner: one graph per batch-size bucket over shared static inputs.
+
+The user gives a forward function over named static inputs. ``capture()`` walks the
+buckets largest first into one pool: a bucket whose capture fails is dropped (logged
+with its cause) and the others still capture; ranks then agree on the captured set.
+``run()`` picks the tightest captured bucket, stages the real rows with one fused
+copy, pads the rest, replays, and returns views of the real rows of the outputs
+(borrowed: overwritten by the next replay) or owned copies. A batch no bucket fits
+runs eagerly, counted.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..capture import GraphPool, capture_into_graph
+from ..errors import CudaGraphInputError
+from .buckets import Bucket, BucketConfig, check_dropped_buckets, select_bucket
+from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
+from .static_inputs import InputSpec, StaticInputs
+
+__all__ = ["BucketGraph", "GraphRunner"]
+
+logger = logging.getLogger(__name__)
+
+#: ``backend(run, pool, what) -> (graph with .replay() and .reset(), output)``
+CaptureBackend = Callable[[Callable[[], Any], GraphPool, str], tuple[Any, Any]]
+
+
+def _default_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:
+    return capture_into_graph(run, pool, what=what)
+
+
+@dataclass
+class BucketGraph:
+    """One captured bucket: its graph and the output tree the graph writes."""
+
+    bucket: Bucket
+    graph: Any
+    output: Any
+    replays: int = 0
+
+
+class GraphRunner:
+    """A bucketed CUDA-graph runner for a fixed forward function (see module docs).
+
+    Args:
+        forward: ``forward(**inputs) -> output tree`` of tensors whose row dimension
+            (``output_row_dim``) grows with the bucket; runs eagerly for warmup, for
+            capture and for batches no bucket fits.
+        inputs: the named inputs at the largest bucket (:class:`InputSpec`).
+        config: the buckets (:class:`BucketConfig`).
+        device: where the static inputs live.
+        output_row_dim: the row dimension of every output tensor.
+        require_all_buckets: make any dropped bucket a startup error (``None``: the
+            ``CUDAGRAPHS_REQUIRE_ALL_BUCKETS`` environment variable decides).
+        group: process group for rank agreement (default group when distributed).
+        capture_backend: replaces the CUDA capture (tests use an eager stand-in).
+
+    The constructor allocates nothing and captures nothing; call :meth:`capture`.
+    One host thread drives a runner.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        inputs: Sequence[InputSpec],
+        config: BucketConfig | None = None,
+        *,
+        device: torch.device | str = "cuda",
+        output_row_dim: int = 0,
+        require_all_buckets: bool | None = None,
+        group: object | None = None,
+        capture_backend: CaptureBackend | None = None,
+    ) -> None:
+        self.forward = forward
+        self.config = config or BucketConfig()
+        self.specs = list(inputs)
+        self.device = device
+        self.output_row_dim = output_row_dim
+        self.require_all_buckets = require_all_buckets
+        self.group = group
+        self._backend = capture_backend or _default_backend
+        self.static: StaticInputs | None = None
+        self.graphs: dict[Bucket, BucketGraph] = {}
+        self.dropped_buckets: dict[Bucket, str] = {}
+        self.eager_runs: Counter[str] = Counter()
+        self._pool: GraphPool | None = None
+
+    # ---- capture ---------------------------------------------------------------------
+    def capture(
+        self, make_inputs: Callable[[Bucket], Mapping[str, torch.Tensor]], warmup: int = 2
+    ) -> None:
+        """Capture every configured bucket, largest first, into one pool.
+
+        Args:
+            make_inputs: dummy inputs for a bucket (all its rows real), staged before
+                its warmup and capture.
+            warmup: eager runs per bucket before its capture.
+
+        Raises:
+            CudaGraphCaptureError: a bucket was dropped and all are required.
+        """
+        largest = self.config.largest
+        self.static = StaticInputs(self.specs, largest.rows, self.device)
+        self._pool = GraphPool()
+        local_ok = []
+        gc.collect()  # once before: no collection of old cycles during the captures
+        for bucket in self.config.buckets():
+            # Every rank walks every bucket, also after a local failure, so the
+            # agreement below is one collective per rank.
+            local_ok.append(self._capture_bucket(bucket, make_inputs, warmup))
+        self._agree(local_ok)
+        gc.collect()
+        check_dropped_buckets(self.dropped_buckets, self.require_all_buckets)
+
+    def _capture_bucket(self, bucket: Bucket, make_inputs: Callable, warmup: int) -> bool:
+        views = self.static.views(bucket)
+        try:
+            self.static.stage(make_inputs(bucket), bucket, bucket.rows)
+            for _ in range(warmup):
+                self.forward(**views)
+            graph, output = self._backend(lambda: self.forward(**views), self._pool, str(bucket))
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            self.dropped_buckets[bucket] = reason
+            logger.error("dropping %s: its capture failed: %s", bucket, reason)
+            return False
+        self.graphs[bucket] = BucketGraph(bucket, graph, output)
+        return True
+
+    def _agree(self, local_ok: list[bool]) -> None:
+        agreed = agree_on_captured(local_ok, self.group)
+        for bucket, ok, all_ok in zip(self.config.buckets(), local_ok, agreed):
+            if ok and not all_ok:
+                self.graphs.pop(bucket).graph.reset()
+                self.dropped_buckets[bucket] = "dropped on another rank"
+                logger.error("dropping %s: another rank could not capture it", bucket)
+
+    # ---- run -------------------------------------------------------------------------
+    def _rows(self, inputs: Mapping[str, torch.Tensor]) -> int:
+        counts = {
+            name: t.shape[self.static.specs[name].row_dim]
+            for name, t in inputs.items()
+            if name in self.static.specs and isinstance(t, torch.Tensor)
+        }
+        if len(set(counts.values())) != 1:
+            raise CudaGraphInputError(f"inputs disagree on their row counts: {counts}")
+        return next(iter(counts.values()))
+
+    def select(self, batch_size: int, num_tokens: int | None = None) -> Bucket | None:
+        """The captured bucket a batch would replay on (``None``: eager)."""
+        return select_bucket(self.graphs, batch_size, num_tokens, self.config.max_pad_ratio)
+
+    def run(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        *,
+        batch_size: int | None = None,
+        num_tokens: int | None = None,
+        copy_output: bool = False,
+    ) -> Any:
+        """Run one step: replay the tightest captured bucket, or eagerly.
+
+        Args:
+            inputs: the real rows of every named input.
+            batch_size: sequences in the batch (default: the inputs' row count).
+            num_tokens: packed tokens, for token buckets.
+            copy_output: return owned copies instead of borrowed views.
+
+        Raises:
+            CudaGraphInputError: inputs that differ from the specs (naming the input
+                and the bucket); nothing is staged then.
+        """
+        if self.static is None:
+            raise RuntimeError("capture() the runner before run()")
+        rows = self._rows(inputs)
+        batch = rows if batch_size is None else batch_size
+        if is_distributed(self.group):
+            # All ranks pick the same bucket: a graph holding a collective must be
+            # replayed by every rank or by none.
+            batch = agree_on_batch_size(batch, self.group)
+        bucket = self.select(batch, num_tokens)
+        if bucket is None:
+            self.eager_runs["no_bucket"] += 1
+            return self.forward(**inputs)
+        self.static.stage(inputs, bucket, rows)
+        entry = self.graphs[bucket]
+        entry.graph.replay()
+        entry.replays += 1
+        return self._real_rows(entry.output, rows, copy_output)
+
+    def _real_rows(self, output: Any, rows: int, copy_output: bool) -> Any:
+        leaves, spec = pytree.tree_flatten(output)
+        dim = self.output_row_dim
+        out = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and x.dim() > dim:
+                x = x.narrow(dim, 0, rows)
+                x = x.clone() if copy_output else x
+            out.append(x)
+        return pytree.tree_unflatten(out, spec)
+
+    # ---- reporting and teardown ------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return {
+            "captured": [str(b) for b in self.graphs],
+            "dropped": {str(b): why for b, why in self.dropped_buckets.items()},
+            "replays": {str(b): g.replays for b, g in self.graphs.items()},
+            "eager_runs": dict(self.eager_runs),
+        }
+
+    def close(self) -> None:
+        """Release every graph and the static buffers (idempotent)."""
+        for entry in self.graphs.values():
+            reset = getattr(entry.graph, "reset", None)
+            if reset is not None:
+                reset()
+        self.graphs = {}
+        self.static = None
+        self._pool = None

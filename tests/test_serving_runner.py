@@ -1,0 +1,172 @@
+"""GraphRunner's bucket walk, dropping, staging and dispatch on the CPU, with an eager
+stand-in for CUDA capture (a "graph" that re-runs the function into the captured
+output buffers)."""
+
+import pytest
+import torch
+
+from cudagraphs import CudaGraphCaptureError, CudaGraphInputError
+from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec
+
+HIDDEN = 4
+
+
+class EagerGraph:
+    def __init__(self, run, output):
+        self.run, self.output, self.was_reset = run, output, False
+
+    def replay(self):
+        with torch.no_grad():
+            self.output.copy_(self.run())
+
+    def reset(self):
+        self.was_reset = True
+
+
+def eager_backend(fail_on=()):
+    captured = []
+
+    def backend(run, pool, what):
+        if what in {str(b) for b in fail_on}:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        captured.append(what)
+        out = run()
+        return EagerGraph(run, out), out
+
+    backend.captured = captured
+    return backend
+
+
+def forward(x, scale):
+    # rows independent of each other, like a decode step
+    return x * scale + 1.0
+
+
+def make_runner(config=None, backend=None, **kw):
+    specs = [
+        InputSpec("x", (64, HIDDEN), torch.float32),
+        InputSpec("scale", (64, 1), torch.float32, pad_value=0),
+    ]
+    return GraphRunner(
+        forward,
+        specs,
+        config or BucketConfig(),
+        device="cpu",
+        capture_backend=backend or eager_backend(),
+        **kw,
+    )
+
+
+def dummy(bucket):
+    return {"x": torch.zeros(bucket.rows, HIDDEN), "scale": torch.ones(bucket.rows, 1)}
+
+
+def batch(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, HIDDEN, generator=g), "scale": torch.rand(n, 1, generator=g)}
+
+
+def test_captures_largest_first_and_replays_every_padded_size():
+    backend = eager_backend()
+    runner = make_runner(backend=backend)
+    runner.capture(dummy)
+    assert backend.captured == [str(Bucket(b)) for b in (64, 32, 16, 8, 4, 2, 1)]
+    for n in (1, 3, 5, 8, 33, 64):
+        inputs = batch(n, seed=n)
+        out = runner.run(inputs)
+        assert out.shape == (n, HIDDEN)
+        assert torch.equal(out, forward(**inputs)), n
+    stats = runner.stats()
+    assert stats["replays"][str(Bucket(4))] == 1 and stats["replays"][str(Bucket(64))] == 2
+    assert stats["eager_runs"] == {}
+
+
+def test_outputs_are_borrowed_unless_copied():
+    runner = make_runner()
+    runner.capture(dummy)
+    first = runner.run(batch(3, seed=1))
+    kept = first.clone()
+    owned = runner.run(batch(3, seed=1), copy_output=True)
+    runner.run(batch(3, seed=2))
+    assert not torch.equal(first, kept)  # overwritten by the next replay of bucket 4
+    assert torch.equal(owned, kept)
+
+
+def test_batches_no_bucket_fits_run_eagerly_and_are_counted():
+    specs = [InputSpec("x", (4, HIDDEN), torch.float32), InputSpec("scale", (4, 1), torch.float32)]
+    runner = GraphRunner(
+        forward,
+        specs,
+        BucketConfig(batch_sizes=(1, 2, 4), max_pad_ratio=0.3),
+        device="cpu",
+        capture_backend=eager_backend(),
+    )
+    runner.capture(dummy)
+    assert runner.select(3) == Bucket(4)  # 25% padding: allowed
+    assert runner.select(1) == Bucket(1)
+    assert runner.select(5) is None  # larger than every bucket
+    assert torch.equal(runner.run(batch(3)), forward(**batch(3)))
+    assert torch.equal(runner.run(batch(5)), forward(**batch(5)))
+    assert runner.stats()["eager_runs"] == {"no_bucket": 1}
+
+
+def test_wasteful_padding_runs_eagerly():
+    runner = make_runner(BucketConfig(max_pad_ratio=0.3))
+    runner.capture(dummy)
+    assert runner.select(5) is None  # 8 rows for 5: 37.5% padding
+    assert torch.equal(runner.run(batch(5)), forward(**batch(5)))
+    assert runner.stats()["eager_runs"] == {"no_bucket": 1}
+
+
+def test_a_failed_bucket_is_dropped_and_the_rest_serve():
+    backend = eager_backend(fail_on=[Bucket(8)])
+    runner = make_runner(backend=backend, require_all_buckets=False)
+    runner.capture(dummy)
+    assert Bucket(8) in runner.dropped_buckets
+    assert "operation not permitted" in runner.dropped_buckets[Bucket(8)]
+    assert runner.select(5) == Bucket(16)  # 8 is gone: the next one up
+    assert torch.equal(runner.run(batch(5)), forward(**batch(5)))
+
+
+def test_dropped_buckets_can_be_a_startup_error(monkeypatch):
+    runner = make_runner(backend=eager_backend(fail_on=[Bucket(2)]), require_all_buckets=True)
+    with pytest.raises(CudaGraphCaptureError, match=r"bucket\(bs=2\): RuntimeError"):
+        runner.capture(dummy)
+    monkeypatch.setenv("CUDAGRAPHS_REQUIRE_ALL_BUCKETS", "1")
+    runner = make_runner(backend=eager_backend(fail_on=[Bucket(2)]))
+    with pytest.raises(CudaGraphCaptureError, match="dropped at startup"):
+        runner.capture(dummy)
+
+
+def test_bad_inputs_name_the_input_and_the_bucket_and_stage_nothing():
+    runner = make_runner()
+    runner.capture(dummy)
+    runner.run(batch(4, seed=3))
+    before = runner.static.view("x", 64).clone()
+    bad = batch(4)
+    bad["x"] = bad["x"].double()
+    with pytest.raises(CudaGraphInputError, match=r"bucket\(bs=4\)[\s\S]*x: dtype torch.float64"):
+        runner.run(bad)
+    with pytest.raises(CudaGraphInputError, match="missing inputs"):
+        runner.run({"x": torch.zeros(4, HIDDEN)})
+    assert torch.equal(runner.static.view("x", 64), before)
+
+
+def test_rows_must_agree_across_inputs():
+    runner = make_runner()
+    runner.capture(dummy)
+    with pytest.raises(CudaGraphInputError, match="disagree on their row counts"):
+        runner.run({"x": torch.zeros(4, HIDDEN), "scale": torch.ones(3, 1)})
+
+
+def test_run_before_capture_and_close():
+    runner = make_runner()
+    with pytest.raises(RuntimeError, match="capture"):
+        runner.run(batch(2))
+    runner.capture(dummy)
+    graphs = [g.graph for g in runner.graphs.values()]
+    runner.close()
+    runner.close()
+    assert all(g.was_reset for g in graphs)
+    with pytest.raises(RuntimeError, match="capture"):
+        runner.run(batch(2))
