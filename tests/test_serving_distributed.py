@@ -31,11 +31,29 @@ def _worker(rank, init_file, out_dir):
             "batch_size": agree_on_batch_size(3 if rank == 0 else 5),
             "all_ok": agree_on_captured([True, True, True]),
             "empty": agree_on_captured([]),
+            "runner": _runner_on_rank(rank),
         }
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def _runner_on_rank(rank):
+    """A runner whose bucket 8 fails to capture on rank 1 only; batches of 3 (rank 0)
+    and 5 (rank 1) must replay the same bucket on both ranks."""
+    from cudagraphs.serving import Bucket
+    from test_serving_runner import batch, dummy, eager_backend, make_runner
+
+    backend = eager_backend(fail_on=[Bucket(8)] if rank == 1 else [])
+    runner = make_runner(backend=backend, require_all_buckets=False)
+    runner.capture(dummy)
+    runner.run(batch(3 if rank == 0 else 5))
+    stats = runner.stats()
+    return {
+        "dropped": sorted(stats["dropped"]),
+        "replayed": sorted(b for b, n in stats["replays"].items() if n),
+    }
 
 
 def test_two_gloo_ranks_agree(tmp_path):
@@ -64,6 +82,8 @@ def test_two_gloo_ranks_agree(tmp_path):
         assert r["batch_size"] == 5
         assert r["all_ok"] == [True, True, True]
         assert r["empty"] == []
+        # rank 1's failed bucket is dropped everywhere; both pad to 5 and use bucket 16
+        assert r["runner"] == {"dropped": ["bucket(bs=8)"], "replayed": ["bucket(bs=16)"]}
     assert results[0] == results[1]
 
 
