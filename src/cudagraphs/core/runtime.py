@@ -29,7 +29,17 @@ logger = logging.getLogger(__name__)
 def copy_into(dsts: list[torch.Tensor], srcs: Any) -> None:
     """Copy each source into its static buffer, skipping sources that already are
     the buffer; all remaining copies go out in one fused launch."""
-    pairs = [(d, s) for d, s in zip(dsts, srcs) if s is not None and s.data_ptr() != d.data_ptr()]
+    pairs = []
+    for d, s in zip(dsts, srcs):
+        if s is None or s is d:
+            continue
+        if s.data_ptr() == d.data_ptr():
+            if s.stride() == d.stride():
+                continue  # the buffer itself, under another tensor object
+            # Another view of the buffer's own memory (a transposed square buffer):
+            # copy_ refuses overlapping memory, so read it through a copy first.
+            s = s.clone()
+        pairs.append((d, s))
     if len(pairs) == 1:
         pairs[0][0].copy_(pairs[0][1])
     elif pairs:
