@@ -170,3 +170,51 @@ def test_run_before_capture_and_close():
     assert all(g.was_reset for g in graphs)
     with pytest.raises(RuntimeError, match="capture"):
         runner.run(batch(2))
+
+
+def synthetic_cost(bucket):
+    from cudagraphs.serving import BucketCost
+
+    mib = 1 << 20
+    return BucketCost(
+        bucket,
+        eager_peak_bytes=bucket.rows * mib,
+        pool_bytes=bucket.rows * 4 * mib,
+        graph_nodes=100,
+        exec_bytes_per_node=1024,
+    )
+
+
+def test_memory_plan_drops_the_expensive_buckets_before_capture():
+    backend = eager_backend()
+    runner = make_runner(backend=backend, require_all_buckets=False)
+    mib = 1 << 20
+    # 64 MiB kept for the largest eager step; 70 MiB left fit the 16-row pool (64 MiB)
+    # plus executable memory, not the 32-row one (128 MiB).
+    runner.capture(dummy, plan_memory=True, free_bytes=134 * mib, measure=synthetic_cost)
+    assert backend.captured == [str(Bucket(b)) for b in (16, 8, 4, 2, 1)]
+    assert set(runner.dropped_buckets) == {Bucket(64), Bucket(32)}
+    assert all(
+        why.startswith("memory plan: does not fit") for why in runner.dropped_buckets.values()
+    )
+    assert runner.memory_plan.chosen == tuple(Bucket(b) for b in (16, 8, 4, 2, 1))
+    assert runner.select(20) is None  # runs eagerly now
+    assert torch.equal(runner.run(batch(20)), forward(**batch(20)))
+
+
+def test_memory_plan_with_room_for_everything_keeps_every_bucket():
+    backend = eager_backend()
+    runner = make_runner(backend=backend)
+    runner.capture(dummy, plan_memory=True, free_bytes=1 << 40, measure=synthetic_cost)
+    assert len(backend.captured) == 7 and runner.dropped_buckets == {}
+
+
+def test_static_outputs_option_selects_the_copying_capture():
+    from cudagraphs.serving.runner import _default_backend, _static_outputs_backend
+
+    specs = [InputSpec("x", (4, HIDDEN), torch.float32)]
+    assert (
+        GraphRunner(forward, specs, device="cpu", static_outputs=True)._backend
+        is _static_outputs_backend
+    )
+    assert GraphRunner(forward, specs, device="cpu")._backend is _default_backend

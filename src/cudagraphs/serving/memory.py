@@ -13,12 +13,15 @@ fit beside all of it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from .buckets import Bucket
 
-__all__ = ["BucketCost", "MemoryPlan", "plan_buckets"]
+__all__ = ["BucketCost", "MemoryPlan", "measure_bucket_cost", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -118,4 +121,37 @@ def plan_buckets(
         predicted_exec_bytes=execs,
         eager_reserve_bytes=reserve,
         budget_bytes=free_bytes,
+    )
+
+
+def measure_bucket_cost(bucket: Bucket, run: Callable[[], Any]) -> BucketCost:
+    """Measure one bucket on the GPU: the eager step's peak allocation, then a
+    thrown-away capture for its pool bytes (reserved memory it added) and, through the
+    driver, its executable memory per node. Everything made here is released before
+    returning, and the allocator cache is emptied so the next measurement starts clean.
+    """
+    from ..capture import GraphPool, capture_into_graph
+    from ..introspect import instantiate_measured
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = run()
+    torch.cuda.synchronize()
+    eager_peak = torch.cuda.max_memory_allocated() - base
+    del out
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    graph, out = capture_into_graph(run, GraphPool(), keep_graph=True, what=f"measuring {bucket}")
+    pool_bytes = torch.cuda.memory_reserved() - reserved
+    memory = instantiate_measured(graph)
+    del out
+    graph.reset()
+    torch.cuda.empty_cache()
+    return BucketCost(
+        bucket=bucket,
+        eager_peak_bytes=max(0, eager_peak),
+        pool_bytes=max(0, pool_bytes),
+        graph_nodes=memory.nodes or 0,
+        exec_bytes_per_node=memory.bytes_per_node,
     )

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..capture import GraphPool, capture_into_graph
+from ..capture import GraphPool, capture_into_graph, capture_with_static_outputs
 from ..errors import CudaGraphInputError
 from .buckets import Bucket, BucketConfig, check_dropped_buckets, select_bucket
 from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
+from .memory import BucketCost, MemoryPlan, measure_bucket_cost, plan_buckets
 from .static_inputs import InputSpec, StaticInputs
 
 __all__ = ["BucketGraph", "GraphRunner"]
@@ -37,6 +38,12 @@ CaptureBackend = Callable[[Callable[[], Any], GraphPool, str], tuple[Any, Any]]
 
 def _default_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:
     return capture_into_graph(run, pool, what=what)
+
+
+def _static_outputs_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:
+    # Piecewise regions: the graph ends by copying its outputs into buffers outside the
+    # pool, so regions sharing the pool may replay in any order around eager code.
+    return capture_with_static_outputs(run, run(), pool, what=what)
 
 
 @dataclass
@@ -64,6 +71,11 @@ class GraphRunner:
             ``CUDAGRAPHS_REQUIRE_ALL_BUCKETS`` environment variable decides).
         group: process group for rank agreement (default group when distributed).
         capture_backend: replaces the CUDA capture (tests use an eager stand-in).
+        static_outputs: end each graph with a copy of its outputs into buffers outside
+            the pool (piecewise regions: several runners share a pool and replay in
+            any order, with eager code between them).
+        pool: the :class:`GraphPool` to capture into (share one between the runners of
+            piecewise regions); a new one by default.
 
     The constructor allocates nothing and captures nothing; call :meth:`capture`.
     One host thread drives a runner.
@@ -80,6 +92,8 @@ class GraphRunner:
         require_all_buckets: bool | None = None,
         group: object | None = None,
         capture_backend: CaptureBackend | None = None,
+        static_outputs: bool = False,
+        pool: GraphPool | None = None,
     ) -> None:
         self.forward = forward
         self.config = config or BucketConfig()
@@ -88,16 +102,25 @@ class GraphRunner:
         self.output_row_dim = output_row_dim
         self.require_all_buckets = require_all_buckets
         self.group = group
-        self._backend = capture_backend or _default_backend
+        default = _static_outputs_backend if static_outputs else _default_backend
+        self._backend = capture_backend or default
+        self.memory_plan: MemoryPlan | None = None
         self.static: StaticInputs | None = None
         self.graphs: dict[Bucket, BucketGraph] = {}
         self.dropped_buckets: dict[Bucket, str] = {}
         self.eager_runs: Counter[str] = Counter()
-        self._pool: GraphPool | None = None
+        self._pool: GraphPool | None = pool
 
     # ---- capture ---------------------------------------------------------------------
     def capture(
-        self, make_inputs: Callable[[Bucket], Mapping[str, torch.Tensor]], warmup: int = 2
+        self,
+        make_inputs: Callable[[Bucket], Mapping[str, torch.Tensor]],
+        warmup: int = 2,
+        *,
+        plan_memory: bool = False,
+        free_bytes: int | None = None,
+        headroom_bytes: int = 0,
+        measure: Callable[[Bucket], BucketCost] | None = None,
     ) -> None:
         """Capture every configured bucket, largest first, into one pool.
 
@@ -105,22 +128,57 @@ class GraphRunner:
             make_inputs: dummy inputs for a bucket (all its rows real), staged before
                 its warmup and capture.
             warmup: eager runs per bucket before its capture.
+            plan_memory: first measure every bucket (``measure``; by default an eager
+                step's peak, a thrown-away capture and the driver's executable memory)
+                and capture only the buckets :func:`plan_buckets` fits into
+                ``free_bytes`` (default: the device's free memory); the others are
+                dropped with the plan's reason. ``memory_plan`` keeps the plan.
+            headroom_bytes: memory the plan keeps free besides the largest eager step.
 
         Raises:
             CudaGraphCaptureError: a bucket was dropped and all are required.
         """
         largest = self.config.largest
         self.static = StaticInputs(self.specs, largest.rows, self.device)
-        self._pool = GraphPool()
+        if self._pool is None:
+            self._pool = GraphPool()
+        chosen = set(self.config.buckets())
+        if plan_memory:
+            chosen = self._plan(make_inputs, free_bytes, headroom_bytes, measure)
         local_ok = []
         gc.collect()  # once before: no collection of old cycles during the captures
         for bucket in self.config.buckets():
             # Every rank walks every bucket, also after a local failure, so the
             # agreement below is one collective per rank.
-            local_ok.append(self._capture_bucket(bucket, make_inputs, warmup))
+            ok = bucket in chosen and self._capture_bucket(bucket, make_inputs, warmup)
+            local_ok.append(ok)
         self._agree(local_ok)
         gc.collect()
         check_dropped_buckets(self.dropped_buckets, self.require_all_buckets)
+
+    def _plan(
+        self,
+        make_inputs: Callable,
+        free_bytes: int | None,
+        headroom_bytes: int,
+        measure: Callable[[Bucket], BucketCost] | None,
+    ) -> set[Bucket]:
+        costs = []
+        for bucket in self.config.buckets():
+            views = self.static.views(bucket)
+            self.static.stage(make_inputs(bucket), bucket, bucket.rows)
+            if measure is not None:
+                costs.append(measure(bucket))
+            else:
+                costs.append(measure_bucket_cost(bucket, lambda v=views: self.forward(**v)))
+        if free_bytes is None:
+            free_bytes = torch.cuda.mem_get_info()[0]
+        self.memory_plan = plan = plan_buckets(costs, free_bytes, headroom_bytes=headroom_bytes)
+        logger.info("%s", plan.describe())
+        for bucket, why in plan.dropped.items():
+            self.dropped_buckets[bucket] = f"memory plan: {why}"
+            logger.error("dropping %s: %s", bucket, why)
+        return set(plan.chosen)
 
     def _capture_bucket(self, bucket: Bucket, make_inputs: Callable, warmup: int) -> bool:
         views = self.static.views(bucket)
