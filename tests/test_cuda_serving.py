@@ -1,0 +1,135 @@
+"""GraphRunner with real CUDA graphs: decode tokens equal eager, a failed bucket is
+dropped, a tight memory budget drops the expensive buckets, a piecewise region with
+static outputs equals eager."""
+
+import pytest
+import torch
+
+from cudagraphs.models import DecoderConfig, TinyDecoder, greedy_decode
+from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec
+
+pytestmark = pytest.mark.cuda
+
+CFG = DecoderConfig(
+    vocab=64, hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, max_seq=16, max_batch=64
+)
+SPECS = [
+    InputSpec("tokens", (CFG.max_batch,), torch.long),
+    InputSpec("positions", (CFG.max_batch,), torch.long),
+]
+
+
+def decoder():
+    torch.manual_seed(0)
+    return TinyDecoder(CFG).cuda().eval()
+
+
+def dummy(bucket):
+    z = torch.zeros(bucket.rows, dtype=torch.long, device="cuda")
+    return {"tokens": z, "positions": z.clone()}
+
+
+def reset_cache(model):
+    model.k_cache.zero_()
+    model.v_cache.zero_()
+
+
+@torch.no_grad()
+def test_decode_tokens_equal_eager_for_every_bucket_and_padded_sizes():
+    model = decoder()
+    runner = GraphRunner(lambda tokens, positions: model(tokens, positions), SPECS, device="cuda")
+    runner.capture(dummy)
+    assert runner.dropped_buckets == {}
+    try:
+        for batch in (1, 2, 3, 4, 5, 8, 16, 32, 33, 64):
+            gen = torch.Generator(device="cuda").manual_seed(batch)
+            prompts = torch.randint(0, CFG.vocab, (batch, 4), device="cuda", generator=gen)
+            reset_cache(model)
+            want = greedy_decode(model, prompts, 6)
+            reset_cache(model)
+            got = greedy_decode(lambda t, p: runner.run({"tokens": t, "positions": p}), prompts, 6)
+            assert torch.equal(got, want), f"batch {batch}"
+    finally:
+        runner.close()
+
+
+@torch.no_grad()
+def test_a_bucket_whose_capture_fails_is_dropped_and_the_others_serve():
+    model = decoder()
+
+    def forward(tokens, positions):
+        if tokens.shape[0] == 8 and torch.cuda.is_current_stream_capturing():
+            tokens.sum().item()  # a host sync: invalid inside capture
+        return model(tokens, positions)
+
+    runner = GraphRunner(forward, SPECS, device="cuda", require_all_buckets=False)
+    runner.capture(dummy)
+    try:
+        assert list(runner.dropped_buckets) == [Bucket(8)]
+        assert runner.select(6) == Bucket(16)
+        prompts = torch.randint(0, CFG.vocab, (6, 4), device="cuda")
+        reset_cache(model)
+        want = greedy_decode(model, prompts, 4)
+        reset_cache(model)
+        got = greedy_decode(lambda t, p: runner.run({"tokens": t, "positions": p}), prompts, 4)
+        assert torch.equal(got, want)
+        torch.rand(2, device="cuda")  # the generator left capture mode
+    finally:
+        runner.close()
+
+
+@torch.no_grad()
+def test_a_tight_memory_budget_drops_the_expensive_buckets():
+    model = decoder()
+    runner = GraphRunner(
+        lambda tokens, positions: model(tokens, positions),
+        SPECS,
+        device="cuda",
+        require_all_buckets=False,
+    )
+    runner_all = GraphRunner(
+        lambda tokens, positions: model(tokens, positions), SPECS, device="cuda"
+    )
+    runner_all.capture(dummy, plan_memory=True)
+    costs = {b: runner_all.memory_plan for b in runner_all.graphs}
+    assert costs
+    plan = runner_all.memory_plan
+    runner_all.close()
+    budget = plan.eager_reserve_bytes + plan.predicted_bytes // 2
+    runner.capture(dummy, plan_memory=True, free_bytes=budget)
+    try:
+        assert Bucket(64) in runner.dropped_buckets
+        assert Bucket(1) in runner.graphs
+    finally:
+        runner.close()
+
+
+@torch.no_grad()
+def test_piecewise_region_with_static_outputs_equals_eager():
+    model = decoder()
+    layer = model.layers[0]
+
+    def region(x, positions):
+        return layer(x, positions, model.k_cache[0], model.v_cache[0])
+
+    specs = [
+        InputSpec("x", (CFG.max_batch, CFG.hidden), torch.float32),
+        InputSpec("positions", (CFG.max_batch,), torch.long),
+    ]
+    runner = GraphRunner(
+        region, specs, BucketConfig(batch_sizes=(4, 8)), device="cuda", static_outputs=True
+    )
+    runner.capture(
+        lambda b: {
+            "x": torch.zeros(b.rows, CFG.hidden, device="cuda"),
+            "positions": torch.zeros(b.rows, dtype=torch.long, device="cuda"),
+        }
+    )
+    try:
+        x = torch.randn(5, CFG.hidden, device="cuda")
+        pos = torch.zeros(5, dtype=torch.long, device="cuda")
+        got = runner.run({"x": x, "positions": pos}).clone()
+        want = region(x, pos)
+        assert torch.equal(got, want)
+    finally:
+        runner.close()
