@@ -90,10 +90,9 @@ def test_a_tight_memory_budget_drops_the_expensive_buckets():
     runner_all = GraphRunner(
         lambda tokens, positions: model(tokens, positions), SPECS, device="cuda"
     )
-    runner_all.capture(dummy, plan_memory=True)
-    costs = {b: runner_all.memory_plan for b in runner_all.graphs}
-    assert costs
+    runner_all.capture(dummy, plan_memory=True)  # measures every bucket; all fit
     plan = runner_all.memory_plan
+    assert len(plan.chosen) == 7 and plan.predicted_pool_bytes > 0
     runner_all.close()
     budget = plan.eager_reserve_bytes + plan.predicted_bytes // 2
     runner.capture(dummy, plan_memory=True, free_bytes=budget)
