@@ -218,3 +218,78 @@ def test_static_outputs_option_selects_the_copying_capture():
         is _static_outputs_backend
     )
     assert GraphRunner(forward, specs, device="cpu")._backend is _default_backend
+
+
+def test_double_buffered_slots_alternate_and_plan_runs_before_each_replay():
+    backend = eager_backend()
+    planned = []
+    specs = [InputSpec("x", (8, HIDDEN), torch.float32), InputSpec("scale", (8, 1), torch.float32)]
+
+    def plan(bucket, slot):
+        # runs outside the graph, after staging: the slot's buffers hold this step's rows
+        planned.append((str(bucket), slot, runner.slot_inputs[slot].view("x", 2)[0, 0].item()))
+
+    runner = GraphRunner(
+        forward,
+        specs,
+        BucketConfig(batch_sizes=(2, 8)),
+        device="cpu",
+        capture_backend=backend,
+        slots=2,
+        plan=plan,
+    )
+    runner.capture(dummy)
+    assert backend.captured == [
+        "bucket(bs=8) slot 0",
+        "bucket(bs=8) slot 1",
+        "bucket(bs=2) slot 0",
+        "bucket(bs=2) slot 1",
+    ]
+    outs = []
+    for seed in range(3):
+        inputs = batch(2, seed=seed)
+        outs.append(runner.run(inputs, copy_output=True))
+        assert torch.equal(outs[-1], forward(**inputs))
+    assert [(b, s) for b, s, _ in planned] == [
+        ("bucket(bs=2)", 0),
+        ("bucket(bs=2)", 1),
+        ("bucket(bs=2)", 0),
+    ]
+    assert [v for *_, v in planned] == [batch(2, seed=s)["x"][0, 0].item() for s in range(3)]
+    # the two slots have their own buffers
+    assert (
+        runner.slot_inputs[0].view("x", 8).data_ptr()
+        != runner.slot_inputs[1].view("x", 8).data_ptr()
+    )
+
+
+def test_a_slot_failing_drops_its_bucket_and_releases_the_other_slot():
+    captured_graphs = []
+
+    def backend(run, pool, what):
+        if what == "bucket(bs=2) slot 1":
+            raise RuntimeError("boom")
+        out = run()
+        g = EagerGraph(run, out)
+        captured_graphs.append((what, g))
+        return g, out
+
+    specs = [InputSpec("x", (8, HIDDEN), torch.float32), InputSpec("scale", (8, 1), torch.float32)]
+    runner = GraphRunner(
+        forward,
+        specs,
+        BucketConfig(batch_sizes=(2, 8)),
+        device="cpu",
+        capture_backend=backend,
+        slots=2,
+        require_all_buckets=False,
+    )
+    runner.capture(dummy)
+    assert list(runner.dropped_buckets) == [Bucket(2)]
+    slot0 = dict(captured_graphs)["bucket(bs=2) slot 0"]
+    assert slot0.was_reset
+
+
+def test_slots_must_be_positive():
+    with pytest.raises(ValueError, match="slots must be an int >= 1"):
+        GraphRunner(forward, [InputSpec("x", (4, HIDDEN), torch.float32)], device="cpu", slots=0)

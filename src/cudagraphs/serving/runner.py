@@ -15,7 +15,7 @@ import gc
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,12 +48,24 @@ def _static_outputs_backend(run: Callable[[], Any], pool: GraphPool, what: str) 
 
 @dataclass
 class BucketGraph:
-    """One captured bucket: its graph and the output tree the graph writes."""
+    """One captured bucket: its graph and the output tree the graph writes (slot 0),
+    and the same for every further slot when the runner double-buffers."""
 
     bucket: Bucket
     graph: Any
     output: Any
     replays: int = 0
+    more_slots: list[tuple[Any, Any]] = field(default_factory=list)  # (graph, output)
+    next_slot: int = 0
+
+    def slot(self, index: int) -> tuple[Any, Any]:
+        return (self.graph, self.output) if index == 0 else self.more_slots[index - 1]
+
+    def reset(self) -> None:
+        for graph, _ in [(self.graph, None), *self.more_slots]:
+            reset = getattr(graph, "reset", None)
+            if reset is not None:
+                reset()
 
 
 class GraphRunner:
@@ -76,6 +88,11 @@ class GraphRunner:
             any order, with eager code between them).
         pool: the :class:`GraphPool` to capture into (share one between the runners of
             piecewise regions); a new one by default.
+        slots: input/graph sets per bucket, used in turn by consecutive steps (2 for
+            double buffering: host-side planning of step N+1 writes the other slot's
+            buffers while step N replays).
+        plan: ``plan(bucket, slot)``, called after staging and before each replay,
+            outside the graph (per-step metadata that the graph reads from buffers).
 
     The constructor allocates nothing and captures nothing; call :meth:`capture`.
     One host thread drives a runner.
@@ -94,7 +111,14 @@ class GraphRunner:
         capture_backend: CaptureBackend | None = None,
         static_outputs: bool = False,
         pool: GraphPool | None = None,
+        slots: int = 1,
+        plan: Callable[[Bucket, int], None] | None = None,
     ) -> None:
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+        self.slots = slots
+        self.plan = plan
+        self.slot_inputs: list[StaticInputs] = []
         self.forward = forward
         self.config = config or BucketConfig()
         self.specs = list(inputs)
@@ -139,7 +163,10 @@ class GraphRunner:
             CudaGraphCaptureError: a bucket was dropped and all are required.
         """
         largest = self.config.largest
-        self.static = StaticInputs(self.specs, largest.rows, self.device)
+        self.slot_inputs = [
+            StaticInputs(self.specs, largest.rows, self.device) for _ in range(self.slots)
+        ]
+        self.static = self.slot_inputs[0]
         if self._pool is None:
             self._pool = GraphPool()
         chosen = set(self.config.buckets())
@@ -181,25 +208,31 @@ class GraphRunner:
         return set(plan.chosen)
 
     def _capture_bucket(self, bucket: Bucket, make_inputs: Callable, warmup: int) -> bool:
-        views = self.static.views(bucket)
+        captured: list[tuple[Any, Any]] = []
         try:
-            self.static.stage(make_inputs(bucket), bucket, bucket.rows)
-            for _ in range(warmup):
-                self.forward(**views)
-            graph, output = self._backend(lambda: self.forward(**views), self._pool, str(bucket))
+            for slot, static in enumerate(self.slot_inputs):
+                views = static.views(bucket)
+                static.stage(make_inputs(bucket), bucket, bucket.rows)
+                for _ in range(warmup):
+                    self.forward(**views)
+                what = str(bucket) if self.slots == 1 else f"{bucket} slot {slot}"
+                captured.append(self._backend(lambda v=views: self.forward(**v), self._pool, what))
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
             self.dropped_buckets[bucket] = reason
             logger.error("dropping %s: its capture failed: %s", bucket, reason)
+            for graph, _ in captured:
+                getattr(graph, "reset", lambda: None)()
             return False
-        self.graphs[bucket] = BucketGraph(bucket, graph, output)
+        (graph, output), *more = captured
+        self.graphs[bucket] = BucketGraph(bucket, graph, output, more_slots=more)
         return True
 
     def _agree(self, local_ok: list[bool]) -> None:
         agreed = agree_on_captured(local_ok, self.group)
         for bucket, ok, all_ok in zip(self.config.buckets(), local_ok, agreed):
             if ok and not all_ok:
-                self.graphs.pop(bucket).graph.reset()
+                self.graphs.pop(bucket).reset()
                 self.dropped_buckets[bucket] = "dropped on another rank"
                 logger.error("dropping %s: another rank could not capture it", bucket)
 
@@ -250,11 +283,16 @@ class GraphRunner:
         if bucket is None:
             self.eager_runs["no_bucket"] += 1
             return self.forward(**inputs)
-        self.static.stage(inputs, bucket, rows)
         entry = self.graphs[bucket]
-        entry.graph.replay()
+        slot = entry.next_slot
+        entry.next_slot = (slot + 1) % self.slots
+        self.slot_inputs[slot].stage(inputs, bucket, rows)
+        if self.plan is not None:
+            self.plan(bucket, slot)
+        graph, output = entry.slot(slot)
+        graph.replay()
         entry.replays += 1
-        return self._real_rows(entry.output, rows, copy_output)
+        return self._real_rows(output, rows, copy_output)
 
     def _real_rows(self, output: Any, rows: int, copy_output: bool) -> Any:
         leaves, spec = pytree.tree_flatten(output)
@@ -279,9 +317,8 @@ class GraphRunner:
     def close(self) -> None:
         """Release every graph and the static buffers (idempotent)."""
         for entry in self.graphs.values():
-            reset = getattr(entry.graph, "reset", None)
-            if reset is not None:
-                reset()
+            entry.reset()
         self.graphs = {}
         self.static = None
+        self.slot_inputs = []
         self._pool = None
