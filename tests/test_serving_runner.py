@@ -293,3 +293,27 @@ def test_a_slot_failing_drops_its_bucket_and_releases_the_other_slot():
 def test_slots_must_be_positive():
     with pytest.raises(ValueError, match="slots must be an int >= 1"):
         GraphRunner(forward, [InputSpec("x", (4, HIDDEN), torch.float32)], device="cpu", slots=0)
+
+
+def test_compiled_forward_serves_buckets_and_eager_runs_stay_eager():
+    calls = []
+
+    def traced_forward(x, scale):
+        calls.append(x.shape[0])
+        return forward(x, scale)
+
+    specs = [InputSpec("x", (4, HIDDEN), torch.float32), InputSpec("scale", (4, 1), torch.float32)]
+    runner = GraphRunner(
+        traced_forward,
+        specs,
+        BucketConfig(batch_sizes=(2, 4)),
+        device="cpu",
+        capture_backend=eager_backend(),
+        compile_options={"backend": "eager"},
+    )
+    assert runner.forward is not traced_forward and runner.eager_forward is traced_forward
+    runner.capture(dummy)
+    assert torch.equal(runner.run(batch(3)), forward(**batch(3)))
+    calls.clear()
+    runner.run(batch(5))  # no bucket: the eager function, not the compiled one
+    assert calls == [5]

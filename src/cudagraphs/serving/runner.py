@@ -93,6 +93,11 @@ class GraphRunner:
             buffers while step N replays).
         plan: ``plan(bucket, slot)``, called after staging and before each replay,
             outside the graph (per-step metadata that the graph reads from buffers).
+        compile_options: compile ``forward`` with ``torch.compile(**compile_options)``
+            once, before capture; warmup compiles each bucket's shapes, and a
+            recompilation inside a capture fails that capture early with torch's
+            account of the guard that broke (the capture runs under the
+            ``fail_on_recompile`` stance).
 
     The constructor allocates nothing and captures nothing; call :meth:`capture`.
     One host thread drives a runner.
@@ -113,13 +118,19 @@ class GraphRunner:
         pool: GraphPool | None = None,
         slots: int = 1,
         plan: Callable[[Bucket, int], None] | None = None,
+        compile_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         self.slots = slots
         self.plan = plan
         self.slot_inputs: list[StaticInputs] = []
-        self.forward = forward
+        self.eager_forward = forward
+        # Compiled once per runner (torch.compile itself compiles per bucket shape, in
+        # warmup, never inside a capture).
+        self.forward = (
+            forward if compile_options is None else torch.compile(forward, **compile_options)
+        )
         self.config = config or BucketConfig()
         self.specs = list(inputs)
         self.device = device
@@ -282,7 +293,7 @@ class GraphRunner:
         bucket = self.select(batch, num_tokens)
         if bucket is None:
             self.eager_runs["no_bucket"] += 1
-            return self.forward(**inputs)
+            return self.eager_forward(**inputs)
         entry = self.graphs[bucket]
         slot = entry.next_slot
         entry.next_slot = (slot + 1) % self.slots
