@@ -8,17 +8,17 @@ are cheap to capture again: give each concurrent worker its own program (and poo
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from ..capture import GraphPool, capture_into_graph, capture_with_static_outputs
-from ..errors import CudaGraphCaptureError, CudaGraphInputError, GraphReleasedError
+from ..errors import CudaGraphCaptureError, CudaGraphInputError
 from .buffer import ReusableValueBuffer
+from .capture_steps import check_examples, check_output_device, detached, output_signature, warm_up
 from .leaves import LeafTypes
+from .pool import CopyHandle, CudaGraphCaptureStats, CudaGraphPool, ProgramClosedError
 from .signature import ValueTreeSignature
 
 __all__ = [
@@ -31,120 +31,8 @@ __all__ = [
 
 OutputT = TypeVar("OutputT")
 
-
-class ProgramClosedError(GraphReleasedError):
-    """A program or pool was used after ``close()``."""
-
-
-@dataclass(frozen=True)
-class CudaGraphCaptureStats:
-    """One-time construction costs and allocator snapshots right after capture
-    (process-wide figures, not the graph's own footprint)."""
-
-    warmup_iterations: int
-    warmup_seconds: float
-    capture_seconds: float
-    first_replay_seconds: float
-    memory_allocated_bytes: int
-    memory_reserved_bytes: int
-
-
-@dataclass(frozen=True)
-class CopyHandle:
-    """Proof of one :meth:`CudaGraphProgram.copy_inputs_from`: which program, which
-    payload generation, and the event that completes when the copy has landed."""
-
-    program_token: object
-    generation: int
-    event: torch.cuda.Event
-    sources: tuple[torch.Tensor, ...]  # kept alive until the copy is consumed
-
-
-class CudaGraphPool:
-    """Shared scratch memory for programs that run one after another.
-
-    Programs captured with one pool share the memory of their intermediates; their
-    inputs and retained outputs live outside it, so the programs may replay in any
-    order without overwriting each other's outputs. Launches are chained with events,
-    so programs replayed from different streams still use the scratch one at a time.
-
-    Args:
-        device: the CUDA device of the scratch memory.
-    """
-
-    def __init__(self, device: torch.device | str = "cuda") -> None:
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"a CudaGraphPool lives on a CUDA device, got {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self._device = device
-        self._graph_pool = GraphPool()
-        self._members: weakref.WeakSet[CudaGraphProgram] = weakref.WeakSet()
-        self._last_launch: torch.cuda.Event | None = None
-        self._closed = False
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ProgramClosedError("this CudaGraphPool was closed; create a new pool")
-
-    def _before_launch(self, stream: torch.cuda.Stream) -> None:
-        if self._last_launch is not None:
-            stream.wait_event(self._last_launch)
-
-    def _after_launch(self, stream: torch.cuda.Stream) -> None:
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._last_launch = event
-
-    def close(self) -> None:
-        """Wait for all scratch users, then close the live member programs (idempotent)."""
-        if self._closed:
-            return
-        torch.cuda.synchronize(self._device)
-        for program in list(self._members):
-            program.close()
-        self._closed = True
-        self._graph_pool = None
-        self._last_launch = None
-
-
-def _check_examples(signature: ValueTreeSignature, tensors: list[torch.Tensor]) -> torch.device:
-    if not tensors:
-        raise ValueError(
-            "example_inputs hold no tensor; a program needs at least one tensor input "
-            "(bind constants in the function instead)"
-        )
-    devices = {t.device for t in tensors}
-    if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        raise ValueError(
-            f"example_inputs must all sit on one CUDA device, found {sorted(map(str, devices))}"
-        )
-    expanded = [i for i, t in enumerate(signature.tensor_signatures()) if t.self_overlapping]
-    if expanded:
-        raise ValueError(
-            f"example input tensors {expanded} (in flatten order) are expanded views (stride "
-            "0); each input needs storage of its own (pass .contiguous() copies)"
-        )
-    storages: dict[int, int] = {}
-    for i, t in enumerate(tensors):
-        ptr = t.untyped_storage().data_ptr()
-        if t.numel() and ptr in storages:
-            raise ValueError(
-                f"example input tensors {storages[ptr]} and {i} (in flatten order) share "
-                "storage; every input leaf needs its own storage, since each gets its own "
-                "fixed buffer (pass clones)"
-            )
-        storages[ptr] = i
-    return next(iter(devices))
+# Only capture() builds programs; the constructor checks for this token.
+_PRIVATE = object()
 
 
 class CudaGraphProgram(Generic[OutputT]):
@@ -219,7 +107,7 @@ class CudaGraphProgram(Generic[OutputT]):
             raise TypeError("example_inputs must be a sequence of positional arguments")
         inputs = tuple(example_inputs)
         signature = ValueTreeSignature.from_value(inputs, leaf_types=leaf_types, path="inputs")
-        device = _check_examples(signature, signature.flatten(inputs, path="inputs"))
+        device = check_examples(signature, signature.flatten(inputs, path="inputs"))
         if pool is not None:
             pool._check_open()
             if warmup < 1:
@@ -267,7 +155,7 @@ class CudaGraphProgram(Generic[OutputT]):
         with torch.cuda.device(device):
             stream = torch.cuda.Stream(device)
             t0 = time.perf_counter()
-            last = _warm_up(function, signature, inputs, device, warmup, stream, name)
+            last = warm_up(function, signature, inputs, device, warmup, stream, name)
             t1 = time.perf_counter()
             self._buffer = ReusableValueBuffer(signature, device)
             self._buffer.copy_from(inputs, path="inputs")
@@ -296,9 +184,9 @@ class CudaGraphProgram(Generic[OutputT]):
             # Detached views of the graph's output memory: the captured autograd graph
             # is not kept alive through them.
             try:
-                self._output = _detached(output, self._leaf_types)
-                self._out_sig = _output_signature(self._output, self._leaf_types)
-                _check_output_device(self._out_sig.flatten(self._output), self._device)
+                self._output = detached(output, self._leaf_types)
+                self._out_sig = output_signature(self._output, self._leaf_types)
+                check_output_device(self._out_sig.flatten(self._output), self._device)
             except Exception:
                 self._graph.reset()
                 raise
@@ -306,11 +194,11 @@ class CudaGraphProgram(Generic[OutputT]):
         # Retained outputs are copied, inside the graph, into buffers allocated outside
         # the shared scratch, so other programs' replays cannot overwrite them.
         leaf_types = self._leaf_types
-        self._out_sig = _output_signature(_detached(last, leaf_types), leaf_types)
-        like = self._out_sig.flatten(_detached(last, leaf_types), path="output")
-        _check_output_device(like, self._device)
+        self._out_sig = output_signature(detached(last, leaf_types), leaf_types)
+        like = self._out_sig.flatten(detached(last, leaf_types), path="output")
+        check_output_device(like, self._device)
         self._graph, static = capture_with_static_outputs(
-            lambda: self._out_sig.flatten(_detached(fn(*args), leaf_types), path="output"),
+            lambda: self._out_sig.flatten(detached(fn(*args), leaf_types), path="output"),
             like,
             self._pool._graph_pool,
             **opts,
@@ -329,7 +217,7 @@ class CudaGraphProgram(Generic[OutputT]):
         if last is None:
             return
         got = self._out_sig.flatten(self._output, path="output")
-        want = self._out_sig.flatten(_detached(last, self._leaf_types), path="output")
+        want = self._out_sig.flatten(detached(last, self._leaf_types), path="output")
         bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
         if bad:
             self.close()
@@ -543,59 +431,3 @@ class CudaGraphProgram(Generic[OutputT]):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.input_nbytes} input bytes"
         return f"CudaGraphProgram({self._name}, {state})"
-
-
-_PRIVATE = object()
-
-
-def _output_signature(output: Any, leaf_types: LeafTypes | None) -> ValueTreeSignature:
-    try:
-        return ValueTreeSignature.from_value(
-            output, leaf_types=leaf_types, path="output", allow_none=True
-        )
-    except TypeError as exc:
-        raise TypeError(
-            f"{exc}. A program's output must be CUDA tensors, registered leaves or None, "
-            "nested in lists, tuples and dicts."
-        ) from None
-
-
-def _check_output_device(tensors: list[torch.Tensor], device: torch.device) -> None:
-    elsewhere = sorted({str(t.device) for t in tensors if t.device != device})
-    if elsewhere:
-        raise TypeError(
-            f"the function returned tensors on {elsewhere}; a program's outputs must be "
-            f"tensors on its device {device} (a graph replay never writes other devices)"
-        )
-
-
-def _detached(tree: Any, leaf_types: LeafTypes | None) -> Any:
-    """``tree`` with every tensor replaced by a detached view (no copies, no kernels)."""
-    sig = _output_signature(tree, leaf_types)
-    return sig.rebuild([t.detach() for t in sig.flatten(tree, path="output")])
-
-
-def _warm_up(
-    function: Callable[..., Any],
-    signature: ValueTreeSignature,
-    inputs: tuple,
-    device: torch.device,
-    warmup: int,
-    stream: torch.cuda.Stream,
-    name: str,
-) -> Any:
-    """Run ``function`` ``warmup`` times on fresh buffers on ``stream``; return the
-    last output (``None`` without warmup)."""
-    last = None
-    stream.wait_stream(torch.cuda.current_stream(device))
-    try:
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                fresh = ReusableValueBuffer(signature, device)
-                fresh.copy_from(inputs, path="inputs")
-                last = function(*fresh.value)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-    except Exception as exc:
-        raise CudaGraphCaptureError(f"warmup of program {name} failed: {exc}") from exc
-    return last

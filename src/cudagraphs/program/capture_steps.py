@@ -1,0 +1,99 @@
+"""Capture-time steps of a program: checking the examples, warming up on fresh
+buffers, and describing outputs. None of these run on the replay path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import CudaGraphCaptureError
+from .buffer import ReusableValueBuffer
+from .leaves import LeafTypes
+from .signature import ValueTreeSignature
+
+__all__ = ["check_examples", "check_output_device", "detached", "output_signature", "warm_up"]
+
+
+def check_examples(signature: ValueTreeSignature, tensors: list[torch.Tensor]) -> torch.device:
+    if not tensors:
+        raise ValueError(
+            "example_inputs hold no tensor; a program needs at least one tensor input "
+            "(bind constants in the function instead)"
+        )
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise ValueError(
+            f"example_inputs must all sit on one CUDA device, found {sorted(map(str, devices))}"
+        )
+    expanded = [i for i, t in enumerate(signature.tensor_signatures()) if t.self_overlapping]
+    if expanded:
+        raise ValueError(
+            f"example input tensors {expanded} (in flatten order) are expanded views (stride "
+            "0); each input needs storage of its own (pass .contiguous() copies)"
+        )
+    storages: dict[int, int] = {}
+    for i, t in enumerate(tensors):
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in storages:
+            raise ValueError(
+                f"example input tensors {storages[ptr]} and {i} (in flatten order) share "
+                "storage; every input leaf needs its own storage, since each gets its own "
+                "fixed buffer (pass clones)"
+            )
+        storages[ptr] = i
+    return next(iter(devices))
+
+
+def output_signature(output: Any, leaf_types: LeafTypes | None) -> ValueTreeSignature:
+    try:
+        return ValueTreeSignature.from_value(
+            output, leaf_types=leaf_types, path="output", allow_none=True
+        )
+    except TypeError as exc:
+        raise TypeError(
+            f"{exc}. A program's output must be CUDA tensors, registered leaves or None, "
+            "nested in lists, tuples and dicts."
+        ) from None
+
+
+def check_output_device(tensors: list[torch.Tensor], device: torch.device) -> None:
+    elsewhere = sorted({str(t.device) for t in tensors if t.device != device})
+    if elsewhere:
+        raise TypeError(
+            f"the function returned tensors on {elsewhere}; a program's outputs must be "
+            f"tensors on its device {device} (a graph replay never writes other devices)"
+        )
+
+
+def detached(tree: Any, leaf_types: LeafTypes | None) -> Any:
+    """``tree`` with every tensor replaced by a detached view (no copies, no kernels)."""
+    sig = output_signature(tree, leaf_types)
+    return sig.rebuild([t.detach() for t in sig.flatten(tree, path="output")])
+
+
+def warm_up(
+    function: Callable[..., Any],
+    signature: ValueTreeSignature,
+    inputs: tuple,
+    device: torch.device,
+    warmup: int,
+    stream: torch.cuda.Stream,
+    name: str,
+) -> Any:
+    """Run ``function`` ``warmup`` times on fresh buffers on ``stream``; return the
+    last output (``None`` without warmup)."""
+    last = None
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                fresh = ReusableValueBuffer(signature, device)
+                fresh.copy_from(inputs, path="inputs")
+                last = function(*fresh.value)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+    except Exception as exc:
+        raise CudaGraphCaptureError(f"warmup of program {name} failed: {exc}") from exc
+    return last

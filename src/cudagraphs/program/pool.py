@@ -1,0 +1,106 @@
+"""The records a program hands out and the pool programs share.
+
+``CudaGraphPool`` owns the shared scratch of sequential programs; ``CopyHandle`` and
+``CudaGraphCaptureStats`` are the small records programs return.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..capture import GraphPool
+from ..errors import GraphReleasedError
+
+if TYPE_CHECKING:
+    from .program import CudaGraphProgram
+
+__all__ = ["CopyHandle", "CudaGraphCaptureStats", "CudaGraphPool", "ProgramClosedError"]
+
+
+class ProgramClosedError(GraphReleasedError):
+    """A program or pool was used after ``close()``."""
+
+
+@dataclass(frozen=True)
+class CudaGraphCaptureStats:
+    """One-time construction costs and allocator snapshots right after capture
+    (process-wide figures, not the graph's own footprint)."""
+
+    warmup_iterations: int
+    warmup_seconds: float
+    capture_seconds: float
+    first_replay_seconds: float
+    memory_allocated_bytes: int
+    memory_reserved_bytes: int
+
+
+@dataclass(frozen=True)
+class CopyHandle:
+    """Proof of one :meth:`CudaGraphProgram.copy_inputs_from`: which program, which
+    payload generation, and the event that completes when the copy has landed."""
+
+    program_token: object
+    generation: int
+    event: torch.cuda.Event
+    sources: tuple[torch.Tensor, ...]  # kept alive until the copy is consumed
+
+
+class CudaGraphPool:
+    """Shared scratch memory for programs that run one after another.
+
+    Programs captured with one pool share the memory of their intermediates; their
+    inputs and retained outputs live outside it, so the programs may replay in any
+    order without overwriting each other's outputs. Launches are chained with events,
+    so programs replayed from different streams still use the scratch one at a time.
+
+    Args:
+        device: the CUDA device of the scratch memory.
+    """
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"a CudaGraphPool lives on a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device
+        self._graph_pool = GraphPool()
+        self._members: weakref.WeakSet[CudaGraphProgram] = weakref.WeakSet()
+        self._last_launch: torch.cuda.Event | None = None
+        self._closed = False
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ProgramClosedError("this CudaGraphPool was closed; create a new pool")
+
+    def _before_launch(self, stream: torch.cuda.Stream) -> None:
+        if self._last_launch is not None:
+            stream.wait_event(self._last_launch)
+
+    def _after_launch(self, stream: torch.cuda.Stream) -> None:
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._last_launch = event
+
+    def close(self) -> None:
+        """Wait for all scratch users, then close the live member programs (idempotent)."""
+        if self._closed:
+            return
+        torch.cuda.synchronize(self._device)
+        for program in list(self._members):
+            program.close()
+        self._closed = True
+        self._graph_pool = None
+        self._last_launch = None
