@@ -24,3 +24,51 @@ def test_a_transposed_view_of_the_buffer_is_copied_not_skipped():
     expected = view.clone()
     copy_into([buf], [view])
     assert torch.equal(buf, expected)
+
+
+def _entry(static_inputs, pinned):
+    from torch.utils import _pytree as pytree
+
+    from cudagraphs.core.runtime import EntryGraphs
+
+    leaves, spec = pytree.tree_flatten((tuple(static_inputs), {}))
+    return EntryGraphs(
+        name="callables[0] (f)",
+        in_spec=spec,
+        leaves=leaves,
+        tensor_positions=tuple(range(len(leaves))),
+        paths=tuple(f"args[{i}]" for i in range(len(leaves))),
+        input_meta=tuple((t.shape, t.dtype, t.requires_grad) for t in static_inputs),
+        static_inputs=list(static_inputs),
+        params=(),
+        pinned=pinned,
+        positional_only=True,
+    )
+
+
+def test_parameters_are_read_in_place_not_cloned():
+    from cudagraphs.core.canonicalize import canonicalize
+    from cudagraphs.core.capture_phase import _new_static_inputs
+
+    weight = torch.nn.Parameter(torch.randn(3))
+    x = torch.randn(3)
+    plan = canonicalize(lambda w, x: w * x, (weight, x))
+    static = _new_static_inputs(plan.entries[0])
+    assert static[0] is weight
+    assert static[1] is not x and torch.equal(static[1], x)
+
+
+def test_a_pinned_parameter_must_be_the_same_object_with_the_same_storage():
+    import pytest
+
+    from cudagraphs import CudaGraphInputError
+
+    weight = torch.nn.Parameter(torch.randn(3))
+    x = torch.randn(3)
+    entry = _entry([weight, x.clone()], pinned=((0, weight.data_ptr()),))
+    assert entry.user_tensors((weight, x), {})[0] is weight
+    with pytest.raises(CudaGraphInputError, match=r"args\[0\] must be the parameter captured"):
+        entry.user_tensors((torch.nn.Parameter(torch.randn(3)), x), {})
+    weight.data = torch.randn(3)  # re-allocated storage, same object
+    with pytest.raises(CudaGraphInputError, match="re-allocated"):
+        entry.user_tensors((weight, x), {})

@@ -209,3 +209,37 @@ def test_close_restores_eager_modules_and_is_idempotent():
     assert model.layers[0].self_attn._forward_pre_hooks == {}
     with pytest.raises(RuntimeError, match="closed"):
         mgr.start_recording()
+
+
+def test_a_replaced_parameter_storage_falls_back_with_its_reason():
+    from cudagraphs import CudaGraphInputError
+
+    def pinning_backend(callables, sample_args, sample_kwargs):
+        # Like the core: the graph reads its parameters in place and refuses a call
+        # whose parameters were re-allocated since capture.
+        graphs = []
+        for fn, args in zip(callables, sample_args):
+            ptrs = [p.data_ptr() for p in args[0]]
+
+            def graphed(params, *a, _fn=fn, _ptrs=ptrs, **kw):
+                if [p.data_ptr() for p in params] != _ptrs:
+                    raise CudaGraphInputError("parameter re-allocated")
+                return _fn(params, *a, **kw)
+
+            graphs.append(graphed)
+        return graphs
+
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts([model], capture_backend=pinning_backend)
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    mgr.capture()
+    model(torch.randn(2, 8))
+    assert mgr.stats()["replayed"] == 2
+    model.layers[0].self_attn.q.weight.data = torch.randn(8, 8)  # e.g. a reshard
+    x = torch.randn(2, 8)
+    out = model(x)
+    stats = mgr.stats()
+    assert stats["fallback_param_storage"] == 1 and stats["replayed"] == 3
+    mgr.close()
+    assert torch.equal(out, model(x))  # the fallback ran the real (eager) module

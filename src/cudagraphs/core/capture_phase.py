@@ -42,8 +42,16 @@ def _describe(plan: GraphPlan, entry_index: int) -> str:
 
 def _new_static_inputs(spec: EntrySpec) -> list[torch.Tensor]:
     # Fresh buffers rather than the user's sample tensors: the caller may reuse or free
-    # the samples, and the graph must own what it reads.
-    return [t.detach().clone().requires_grad_(t.requires_grad) for t in spec.tensors]
+    # the samples, and the graph must own what it reads. Parameters passed as inputs
+    # (explicit-parameter adapters) are the exception: they are persistent, the graph
+    # reads them in place (no copy per call), and every call must pass the same
+    # parameter with the same storage (checked on the replay path).
+    return [
+        t
+        if isinstance(t, torch.nn.Parameter)
+        else t.detach().clone().requires_grad_(t.requires_grad)
+        for t in spec.tensors
+    ]
 
 
 def _entry_graphs(
@@ -61,6 +69,11 @@ def _entry_graphs(
         tensor_positions=spec.tensor_positions,
         paths=spec.paths,
         input_meta=tuple((t.shape, t.dtype, t.requires_grad) for t in spec.tensors),
+        pinned=tuple(
+            (i, t.data_ptr())
+            for i, t in enumerate(static_inputs)
+            if isinstance(t, torch.nn.Parameter)
+        ),
         static_inputs=static_inputs,
         params=params,
         clone_param_grads=opts.clone_param_grads_on_return,

@@ -63,6 +63,8 @@ class EntryGraphs:
     input_meta: tuple[tuple[torch.Size, torch.dtype, bool], ...]
     static_inputs: list[torch.Tensor]
     params: tuple[torch.nn.Parameter, ...]
+    # Inputs that are parameters read in place: (tensor index, data_ptr at capture).
+    pinned: tuple[tuple[int, int], ...] = ()
     fwd_graph: torch.cuda.CUDAGraph | None = None
     bwd_graph: torch.cuda.CUDAGraph | None = None
     out_spec: pytree.TreeSpec | None = None
@@ -117,6 +119,16 @@ class EntryGraphs:
         for t, (shape, dtype, rg) in zip(tensors, self.input_meta):
             if t.shape != shape or t.dtype != dtype or (grad_on and t.requires_grad and not rg):
                 self._raise_meta(tensors, grad_on)
+        for i, ptr in self.pinned:
+            t = tensors[i]
+            if t is not self.static_inputs[i] or t.data_ptr() != ptr:
+                # Copying into a parameter read in place would overwrite it, and a
+                # parameter with new storage would leave the graph reading freed memory.
+                raise CudaGraphInputError(
+                    f"{self.name}: {self.paths[self.tensor_positions[i]]} must be the parameter "
+                    "captured there, with the storage it had at capture (it was replaced or "
+                    "re-allocated, e.g. by resharding or .data assignment); graph again"
+                )
 
     def _raise_meta(self, tensors: list[torch.Tensor], grad_on: bool) -> None:
         problems = []
@@ -224,6 +236,7 @@ class EntryGraphs:
                 g.reset()
         self.fwd_graph = self.bwd_graph = None
         self.static_inputs = []
+        self.pinned = ()
         self.out_leaves = []
         self.static_grad_outputs = []
         self.static_grad_inputs = ()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import CudaGraphInputError
 from .contract import CallContract, ContractSet, FallbackCounter
 from .discovery import Selector, Target, TargetSelectionError, model_label, select_targets
 
@@ -112,8 +113,15 @@ class PartialGraphEntry:
             return self.original_forward(*args, **kwargs)
         index, reason, _ = self.contracts.match(args, kwargs, training=self.target.module.training)
         if index is not None and self.graphs[index] is not None:
+            try:
+                out = self.graphs[index](tuple(self.params), *args, **kwargs)
+            except CudaGraphInputError:
+                # The contract matched, so only the parameters can differ: one was
+                # replaced or re-allocated since capture (checked before any replay).
+                self.counter.fallback("param_storage")
+                return self.original_forward(*args, **kwargs)
             self.counter.replay()
-            return self.graphs[index](tuple(self.params), *args, **kwargs)
+            return out
         self.counter.fallback(reason or "not_captured")
         return self.original_forward(*args, **kwargs)
 
