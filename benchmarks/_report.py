@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import subprocess
 import sys
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -51,3 +53,17 @@ def result_path(out: str, report: dict) -> Path:
     device = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
     commit = report["commit"][:12] + ("-dirty" if report["dirty"] else "")
     return path / f"{report['benchmark']}-{device}-{commit}.json"
+
+
+def free_memory() -> None:
+    """Drop what the last variant left behind before the next one is built."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def describe_error(exc: BaseException) -> dict:
+    """An error as the reports record it; the traceback also goes to stderr."""
+    tb = traceback.format_exc()
+    print(tb, file=sys.stderr)
+    return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-4000:]}

@@ -51,11 +51,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +66,7 @@ if str(_REPO / "src") not in sys.path:
 import torch  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 
-from _report import environment, result_path  # noqa: E402
+from _report import describe_error, environment, free_memory, result_path  # noqa: E402
 from cudagraphs import CudaGraphCaptureError, CudaGraphProgram  # noqa: E402
 from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
 
@@ -184,18 +182,6 @@ class Built:
 
 
 # ---- helpers -----------------------------------------------------------------------
-
-
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-def describe_error(exc: BaseException) -> dict:
-    tb = traceback.format_exc()
-    print(tb, file=sys.stderr)
-    return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-4000:]}
 
 
 def compare(got: object, want: object, rtol: float) -> dict:

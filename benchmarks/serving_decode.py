@@ -41,12 +41,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,7 +55,7 @@ if str(_REPO / "src") not in sys.path:
 
 import torch  # noqa: E402
 
-from _report import environment, result_path  # noqa: E402
+from _report import describe_error, environment, free_memory, result_path  # noqa: E402
 from cudagraphs.models import DecoderConfig, TinyDecoder  # noqa: E402
 from cudagraphs.serving import BucketConfig, GraphRunner, InputSpec  # noqa: E402
 from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
@@ -99,18 +97,6 @@ def model_config(args: argparse.Namespace) -> DecoderConfig:
 
 
 # ---- helpers -----------------------------------------------------------------------
-
-
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-def describe_error(exc: BaseException) -> dict:
-    tb = traceback.format_exc()
-    print(tb, file=sys.stderr)
-    return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-4000:]}
 
 
 def log(msg: str) -> None:

@@ -32,11 +32,9 @@ other than torch.compile failed.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,7 +48,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cudagraphs  # noqa: E402
-from _report import environment, result_path  # noqa: E402
+from _report import describe_error, environment, free_memory, result_path  # noqa: E402
 from cudagraphs.models import BlockConfig, make_block_stack  # noqa: E402
 from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
 
@@ -269,12 +267,6 @@ VARIANTS: dict[str, Callable[[BenchConfig], Built]] = {
 # ---- measurement -------------------------------------------------------------------
 
 
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 def layer0_grad(built: Built) -> torch.Tensor:
     """Layer 0's qkv weight gradient after ``CHECK_STEPS`` steps from zeroed grads."""
     zero_grads(built.blocks)
@@ -282,12 +274,6 @@ def layer0_grad(built: Built) -> torch.Tensor:
         built.step()
     torch.cuda.synchronize()
     return built.blocks[0].qkv.weight.grad.detach().float().clone()
-
-
-def describe_error(exc: BaseException) -> dict:
-    tb = traceback.format_exc()
-    print(tb, file=sys.stderr)
-    return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-4000:]}
 
 
 def _timed(built: Built, cfg: BenchConfig, profile: bool) -> tuple[dict, torch.Tensor, dict | None]:

@@ -11,21 +11,11 @@ from cudagraphs.partial import PartialCudaGraphManager
 pytestmark = pytest.mark.cuda
 transformers = pytest.importorskip("transformers")
 
+from _hf_models import tiny  # noqa: E402
 
-def tiny(kind):
-    kw = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    if kind == "qwen3_moe":
-        kw.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16)
-    cfg = transformers.AutoConfig.for_model(kind, **kw)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg).cuda()
+
+def tiny_cuda(kind):
+    return tiny(kind).cuda()
 
 
 def loss_of(model, ids):
@@ -34,7 +24,7 @@ def loss_of(model, ids):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_training_steps_equal_eager(kind):
-    model = tiny(kind)
+    model = tiny_cuda(kind)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)

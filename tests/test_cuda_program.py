@@ -10,7 +10,6 @@ import gc
 import math
 import random
 import weakref
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -26,7 +25,6 @@ from cudagraphs import (
     CudaGraphPool,
     CudaGraphProgram,
     GraphReleasedError,
-    LeafTypes,
     ProgramClosedError,
     ValueTreeSignature,
 )
@@ -69,57 +67,7 @@ def _close(pool):
         pool.close()
 
 
-@dataclass(eq=False)
-class QuantizedTensor:
-    """int8 data with a float32 scale; the block size is metadata. The optional zero
-    point changes the set of tensor names."""
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    block: int
-    zero_point: torch.Tensor | None = None
-
-
-@dataclass(eq=False)
-class PackedTensor:
-    """Same tensors and metadata as QuantizedTensor, but another leaf type."""
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    block: int
-
-
-def _quantized_flatten(q):
-    tensors = {"data": q.data, "scale": q.scale}
-    if q.zero_point is not None:
-        tensors["zero_point"] = q.zero_point
-    return tensors, {"block": q.block}
-
-
-def _quantized_unflatten(tensors, metadata):
-    return QuantizedTensor(
-        tensors["data"], tensors["scale"], metadata["block"], tensors.get("zero_point")
-    )
-
-
-def _make_leaf_types():
-    leaf_types = LeafTypes()
-    leaf_types.register(
-        QuantizedTensor,
-        flatten=_quantized_flatten,
-        unflatten=_quantized_unflatten,
-        name="QuantizedTensor",
-    )
-    leaf_types.register(
-        PackedTensor,
-        flatten=lambda p: ({"data": p.data, "scale": p.scale}, {"block": p.block}),
-        unflatten=lambda t, m: PackedTensor(t["data"], t["scale"], m["block"]),
-        name="PackedTensor",
-    )
-    return leaf_types
-
-
-LEAF_TYPES = _make_leaf_types()
+from _leaf_types import LEAF_TYPES, PackedTensor, QuantizedTensor  # noqa: E402
 
 
 def _quantized(*shape, seed, block=4, device="cuda"):

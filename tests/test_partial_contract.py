@@ -436,20 +436,11 @@ def test_counter_with_contract_set_loop():
 
 
 def test_contracts_recorded_from_a_real_llama_forward():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from _hf_models import tiny
     from cudagraphs.partial import select_targets
 
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(
-        "llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = tiny("llama")
     targets = select_targets(model)
     assert [x.kind for x in targets] == ["attention", "attention"]
     calls = []

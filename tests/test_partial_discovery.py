@@ -4,7 +4,6 @@ checkpoint wrappers, extra (MTP) stacks, user models and rejected selections (CP
 import re
 
 import pytest
-import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -22,58 +21,7 @@ from cudagraphs.partial import (
 
 transformers = pytest.importorskip("transformers")
 
-CONFIGS = {
-    "llama": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    ),
-    "qwen3_moe": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=128,
-        head_dim=16,
-    ),
-    "mixtral": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=128,
-    ),
-    "deepseek_v3": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        vocab_size=128,
-        q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-        n_group=1,
-        topk_group=1,
-    ),
-}
+from _hf_models import CONFIGS, tiny  # noqa: E402
 
 ATTN = "model.layers.{}.self_attn"
 ROUTER = "model.layers.{}.mlp.gate"
@@ -105,13 +53,6 @@ EXPECTED_MOE = {
     "deepseek_v3": [None, "model.layers.1.mlp"],
 }
 FAMILIES = sorted(CONFIGS)
-
-
-def tiny(family: str) -> nn.Module:
-    """A fresh tiny causal LM of ``family``; fresh because several tests mutate it."""
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(family, **CONFIGS[family])
-    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def names_kinds(targets: list[Target]) -> list[tuple[str, str]]:

@@ -12,6 +12,8 @@ from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
 
 transformers = pytest.importorskip("transformers")
 
+from _hf_models import tiny  # noqa: E402
+
 
 def eager_backend(callables, sample_args, sample_kwargs):
     eager_backend.calls.append((len(callables), sample_args, sample_kwargs))
@@ -19,22 +21,6 @@ def eager_backend(callables, sample_args, sample_kwargs):
 
 
 eager_backend.calls = []
-
-
-def tiny(kind="llama", seed=0):
-    kw = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    if kind == "qwen3_moe":
-        kw.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, head_dim=16)
-    cfg = transformers.AutoConfig.for_model(kind, **kw)
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
 
 
 def step(model, ids):
