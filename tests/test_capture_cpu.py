@@ -109,3 +109,11 @@ def test_graph_pool_retire_moves_off_the_failed_handle(caplog):
     assert pool.retired == [(0, 11)]
     assert "retired after a failed capture" in caplog.text
     assert pool._handle is None and pool._anchor is None  # a fresh handle comes next
+
+
+def test_capture_failure_hint_names_a_live_eager_graph_for_legacy_stream_errors():
+    from cudagraphs.capture import _failure_hint
+
+    hint = _failure_hint("operation would make the legacy stream depend on a capturing stream")
+    assert "AccumulateGrad" in hint and "del loss" in hint
+    assert "host sync" in _failure_hint("operation not permitted when stream is capturing")

@@ -54,7 +54,10 @@ def test_parameters_are_read_in_place_not_cloned():
     x = torch.randn(3)
     plan = canonicalize(lambda w, x: w * x, (weight, x))
     static = _new_static_inputs(plan.entries[0])
-    assert static[0] is weight
+    # An alias over the parameter's storage: read in place, but a fresh autograd leaf,
+    # so a capture never goes through the parameter's own AccumulateGrad node.
+    assert static[0] is not weight and static[0].data_ptr() == weight.data_ptr()
+    assert static[0].requires_grad and static[0].is_leaf
     assert static[1] is not x and torch.equal(static[1], x)
 
 
@@ -65,7 +68,8 @@ def test_a_pinned_parameter_must_be_the_same_object_with_the_same_storage():
 
     weight = torch.nn.Parameter(torch.randn(3))
     x = torch.randn(3)
-    entry = _entry([weight, x.clone()], pinned=((0, weight.data_ptr()),))
+    alias = weight.detach().requires_grad_()
+    entry = _entry([alias, x.clone()], pinned=((0, weight.data_ptr(), weight),))
     assert entry.user_tensors((weight, x), {})[0] is weight
     with pytest.raises(CudaGraphInputError, match=r"args\[0\] must be the parameter captured"):
         entry.user_tensors((torch.nn.Parameter(torch.randn(3)), x), {})

@@ -317,3 +317,24 @@ def test_node_count_needs_keep_graph():
     graph, _ = capture_into_graph(lambda: x + 1)
     with pytest.raises(ValueError, match="keep_graph"):
         cudagraphs.introspect.graph_node_count(graph)
+
+
+def test_captures_into_one_pool_share_its_stream_and_add_no_workspaces():
+    # cuBLAS makes a workspace (32 MiB on Hopper) per stream on the stream's first
+    # matmul. Warmed up on the pool's capture stream, later captures into the pool
+    # must not each allocate one inside it.
+    pool = cudagraphs.new_pool()
+    stream = pool.capture_stream()
+    assert pool.capture_stream(torch.cuda.current_device()) is stream
+    a = torch.randn(256, 256, device="cuda")
+    with cudagraphs.capture.side_stream(stream):
+        (a @ a).sum()
+    torch.cuda.synchronize()
+    graphs = [cudagraphs.capture_into_graph(lambda: a @ a, pool)]  # first pool segment
+    reserved = torch.cuda.memory_reserved()
+    graphs += [cudagraphs.capture_into_graph(lambda: a @ a, pool) for _ in range(4)]
+    grown = torch.cuda.memory_reserved() - reserved
+    assert grown < 8 * 2**20, f"4 more small captures grew reserved memory by {grown} bytes"
+    for graph, out in graphs:
+        graph.replay()
+        torch.testing.assert_close(out, a @ a)

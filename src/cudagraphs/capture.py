@@ -69,6 +69,7 @@ class GraphPool:
         self._anchor: torch.cuda.CUDAGraph | None = None
         self._anchor_buffer: torch.Tensor | None = None
         self.retired: list[PoolHandle] = []  # handles given up after failed captures
+        self._streams: dict[int, torch.cuda.Stream] = {}
 
     @property
     def handle(self) -> PoolHandle:
@@ -94,6 +95,20 @@ class GraphPool:
             self._anchor = anchor
         return handle
 
+    def capture_stream(self, device: torch.device | int | None = None) -> torch.cuda.Stream:
+        """The side stream that captures into this pool use by default (one per device).
+
+        Reusing one stream matters for memory: cuBLAS keeps a workspace per stream
+        (32 MiB on Hopper), created the first time a stream runs a matmul. Warm up on
+        this stream and the workspace is made once, outside the pool; capture each
+        graph on a fresh stream and every capture allocates another one inside it.
+        """
+        index = torch.cuda._get_device_index(device, optional=True)
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(index)
+        return stream
+
     def retire(self) -> None:
         """Give up the current handle after a failed capture; the next capture uses a
         fresh one. Graphs already in the old handle keep their memory."""
@@ -109,6 +124,26 @@ class GraphPool:
 
     def __repr__(self) -> str:
         return f"GraphPool(handle={self._handle}, retired={len(self.retired)})"
+
+
+@contextlib.contextmanager
+def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Make ``stream`` current, ordered after the work already queued on the current
+    stream, and order the current stream after it again on exit (also on error).
+
+    ``None`` is a no-op (CPU code paths). Warm up here on the stream the capture will
+    use, so per-stream library state is made outside any graph pool.
+    """
+    if stream is None:
+        yield
+        return
+    caller = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(caller)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        caller.wait_stream(stream)
 
 
 def new_pool() -> GraphPool:
@@ -254,8 +289,9 @@ def capture_into_graph(
             a new pool. Graphs sharing a pool must be replayed in an order where no
             graph reads memory that a later-captured graph reuses; in practice,
             replay in capture order.
-        stream: side stream to capture on; a new one when ``None``. Work already
-            queued on the current stream is finished before capture starts.
+        stream: side stream to capture on; ``None`` for the pool's
+            :meth:`GraphPool.capture_stream` (warm up on that stream too). Work
+            already queued on the device is finished before capture starts.
         capture_error_mode: ``"thread_local"`` (default: other threads' unsafe CUDA
             calls cannot invalidate this capture), ``"global"`` or ``"relaxed"``.
         keep_graph: keep the ``cudaGraph_t`` after capture so that
@@ -289,7 +325,7 @@ def capture_into_graph(
         )
     device = torch.cuda.current_device()
     pool = as_graph_pool(pool)
-    stream = torch.cuda.Stream(device) if stream is None else stream
+    stream = pool.capture_stream(device) if stream is None else stream
     caller_stream = torch.cuda.current_stream(device)
     graph = _new_graph(keep_graph)
     # The capture records work; it must not overlap work still queued for the buffers
@@ -317,14 +353,31 @@ def capture_into_graph(
             pool.retire()
             _repair_generators(stream)
             raise CudaGraphCaptureError(
-                f"capture of {what} failed: {type(exc).__name__}: {exc}. Common causes: a "
-                "host sync (.item(), .cpu(), printing a CUDA tensor, data-dependent "
-                "shapes) or an op that allocates pinned memory inside the captured code; "
-                "the allocator and stream were restored, so fix the code and capture again."
+                f"capture of {what} failed: {type(exc).__name__}: {exc}. "
+                f"{_failure_hint(str(exc))}The allocator and stream were restored, so fix "
+                "the code and capture again."
             ) from exc
         finally:
             torch.cuda.set_stream(caller_stream)
     return graph, output
+
+
+def _failure_hint(message: str) -> str:
+    if "legacy stream" in message:
+        # Seen on torch 2.11: autograd runs a leaf's AccumulateGrad on the stream it was
+        # created on, and an eager graph still alive keeps that node (default stream).
+        return (
+            "Work went to the default (legacy) stream during capture. In a backward "
+            "capture this usually means an eager autograd graph is still alive (a "
+            "`loss` or output of an earlier eager step) and holds the parameters' "
+            "AccumulateGrad nodes, bound to the default stream: drop those references "
+            "(del loss) before capturing. "
+        )
+    return (
+        "Common causes: a host sync (.item(), .cpu(), printing a CUDA tensor, "
+        "data-dependent shapes) or an op that allocates pinned memory inside the "
+        "captured code. "
+    )
 
 
 def capture_with_static_outputs(

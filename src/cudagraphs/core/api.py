@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..capture import GraphPool, PoolHandle, as_graph_pool
+from ..capture import GraphPool, PoolHandle, as_graph_pool, side_stream
 from .canonicalize import GraphPlan, canonicalize, check_devices
 from .capture_phase import CaptureOptions, capture_plan
 from .runtime import EntryGraphs, GraphedCallable
@@ -160,12 +160,13 @@ def make_graphed_callables(
     )
     device = check_devices(plan)
     with torch.cuda.device(device):
-        # Warmup and capture share one side stream: libraries that create per-stream
-        # state lazily (cuBLAS workspaces) do so during warmup, not inside capture.
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        # Warmup and capture share the pool's side stream: libraries that create
+        # per-stream state lazily (cuBLAS workspaces) do so during warmup, not inside
+        # capture, and once per pool rather than once per call.
+        graph_pool = as_graph_pool(pool)
+        stream = graph_pool.capture_stream(device)
         t0 = time.perf_counter()
-        with torch.cuda.stream(stream):
+        with side_stream(stream):
             run_warmup(
                 plan,
                 num_warmup_iters,
@@ -173,10 +174,9 @@ def make_graphed_callables(
                 pre_warmup_hook=pre_warmup_hook,
                 post_warmup_hook=post_warmup_hook,
             )
-        torch.cuda.current_stream(device).wait_stream(stream)
         t1 = time.perf_counter()
         opts = CaptureOptions(
-            pool=as_graph_pool(pool),
+            pool=graph_pool,
             stream=stream,
             allow_unused_input=allow_unused_input,
             retain_graph_in_backward=retain_graph_in_backward,

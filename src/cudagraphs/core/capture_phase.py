@@ -45,9 +45,13 @@ def _new_static_inputs(spec: EntrySpec) -> list[torch.Tensor]:
     # the samples, and the graph must own what it reads. Parameters passed as inputs
     # (explicit-parameter adapters) are the exception: they are persistent, the graph
     # reads them in place (no copy per call), and every call must pass the same
-    # parameter with the same storage (checked on the replay path).
+    # parameter with the same storage (checked on the replay path). The graph still
+    # gets an alias (a new leaf over the same storage), not the parameter itself: an
+    # eager autograd graph the caller keeps alive (a live ``loss``) holds the
+    # parameter's AccumulateGrad node bound to the default stream, and a backward
+    # capture through that node would make the legacy stream wait on the capture.
     return [
-        t
+        t.detach().requires_grad_(t.requires_grad)
         if isinstance(t, torch.nn.Parameter)
         else t.detach().clone().requires_grad_(t.requires_grad)
         for t in spec.tensors
@@ -70,8 +74,8 @@ def _entry_graphs(
         paths=spec.paths,
         input_meta=tuple((t.shape, t.dtype, t.requires_grad) for t in spec.tensors),
         pinned=tuple(
-            (i, t.data_ptr())
-            for i, t in enumerate(static_inputs)
+            (i, t.data_ptr(), t)
+            for i, t in enumerate(spec.tensors)
             if isinstance(t, torch.nn.Parameter)
         ),
         static_inputs=static_inputs,

@@ -63,8 +63,9 @@ class EntryGraphs:
     input_meta: tuple[tuple[torch.Size, torch.dtype, bool], ...]
     static_inputs: list[torch.Tensor]
     params: tuple[torch.nn.Parameter, ...]
-    # Inputs that are parameters read in place: (tensor index, data_ptr at capture).
-    pinned: tuple[tuple[int, int], ...] = ()
+    # Inputs that are parameters read in place: (tensor index, data_ptr at capture,
+    # the parameter). The static input there is an alias of the parameter's storage.
+    pinned: tuple[tuple[int, int, torch.nn.Parameter], ...] = ()
     fwd_graph: torch.cuda.CUDAGraph | None = None
     bwd_graph: torch.cuda.CUDAGraph | None = None
     out_spec: pytree.TreeSpec | None = None
@@ -119,9 +120,9 @@ class EntryGraphs:
         for t, (shape, dtype, rg) in zip(tensors, self.input_meta):
             if t.shape != shape or t.dtype != dtype or (grad_on and t.requires_grad and not rg):
                 self._raise_meta(tensors, grad_on)
-        for i, ptr in self.pinned:
+        for i, ptr, param in self.pinned:
             t = tensors[i]
-            if t is not self.static_inputs[i] or t.data_ptr() != ptr:
+            if t is not param or t.data_ptr() != ptr:
                 # Copying into a parameter read in place would overwrite it, and a
                 # parameter with new storage would leave the graph reading freed memory.
                 raise CudaGraphInputError(

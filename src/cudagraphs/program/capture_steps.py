@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..capture import side_stream
 from ..errors import CudaGraphCaptureError
 from .buffer import ReusableValueBuffer
 from .leaves import LeafTypes
@@ -85,14 +86,12 @@ def warm_up(
     """Run ``function`` ``warmup`` times on fresh buffers on ``stream``; return the
     last output (``None`` without warmup)."""
     last = None
-    stream.wait_stream(torch.cuda.current_stream(device))
     try:
-        with torch.cuda.stream(stream):
+        with side_stream(stream):
             for _ in range(warmup):
                 fresh = ReusableValueBuffer(signature, device)
                 fresh.copy_from(inputs, path="inputs")
                 last = function(*fresh.value)
-        torch.cuda.current_stream(device).wait_stream(stream)
         torch.cuda.synchronize(device)
     except Exception as exc:
         raise CudaGraphCaptureError(f"warmup of program {name} failed: {exc}") from exc

@@ -153,13 +153,16 @@ class CudaGraphProgram(Generic[OutputT]):
         self._stream: torch.cuda.Stream | None = None
         self._closed = False
         with torch.cuda.device(device):
-            stream = torch.cuda.Stream(device)
+            # Programs of one pool share its capture stream (and so one cuBLAS
+            # workspace, made during the first warmup rather than inside a capture).
+            graph_pool = pool._graph_pool if pool is not None else GraphPool()
+            stream = graph_pool.capture_stream(device)
             t0 = time.perf_counter()
             last = warm_up(function, signature, inputs, device, warmup, stream, name)
             t1 = time.perf_counter()
             self._buffer = ReusableValueBuffer(signature, device)
             self._buffer.copy_from(inputs, path="inputs")
-            self._capture(last, stream, check_input_liveness)
+            self._capture(last, graph_pool, stream, check_input_liveness)
             t2 = time.perf_counter()
             self._first_replay(last if check_first_replay else None)
             t3 = time.perf_counter()
@@ -174,12 +177,18 @@ class CudaGraphProgram(Generic[OutputT]):
         if pool is not None:
             pool._members.add(self)
 
-    def _capture(self, last: Any, stream: torch.cuda.Stream, check_input_liveness: bool) -> None:
+    def _capture(
+        self,
+        last: Any,
+        graph_pool: GraphPool,
+        stream: torch.cuda.Stream,
+        check_input_liveness: bool,
+    ) -> None:
         fn, args = self._function, self._buffer.value
         what = f"program {self._name}"
         opts = {"stream": stream, "check_input_liveness": check_input_liveness, "what": what}
         if self._pool is None:
-            self._graph_pool = GraphPool()
+            self._graph_pool = graph_pool
             self._graph, output = capture_into_graph(lambda: fn(*args), self._graph_pool, **opts)
             # Detached views of the graph's output memory: the captured autograd graph
             # is not kept alive through them.
@@ -200,7 +209,7 @@ class CudaGraphProgram(Generic[OutputT]):
         self._graph, static = capture_with_static_outputs(
             lambda: self._out_sig.flatten(detached(fn(*args), leaf_types), path="output"),
             like,
-            self._pool._graph_pool,
+            graph_pool,
             **opts,
         )
         self._output = self._out_sig.rebuild(static)

@@ -124,25 +124,36 @@ def plan_buckets(
     )
 
 
-def measure_bucket_cost(bucket: Bucket, run: Callable[[], Any]) -> BucketCost:
+def measure_bucket_cost(
+    bucket: Bucket, run: Callable[[], Any], stream: torch.cuda.Stream | None = None
+) -> BucketCost:
     """Measure one bucket on the GPU: the eager step's peak allocation, then a
     thrown-away capture for its pool bytes (reserved memory it added) and, through the
     driver, its executable memory per node. Everything made here is released before
     returning, and the allocator cache is emptied so the next measurement starts clean.
+
+    The eager step and the capture run on ``stream`` (default: a new side stream), the
+    stream the real capture will use: per-stream library workspaces are then made by
+    the eager step and are not counted as pool bytes.
     """
     from ..capture import GraphPool, capture_into_graph
     from ..introspect import instantiate_measured
 
+    stream = torch.cuda.Stream() if stream is None else stream
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = run()
+    with torch.cuda.stream(stream):
+        out = run()
     torch.cuda.synchronize()
     eager_peak = torch.cuda.max_memory_allocated() - base
     del out
-    torch.cuda.empty_cache()
+    # No empty_cache here: the capture allocates from its own pool, so every segment it
+    # adds is new, and emptying the cache could drop the stream's workspace again.
     reserved = torch.cuda.memory_reserved()
-    graph, out = capture_into_graph(run, GraphPool(), keep_graph=True, what=f"measuring {bucket}")
+    graph, out = capture_into_graph(
+        run, GraphPool(), stream=stream, keep_graph=True, what=f"measuring {bucket}"
+    )
     pool_bytes = torch.cuda.memory_reserved() - reserved
     memory = instantiate_measured(graph)
     del out
