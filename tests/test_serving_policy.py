@@ -712,3 +712,13 @@ def test_staging_for_a_bucket_larger_than_the_buffers_is_rejected():
     si = StaticInputs([InputSpec("ids", (8,), torch.int64)], 8, "cpu")
     with pytest.raises(CudaGraphInputError, match=r"needs 16 rows, the buffers hold 8"):
         si.stage({"ids": torch.arange(4)}, Bucket(16), 4)
+
+
+def test_memory_use_reports_prediction_against_actual():
+    from cudagraphs.serving import MemoryPlan, MemoryUse
+
+    mib = 1 << 20
+    plan = MemoryPlan(chosen=(), predicted_pool_bytes=100 * mib, predicted_exec_bytes=0)
+    line = MemoryUse(pool_bytes=90 * mib, device_bytes=120 * mib).against(plan)
+    assert "pool predicted 100.0 MiB, reserved 90.0 MiB" in line
+    assert "actual/predicted 1.20" in line

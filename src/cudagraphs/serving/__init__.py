@@ -16,7 +16,7 @@ from .buckets import (
     select_bucket,
 )
 from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
-from .memory import BucketCost, MemoryPlan, plan_buckets
+from .memory import BucketCost, MemoryPlan, MemoryUse, plan_buckets
 from .runner import BucketGraph, GraphRunner
 from .static_inputs import InputSpec, StaticInputs, infer_row_dim
 
@@ -30,6 +30,7 @@ __all__ = [
     "GraphRunner",
     "InputSpec",
     "MemoryPlan",
+    "MemoryUse",
     "StaticInputs",
     "agree_on_batch_size",
     "agree_on_captured",

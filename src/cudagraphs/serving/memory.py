@@ -21,7 +21,7 @@ import torch
 
 from .buckets import Bucket
 
-__all__ = ["BucketCost", "MemoryPlan", "measure_bucket_cost", "plan_buckets"]
+__all__ = ["BucketCost", "MemoryPlan", "MemoryUse", "measure_bucket_cost", "plan_buckets"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,24 @@ class MemoryPlan:
             f"{self.eager_reserve_bytes / mib:.1f} MiB kept for the largest eager step, "
             f"within {self.budget_bytes / mib:.1f} MiB free; dropped: "
             + (", ".join(f"{b} ({why})" for b, why in self.dropped.items()) or "none")
+        )
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """What the real captures took, to set beside the plan's prediction."""
+
+    pool_bytes: int  # growth of the allocator's reserved memory across all captures
+    device_bytes: int  # drop of the device's free memory (pool, graphs, workspaces)
+
+    def against(self, plan: MemoryPlan) -> str:
+        """One log line: predicted against actual, with the ratio of the totals."""
+        ratio = self.device_bytes / plan.predicted_bytes if plan.predicted_bytes else float("nan")
+        return (
+            f"memory plan vs capture: pool predicted {_size(plan.predicted_pool_bytes)}, "
+            f"reserved {_size(self.pool_bytes)}; total predicted {_size(plan.predicted_bytes)}"
+            f", device free memory dropped by {_size(self.device_bytes)} "
+            f"(actual/predicted {ratio:.2f})"
         )
 
 

@@ -25,7 +25,7 @@ from ..capture import GraphPool, capture_into_graph, capture_with_static_outputs
 from ..errors import CudaGraphInputError
 from .buckets import Bucket, BucketConfig, check_dropped_buckets, select_bucket
 from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
-from .memory import BucketCost, MemoryPlan, measure_bucket_cost, plan_buckets
+from .memory import BucketCost, MemoryPlan, MemoryUse, measure_bucket_cost, plan_buckets
 from .static_inputs import InputSpec, StaticInputs
 
 __all__ = ["BucketGraph", "GraphRunner"]
@@ -140,6 +140,8 @@ class GraphRunner:
         default = _static_outputs_backend if static_outputs else _default_backend
         self._backend = capture_backend or default
         self.memory_plan: MemoryPlan | None = None
+        #: With ``plan_memory``: what the captures actually took (logged beside the plan).
+        self.memory_used: MemoryUse | None = None
         self.static: StaticInputs | None = None
         self.graphs: dict[Bucket, BucketGraph] = {}
         self.dropped_buckets: dict[Bucket, str] = {}
@@ -167,7 +169,8 @@ class GraphRunner:
                 step's peak, a thrown-away capture and the driver's executable memory)
                 and capture only the buckets :func:`plan_buckets` fits into
                 ``free_bytes`` (default: the device's free memory); the others are
-                dropped with the plan's reason. ``memory_plan`` keeps the plan.
+                dropped with the plan's reason. ``memory_plan`` keeps the plan, and
+                ``memory_used`` what the captures then took (both logged at INFO).
             headroom_bytes: memory the plan keeps free besides the largest eager step.
 
         Raises:
@@ -185,14 +188,28 @@ class GraphRunner:
             chosen = self._plan(make_inputs, free_bytes, headroom_bytes, measure)
         local_ok = []
         gc.collect()  # once before: no collection of old cycles during the captures
+        before = self._memory_now() if plan_memory else None
         for bucket in self.config.buckets():
             # Every rank walks every bucket, also after a local failure, so the
             # agreement below is one collective per rank.
             ok = bucket in chosen and self._capture_bucket(bucket, make_inputs, warmup)
             local_ok.append(ok)
+        if before is not None:
+            after = self._memory_now()
+            self.memory_used = MemoryUse(after[0] - before[0], before[1] - after[1])
+            logger.info("%s", self.memory_used.against(self.memory_plan))
         self._agree(local_ok)
         gc.collect()
         check_dropped_buckets(self.dropped_buckets, self.require_all_buckets)
+
+    def _memory_now(self) -> tuple[int, int] | None:
+        """(reserved bytes, device free bytes), or None off CUDA. Empties the cache
+        first, so blocks cached by the eager warmups are not counted as graph memory."""
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(self.device), torch.cuda.mem_get_info(self.device)[0]
 
     def _plan(
         self,
