@@ -70,7 +70,9 @@ class CudaGraphPool:
         self._device = device
         self._graph_pool = GraphPool()
         self._members: weakref.WeakSet[CudaGraphProgram] = weakref.WeakSet()
-        self._last_launch: torch.cuda.Event | None = None
+        self._launched = torch.cuda.Event()
+        self._record_launches = False
+        self._last_launch_stream: torch.cuda.Stream | None = None
         self._closed = False
 
     @property
@@ -86,13 +88,23 @@ class CudaGraphPool:
             raise ProgramClosedError("this CudaGraphPool was closed; create a new pool")
 
     def _before_launch(self, stream: torch.cuda.Stream) -> None:
-        if self._last_launch is not None:
-            stream.wait_event(self._last_launch)
+        # Scratch is shared: a launch on another stream than the last one must wait
+        # for it. Same stream (the common case): stream order suffices, no event.
+        last = self._last_launch_stream
+        if last is None or stream is last:
+            return
+        if not self._record_launches:
+            # First cross-stream use: record late, on the last launch's stream (orders
+            # after that launch and whatever followed it), and record at every launch
+            # from now on.
+            self._launched.record(last)
+            self._record_launches = True
+        stream.wait_event(self._launched)
 
     def _after_launch(self, stream: torch.cuda.Stream) -> None:
-        event = torch.cuda.Event()
-        event.record(stream)
-        self._last_launch = event
+        if self._record_launches:
+            self._launched.record(stream)
+        self._last_launch_stream = stream
 
     def close(self) -> None:
         """Wait for all scratch users, then close the live member programs (idempotent)."""
@@ -103,4 +115,4 @@ class CudaGraphPool:
             program.close()
         self._closed = True
         self._graph_pool = None
-        self._last_launch = None
+        self._last_launch_stream = None

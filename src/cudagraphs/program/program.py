@@ -145,8 +145,14 @@ class CudaGraphProgram(Generic[OutputT]):
         self._pool, self._leaf_types, self._name = pool, leaf_types, name
         # A fresh object per program: unlike id(self), never reused by another program.
         self._generation, self._token = 0, object()
-        self._last_replay: torch.cuda.Event | None = None
+        # Overwrite protection. A buffer writer on another stream than the last replay
+        # must wait for that replay. On the plain replay() path everything runs on one
+        # stream, so no event is recorded per launch (about 2 us); once the program
+        # prefetches (copy_inputs_from), every launch records ``_launched``. Before
+        # that, a cross-stream writer records it late, on the replay's stream, which
+        # orders after the replay and whatever followed it (conservative, correct).
         self._launched = torch.cuda.Event()
+        self._record_launches = False
         self._last_copy: torch.cuda.Event | None = None
         self._last_replay_stream: torch.cuda.Stream | None = None
         self._stream_key: object = None
@@ -285,15 +291,16 @@ class CudaGraphProgram(Generic[OutputT]):
         if pool is not None:
             pool._before_launch(stream)
         self._graph.replay()
-        # One event, re-recorded per launch: a wait issued later always refers to the
-        # latest launch, which is what overwrite protection and the pool chain need.
-        self._launched.record(stream)
-        self._last_replay, self._last_replay_stream = self._launched, stream
+        if self._record_launches:
+            # One event, re-recorded per launch: a wait issued later always refers to
+            # the latest launch, which is what overwrite protection needs.
+            self._launched.record(stream)
+        self._last_replay_stream = stream
         # The launch waited for the latest copy, so later buffer writers, which wait
         # for this launch, are ordered after that copy too.
         self._last_copy = None
         if pool is not None:
-            pool._last_launch = self._launched
+            pool._after_launch(stream)
 
     def _current_stream(self) -> torch.cuda.Stream:
         # torch.cuda.current_stream() builds a new Stream object per call; on the replay
@@ -308,8 +315,11 @@ class CudaGraphProgram(Generic[OutputT]):
         """Before ``stream`` writes the input buffer: wait for the last launched replay
         (it may still read the inputs) and the last prefetch copy (so buffer writes land
         in the order they were issued), whatever streams those ran on."""
-        if self._last_replay is not None and stream is not self._last_replay_stream:
-            stream.wait_event(self._last_replay)
+        last = self._last_replay_stream
+        if last is not None and stream is not last:
+            if not self._record_launches:
+                self._launched.record(last)  # late: see __init__
+            stream.wait_event(self._launched)
         if self._last_copy is not None:
             stream.wait_event(self._last_copy)
 
@@ -372,6 +382,7 @@ class CudaGraphProgram(Generic[OutputT]):
         sources = self._signature.flatten(inputs, path="inputs")
         stream = torch.cuda.current_stream(self._device) if stream is None else stream
         self._order_buffer_write(stream)
+        self._record_launches = True  # a prefetching program: see __init__
         events = [wait_for] if isinstance(wait_for, torch.cuda.Event) else list(wait_for or ())
         for event in events:
             stream.wait_event(event)
@@ -432,7 +443,7 @@ class CudaGraphProgram(Generic[OutputT]):
         if getattr(self, "_graph", None) is not None:
             self._graph.reset()
         self._graph = self._buffer = self._output = None
-        self._last_replay = self._last_copy = None
+        self._last_replay_stream = self._last_copy = None
         self._graph_pool = None
         if self._pool is not None:
             self._pool._members.discard(self)
