@@ -22,6 +22,17 @@ def loss_of(model, ids):
     return model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
 
 
+def step_both_and_compare(model, ref, ids, step):
+    """Forward + backward of both models on ``ids``; losses and grads must be equal."""
+    loss, ref_loss = loss_of(model, ids), loss_of(ref, ids)
+    loss.backward()
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss), f"step {step}: loss differs"
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.grad is not None or q.grad is not None:
+            assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name} differs"
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_training_steps_equal_eager(kind):
     model = tiny_cuda(kind)
@@ -34,13 +45,7 @@ def test_training_steps_equal_eager(kind):
     mgr.start_recording()
     try:
         for i, ids in enumerate(batches):
-            loss, ref_loss = loss_of(model, ids), loss_of(ref, ids)
-            loss.backward()
-            ref_loss.backward()
-            assert torch.equal(loss, ref_loss), f"step {i}: loss differs"
-            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                if p.grad is not None or q.grad is not None:
-                    assert torch.equal(p.grad, q.grad), f"step {i}: grad of {name} differs"
+            step_both_and_compare(model, ref, ids, i)
             opt.step()
             ref_opt.step()
             opt.zero_grad()
@@ -49,6 +54,53 @@ def test_training_steps_equal_eager(kind):
                 mgr.capture()
         stats = mgr.stats()
         assert stats["replayed"] > 0 and stats["fallbacks"] == 0, stats
+        loss_of(model, torch.randint(0, 128, (2, 24), device="cuda")).backward()
+        assert mgr.stats()["fallback_shape"] > 0
+    finally:
+        mgr.close()
+
+
+def test_with_activation_checkpointing_losses_and_grads_equal_eager():
+    # Hugging Face checkpointing recomputes each layer in backward, so a target runs
+    # twice per step; the manager must stay correct (replay or counted fallback).
+    model = tiny_cuda("llama")
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.train()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(3)]
+    mgr = PartialCudaGraphManager.from_model_parts([model], activation_checkpointing=True)
+    mgr.start_recording()
+    try:
+        for i, ids in enumerate(batches):
+            step_both_and_compare(model, ref, ids, i)
+            model.zero_grad()
+            ref.zero_grad()
+            if i == 0:
+                mgr.capture()
+        assert mgr.stats()["captured"] > 0, mgr.stats()
+    finally:
+        mgr.close()
+
+
+def test_dropout_in_graphed_attention_draws_fresh_masks_and_eager_rng_still_works():
+    model = tiny("llama")
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model = model.cuda().train()
+    ids = torch.randint(0, 128, (2, 16), device="cuda")
+    mgr = PartialCudaGraphManager.from_model_parts([model])
+    mgr.start_recording()
+    try:
+        loss_of(model, ids).backward()
+        mgr.capture()
+        losses = [loss_of(model, ids) for _ in range(3)]
+        for loss in losses:
+            loss.backward()
+        assert mgr.stats()["replayed"] > 0 and mgr.stats()["fallbacks"] == 0, mgr.stats()
+        assert len({loss.item() for loss in losses}) == 3, f"same dropout masks: {losses}"
+        # An eager fallback (new sequence length) draws from the same generator.
         loss_of(model, torch.randint(0, 128, (2, 24), device="cuda")).backward()
         assert mgr.stats()["fallback_shape"] > 0
     finally:
