@@ -229,3 +229,24 @@ def test_a_replaced_parameter_storage_falls_back_with_its_reason():
     assert stats["fallback_param_storage"] == 1 and stats["replayed"] == 3
     mgr.close()
     assert torch.equal(out, model(x))  # the fallback ran the real (eager) module
+
+
+def test_checkpoint_recompute_is_not_a_second_call_and_gets_a_pool_per_target():
+    model = tiny()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.train()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    eager_backend.calls.clear()
+    mgr = recorded(model, ids)  # the recompute in backward must not count as a call
+    assert mgr.activation_checkpointing, "the recompute should have been noticed"
+    assert [n for n, _, _ in eager_backend.calls] == [1, 1], "one capture per target"
+    out, ref_out = step(model, ids), step(ref, ids)
+    assert torch.equal(out, ref_out)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    stats = mgr.stats()
+    # Each target replays twice per step: the forward and its recompute in backward.
+    assert stats["replayed"] == 4 and stats["fallbacks"] == 0, stats
+    mgr.close()

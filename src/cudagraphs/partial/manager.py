@@ -65,6 +65,13 @@ def _check_parameters(target: Target) -> list[tuple[str, nn.Parameter]]:
     return params
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (where an
+    activation-checkpoint recompute calls modules again)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 @dataclass
 class PartialGraphEntry:
     """One target: its recorded variants, their graphs, counters and hooks."""
@@ -158,9 +165,12 @@ class PartialCudaGraphManager:
         entries: Sequence[PartialGraphEntry],
         *,
         capture_backend: CaptureBackend | None = None,
+        activation_checkpointing: bool = False,
     ) -> None:
         self.entries = list(entries)
         self._backend = capture_backend or _default_backend
+        # Set by the caller, or on seeing a checkpoint recompute while recording.
+        self.activation_checkpointing = activation_checkpointing
         self._recording = False
         self._closed = False
         self._order: list[PartialGraphEntry] = []  # first-call order while recording
@@ -180,9 +190,13 @@ class PartialCudaGraphManager:
     ) -> PartialCudaGraphManager | None:
         """Discover targets in already-built model parts (pipeline stages).
 
-        ``activation_checkpointing`` and ``pipeline_parallel`` are accepted for
-        interface compatibility: checkpoint wrappers are always unwrapped, and each
-        part is searched on its own.
+        ``activation_checkpointing``: layers are recomputed in backward, so every
+        target replays its forward graph a second time, after later targets' backward
+        graphs ran. Each target then gets its own memory pool, so that replay cannot
+        overwrite another graph's live output (more memory, never wrong values). A
+        recompute seen while recording turns this on by itself. Checkpoint wrapper
+        modules are always unwrapped. ``pipeline_parallel`` is accepted for interface
+        compatibility: each part is searched on its own.
 
         Returns:
             A manager, or ``None`` (with the reason logged) when nothing is graphable.
@@ -191,7 +205,7 @@ class PartialCudaGraphManager:
             TargetSelectionError: a module shared under two names, or nested targets.
             ValueError: meta or sharded parameters in a target.
         """
-        del activation_checkpointing, pipeline_parallel  # see docstring
+        del pipeline_parallel  # see docstring
         entries, seen = [], {}
         for part in model_parts:
             for target in select_targets(part, attention=attention, router=router, include=include):
@@ -215,7 +229,11 @@ class PartialCudaGraphManager:
             logger.info("partial graphs: nothing graphable found in %s", labels)
             return None
         logger.info("partial graphs: %d target(s): %s", len(entries), [e.name for e in entries])
-        return cls(entries, capture_backend=capture_backend)
+        return cls(
+            entries,
+            capture_backend=capture_backend,
+            activation_checkpointing=activation_checkpointing,
+        )
 
     # ---- recording ------------------------------------------------------------------
     def start_recording(self) -> None:
@@ -234,6 +252,13 @@ class PartialCudaGraphManager:
     def _make_recorder(self, entry: PartialGraphEntry) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if entry.bypass:
+                return
+            if _in_backward():
+                # An activation-checkpoint recompute of a call already recorded, not
+                # a second call of the forward.
+                if not self.activation_checkpointing:
+                    logger.info("partial graphs: %s is recomputed in backward", entry.name)
+                self.activation_checkpointing = True
                 return
             if entry.calls_while_recording == 0:
                 self._order.append(entry)
@@ -284,16 +309,24 @@ class PartialCudaGraphManager:
                 module.forward = entry.dispatch
 
     def _capture_calls(self, todo: list[tuple[PartialGraphEntry, int]]) -> None:
-        callables, sample_args, sample_kwargs = [], [], []
-        for entry, i in todo:
-            args, kwargs = entry.samples[i]
-            callables.append(entry.adapter())
-            sample_args.append((tuple(entry.params), *args))
-            sample_kwargs.append(kwargs)
-        graphed = self._backend(tuple(callables), tuple(sample_args), sample_kwargs)
-        for (entry, i), g in zip(todo, graphed):
-            entry.graphs[i] = g
-        logger.info("partial graphs: captured %d call(s)", len(todo))
+        # One capture (one shared pool) for all calls, replayed in capture order; under
+        # activation checkpointing one capture (one pool) per call: see from_model_parts.
+        groups = [[call] for call in todo] if self.activation_checkpointing else [todo]
+        for group in groups:
+            callables, sample_args, sample_kwargs = [], [], []
+            for entry, i in group:
+                args, kwargs = entry.samples[i]
+                callables.append(entry.adapter())
+                sample_args.append((tuple(entry.params), *args))
+                sample_kwargs.append(kwargs)
+            graphed = self._backend(tuple(callables), tuple(sample_args), sample_kwargs)
+            for (entry, i), g in zip(group, graphed):
+                entry.graphs[i] = g
+        logger.info(
+            "partial graphs: captured %d call(s)%s",
+            len(todo),
+            ", one pool each (activation checkpointing)" if self.activation_checkpointing else "",
+        )
 
     # ---- reporting and teardown -------------------------------------------------------
     def stats(self) -> dict[str, int]:
