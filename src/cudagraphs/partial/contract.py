@@ -18,7 +18,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["REASONS", "CallContract", "ContractSet", "FallbackCounter", "same_control"]
+__all__ = [
+    "REASONS",
+    "CallContract",
+    "ContractSet",
+    "FallbackCounter",
+    "flatten_call",
+    "same_control",
+]
 
 #: Why a call did not replay, most structural first (the first difference is reported).
 REASONS = (
@@ -36,6 +43,11 @@ REASONS = (
 )
 
 TensorMeta = tuple[type, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
+
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
+    """Leaves and spec of a call; keyword order at the call site does not matter."""
+    return pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
@@ -84,7 +96,7 @@ class CallContract:
 
     @classmethod
     def from_call(cls, args: tuple, kwargs: dict, *, training: bool) -> CallContract:
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
+        leaves, spec = flatten_call(args, kwargs)
         positions = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         tensors = [leaves[i] for i in positions]
         return cls(
@@ -107,20 +119,27 @@ class CallContract:
     ) -> tuple[str | None, list[torch.Tensor]]:
         """``(None, tensors)`` when the call may replay this contract, else
         ``(reason, [])`` with the first reason in :data:`REASONS` order that applies."""
-        reasons = self.differences(args, kwargs, training=training)
+        return self.match_flat(*flatten_call(args, kwargs), training=training)
+
+    def match_flat(
+        self, leaves: list, spec: pytree.TreeSpec, *, training: bool
+    ) -> tuple[str | None, list[torch.Tensor]]:
+        """:meth:`match` on a call already flattened by :func:`flatten_call`."""
+        reasons = self._differences(leaves, spec, training)
         if reasons:
             return min(reasons, key=REASONS.index), []
-        leaves = pytree.tree_leaves((tuple(args), dict(sorted(kwargs.items()))))
         return None, [leaves[pos] for pos in self.tensor_positions]
 
     def differences(self, args: tuple, kwargs: dict, *, training: bool) -> set[str]:
         """Every reason (from :data:`REASONS`) why the call differs; empty if none."""
+        return self._differences(*flatten_call(args, kwargs), training)
+
+    def _differences(self, leaves: list, spec: pytree.TreeSpec, training: bool) -> set[str]:
         found: set[str] = set()
         if torch.is_grad_enabled() != self.grad_enabled:
             found.add("grad_mode")
         if training != self.training:
             found.add("training")
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
         if spec != self.in_spec:
             found.add("structure")
             return found
@@ -185,8 +204,9 @@ class ContractSet:
         """``(variant index, "", tensors)`` or ``(None, reason, [])`` where the reason
         is the one of the first variant (the most common case: one variant)."""
         first_reason = "structure" if not self.variants else ""
+        leaves, spec = flatten_call(args, kwargs)  # once for all variants
         for i, v in enumerate(self.variants):
-            reason, tensors = v.match(args, kwargs, training=training)
+            reason, tensors = v.match_flat(leaves, spec, training=training)
             if reason is None:
                 return i, "", tensors
             first_reason = first_reason or reason
