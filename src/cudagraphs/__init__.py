@@ -3,12 +3,13 @@
 * :mod:`cudagraphs.capture`: capture primitives (one way to capture, one way to
   recover from a failed capture).
 * :func:`make_graphed_callables`: Transformer Engine-compatible graph helper with
-  ``capture_time_hooks`` and pipeline (``_order``) schedules.
+  ``capture_time_hooks`` and pipeline (``_order``) schedules, and in-graph gradient
+  accumulation; :func:`graph_stack` graphs a whole layer stack as one unit.
 * :mod:`cudagraphs.introspect`: node counts and executable memory of graphs.
 """
 
 from .capture import GraphPool, capture_into_graph, capture_with_static_outputs, new_pool
-from .core import GraphedCallable, make_graphed_callables
+from .core import GraphedCallable, GraphedStack, graph_stack, make_graphed_callables
 from .errors import (
     CaptureTimeHookError,
     CudaGraphCaptureError,
@@ -47,8 +48,10 @@ __all__ = [
     "GraphPool",
     "GraphReleasedError",
     "GraphedCallable",
+    "GraphedStack",
     "capture_into_graph",
     "capture_with_static_outputs",
+    "graph_stack",
     "make_graphed_callables",
     "new_pool",
 ]

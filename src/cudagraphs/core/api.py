@@ -12,6 +12,7 @@ import torch
 from ..capture import GraphPool, PoolHandle, as_graph_pool, side_stream
 from .canonicalize import GraphPlan, canonicalize, check_devices
 from .capture_phase import CaptureOptions, capture_plan
+from .grad_targets import GradTargets, prepare_grad_targets
 from .runtime import EntryGraphs, GraphedCallable
 from .warmup import run_warmup
 
@@ -49,6 +50,17 @@ def _install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> Non
         module.reset = graphed.reset
 
 
+def _grad_targets(plan: GraphPlan, attr: str | None) -> tuple[GradTargets | None, ...]:
+    """Per callable, its in-graph accumulation targets (None: no parameters, or no
+    backward graphs are captured)."""
+    if not plan.training:
+        return ()
+    return tuple(
+        prepare_grad_targets(c.name, c.params, c.param_names, attr or "grad") if c.params else None
+        for c in plan.callables
+    )
+
+
 def _wrap(plan: GraphPlan, entry_graphs: list[EntryGraphs]) -> list[Any]:
     one_entry_per_callable = plan.layout.num_microbatches == 1
     results = []
@@ -83,6 +95,9 @@ def make_graphed_callables(
     pre_warmup_hook: Callable[[], Any] | None = None,
     post_warmup_hook: Callable[[], Any] | None = None,
     capture_time_hooks: Sequence[HookMap | None] | None = None,
+    *,
+    accumulate_grads_in_graph: bool = False,
+    main_grad_attr: str | None = None,
 ) -> Any:
     """Graph modules or functions: forward (and in training backward) CUDA graphs,
     replayed behind an autograd node.
@@ -129,6 +144,20 @@ def make_graphed_callables(
             ``backward_hooks``, each ``{hook_id: fn(module) -> None}``. They run around
             every warmup and capture forward/backward of that callable, outside the
             capture context, and never on replay.
+        accumulate_grads_in_graph: the backward graphs add the parameters' gradients
+            into pre-allocated tensors themselves (one multi-tensor add inside the
+            graph), instead of handing them to autograd, which launches one
+            accumulation kernel per parameter outside the graph. The targets are each
+            parameter's ``.grad`` (allocated as zeros when ``None``) or, with
+            ``main_grad_attr``, that attribute (Megatron-style fp32 ``main_grad``;
+            it must exist). Every backward replay checks that the parameters still
+            hold those very tensors: a ``.grad`` set to ``None`` by
+            ``zero_grad(set_to_none=True)`` is zeroed and bound again; a replaced
+            tensor raises :class:`~cudagraphs.errors.CudaGraphInputError`. Gradient
+            hooks on these parameters (``register_post_accumulate_grad_hook``, DDP's
+            reducer) do not fire for the graphed part of their gradients.
+        main_grad_attr: with ``accumulate_grads_in_graph``, the parameter attribute
+            to accumulate into instead of ``.grad``.
 
     Returns:
         One result per entry (a single one when one callable was passed). A module
@@ -158,7 +187,14 @@ def make_graphed_callables(
         num_layers_per_chunk=_num_layers_per_chunk,
         reuse_buffers=_reuse_graph_input_output_buffers,
     )
+    if main_grad_attr is not None and not accumulate_grads_in_graph:
+        raise ValueError("main_grad_attr needs accumulate_grads_in_graph=True")
+    if main_grad_attr is not None and not (
+        isinstance(main_grad_attr, str) and main_grad_attr.isidentifier()
+    ):
+        raise ValueError(f"main_grad_attr must be an attribute name, got {main_grad_attr!r}")
     device = check_devices(plan)
+    grad_targets = _grad_targets(plan, main_grad_attr) if accumulate_grads_in_graph else ()
     with torch.cuda.device(device):
         # Warmup and capture share the pool's side stream: libraries that create
         # per-stream state lazily (cuBLAS workspaces) do so during warmup, not inside
@@ -181,6 +217,7 @@ def make_graphed_callables(
             allow_unused_input=allow_unused_input,
             retain_graph_in_backward=retain_graph_in_backward,
             clone_param_grads_on_return=clone_param_grads_on_return,
+            grad_targets=grad_targets,
         )
         entry_graphs = capture_plan(plan, opts)
         logger.info(

@@ -29,6 +29,7 @@ class CallableSpec:
     module: torch.nn.Module | None
     name: str
     params: tuple[torch.nn.Parameter, ...]  # graph inputs besides the user's tensors
+    param_names: tuple[str, ...] = ()  # qualified names of ``params`` (for messages)
 
 
 @dataclass
@@ -116,6 +117,7 @@ def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
         module = fn if isinstance(fn, torch.nn.Module) else None
         name = _name_of(i, fn)
         params: tuple[torch.nn.Parameter, ...] = ()
+        param_names: tuple[str, ...] = ()
         if module is not None:
             hooks = _registered_module_hooks(module)
             if hooks:
@@ -124,8 +126,14 @@ def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
                     "side effects would not run on replay. Remove them before graphing, or "
                     "move the work into capture_time_hooks."
                 )
-            params = tuple(p for p in module.parameters() if p.requires_grad)
-        specs.append(CallableSpec(index=i, fn=fn, module=module, name=name, params=params))
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            params = tuple(p for _, p in named)
+            param_names = tuple(n for n, _ in named)
+        specs.append(
+            CallableSpec(
+                index=i, fn=fn, module=module, name=name, params=params, param_names=param_names
+            )
+        )
     return specs, single
 
 

@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture import GraphPool, capture_into_graph
 from .canonicalize import EntrySpec, GraphPlan
+from .grad_targets import GradTargets
 from .runtime import EntryGraphs
 from .warmup import differentiable_inputs
 
@@ -28,6 +29,9 @@ class CaptureOptions:
     allow_unused_input: bool
     retain_graph_in_backward: bool
     clone_param_grads_on_return: bool
+    # Per callable: where its backward graphs add parameter gradients (in-graph
+    # accumulation), or None (gradients handed to autograd). Empty: None for all.
+    grad_targets: tuple[GradTargets | None, ...] = ()
 
 
 def _describe(plan: GraphPlan, entry_index: int) -> str:
@@ -128,7 +132,12 @@ def _grad_output_buffers(
     return buffers
 
 
-def _capture_backward(g: EntryGraphs, opts: CaptureOptions, shared: list | None = None) -> None:
+def _capture_backward(
+    g: EntryGraphs,
+    opts: CaptureOptions,
+    shared: list | None = None,
+    targets: GradTargets | None = None,
+) -> None:
     outs = [g.out_leaves[i] for i in g.out_tensor_positions]
     positions, inputs = differentiable_inputs(g.static_inputs, g.params)
     g.diff_input_positions = tuple(positions)
@@ -138,19 +147,31 @@ def _capture_backward(g: EntryGraphs, opts: CaptureOptions, shared: list | None 
     # Incoming gradients are copied into these before each backward replay.
     g.static_grad_outputs = _grad_output_buffers(outs, g.out_differentiable, shared)
     grad_outputs = [s for s in g.static_grad_outputs if s is not None]
+    n_diff = len(positions)
 
     def run() -> tuple[torch.Tensor | None, ...]:
-        return torch.autograd.grad(
+        grads = torch.autograd.grad(
             diff_outs,
             inputs,
             grad_outputs=grad_outputs,
             allow_unused=opts.allow_unused_input,
             retain_graph=opts.retain_graph_in_backward,
         )
+        if targets is not None:
+            # In-graph accumulation: one multi-tensor add inside the graph.
+            pairs = [(t, d) for t, d in zip(targets.targets, grads[n_diff:]) if d is not None]
+            if pairs:
+                with torch.no_grad():
+                    torch._foreach_add_([t for t, _ in pairs], [d for _, d in pairs])
+        return grads
 
     g.bwd_graph, grads = capture_into_graph(
         run, opts.pool, stream=opts.stream, what=f"backward of {g.name}"
     )
+    if targets is not None:
+        # Nothing to hand to autograd for the parameters: the graph added them.
+        grads = (*grads[:n_diff], *(None,) * (len(grads) - n_diff))
+        g.grad_targets = targets
     g.static_grad_inputs = tuple(grads)
     if not opts.retain_graph_in_backward:
         # Drop the captured autograd graph that the static outputs still hang on to.
@@ -190,7 +211,8 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
                 shared = None
                 if plan.buffer_slots is not None:
                     shared = slot_grad_outputs.setdefault(plan.buffer_slots[step.entry], [])
-                _capture_backward(graphs[step.entry], opts, shared)
+                targets = opts.grad_targets[step.callable_index] if opts.grad_targets else None
+                _capture_backward(graphs[step.entry], opts, shared, targets)
                 hooks.run("backward_hooks", target.fn)
     except BaseException:
         for g in graphs.values():

@@ -20,6 +20,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
 from ..errors import CudaGraphInputError, GraphReleasedError
+from .grad_targets import GradTargets
 
 __all__ = ["EntryGraphs", "GraphedCallable"]
 
@@ -77,6 +78,7 @@ class EntryGraphs:
     static_grad_inputs: tuple[torch.Tensor | None, ...] = ()  # diff inputs, then params
     clone_param_grads: bool = True
     positional_only: bool = False  # captured call was f(t0, t1, ...) with tensors only
+    grad_targets: GradTargets | None = None  # in-graph accumulation of param grads
     released: bool = False
 
     # ---- validation -------------------------------------------------------------
@@ -202,6 +204,8 @@ class EntryGraphs:
         result: list[torch.Tensor | None] = [None] * (len(self.static_inputs) + len(self.params))
         if self.bwd_graph is None:
             return result
+        if self.grad_targets is not None:
+            self.grad_targets.check_and_rebind()
         copy_into(
             self._grad_output_buffers, [g for g, m in zip(grads, self._grad_output_mask) if m]
         )
@@ -236,6 +240,7 @@ class EntryGraphs:
             if g is not None:
                 g.reset()
         self.fwd_graph = self.bwd_graph = None
+        self.grad_targets = None
         self.static_inputs = []
         self.pinned = ()
         self.out_leaves = []

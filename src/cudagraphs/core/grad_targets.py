@@ -1,0 +1,95 @@
+"""In-graph gradient accumulation: the backward graph adds parameter gradients into
+pre-allocated tensors (``param.grad``, or an attribute such as Megatron's
+``main_grad``), so no per-parameter kernel runs outside the graph.
+
+Contract: the graph writes to the tensors it was captured with. Each backward replay
+checks that every parameter still holds exactly those tensors (same object, same
+storage). A ``.grad`` set to ``None`` (``zero_grad(set_to_none=True)``) is bound
+again to its zeroed tensor, one fused kernel for all of them; a tensor that was
+replaced raises with the fix, so a replay never writes into memory it does not own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CudaGraphInputError
+
+__all__ = ["GradTargets", "prepare_grad_targets"]
+
+
+@dataclass
+class GradTargets:
+    """Where one callable's backward graphs add the gradients of its parameters."""
+
+    owner: str  # the callable's name, for messages
+    attr: str  # "grad" or another attribute of each parameter
+    params: tuple[torch.nn.Parameter, ...]
+    names: tuple[str, ...]
+    targets: tuple[torch.Tensor, ...]
+    data_ptrs: tuple[int, ...]
+
+    def check_and_rebind(self) -> None:
+        """Before a backward replay: every target in place, ``None`` ones re-bound."""
+        attr, unbound = self.attr, []
+        for p, t, ptr, name in zip(self.params, self.targets, self.data_ptrs, self.names):
+            current = getattr(p, attr, None)
+            if current is t and t.data_ptr() == ptr:
+                continue
+            if current is None:
+                unbound.append((p, t))
+                continue
+            raise CudaGraphInputError(
+                f"{self.owner}: parameter {name}.{attr} is not the tensor the backward graph "
+                f"accumulates into (it was replaced or re-allocated after capture). Zero "
+                f"gradients in place (zero_grad(set_to_none=False)) or set them to None; "
+                f"do not assign new tensors. To change them, graph again."
+            )
+        if unbound:
+            # set_to_none means "the gradient is zero": bind the zeroed target again.
+            torch._foreach_zero_([t for _, t in unbound])
+            for p, t in unbound:
+                setattr(p, attr, t)
+
+
+def prepare_grad_targets(
+    owner: str,
+    params: tuple[torch.nn.Parameter, ...],
+    names: tuple[str, ...],
+    attr: str,
+) -> GradTargets:
+    """The accumulation targets of one callable's parameters, allocated before capture.
+
+    With ``attr="grad"`` a missing ``.grad`` is allocated (zeros). Another attribute
+    must already hold a tensor of the parameter's shape on its device.
+
+    Raises:
+        ValueError: an attribute other than ``grad`` is missing or has the wrong shape
+            or device (naming the parameter).
+    """
+    targets = []
+    for p, name in zip(params, names):
+        t = getattr(p, attr, None)
+        if t is None and attr == "grad":
+            p.grad = t = torch.zeros_like(p)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(
+                f"{owner}: parameter {name} has no tensor attribute {attr!r} to accumulate "
+                f"its gradient into; allocate it (same shape, on {p.device}) before graphing"
+            )
+        if t.shape != p.shape or t.device != p.device:
+            raise ValueError(
+                f"{owner}: {name}.{attr} has shape {tuple(t.shape)} on {t.device}; the "
+                f"parameter has shape {tuple(p.shape)} on {p.device}"
+            )
+        targets.append(t)
+    return GradTargets(
+        owner=owner,
+        attr=attr,
+        params=tuple(params),
+        names=tuple(names),
+        targets=tuple(targets),
+        data_ptrs=tuple(t.data_ptr() for t in targets),
+    )

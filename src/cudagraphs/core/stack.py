@@ -1,0 +1,81 @@
+"""Whole-stack capture: a sequence of layers graphed as one forward graph and one
+backward graph behind one autograd node.
+
+Graphing per layer (Transformer Engine's and torch's helpers) removes the kernel
+launches but keeps, per layer and step, an autograd node, its input and incoming-
+gradient copies and the per-parameter gradient hand-out. One graph pair for the whole
+stack pays those once per step. The price: the stack is one unit (no eager code or
+host logic between its layers, no per-layer pipeline schedule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+__all__ = ["GraphedStack", "graph_stack"]
+
+
+class GraphedStack(nn.Module):
+    """Runs ``layers`` one after another: the first gets the call's arguments, each
+    next one the previous output (a tuple output is passed as several arguments)."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, *args: Any) -> Any:
+        out = self.layers[0](*args)
+        for layer in self.layers[1:]:
+            out = layer(*out) if isinstance(out, tuple) else layer(out)
+        return out
+
+
+def graph_stack(layers: Sequence[nn.Module], sample_args: tuple, **options: Any) -> GraphedStack:
+    """Graph ``layers`` as one unit: one forward and (in training) one backward graph.
+
+    Args:
+        layers: the modules, in call order (for example a model's decoder blocks).
+            Each takes the previous one's output; none may carry module hooks.
+        sample_args: the first layer's arguments, as for
+            :func:`~cudagraphs.make_graphed_callables` with one callable.
+        options: any keyword of :func:`~cudagraphs.make_graphed_callables` except the
+            ``_order`` pipeline ones, for example ``accumulate_grads_in_graph=True``
+            (with a whole stack, the step then runs no per-parameter kernel at all).
+
+    Returns:
+        A :class:`GraphedStack` whose ``forward`` replays the graphs (``reset()``
+        releases them and restores the eager forward). Outputs are borrowed.
+
+    Raises:
+        TypeError: ``layers`` is empty or holds something other than modules, or an
+            ``_order`` option was given, or ``sample_args`` is not a tuple.
+    """
+    layers = list(layers) if not isinstance(layers, nn.Module) else [layers]
+    if not layers:
+        raise TypeError("graph_stack needs at least one layer")
+    bad = [
+        f"layers[{i}] ({type(m).__name__})"
+        for i, m in enumerate(layers)
+        if not isinstance(m, nn.Module)
+    ]
+    if bad:
+        raise TypeError(
+            f"graph_stack takes nn.Module layers; got {', '.join(bad)}. Wrap functions in a module."
+        )
+    pipeline = sorted(k for k in options if k.startswith("_"))
+    if pipeline:
+        raise TypeError(f"graph_stack does not take {pipeline}: a stack has no pipeline schedule")
+    if not isinstance(sample_args, tuple):
+        raise TypeError(
+            f"sample_args must be a tuple of the first layer's arguments, got "
+            f"{type(sample_args).__name__}"
+        )
+    from .api import make_graphed_callables  # api imports the runtime, which is heavier
+
+    stack = GraphedStack(layers)
+    graphed = make_graphed_callables(stack, sample_args, **options)
+    assert graphed is stack  # a module with one entry is returned itself
+    return stack
