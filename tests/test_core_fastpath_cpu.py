@@ -98,3 +98,79 @@ def test_graphed_stack_chains_outputs_and_splats_tuples():
     stack = GraphedStack([nn.Identity(), Split(), Join()])
     x = torch.randn(3)
     assert torch.equal(stack(x), x * 3)
+
+
+class _FakeGraph:
+    """Stands in for a CUDA graph on the CPU: replay() runs a Python function."""
+
+    def __init__(self, run):
+        self.run, self.replays = run, 0
+
+    def replay(self):
+        self.replays += 1
+        self.run()
+
+    def reset(self):
+        pass
+
+
+def _in_graph_entry(weights):
+    """out = x * w0 (+ w1 ...), with a fake backward graph that adds each weight's
+    gradient into its accumulation target, as an in-graph-accumulating capture does."""
+    from torch.utils import _pytree as pytree
+
+    from cudagraphs.core.runtime import EntryGraphs, GraphedCallable
+
+    x_buf, out_buf, go_buf = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    targets = prepare_grad_targets(
+        "f", weights, tuple(f"w{i}" for i in range(len(weights))), "grad"
+    )
+
+    def forward():
+        out_buf.copy_(x_buf * sum(w.detach() for w in weights))
+
+    def backward():
+        for t in targets.targets:
+            t.add_(go_buf * x_buf)
+
+    leaves, spec = pytree.tree_flatten(((x_buf,), {}))
+    _, out_spec = pytree.tree_flatten(out_buf)
+    g = EntryGraphs(
+        name="f",
+        in_spec=spec,
+        leaves=leaves,
+        tensor_positions=(0,),
+        paths=("args[0]",),
+        input_meta=((x_buf.shape, x_buf.dtype, False),),
+        static_inputs=[x_buf],
+        params=tuple(weights),
+        fwd_graph=_FakeGraph(forward),
+        bwd_graph=_FakeGraph(backward),
+        out_spec=out_spec,
+        out_leaves=[out_buf],
+        out_tensor_positions=(0,),
+        out_differentiable=(True,),
+        static_grad_outputs=[go_buf],
+        static_grad_inputs=(None,) * len(weights),
+        grad_targets=targets,
+    )
+    g.finalize()
+    return g, GraphedCallable(g, eager=None, module=None, captured_training=None)
+
+
+def test_in_graph_accumulation_tracks_one_parameter_and_hands_autograd_no_gradient():
+    w0, w1 = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    g, graphed = _in_graph_entry((w0, w1))
+    assert g.autograd_params == (w0,), "one anchor parameter, not one edge per parameter"
+    x = torch.tensor([1.0, 2.0, 3.0])  # requires no grad: the anchor keeps y differentiable
+    y = graphed(x)
+    assert y.requires_grad
+    y.sum().backward()
+    assert g.bwd_graph.replays == 1
+    # Only the graph's own addition: autograd added nothing on top (no doubling).
+    assert torch.equal(w0.grad, x) and torch.equal(w1.grad, x)
+    graphed(x).sum().backward()
+    assert torch.equal(w0.grad, 2 * x), "accumulates across backwards"
+    w0.grad = None  # zero_grad(set_to_none=True)
+    graphed(x).sum().backward()
+    assert torch.equal(w0.grad, x) and torch.equal(w1.grad, 3 * x)

@@ -79,6 +79,7 @@ class EntryGraphs:
     clone_param_grads: bool = True
     positional_only: bool = False  # captured call was f(t0, t1, ...) with tensors only
     grad_targets: GradTargets | None = None  # in-graph accumulation of param grads
+    autograd_params: tuple[torch.nn.Parameter, ...] = ()  # set by finalize()
     released: bool = False
 
     # ---- validation -------------------------------------------------------------
@@ -192,6 +193,11 @@ class EntryGraphs:
         )
         self._param_grad_buffers = [g for g in grads[n_diff:] if g is not None]
         self._param_grad_params = [p for p, g in zip(self.params, grads[n_diff:]) if g is not None]
+        # The parameters the autograd node takes as inputs. With in-graph accumulation
+        # autograd gets no parameter gradient, so one parameter is enough: it keeps the
+        # outputs differentiable when no user input requires grad, and the engine
+        # tracks one edge instead of one per parameter.
+        self.autograd_params = self.params if self.grad_targets is None else self.params[:1]
         self._grad_output_buffers = [g for g in self.static_grad_outputs if g is not None]
         self._grad_output_mask = tuple(g is not None for g in self.static_grad_outputs)
 
@@ -201,7 +207,8 @@ class EntryGraphs:
         """Replay the backward graph; return one gradient per Function input
         (user tensors, then parameters)."""
         self._live()
-        result: list[torch.Tensor | None] = [None] * (len(self.static_inputs) + len(self.params))
+        n_inputs = len(self.static_inputs) + len(self.autograd_params)
+        result: list[torch.Tensor | None] = [None] * n_inputs
         if self.bwd_graph is None:
             return result
         if self.grad_targets is not None:
@@ -252,7 +259,8 @@ class EntryGraphs:
 
 class _ReplayFunction(torch.autograd.Function):
     """Autograd node for one graphed entry: forward replays the forward graph,
-    backward the backward graph. Inputs: the entry, then user tensors, then params."""
+    backward the backward graph. Inputs: the entry, then user tensors, then the
+    parameters autograd tracks (``EntryGraphs.autograd_params``)."""
 
     @staticmethod
     def forward(ctx: Any, graphs: EntryGraphs, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -309,7 +317,8 @@ class GraphedCallable:
         graphs = self.graphs
         tensors = graphs.user_tensors(args, kwargs)
         if graphs.bwd_graph is not None and torch.is_grad_enabled():
-            return graphs.output_tree(_ReplayFunction.apply(graphs, *tensors, *graphs.params))
+            outs = _ReplayFunction.apply(graphs, *tensors, *graphs.autograd_params)
+            return graphs.output_tree(outs)
         # Forward-only graph (inference capture) or grad disabled: no autograd node, so
         # outputs do not require grad and a stray backward() fails loudly instead of
         # silently leaving parameter gradients untouched.
