@@ -11,7 +11,9 @@ replaced raises with the fix, so a replay never writes into memory it does not o
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 
@@ -33,6 +35,13 @@ class GradTargets:
 
     def check_and_rebind(self) -> None:
         """Before a backward replay: every target in place, ``None`` ones re-bound."""
+        n = len(self.params)
+        current = list(map(getattr, self.params, repeat(self.attr, n), repeat(None, n)))
+        # The common case, everything in place, in C-level loops (this runs per replay).
+        if all(map(operator.is_, current, self.targets)) and (
+            list(map(torch.Tensor.data_ptr, self.targets)) == list(self.data_ptrs)
+        ):
+            return
         attr, unbound = self.attr, []
         for p, t, ptr, name in zip(self.params, self.targets, self.data_ptrs, self.names):
             current = getattr(p, attr, None)
