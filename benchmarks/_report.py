@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 import re
 import subprocess
 import sys
@@ -67,3 +69,36 @@ def describe_error(exc: BaseException) -> dict:
     tb = traceback.format_exc()
     print(tb, file=sys.stderr)
     return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": tb[-4000:]}
+
+
+def write_report(name: str, report: dict, out: str | None, *, final: bool) -> None:
+    """Print ``report`` as JSON when ``final``; with ``out`` also write it there (a
+    directory gets the standard file name). Called before the profiler runs too, so a
+    crash in it still leaves the wall-clock numbers on disk."""
+    text = json.dumps(report, indent=2)
+    if final:
+        print(text)
+    if out:
+        path = result_path(out, report)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+        print(f"{name}: wrote {path}", file=sys.stderr)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every benchmark takes: --out, --require-gpu, --commit."""
+    parser.add_argument("--out", help="also write the JSON here (a directory: standard name)")
+    parser.add_argument("--require-gpu", action="store_true", help="exit 2 without a CUDA device")
+    parser.add_argument("--commit", help="commit to record (where the checkout has no .git)")
+
+
+def exit_code_without_gpu(name: str, require_gpu: bool) -> int | None:
+    """``None`` when a CUDA device is present; else say so on stderr and return the
+    exit code (2 with ``--require-gpu``, else 0)."""
+    if torch.cuda.is_available():
+        return None
+    print(
+        f"{name}: no CUDA device (torch.cuda.is_available() is False); nothing measured.",
+        file=sys.stderr,
+    )
+    return 2 if require_gpu else 0

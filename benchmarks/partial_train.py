@@ -29,7 +29,6 @@ was off by more than the tolerance.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter
@@ -46,7 +45,14 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cudagraphs  # noqa: E402
-from _report import describe_error, environment, free_memory, result_path  # noqa: E402
+from _report import (  # noqa: E402
+    add_common_arguments,
+    describe_error,
+    environment,
+    exit_code_without_gpu,
+    free_memory,
+    write_report,
+)
 from cudagraphs.partial import PartialCudaGraphManager  # noqa: E402
 from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
 
@@ -384,17 +390,6 @@ def run_model(model: str, shape: Shape, variants: list[str]) -> dict:
 # ---- report and CLI ----------------------------------------------------------------
 
 
-def write_report(report: dict, out: str | None, *, final: bool) -> None:
-    text = json.dumps(report, indent=2)
-    if final:
-        print(text)
-    if out:
-        path = result_path(out, report)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-        print(f"{NAME}: wrote {path}", file=sys.stderr)
-
-
 def failures(report: dict) -> list[str]:
     failed = []
     for cname, cres in report["configs"].items():
@@ -416,20 +411,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, help="timed steps per repeat (default: per config)")
     p.add_argument("--repeats", type=int, help="repeats, median taken (default: per config)")
     p.add_argument("--skip-kernel-busy", action="store_true")
-    p.add_argument("--out", help="also write the JSON here (a directory: standard name)")
-    p.add_argument("--require-gpu", action="store_true", help="exit 2 without a CUDA device")
-    p.add_argument("--commit", help="commit to record (where the checkout has no .git)")
+    add_common_arguments(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print(
-            f"{NAME}: no CUDA device (torch.cuda.is_available() is False); nothing measured.",
-            file=sys.stderr,
-        )
-        return 2 if args.require_gpu else 0
+    code = exit_code_without_gpu(NAME, args.require_gpu)
+    if code is not None:
+        return code
     try:
         import transformers
     except ImportError:
@@ -460,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in shapes
     }
     # Written once before the profiler too, so a crash there keeps the timings.
-    write_report(report, args.out, final=False)
+    write_report(NAME, report, args.out, final=False)
     if not args.skip_kernel_busy:
         for shape in shapes:
             for model, res in report["configs"][shape.name]["models"].items():
@@ -468,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                 summarize(res, shape)
                 free_memory()
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
-    write_report(report, args.out, final=True)
+    write_report(NAME, report, args.out, final=True)
     failed = failures(report)
     if failed:
         print(f"{NAME}: failed: {', '.join(failed)}", file=sys.stderr)

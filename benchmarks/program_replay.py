@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -66,7 +65,14 @@ if str(_REPO / "src") not in sys.path:
 import torch  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 
-from _report import describe_error, environment, free_memory, result_path  # noqa: E402
+from _report import (  # noqa: E402
+    add_common_arguments,
+    describe_error,
+    environment,
+    exit_code_without_gpu,
+    free_memory,
+    write_report,
+)
 from cudagraphs import CudaGraphCaptureError, CudaGraphProgram  # noqa: E402
 from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
 
@@ -573,17 +579,6 @@ def add_kernel_busy(report: dict) -> None:
 # ---- report and CLI ----------------------------------------------------------------
 
 
-def write_report(report: dict, out: str | None, *, final: bool) -> None:
-    text = json.dumps(report, indent=2)
-    if final:
-        print(text)
-    if out:
-        path = result_path(out, report)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-        print(f"program_replay: wrote {path}", file=sys.stderr)
-
-
 def failures(report: dict) -> list[str]:
     failed = []
     for case, res in report["cases"].items():
@@ -601,21 +596,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=ITERS, help="steps per timed window")
     p.add_argument("--repeats", type=int, default=REPEATS, help="windows, median taken")
     p.add_argument("--skip-compile", action="store_true", help=f"leave out {COMPILE_VARIANT}")
-    p.add_argument("--out", help="also write the JSON here (a directory: standard name)")
-    p.add_argument("--require-gpu", action="store_true", help="exit 2 without a CUDA device")
-    p.add_argument("--commit", help="commit to record (where the checkout has no .git)")
+    add_common_arguments(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print(
-            "program_replay: no CUDA device (torch.cuda.is_available() is False); "
-            "nothing measured.",
-            file=sys.stderr,
-        )
-        return 2 if args.require_gpu else 0
+    code = exit_code_without_gpu("program_replay", args.require_gpu)
+    if code is not None:
+        return code
     started = time.perf_counter()
     variants = [v for v in VARIANTS if not (args.skip_compile and v == COMPILE_VARIANT)]
     report = environment("program_replay", args.commit)
@@ -636,10 +625,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report["cases"][name] = run_per_call_case(case, variants, args.iters, args.repeats)
     # Written once before profiling too, so a crash in the profiler loses no timings.
-    write_report(report, args.out, final=False)
+    write_report("program_replay", report, args.out, final=False)
     add_kernel_busy(report)
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
-    write_report(report, args.out, final=True)
+    write_report("program_replay", report, args.out, final=True)
     failed = failures(report)
     if failed:
         print(f"program_replay: failed: {', '.join(failed)}", file=sys.stderr)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -55,7 +54,14 @@ if str(_REPO / "src") not in sys.path:
 
 import torch  # noqa: E402
 
-from _report import describe_error, environment, free_memory, result_path  # noqa: E402
+from _report import (  # noqa: E402
+    add_common_arguments,
+    describe_error,
+    environment,
+    exit_code_without_gpu,
+    free_memory,
+    write_report,
+)
 from cudagraphs.models import DecoderConfig, TinyDecoder  # noqa: E402
 from cudagraphs.serving import BucketConfig, GraphRunner, InputSpec  # noqa: E402
 from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
@@ -382,17 +388,6 @@ def summarize(report: dict, batch_sizes: list[int], padded: list[int]) -> None:
     report["targets"] = targets
 
 
-def write_report(report: dict, out: str | None, *, final: bool) -> None:
-    text = json.dumps(report, indent=2)
-    if final:
-        print(text)
-    if out:
-        path = result_path(out, report)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-        log(f"wrote {path}")
-
-
 def failures(report: dict) -> list[str]:
     failed = [f"setup/{k}" for k, v in report.get("setup", {}).items() if "error" in v]
     for b, r in report.get("batches", {}).items():
@@ -430,9 +425,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--with-compile", action="store_true", help=f"also time {COMPILE_VARIANT} at batch 1 (slow)"
     )
     p.add_argument("--skip-kernel-busy", action="store_true")
-    p.add_argument("--out", help="also write the JSON here (a directory: standard name)")
-    p.add_argument("--require-gpu", action="store_true", help="exit 2 without a CUDA device")
-    p.add_argument("--commit", help="commit to record (where the checkout has no .git)")
+    add_common_arguments(p)
     args = p.parse_args(argv)
     sizes = [*args.batch_sizes, *args.padded]
     if any(not 1 <= b <= MAX_BATCH for b in sizes):
@@ -497,7 +490,7 @@ def run_all(report: dict, args: argparse.Namespace) -> None:
 
         # Written once before the profiler too, so a crash there keeps the timings.
         summarize(report, args.batch_sizes, args.padded)
-        write_report(report, args.out, final=False)
+        write_report(NAME, report, args.out, final=False)
 
         if not args.skip_kernel_busy:
             busy: dict[str, dict] = {}
@@ -515,12 +508,9 @@ def run_all(report: dict, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print(
-            f"{NAME}: no CUDA device (torch.cuda.is_available() is False); nothing measured.",
-            file=sys.stderr,
-        )
-        return 2 if args.require_gpu else 0
+    code = exit_code_without_gpu(NAME, args.require_gpu)
+    if code is not None:
+        return code
     started = time.perf_counter()
     report = environment(NAME, args.commit)
     cfg = model_config(args)
@@ -548,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     run_all(report, args)
     summarize(report, args.batch_sizes, args.padded)
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
-    write_report(report, args.out, final=True)
+    write_report(NAME, report, args.out, final=True)
     failed = failures(report)
     if failed:
         log(f"failed: {', '.join(failed)}")

@@ -38,7 +38,6 @@ other than torch.compile failed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -54,7 +53,14 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cudagraphs  # noqa: E402
-from _report import describe_error, environment, free_memory, result_path  # noqa: E402
+from _report import (  # noqa: E402
+    add_common_arguments,
+    describe_error,
+    environment,
+    exit_code_without_gpu,
+    free_memory,
+    write_report,
+)
 from cudagraphs.models import BlockConfig, make_block_stack  # noqa: E402
 from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
 
@@ -446,20 +452,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--iters", type=int, help="timed steps per repeat (default: per config)")
     p.add_argument("--repeats", type=int, help="repeats, median taken (default: per config)")
-    p.add_argument("--out", help="also write the JSON here (a directory: standard name)")
-    p.add_argument("--require-gpu", action="store_true", help="exit 2 without a CUDA device")
-    p.add_argument("--commit", help="commit to record (where the checkout has no .git)")
+    add_common_arguments(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print(
-            "train_step: no CUDA device (torch.cuda.is_available() is False); nothing measured.",
-            file=sys.stderr,
-        )
-        return 2 if args.require_gpu else 0
+    code = exit_code_without_gpu("train_step", args.require_gpu)
+    if code is not None:
+        return code
     overrides = {k: v for k, v in {"iters": args.iters, "repeats": args.repeats}.items() if v}
     configs = [replace(CONFIGS[name], **overrides) for name in args.configs]
     report = environment("train_step", args.commit)
@@ -473,13 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_time": "median over repeats of the mean wall time of iters steps",
     }
     report["configs"] = {c.name: run_config(c, args.variants) for c in configs}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        path = result_path(args.out, report)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + "\n")
-        print(f"train_step: wrote {path}", file=sys.stderr)
+    write_report("train_step", report, args.out, final=True)
     failed = [
         f"{c}/{v}"
         for c, res in report["configs"].items()
