@@ -1,8 +1,10 @@
-"""Partial graphs for training (issue in progress): graph the fixed-shape pieces of
-each transformer block (attention, the MoE router) inside an eager training loop.
+"""Partial graphs for training: graph the fixed-shape pieces of each transformer block
+(attention, the MoE router) inside an eager training loop.
 
-The manager records, captures and replays with counted eager fallback; its capture
-path (the core ``make_graphed_callables``) has not yet run on a GPU in this form.
+The manager records one eager iteration, captures through the core
+``make_graphed_callables`` and replays calls that match the recorded contract, with
+counted eager fallback. Parameters are explicit graph inputs: read in place, or under
+FSDP2 copied in at each call (:mod:`.fsdp`).
 """
 
 from .contract import CallContract, ContractSet, FallbackCounter

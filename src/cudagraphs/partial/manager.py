@@ -25,6 +25,7 @@ from torch import nn
 from ..errors import CudaGraphInputError
 from .contract import CallContract, ContractSet, FallbackCounter
 from .discovery import Selector, Target, TargetSelectionError, model_label, select_targets
+from .fsdp import fsdp_managed_modules
 
 __all__ = ["CaptureBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
 
@@ -48,7 +49,7 @@ def _detached_clone(value: Any) -> Any:
     return value
 
 
-def _check_parameters(target: Target) -> list[tuple[str, nn.Parameter]]:
+def _check_parameters(target: Target, fsdp: bool) -> list[tuple[str, nn.Parameter]]:
     params = [(n, p) for n, p in target.module.named_parameters() if p.requires_grad]
     for name, p in target.module.named_parameters():
         if p.is_meta:
@@ -56,11 +57,11 @@ def _check_parameters(target: Target) -> list[tuple[str, nn.Parameter]]:
                 f"{target.name}.{name} is on the meta device (not materialized); "
                 "materialize the model (to_empty + init) before recording"
             )
-        if type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
+        if not fsdp and (type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"):
             raise ValueError(
-                f"{target.name}.{name} is a sharded DTensor; graphing sharded parameters "
-                "needs the FSDP2 unshard/reshard path through capture_time_hooks, which this "
-                "manager does not provide yet"
+                f"{target.name}.{name} is a DTensor outside FSDP2 (tensor parallelism?); "
+                "only FSDP2-sharded parameters (fully_shard) are supported. Leave this "
+                "module out of the targets."
             )
     return params
 
@@ -83,6 +84,10 @@ class PartialGraphEntry:
     graphs: list[Any] = field(default_factory=list)  # per variant (None until captured)
     param_names: tuple[str, ...] = ()
     params: tuple[nn.Parameter, ...] = ()
+    # Under FSDP2 (see .fsdp): parameters are fetched at each call and copied into the
+    # graph; param_samples holds their recorded values per variant until capture.
+    fsdp: bool = False
+    param_samples: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     original_forward: Callable[..., Any] | None = None
     instance_forward: Any = None  # a forward the instance had of its own, to restore
     recorder: Any = None  # the one-shot hook handle while recording
@@ -112,7 +117,22 @@ class PartialGraphEntry:
                     {k: _detached_clone(v) for k, v in kwargs.items()},
                 )
             )
+            if self.fsdp:
+                # Plain tensors, not parameters: the graph copies these inputs per call.
+                self.param_samples.append(tuple(_detached_clone(p) for p in self.call_params()))
             self.graphs.append(None)
+
+    def call_params(self) -> tuple[nn.Parameter, ...]:
+        """The parameters to pass to the graph now: fixed ones, or under FSDP2 the
+        module's current (unsharded, inside forward) parameters."""
+        if not self.fsdp:
+            return self.params
+        module = self.target.module
+        return tuple(module.get_parameter(name) for name in self.param_names)
+
+    def capture_params(self, variant: int) -> tuple[torch.Tensor, ...]:
+        """The parameter samples to capture ``variant`` with."""
+        return self.param_samples[variant] if self.fsdp else self.params
 
     def dispatch(self, *args: Any, **kwargs: Any) -> Any:
         """The target's forward while graphs exist: replay or fall back, counted."""
@@ -121,7 +141,7 @@ class PartialGraphEntry:
         index, reason, _ = self.contracts.match(args, kwargs, training=self.target.module.training)
         if index is not None and self.graphs[index] is not None:
             try:
-                out = self.graphs[index](tuple(self.params), *args, **kwargs)
+                out = self.graphs[index](self.call_params(), *args, **kwargs)
             except CudaGraphInputError:
                 # The contract matched, so only the parameters can differ: one was
                 # replaced or re-allocated since capture (checked before any replay).
@@ -203,11 +223,15 @@ class PartialCudaGraphManager:
 
         Raises:
             TargetSelectionError: a module shared under two names, or nested targets.
-            ValueError: meta or sharded parameters in a target.
+            ValueError: meta parameters in a target, or DTensor parameters that
+                FSDP2 does not manage. Targets under FSDP2 (``fully_shard``) are
+                supported: their unsharded parameters are copied into the graph at
+                each call (see :mod:`cudagraphs.partial.fsdp`).
         """
         del pipeline_parallel  # see docstring
         entries, seen = [], {}
         for part in model_parts:
+            sharded = fsdp_managed_modules(part)
             for target in select_targets(part, attention=attention, router=router, include=include):
                 if id(target.module) in seen:
                     raise TargetSelectionError(
@@ -215,13 +239,15 @@ class PartialCudaGraphManager:
                         "another model part; one graph cannot stand for both calls"
                     )
                 seen[id(target.module)] = target.name
-                params = _check_parameters(target)
+                fsdp = id(target.module) in sharded
+                params = _check_parameters(target, fsdp)
                 entries.append(
                     PartialGraphEntry(
                         target=target,
                         contracts=ContractSet(max_variants),
                         param_names=tuple(n for n, _ in params),
-                        params=tuple(p for _, p in params),
+                        params=() if fsdp else tuple(p for _, p in params),
+                        fsdp=fsdp,
                     )
                 )
         if not entries:
@@ -317,11 +343,13 @@ class PartialCudaGraphManager:
             for entry, i in group:
                 args, kwargs = entry.samples[i]
                 callables.append(entry.adapter())
-                sample_args.append((tuple(entry.params), *args))
+                sample_args.append((tuple(entry.capture_params(i)), *args))
                 sample_kwargs.append(kwargs)
             graphed = self._backend(tuple(callables), tuple(sample_args), sample_kwargs)
             for (entry, i), g in zip(group, graphed):
                 entry.graphs[i] = g
+                if entry.fsdp:
+                    entry.param_samples[i] = ()  # the graph holds its own copies now
         logger.info(
             "partial graphs: captured %d call(s)%s",
             len(todo),
