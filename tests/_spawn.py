@@ -1,0 +1,48 @@
+"""Run a worker on several gloo ranks in spawned processes (file rendezvous, no fixed
+port) and collect what each rank wrote, for the CPU tests of distributed logic."""
+
+import json
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(worker, rank, world_size, init_file, out_dir):
+    dist.init_process_group(
+        "gloo",
+        init_method="file://" + init_file,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=30),
+    )
+    try:
+        result = worker(rank)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def run_ranks(worker, world_size, tmp_path, timeout_s=60):
+    """Run ``worker(rank) -> JSON-able result`` on ``world_size`` gloo ranks; return the
+    results in rank order. Fails the test when a rank hangs or exits with an error."""
+    ctx = mp.get_context("spawn")
+    init_file = str(tmp_path / "rendezvous")
+    procs = [
+        ctx.Process(target=_entry, args=(worker, rank, world_size, init_file, str(tmp_path)))
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout_s)
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} did not finish within {timeout_s}s"
+    assert [p.exitcode for p in procs] == [0] * world_size
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
