@@ -144,8 +144,9 @@ def make_graphed_callables(
             ``backward_hooks``, each ``{hook_id: fn(module) -> None}``. They run around
             every warmup and capture forward/backward of that callable, outside the
             capture context, and never on replay.
-        accumulate_grads_in_graph: the backward graphs add the parameters' gradients
-            into pre-allocated tensors themselves (one multi-tensor add inside the
+        accumulate_grads_in_graph: the backward graphs add the gradients of the
+            modules' own parameters (not of tensors passed as arguments, parameters
+            included) into pre-allocated tensors themselves (one multi-tensor add inside the
             graph), instead of handing them to autograd, which launches one
             accumulation kernel per parameter outside the graph. The targets are each
             parameter's ``.grad`` (allocated as zeros when ``None``) or, with
