@@ -3,6 +3,7 @@
 import contextlib
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def assert_bitwise_equal(actual, expected, what):
@@ -37,3 +38,17 @@ def contain_failed_capture(pool):
     x = torch.zeros(1, device="cuda")
     with torch.cuda.graph(graph):
         x.add_(1)
+
+
+class CopyOps(TorchDispatchMode):
+    """Records the copy ops that reach the dispatcher (a fused copy is one op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if "copy" in name:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))

@@ -2,6 +2,7 @@
 
 import torch
 
+from _asserts import CopyOps
 from cudagraphs.core.runtime import copy_into
 
 
@@ -9,6 +10,17 @@ def test_copies_sources_that_are_not_the_buffers():
     dsts = [torch.zeros(3), torch.zeros(2, 2)]
     copy_into(dsts, [torch.ones(3), torch.full((2, 2), 2.0)])
     assert dsts[0].tolist() == [1, 1, 1] and dsts[1].tolist() == [[2, 2], [2, 2]]
+
+
+def test_staging_is_one_fused_copy_for_all_sources():
+    # Inputs (forward) and incoming gradients (backward) are staged this way: one
+    # launch per replay, however many tensors; sources already in place cost nothing.
+    dsts = [torch.zeros(3), torch.zeros(2, 2), torch.zeros(5), torch.zeros(1)]
+    srcs = [torch.ones(3), torch.full((2, 2), 2.0), dsts[2], torch.full((1,), 4.0)]
+    with CopyOps() as mode:
+        copy_into(dsts, srcs)
+    assert mode.ops == ["_foreach_copy_"]
+    assert dsts[1].tolist() == [[2, 2], [2, 2]] and dsts[3].tolist() == [4]
 
 
 def test_skips_the_buffer_itself_and_none():

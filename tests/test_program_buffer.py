@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from _asserts import CopyOps
 from _program_trees import LEAF_TYPES, QuantizedTensor, leaf_tensors, map_tensors, shifted
 from cudagraphs.program import (
     ReusableValueBuffer,
@@ -15,20 +15,6 @@ from cudagraphs.program import (
 
 def buffer_for(value) -> ReusableValueBuffer:
     return ReusableValueBuffer(ValueTreeSignature.from_value(value, leaf_types=LEAF_TYPES), "cpu")
-
-
-class CopyOps(TorchDispatchMode):
-    """Records the copy ops that reach the dispatcher."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if "copy" in name:
-            self.ops.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 def shifted_tree(value):
