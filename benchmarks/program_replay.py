@@ -18,8 +18,13 @@ capture example, in the caller's default grad mode (no input requires grad):
   nothing (the floor for a replay).
 * ``raw_plus_copy``: ``static.copy_(x)`` (one leaf) or one fused
   ``torch._foreach_copy_`` over pre-flattened leaves (tree), then ``graph.replay()``.
-* ``cudagraphs_program``: ``CudaGraphProgram.replay(tree)`` (validation + copy + replay).
-* ``cudagraphs_program_unvalidated``: ``replay(tree, validate=False)`` (copy + replay).
+* ``cudagraphs_program``: ``CudaGraphProgram.replay(tree)`` with the default staging
+  (``"auto"``: in-graph staging for ``one_input``, one fused copy for ``tree_64``);
+  validation + staging + replay. The same source tree at every step.
+* ``cudagraphs_program_unvalidated``: ``replay(tree, validate=False)``.
+* ``cudagraphs_program_copy``: ``staging="copy"``: one fused copy per call.
+* ``cudagraphs_program_rotating``: the default, fed 4 source trees in turn, so that
+  in-graph staging updates its memcpy nodes at every step.
 * ``naive_wrapper``: what one writes by hand: ``pytree.tree_leaves`` of the tree, one
   ``copy_`` per leaf, ``graph.replay()``.
 * ``torch_make_graphed_callables``: the torch helper around a wrapper taking the leaves
@@ -51,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -260,24 +266,36 @@ def _build_raw(case: Case, copy: str | None) -> Built:
     return Built(step, setup_s, graph.reset)
 
 
-def build_ours(case: Case, validate: bool = True) -> Built:
-    example, src = case.make_args(EXAMPLE_SEED), case.make_args(SOURCE_SEED)
+def build_ours(case: Case, validate: bool = True, staging: str = "auto", rotate: int = 1) -> Built:
+    """``rotate`` > 1 feeds that many different source trees in turn, so that under
+    in-graph staging every step changes the memcpy nodes' sources."""
+    example = case.make_args(EXAMPLE_SEED)
+    sources = [case.make_args(SOURCE_SEED + k) for k in range(rotate)]
     program, setup_s = _timed_setup(
-        lambda: CudaGraphProgram.capture(case.fn, example_inputs=example)
+        lambda: CudaGraphProgram.capture(case.fn, example_inputs=example, staging=staging)
     )
 
     def check() -> dict:
-        out = program.replay(*src, copy_output=True, synchronize=True, validate=validate)
-        return compare(out, case.fn(*src), CHECK_RTOL[case.name])
+        results = []
+        for src in sources:
+            out = program.replay(*src, copy_output=True, synchronize=True, validate=validate)
+            results.append(compare(out, case.fn(*src), CHECK_RTOL[case.name]))
+        return max(results, key=lambda r: r.get("max_abs_diff", float("inf")))
 
-    stats = dataclasses.asdict(program.stats)
-    return Built(
-        lambda: program.replay(*src, validate=validate),
-        setup_s,
-        program.close,
-        check,
-        {"stats": stats},
-    )
+    if rotate == 1:
+        src = sources[0]
+
+        def step() -> object:
+            return program.replay(*src, validate=validate)
+
+    else:
+        turn = itertools.cycle(sources)
+
+        def step() -> object:
+            return program.replay(*next(turn), validate=validate)
+
+    extra = {"stats": dataclasses.asdict(program.stats), "staging": program.staging}
+    return Built(step, setup_s, program.close, check, extra)
 
 
 def build_helper(case: Case) -> Built:
@@ -321,6 +339,11 @@ VARIANTS: dict[str, Callable[[Case], Built]] = {
     OURS: build_ours,
     # The same with replay(validate=False): no per-leaf checks, for trusted callers.
     f"{OURS}_unvalidated": lambda case: build_ours(case, validate=False),
+    # Staging by one fused copy per call (the default for many-leaf programs).
+    f"{OURS}_copy": lambda case: build_ours(case, staging="copy"),
+    # A different source tree at every step (4 in turn): under in-graph staging each
+    # step updates the memcpy nodes, where the default variant reuses one source.
+    f"{OURS}_rotating": lambda case: build_ours(case, rotate=4),
     "naive_wrapper": lambda case: _build_raw(case, "naive"),
     HELPER_VARIANT: build_helper,
     COMPILE_VARIANT: build_compile,

@@ -1,0 +1,166 @@
+"""In-graph staging policy and bookkeeping on the CPU, with a fake CUDA runtime."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cudagraphs._cudart import MemcpyNode, _loaded_cudart_path, cuda_runtime
+from cudagraphs.program.staging import (
+    AUTO_GRAPH_STAGING_MAX_TENSORS,
+    GraphStaging,
+    choose_staging,
+    stageable,
+)
+
+
+class FakeRuntime:
+    """Records node updates; refuses sources listed in ``refuse``."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+        self.calls = []
+        self.refuse = set()
+
+    def memcpy_nodes(self, graph):
+        assert graph == 11
+        return self.nodes
+
+    def set_memcpy_source(self, graph_exec, node, dst, src, nbytes):
+        assert graph_exec == 22
+        if src in self.refuse:
+            return 1  # cudaErrorInvalidValue
+        self.calls.append((node, src))
+        return 0
+
+
+FAKE_GRAPH = SimpleNamespace(raw_cuda_graph=lambda: 11, raw_cuda_graph_exec=lambda: 22)
+INNER = [0x1000, 0x2000]  # addresses of the graph-internal copies
+
+
+def _staging(buffers, with_nodes=(0, 1)):
+    nodes = [
+        MemcpyNode(100 + i, buffers[i].data_ptr(), INNER[i], buffers[i].nbytes)
+        for i in with_nodes
+    ]
+    runtime = FakeRuntime(nodes)
+    inner = {i: INNER[i] for i in range(len(buffers))}
+    return GraphStaging(runtime, FAKE_GRAPH, buffers, inner), runtime
+
+
+# ---- policy -------------------------------------------------------------------------
+
+
+def test_policy_modes():
+    small = [torch.zeros(4)] * AUTO_GRAPH_STAGING_MAX_TENSORS
+    large = [torch.zeros(4)] * (AUTO_GRAPH_STAGING_MAX_TENSORS + 1)
+    assert choose_staging("auto", small, True) == "graph"
+    assert choose_staging("auto", large, True) == "copy"
+    assert choose_staging("auto", small, False) == "copy"
+    assert choose_staging("copy", small, True) == "copy"
+    assert choose_staging("graph", large, True) == "graph"
+
+
+def test_policy_refusals_say_what_to_do():
+    with pytest.raises(ValueError, match="staging must be one of"):
+        choose_staging("fast", [torch.zeros(4)], True)
+    with pytest.raises(ValueError, match="libcudart.*staging='copy'"):
+        choose_staging("graph", [torch.zeros(4)], False)
+    with pytest.raises(ValueError, match="contiguous, non-empty"):
+        choose_staging("graph", [torch.zeros(4, 3).t(), torch.zeros(0)], True)
+    assert choose_staging("auto", [torch.zeros(4, 3).t()], True) == "copy"
+
+
+def test_stageable_tensors():
+    assert stageable(torch.zeros(3, 4))
+    assert not stageable(torch.zeros(3, 4).t())
+    assert not stageable(torch.zeros(0))
+    assert not stageable(torch.zeros(3, dtype=torch.complex64).conj())
+
+
+# ---- bookkeeping --------------------------------------------------------------------
+
+
+def test_bind_points_nodes_at_sources_and_skips_unchanged_ones():
+    buffers = [torch.zeros(4), torch.zeros(4)]
+    staging, runtime = _staging(buffers)
+    a, b = torch.ones(4), torch.ones(4)
+    out = staging.bind([a, b])
+    assert out[0] is buffers[0] and out[1] is buffers[1]  # the copy step skips them
+    assert runtime.calls == [(100, a.data_ptr()), (101, b.data_ptr())]
+    staging.bind([a, b])
+    assert len(runtime.calls) == 2 and staging.rebinds == 2
+    assert staging._held == [a, b]  # kept alive while the nodes read them
+
+
+def test_unbind_points_back_at_the_buffers_once():
+    buffers = [torch.zeros(4), torch.zeros(4)]
+    staging, runtime = _staging(buffers)
+    staging.bind([torch.ones(4), torch.ones(4)])
+    staging.unbind()
+    assert runtime.calls[-2:] == [(100, buffers[0].data_ptr()), (101, buffers[1].data_ptr())]
+    staging.unbind()
+    assert len(runtime.calls) == 4 and staging._held == []
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        pytest.param(lambda: torch.ones(4, dtype=torch.float64), id="dtype"),
+        pytest.param(lambda: torch.ones(5), id="numel"),
+        pytest.param(lambda: torch.ones(8)[::2], id="strided"),
+        pytest.param(lambda: torch.ones(4, device="meta"), id="device"),
+    ],
+)
+def test_sources_that_cannot_feed_the_node_are_left_to_the_copy(source):
+    buffers = [torch.zeros(4), torch.zeros(4)]
+    staging, runtime = _staging(buffers)
+    good, other = torch.ones(4), torch.ones(4)
+    staging.bind([good, other])
+    odd = source()
+    out = staging.bind([odd, other])
+    assert out[0] is odd and out[1] is buffers[1]  # the caller copies odd into buffers[0]
+    assert runtime.calls[-1] == (100, buffers[0].data_ptr())  # node reads the buffer again
+
+
+def test_a_source_overlapping_the_node_destination_is_copied():
+    buffers = [torch.zeros(4)]
+    staging, runtime = _staging(buffers, with_nodes=(0,))
+    # Pretend the graph-internal copy sits where this tensor sits.
+    src = torch.ones(8)
+    staging.inputs[0].dst = src.data_ptr() + 8
+    out = staging.bind([src[:4]])
+    assert out[0] is not buffers[0] and runtime.calls == []
+
+
+def test_a_refused_update_falls_back_to_the_copy():
+    buffers = [torch.zeros(4)]
+    staging, runtime = _staging(buffers, with_nodes=(0,))
+    src = torch.ones(4)
+    runtime.refuse.add(src.data_ptr())
+    out = staging.bind([src])
+    assert out[0] is src and runtime.calls == []
+
+
+def test_refusing_to_point_back_at_the_buffer_raises():
+    buffers = [torch.zeros(4)]
+    staging, runtime = _staging(buffers, with_nodes=(0,))
+    staging.bind([torch.ones(4)])
+    runtime.refuse.add(buffers[0].data_ptr())
+    with pytest.raises(RuntimeError, match="staging='copy'"):
+        staging.unbind()
+
+
+def test_inputs_without_a_matching_node_stay_copy_fed():
+    buffers = [torch.zeros(4), torch.zeros(4)]
+    staging, _ = _staging(buffers, with_nodes=(1,))
+    assert [s.index for s in staging.inputs] == [1]
+    staging_none, _ = _staging(buffers, with_nodes=())
+    assert not staging_none
+
+
+def test_no_runtime_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only answer")
+    assert cuda_runtime() is None
+    assert _loaded_cudart_path() is None or "libcudart" in _loaded_cudart_path()
