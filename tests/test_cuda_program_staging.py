@@ -165,8 +165,7 @@ def test_pool_programs_with_graph_staging_replay_in_any_order():
     fns = [_affine, lambda x: x.sin() * 2, lambda x: (x @ x.T).sum(0)]
     try:
         programs = [
-            CudaGraphProgram.capture(f, example_inputs=(_randn(64, 64),), pool=pool)
-            for f in fns
+            CudaGraphProgram.capture(f, example_inputs=(_randn(64, 64),), pool=pool) for f in fns
         ]
         assert all(p.staging == "graph" for p in programs)
         outs = {}

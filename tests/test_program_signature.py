@@ -443,3 +443,102 @@ def test_fast_path_rejections_fall_back_to_the_full_report():
     fields = {(m.path, m.field) for m in info.value.mismatches}
     assert ("value[0]", "layout") in fields
     assert ("value[1]['k']", "shape") in fields
+
+
+# ---- the replay path's validator (generated structure checks + torch's tensor guard) --
+
+
+def _learned_validator(value):
+    from cudagraphs.program.fastpath import InputValidator
+
+    validator = InputValidator(signature(value))
+    validator(value, "value")  # the full check passes; the guard learns these tensors
+    return validator
+
+
+@SETTINGS
+@given(one_mutation())
+def test_validator_after_learning_finds_every_mismatch(case):
+    value, mutated, path, field = case
+    validator = _learned_validator(value)
+    assert all(t is u for t, u in zip(validator(value, "value"), leaf_tensors(value)))
+    with pytest.raises(SignatureMismatchError) as info:
+        validator(mutated, "value")
+    assert any(m.path == path and m.field == field for m in info.value.mismatches)
+
+
+@SETTINGS
+@given(trees())
+def test_validator_returns_what_flatten_returns(value):
+    validator = _learned_validator(value)
+    fresh = map_tensors(value, shifted)
+    got = validator(fresh, "value")
+    want = signature(value).flatten(fresh)
+    assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+
+
+def _plain_tree(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"a": [torch.randn(3, generator=g) for _ in range(4)], "b": (torch.randn(2, 2),)}
+
+
+@pytest.mark.parametrize(
+    "edit, path, field",
+    [
+        (lambda v: {**v, "b": (torch.randn(2, 3),)}, "value['b'][0]", "shape"),
+        (lambda v: {**v, "b": (torch.randn(2, 2).double(),)}, "value['b'][0]", "dtype"),
+        (lambda v: {**v, "b": (torch.randn(2, 2).t(),)}, None, None),  # same shape, strides swap
+        (
+            lambda v: {**v, "b": (torch.randn(2, 2, requires_grad=True),)},
+            "value['b'][0]",
+            "requires_grad",
+        ),
+        (lambda v: {**v, "b": ("text",)}, "value['b'][0]", "type"),
+        (lambda v: {**v, "b": [v["b"][0]]}, "value['b']", "type"),
+        (lambda v: {"a": v["a"]}, "value", "keys"),
+    ],
+)
+def test_validator_guard_misses_fall_back_to_the_full_check(edit, path, field):
+    from cudagraphs.program.fastpath import InputValidator
+
+    value = _plain_tree()
+    validator = InputValidator(signature(value))
+    validator(value, "value")
+    assert validator._guard is not None  # learned from the tensors that passed
+    with pytest.raises(SignatureMismatchError) as info:
+        validator(edit(value), "value")
+    if path is not None:
+        assert any(m.path == path and m.field == field for m in info.value.mismatches), (
+            info.value.mismatches
+        )
+
+
+def test_validator_stops_relearning_after_a_few_rebuilds():
+    from cudagraphs.program import fastpath
+
+    value = _plain_tree()
+    validator = fastpath.InputValidator(signature(value))
+    as_double = map_tensors(value, lambda t: t.double().float())  # same metadata
+    for _ in range(3 * fastpath._MAX_GUARD_REBUILDS):
+        validator(value, "value")
+        validator(as_double, "value")
+    assert validator._rebuilds == 1  # same metadata: learned once, then guard hits
+    with_grad = map_tensors(value, lambda t: t.clone().requires_grad_())
+    sig_rg = signature(with_grad)
+    alternating = fastpath.InputValidator(sig_rg)
+    for _ in range(3 * fastpath._MAX_GUARD_REBUILDS):
+        alternating(with_grad, "value")
+        alternating(map_tensors(with_grad, lambda t: t.detach().requires_grad_()), "value")
+    assert alternating._rebuilds <= fastpath._MAX_GUARD_REBUILDS
+
+
+def test_validator_without_torchs_guard_is_still_correct(monkeypatch):
+    from cudagraphs.program import fastpath
+
+    monkeypatch.setattr(fastpath, "_tensor_guard", lambda tensors: None)
+    value = _plain_tree()
+    validator = fastpath.InputValidator(signature(value))
+    for _ in range(3):
+        assert len(validator(value, "value")) == 5
+    with pytest.raises(SignatureMismatchError):
+        validator({**value, "b": (torch.randn(2, 3),)}, "value")

@@ -40,8 +40,7 @@ INNER = [0x1000, 0x2000]  # addresses of the graph-internal copies
 
 def _staging(buffers, with_nodes=(0, 1)):
     nodes = [
-        MemcpyNode(100 + i, buffers[i].data_ptr(), INNER[i], buffers[i].nbytes)
-        for i in with_nodes
+        MemcpyNode(100 + i, buffers[i].data_ptr(), INNER[i], buffers[i].nbytes) for i in with_nodes
     ]
     runtime = FakeRuntime(nodes)
     inner = {i: INNER[i] for i in range(len(buffers))}

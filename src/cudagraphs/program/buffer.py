@@ -64,11 +64,14 @@ class ReusableValueBuffer:
         """
         self.copy_tensors(self.signature.flatten(value, path=path), non_blocking=non_blocking)
 
-    def copy_tensors(self, sources: list[torch.Tensor], *, non_blocking: bool = False) -> None:
+    def copy_tensors(
+        self, sources: list[torch.Tensor], *, non_blocking: bool = False, may_alias: bool = True
+    ) -> None:
         """Copy already-validated sources (in signature order) into the buffer; nothing
-        is copied when the sources are the buffer's own tensors."""
+        is copied for sources that are the buffer's own tensors. ``may_alias=False``
+        promises there are none (it saves a scan on the replay path)."""
         targets = self.tensors
-        same = list(map(operator.is_, sources, targets))
+        same = list(map(operator.is_, sources, targets)) if may_alias else ()
         if any(same):
             if all(same):
                 return

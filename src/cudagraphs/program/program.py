@@ -17,6 +17,7 @@ from ..capture import GraphPool, capture_into_graph, capture_with_static_outputs
 from ..errors import CudaGraphCaptureError, CudaGraphInputError
 from .buffer import ReusableValueBuffer
 from .capture_steps import check_examples, check_output_device, detached, output_signature, warm_up
+from .fastpath import InputValidator
 from .leaves import LeafTypes
 from .pool import CopyHandle, CudaGraphCaptureStats, CudaGraphPool, ProgramClosedError
 from .signature import ValueTreeSignature
@@ -163,6 +164,7 @@ class CudaGraphProgram(Generic[OutputT]):
     ) -> None:
         name = getattr(function, "__qualname__", type(function).__name__)
         self._function, self._device, self._signature = function, device, signature
+        self._validate = InputValidator(signature)
         self._pool, self._leaf_types, self._name = pool, leaf_types, name
         # A fresh object per program: unlike id(self), never reused by another program.
         self._generation, self._token = 0, object()
@@ -420,14 +422,16 @@ class CudaGraphProgram(Generic[OutputT]):
         """
         self._check_open()
         if validate:
-            sources = self._signature.flatten(inputs, path="inputs")
+            sources = self._validate(inputs, "inputs")
         else:
             sources = self._signature.extract(inputs, path="inputs")
-        if self._staging is not None:
-            sources = self._staging.bind(sources)
+        staging = self._staging
+        if staging is not None:
+            sources = staging.bind(sources)  # bound inputs come back as the buffers
         stream = self._current_stream()
         self._order_buffer_write(stream)
-        self._buffer.copy_tensors(sources)
+        # Callers never see the buffers, so only bound inputs can be the buffers.
+        self._buffer.copy_tensors(sources, may_alias=staging is not None)
         self._generation += 1  # any earlier CopyHandle is stale now
         self._launch(stream)
         return self._result(copy_output, synchronize)
@@ -448,7 +452,7 @@ class CudaGraphProgram(Generic[OutputT]):
             A :class:`CopyHandle` for :meth:`replay_prepared`.
         """
         self._check_open()
-        sources = self._signature.flatten(inputs, path="inputs")
+        sources = self._validate(inputs, "inputs")
         stream = torch.cuda.current_stream(self._device) if stream is None else stream
         self._order_buffer_write(stream)
         self._record_launches = True  # a prefetching program: see __init__
