@@ -1,7 +1,8 @@
 """Graph-program replay benchmark: the per-call cost of ``CudaGraphProgram.replay``
 and the copy/compute overlap of ``copy_inputs_from`` + ``replay_prepared``.
 
-Cases (each variant is built, timed and released before the next one is built):
+Cases (the variants of a per-call case are built together, then timed in turns, so
+that drift in host speed during the run affects them alike):
 
 * ``one_input``: ``torch.add(x, 1)`` on a 1024-float tensor: one kernel, so a step
   is almost nothing but per-call host overhead.
@@ -80,7 +81,11 @@ from _report import (  # noqa: E402
     write_report,
 )
 from cudagraphs import CudaGraphCaptureError, CudaGraphProgram  # noqa: E402
-from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
+from cudagraphs.timing import (  # noqa: E402
+    interleaved_step_times_ms,
+    kernel_busy_ms,
+    step_time_ms,
+)
 
 DEVICE = "cuda"
 EXAMPLE_SEED, SOURCE_SEED = 0, 1
@@ -90,7 +95,7 @@ PREFETCH_DIM = 4096  # input: DIM x DIM float32 = 64 MiB
 PREFETCH_MATMULS = 2
 PREFETCH_STEPS = 20
 PREFETCH_SOURCES = 3  # != 2 programs, so each program sees changing data (race check)
-ITERS, REPEATS, WARMUP = 2000, 7, 100
+ITERS, REPEATS, WARMUP = 1000, 11, 100
 WINDOW_WARMUP = 2  # warmup windows of the prefetch case
 CHECK_RTOL = {"one_input": 0.0, "tree_64": 0.0, "prefetch": 1e-4}
 ONE_INPUT_TARGET_US = 5.0  # cudagraphs_program - raw
@@ -350,29 +355,42 @@ VARIANTS: dict[str, Callable[[Case], Built]] = {
 }
 
 
-def measure(case: Case, name: str, iters: int, repeats: int) -> dict:
-    """Build one variant, time it (µs per step), run its check, release it. Errors are
+def measure_all(case: Case, variants: list[str], iters: int, repeats: int) -> dict[str, dict]:
+    """Build every variant, time them in turns (µs per step; see
+    ``interleaved_step_times_ms``), run their checks, release them. Errors are
     returned as ``{"error": ...}``, never raised."""
-    print(f"program_replay: {case.name}: {name}", file=sys.stderr, flush=True)
-    try:
-        built = VARIANTS[name](case)
-    except Exception as exc:
-        return describe_error(exc)
-    try:
-        ms = step_time_ms(built.step, iters=iters, warmup=WARMUP, repeats=repeats)
-        result = {"us": ms * 1e3, "setup_s": round(built.setup_s, 4), **built.extra}
-        if built.check is not None:
-            result["check"] = built.check()
-        return result
-    except Exception as exc:
-        return describe_error(exc)
-    finally:
+    results: dict[str, dict] = {}
+    built: dict[str, Built] = {}
+    for name in variants:
+        print(f"program_replay: {case.name}: build {name}", file=sys.stderr, flush=True)
         try:
-            built.release()
+            built[name] = VARIANTS[name](case)
         except Exception as exc:
-            describe_error(exc)
-        del built
+            results[name] = describe_error(exc)
+    try:
+        print(f"program_replay: {case.name}: timing {len(built)} variants", file=sys.stderr)
+        ms = interleaved_step_times_ms(
+            {n: b.step for n, b in built.items()}, iters=iters, warmup=WARMUP, repeats=repeats
+        )
+        for name, b in built.items():
+            results[name] = {"us": ms[name] * 1e3, "setup_s": round(b.setup_s, 4), **b.extra}
+            if b.check is not None:
+                try:
+                    results[name]["check"] = b.check()
+                except Exception as exc:
+                    results[name]["check"] = {"ok": False, **describe_error(exc)}
+    except Exception as exc:
+        for name in built:
+            results.setdefault(name, describe_error(exc))
+    finally:
+        for b in built.values():
+            try:
+                b.release()
+            except Exception as exc:
+                describe_error(exc)
+        built.clear()
         free_memory()
+    return {name: results[name] for name in variants}
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
@@ -384,7 +402,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def run_per_call_case(case: Case, variants: list[str], iters: int, repeats: int) -> dict:
-    results = {name: measure(case, name, iters, repeats) for name in variants}
+    results = measure_all(case, variants, iters, repeats)
     us = {n: r["us"] for n, r in results.items() if "us" in r}
     raw, raw_copy, ours = us.get("raw"), us.get("raw_plus_copy"), us.get(OURS)
     report = {
@@ -634,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     report["settings"] = {
         "variants": variants,
         "step_time": "median over repeats of the mean wall time of iters back-to-back "
-        "steps, synchronized at both ends of each window",
+        "steps, synchronized at both ends of each window; the variants of a case are "
+        "built together and timed in turns (one window each per round)",
         "prefetch_time": "median over repeats of one window of steps, per step",
         "kernel_busy": "cudagraphs.timing.kernel_busy_ms defaults (iters=20, warmup=5) "
         "of a raw replay, after all wall-clock timings",

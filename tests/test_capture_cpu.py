@@ -117,3 +117,16 @@ def test_capture_failure_hint_names_a_live_eager_graph_for_legacy_stream_errors(
     hint = _failure_hint("operation would make the legacy stream depend on a capturing stream")
     assert "AccumulateGrad" in hint and "del loss" in hint
     assert "host sync" in _failure_hint("operation not permitted when stream is capturing")
+
+
+def test_interleaved_step_times_take_turns_and_report_every_step():
+    from cudagraphs.timing import interleaved_step_times_ms
+
+    order = []
+    steps = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    times = interleaved_step_times_ms(
+        steps, iters=2, warmup=1, repeats=3, synchronize=lambda: order.append("|")
+    )
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    # Warmup of each, then 3 rounds of (a a | b b |).
+    assert "".join(order) == "ab|" + "aa|bb|" * 3

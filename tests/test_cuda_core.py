@@ -469,6 +469,31 @@ def test_param_grads_are_owned_and_accumulate_like_eager():
     _assert_param_grads_equal(module, eager, "sum of two replays")
 
 
+def test_leaf_input_grads_are_owned_when_fresh_and_accumulate_like_eager():
+    # Leaf tensors passed as inputs (the partial-graph path passes parameters so): the
+    # first gradient becomes .grad and must be an owned copy; later ones are added.
+    w = torch.nn.Parameter(_randn(HIDDEN, HIDDEN, seed=2))
+    w_eager = torch.nn.Parameter(w.detach().clone())
+
+    def f(x, weight):
+        return torch.tanh(x @ weight)
+
+    graphed = make_graphed_callables(
+        f, (_randn(BATCH, HIDDEN, seed=1).requires_grad_(), w.detach().requires_grad_())
+    )
+    static = {t.data_ptr() for t in graphed.graphs.static_grad_inputs if t is not None}
+    for it in range(3):
+        x = _randn(BATCH, HIDDEN, seed=10 + it).requires_grad_()
+        x_eager = x.detach().clone().requires_grad_()
+        grad = _randn(BATCH, HIDDEN, seed=20 + it)
+        graphed(x, w).backward(grad)
+        f(x_eager, w_eager).backward(grad)
+        assert w.grad.data_ptr() not in static, f"iteration {it}: w.grad aliases a buffer"
+        assert x.grad.data_ptr() not in static, f"iteration {it}: x.grad aliases a buffer"
+        assert_bitwise_equal(x.grad, x_eager.grad, f"iteration {it}: input grad")
+        assert_bitwise_equal(w.grad, w_eager.grad, f"iteration {it}: accumulated weight grad")
+
+
 def test_param_grads_alias_static_buffers_without_cloning():
     module = _mlp()
     eager = copy.deepcopy(module)

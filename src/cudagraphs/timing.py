@@ -2,6 +2,8 @@
 
 * :func:`step_time_ms`: host wall time per call of a step, synchronized at both ends,
   so launch overhead (the thing CUDA graphs remove) is counted.
+* :func:`interleaved_step_times_ms`: the same for several steps, timed in turns, so
+  that a host that slows down or speeds up part way affects every variant alike.
 * :func:`kernel_busy_ms`: the union of the GPU's kernel/copy intervals per step, from
   the profiler: the physical floor a perfectly launched step could reach.
 """
@@ -14,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["kernel_busy_ms", "step_time_ms"]
+__all__ = ["interleaved_step_times_ms", "kernel_busy_ms", "step_time_ms"]
 
 
 def step_time_ms(
@@ -32,6 +34,36 @@ def step_time_ms(
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - t0) * 1e3 / iters)
     return statistics.median(samples)
+
+
+def interleaved_step_times_ms(
+    steps: dict[str, Callable[[], object]],
+    *,
+    iters: int = 50,
+    warmup: int = 10,
+    repeats: int = 5,
+    synchronize: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Median over ``repeats`` rounds of the mean wall time of ``iters`` back-to-back
+    calls of each step; each round times every step once, in turn.
+
+    Host speed on shared machines drifts by tens of percent over a minute; timing
+    variants one after another turns that drift into false differences between them.
+    """
+    sync = torch.cuda.synchronize if synchronize is None else synchronize
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    sync()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            sync()
+            samples[name].append((time.perf_counter() - t0) * 1e3 / iters)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:

@@ -202,10 +202,11 @@ class EntryGraphs:
         self._grad_output_mask = tuple(g is not None for g in self.static_grad_outputs)
 
     def replay_backward(
-        self, grads: tuple[torch.Tensor | None, ...], clone_inputs: tuple[bool, ...]
+        self, grads: tuple[torch.Tensor | None, ...], leaves: tuple[torch.Tensor | None, ...]
     ) -> list[torch.Tensor | None]:
         """Replay the backward graph; return one gradient per Function input
-        (user tensors, then parameters)."""
+        (user tensors, then parameters). ``leaves`` holds each user input that is an
+        autograd leaf (``None`` for the others)."""
         self._live()
         n_inputs = len(self.static_inputs) + len(self.autograd_params)
         result: list[torch.Tensor | None] = [None] * n_inputs
@@ -217,8 +218,20 @@ class EntryGraphs:
             self._grad_output_buffers, [g for g, m in zip(grads, self._grad_output_mask) if m]
         )
         self.bwd_graph.replay()
+        fresh = []
         for pos, g in self._input_grads:
-            result[pos] = g.clone() if clone_inputs[pos] else g.detach()
+            result[pos] = g.detach()
+            leaf = leaves[pos]
+            # A leaf's gradient becomes its .grad when .grad is None, so it must not
+            # alias a static buffer the next replay overwrites; when .grad exists,
+            # AccumulateGrad adds into it and drops ours, so the view is enough.
+            # Non-leaf inputs hand it to the producer's backward at once.
+            if leaf is not None and leaf.grad is None:
+                fresh.append(pos)
+        if fresh:
+            copies = torch._foreach_mul([result[p] for p in fresh], 1.0)  # one launch
+            for pos, c in zip(fresh, copies):
+                result[pos] = c
         if self._param_grad_buffers:
             self._hand_out_param_grads(result)
         return result
@@ -267,10 +280,9 @@ class _ReplayFunction(torch.autograd.Function):
         n_user = len(graphs.static_inputs)
         graphs.replay_forward(inputs[:n_user])
         ctx.graphs = graphs
-        # A gradient returned for a leaf input becomes its .grad, so it must not alias
-        # a static buffer that the next replay overwrites; non-leaf inputs hand it on
-        # to the producer's backward at once, so a view is enough there.
-        ctx.clone_inputs = tuple(t.is_leaf for t in inputs[:n_user])
+        # Leaf inputs (parameters passed as inputs, say) may need an owned gradient:
+        # see replay_backward.
+        ctx.leaves = tuple(t if t.is_leaf else None for t in inputs[:n_user])
         outs = graphs.output_tensors()
         non_diff = [o for o, d in zip(outs, graphs.out_differentiable) if not d]
         if non_diff:
@@ -280,7 +292,7 @@ class _ReplayFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, *ctx.graphs.replay_backward(grads, ctx.clone_inputs))
+        return (None, *ctx.graphs.replay_backward(grads, ctx.leaves))
 
 
 class GraphedCallable:
