@@ -193,3 +193,19 @@ def test_noncontiguous_example_is_staged_by_copy():
 def test_staging_graph_without_a_stageable_input_is_refused():
     with pytest.raises(ValueError, match="staging='graph'"):
         CudaGraphProgram.capture(_affine, example_inputs=(_randn(32, 64).t(),), staging="graph")
+
+
+def test_a_delayed_prefetch_does_not_overwrite_a_later_prefetch_across_a_bound_replay(program):
+    old, bound, newest = (_randn(4096, seed=s) for s in (1, 2, 3))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES // 2)
+        delay = torch.cuda.Event()
+        delay.record(side)
+    program.copy_inputs_from(old, stream=torch.cuda.Stream(), wait_for=delay)
+    program.replay(bound)  # reads `bound` in place, writes no buffer
+    handle = program.copy_inputs_from(newest, stream=torch.cuda.Stream())
+    out = program.replay_prepared(copy_handle=handle, copy_output=True)
+    torch.cuda.synchronize()
+    assert_bitwise_equal(out, _affine(newest), "the newest prefetch, after the delayed one")

@@ -84,12 +84,19 @@ def test_bind_points_nodes_at_sources_and_skips_unchanged_ones():
     buffers = [torch.zeros(4), torch.zeros(4)]
     staging, runtime = _staging(buffers)
     a, b = torch.ones(4), torch.ones(4)
-    out = staging.bind([a, b])
-    assert out[0] is buffers[0] and out[1] is buffers[1]  # the copy step skips them
+    assert staging.bind([a, b]) is None  # every input bound: nothing to copy
     assert runtime.calls == [(100, a.data_ptr()), (101, b.data_ptr())]
     staging.bind([a, b])
     assert len(runtime.calls) == 2 and staging.rebinds == 2
     assert staging._held == [a, b]  # kept alive while the nodes read them
+
+
+def test_bind_with_an_unstaged_input_returns_what_to_copy():
+    buffers = [torch.zeros(4), torch.zeros(4)]
+    staging, _ = _staging(buffers, with_nodes=(1,))
+    a, b = torch.ones(4), torch.ones(4)
+    out = staging.bind([a, b])
+    assert out[0] is a and out[1] is buffers[1]
 
 
 def test_unbind_points_back_at_the_buffers_once():

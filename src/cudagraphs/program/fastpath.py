@@ -75,6 +75,14 @@ class _Emitter:
             return True
         container = {"list": "list", "tuple": "tuple", "dict": "dict"}[kind]
         self.check(f"type({name}) is not {container} or len({name}) != {len(sig.children)}")
+        if (
+            kind != "dict"
+            and not self.tensor_checks
+            and all(child.kind == "tensor" for child in sig.children)
+        ):
+            # Leaves checked elsewhere (or not at all): unpack the whole sequence in C.
+            self.leaves.append(f"*{name}")
+            return True
         if kind == "dict":
             for key, child in zip(sig.keys, sig.children):
                 k = self.const(key)

@@ -427,11 +427,16 @@ class CudaGraphProgram(Generic[OutputT]):
             sources = self._signature.extract(inputs, path="inputs")
         staging = self._staging
         if staging is not None:
-            sources = staging.bind(sources)  # bound inputs come back as the buffers
+            # None: the graph reads every input in place, nothing to copy. Otherwise
+            # the bound inputs come back as the buffers, which the copy skips.
+            sources = staging.bind(sources)
         stream = self._current_stream()
+        # Also when nothing is copied: the launch below is what later buffer writers
+        # wait for, so it must come after any copy still pending into the buffer.
         self._order_buffer_write(stream)
-        # Callers never see the buffers, so only bound inputs can be the buffers.
-        self._buffer.copy_tensors(sources, may_alias=staging is not None)
+        if sources is not None:
+            # Callers never see the buffers, so only bound inputs can be the buffers.
+            self._buffer.copy_tensors(sources, may_alias=staging is not None)
         self._generation += 1  # any earlier CopyHandle is stale now
         self._launch(stream)
         return self._result(copy_output, synchronize)

@@ -93,6 +93,7 @@ class StagedInput:
 
     index: int  # position among the program's input tensors (flatten order)
     home: torch.Tensor  # the input buffer tensor (the node's source when copy-fed)
+    numel: int
     node: int  # cudaGraphNode_t of the memcpy node
     dst: int  # address the node writes (the graph-internal copy)
     nbytes: int
@@ -138,8 +139,11 @@ class GraphStaging:
                 # copies from ``home``, so the input stays copy-fed and correct.
                 logger.debug("input tensor %d: no 1-D memcpy node found; staged by copy", i)
                 continue
-            staged.append(StagedInput(i, home, node.handle, dst, home.nbytes, home.data_ptr()))
+            staged.append(
+                StagedInput(i, home, home.numel(), node.handle, dst, home.nbytes, home.data_ptr())
+            )
         self.inputs: tuple[StagedInput, ...] = tuple(staged)
+        self._covers_all = len(staged) == len(buffers)
         self._device = buffers[0].device if buffers else None
         self._held: list[Any] = []  # sources bound to nodes (kept alive, see module docs)
         self.rebinds = 0  # node updates made (a figure for tests and diagnostics)
@@ -147,31 +151,38 @@ class GraphStaging:
     def __bool__(self) -> bool:
         return bool(self.inputs)
 
-    def bind(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Point each staged node at its source where possible; return ``sources``
-        with those replaced by the buffers themselves, which copies then skip."""
-        out = list(sources)
+    def bind(self, sources: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Point each staged node at its source where possible. Returns ``None`` when
+        every input tensor was bound (nothing to copy), else ``sources`` with the
+        bound ones replaced by the buffers themselves, which copies then skip."""
         held = []
         device = self._device
+        all_bound = self._covers_all
         for s in self.inputs:
             src = sources[s.index]
             home = s.home
             if (
                 src.device == device
                 and src.dtype is home.dtype
-                and src.numel() == home.numel()
+                and src.numel() == s.numel
                 and src.is_contiguous()
             ):
                 ptr = src.data_ptr()
-                overlaps_dst = ptr < s.dst + s.nbytes and s.dst < ptr + s.nbytes
                 # A source overlapping the node's destination (a program output that
                 # is its own input, fed back) cannot be a memcpy source: copy it.
+                overlaps_dst = ptr < s.dst + s.nbytes and s.dst < ptr + s.nbytes
                 if not overlaps_dst and (ptr == s.current or self._point(s, ptr)):
-                    out[s.index] = home
                     held.append(src)
                     continue
             self._point_home(s)  # the copy into home feeds the node
+            all_bound = False
         self._held = held
+        if all_bound:
+            return None
+        out = list(sources)
+        for s in self.inputs:
+            if s.current != s.home.data_ptr():
+                out[s.index] = s.home  # bound: the copy skips it
         return out
 
     def unbind(self) -> None:
