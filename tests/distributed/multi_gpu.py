@@ -19,7 +19,11 @@ the collectives are identities, nothing can disagree):
 * ``partial_fsdp2``: partial graphs (real capture) on a tiny HF Llama sharded with
   FSDP2 ``fully_shard`` across the ranks; 5 AdamW steps equal eager bitwise.
 
-Not here: the ``_order`` interleaved pipeline with send/recv between two stages.
+* ``pipeline_order``: every rank is one pipeline stage holding one chunk of two
+  layers graphed with ``make_graphed_callables(..., _order=...)`` for 3 microbatches
+  (all forwards, then all backwards); activations and gradients cross stages by
+  send/recv outside the graphs. Parameter gradients over 2 iterations, and every
+  gradient sent upstream, equal an eager run of the same schedule bitwise.
 """
 
 from __future__ import annotations
@@ -184,11 +188,87 @@ def check_partial_fsdp2(rank: int, world: int) -> dict:
     return _ok(failures, stats=stats)
 
 
+PIPE_BATCH, PIPE_HIDDEN, PIPE_MICROBATCHES, PIPE_LAYERS = 4, 64, 3, 2
+
+
+def _pipe_layer(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(PIPE_HIDDEN, PIPE_HIDDEN), torch.nn.Tanh()).cuda()
+
+
+def _pipe_iteration(layer_of, rank: int, world: int, iteration: int) -> list[torch.Tensor]:
+    """One pipeline iteration of this stage; returns the gradients it sent upstream
+    (or, on stage 0, the gradients of its inputs)."""
+    shape = (PIPE_BATCH, PIPE_HIDDEN)
+    inputs, outputs = [], []
+    for m in range(PIPE_MICROBATCHES):
+        if rank == 0:
+            g = torch.Generator().manual_seed(1000 * iteration + m)
+            x = torch.randn(*shape, generator=g).cuda()
+        else:
+            x = torch.empty(*shape, device="cuda")
+            dist.recv(x, rank - 1)
+        x.requires_grad_()
+        h = x
+        for i in range(PIPE_LAYERS):
+            h = layer_of(m, i)(h)
+        inputs.append(x)
+        outputs.append(h)
+        if rank < world - 1:
+            dist.send(h.detach().contiguous(), rank + 1)
+    sent = []
+    for m in range(PIPE_MICROBATCHES):
+        if rank == world - 1:
+            outputs[m].float().pow(2).mean().backward()
+        else:
+            grad = torch.empty(*shape, device="cuda")
+            dist.recv(grad, rank + 1)
+            outputs[m].backward(grad)
+        sent.append(inputs[m].grad.detach().clone())
+        if rank > 0:
+            dist.send(inputs[m].grad.contiguous(), rank - 1)
+    return sent
+
+
+def check_pipeline_order(rank: int, world: int) -> dict:
+    import copy
+
+    from cudagraphs import make_graphed_callables
+
+    layers = [_pipe_layer(100 * rank + i) for i in range(PIPE_LAYERS)]
+    eager = copy.deepcopy(layers)
+    order = [1] * PIPE_MICROBATCHES + [-1] * PIPE_MICROBATCHES  # one chunk per stage
+    samples = tuple(
+        (torch.randn(PIPE_BATCH, PIPE_HIDDEN, device="cuda", requires_grad=True),)
+        for _ in range(PIPE_MICROBATCHES * PIPE_LAYERS)
+    )
+    graphed = make_graphed_callables(tuple(layers), samples, _order=order)
+
+    def graphed_layer(m: int, i: int):
+        return graphed[m * PIPE_LAYERS + i]  # chunk-major, then microbatch, then layer
+
+    failures = []
+    for iteration in range(2):  # parameter gradients accumulate over both
+        got = _pipe_iteration(graphed_layer, rank, world, iteration)
+        want = _pipe_iteration(lambda m, i: eager[i], rank, world, iteration)
+        failures += [
+            f"iteration {iteration}, microbatch {m}: gradient sent upstream"
+            for m, (a, b) in enumerate(zip(got, want))
+            if not torch.equal(a, b)
+        ]
+    for i, (layer, ref) in enumerate(zip(layers, eager)):
+        for (name, p), q in zip(layer.named_parameters(), ref.parameters()):
+            if not torch.equal(p.grad, q.grad):
+                failures.append(f"layer {i}.{name}: accumulated gradient")
+    return _ok(failures, order=order)
+
+
 CHECKS = {
     "allreduce_program": check_allreduce_program,
     "allreduce_core": check_allreduce_core,
     "serving_agreement": check_serving_agreement,
     "partial_fsdp2": check_partial_fsdp2,
+    "pipeline_order": check_pipeline_order,
 }
 
 
