@@ -31,8 +31,8 @@ def process_group(tmp_path):
         dist.destroy_process_group()
 
 
-def sharded_llama():
-    model = tiny("llama")
+def sharded_llama(device="cpu"):
+    model = tiny("llama").to(device)
     for layer in model.model.layers:
         fsdp.fully_shard(layer)
     fsdp.fully_shard(model)

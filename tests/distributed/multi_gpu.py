@@ -141,24 +141,10 @@ def check_serving_agreement(rank: int, world: int) -> dict:
 
 
 def check_partial_fsdp2(rank: int, world: int) -> dict:
-    from torch.distributed import fsdp
-
-    from _hf_models import tiny
     from cudagraphs.partial import PartialCudaGraphManager
+    from test_partial_fsdp import sharded_llama, step
 
-    def sharded() -> torch.nn.Module:
-        model = tiny("llama").cuda()
-        for layer in model.model.layers:
-            fsdp.fully_shard(layer)
-        fsdp.fully_shard(model)
-        return model
-
-    def step(model, ids):
-        loss = model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
-        loss.backward()
-        return loss.detach()
-
-    model, ref = sharded(), sharded()
+    model, ref = sharded_llama("cuda"), sharded_llama("cuda")
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
     mgr = PartialCudaGraphManager.from_model_parts([model])
     gen = torch.Generator().manual_seed(10 + rank)
