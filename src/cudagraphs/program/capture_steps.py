@@ -3,7 +3,7 @@ buffers, and describing outputs. None of these run on the replay path."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -13,8 +13,45 @@ from ..errors import CudaGraphCaptureError
 from .buffer import ReusableValueBuffer
 from .leaves import LeafTypes
 from .signature import ValueTreeSignature
+from .staging import check_staging_mode
 
-__all__ = ["check_examples", "check_output_device", "detached", "output_signature", "warm_up"]
+__all__ = [
+    "check_capture_arguments",
+    "check_examples",
+    "check_output_device",
+    "detached",
+    "output_signature",
+    "warm_up",
+]
+
+
+def check_capture_arguments(
+    function: object,
+    example_inputs: object,
+    warmup: object,
+    pool: Any,
+    leaf_types: LeafTypes | None,
+    staging: object,
+) -> tuple[tuple, ValueTreeSignature, torch.device]:
+    """Check the arguments of ``CudaGraphProgram.capture``; return the inputs as a
+    tuple, their signature and their device. Nothing is captured or allocated."""
+    if not callable(function):
+        raise TypeError(f"function must be callable, got {type(function).__name__}")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if isinstance(example_inputs, (str, bytes)) or not isinstance(example_inputs, Sequence):
+        raise TypeError("example_inputs must be a sequence of positional arguments")
+    check_staging_mode(staging)
+    inputs = tuple(example_inputs)
+    signature = ValueTreeSignature.from_value(inputs, leaf_types=leaf_types, path="inputs")
+    device = check_examples(signature, signature.flatten(inputs, path="inputs"))
+    if pool is not None:
+        pool._check_open()
+        if warmup < 1:
+            raise ValueError("capture into a CudaGraphPool needs warmup >= 1")
+        if pool.device != device:
+            raise ValueError(f"pool is on {pool.device} but example_inputs on {device}")
+    return inputs, signature, device
 
 
 def check_examples(signature: ValueTreeSignature, tensors: list[torch.Tensor]) -> torch.device:

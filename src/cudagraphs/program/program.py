@@ -13,21 +13,16 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ..capture import GraphPool, capture_into_graph, capture_with_static_outputs
+from ..capture import GraphPool
 from ..errors import CudaGraphCaptureError, CudaGraphInputError
 from .buffer import ReusableValueBuffer
-from .capture_steps import check_examples, check_output_device, detached, output_signature, warm_up
+from .capture_steps import check_capture_arguments, detached, warm_up
 from .fastpath import InputValidator
+from .graph_capture import capture_function
 from .leaves import LeafTypes
 from .pool import CopyHandle, CudaGraphCaptureStats, CudaGraphPool, ProgramClosedError
 from .signature import ValueTreeSignature
-from .staging import (
-    GraphStaging,
-    check_staging_mode,
-    choose_staging,
-    runtime_for,
-    staged_arguments,
-)
+from .staging import GraphStaging
 
 __all__ = [
     "CopyHandle",
@@ -118,22 +113,9 @@ class CudaGraphProgram(Generic[OutputT]):
                 check_first_replay=check_first_replay,
                 staging=staging,
             )
-        if not callable(function):
-            raise TypeError(f"function must be callable, got {type(function).__name__}")
-        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-            raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
-        if isinstance(example_inputs, (str, bytes)) or not isinstance(example_inputs, Sequence):
-            raise TypeError("example_inputs must be a sequence of positional arguments")
-        check_staging_mode(staging)
-        inputs = tuple(example_inputs)
-        signature = ValueTreeSignature.from_value(inputs, leaf_types=leaf_types, path="inputs")
-        device = check_examples(signature, signature.flatten(inputs, path="inputs"))
-        if pool is not None:
-            pool._check_open()
-            if warmup < 1:
-                raise ValueError("capture into a CudaGraphPool needs warmup >= 1")
-            if pool.device != device:
-                raise ValueError(f"pool is on {pool.device} but example_inputs on {device}")
+        inputs, signature, device = check_capture_arguments(
+            function, example_inputs, warmup, pool, leaf_types, staging
+        )
         program = cls(_token=_PRIVATE)
         program._build(
             function,
@@ -192,9 +174,22 @@ class CudaGraphProgram(Generic[OutputT]):
             t1 = time.perf_counter()
             self._buffer = ReusableValueBuffer(signature, device)
             self._buffer.copy_from(inputs, path="inputs")
-            runtime = runtime_for(staging)
-            mode = choose_staging(staging, self._buffer.tensors, runtime is not None)
-            self._capture(last, graph_pool, stream, check_input_liveness, runtime, mode)
+            captured = capture_function(
+                function,
+                self._buffer,
+                last=last,
+                graph_pool=graph_pool,
+                stream=stream,
+                shared_pool=pool is not None,
+                leaf_types=leaf_types,
+                name=name,
+                check_input_liveness=check_input_liveness,
+                staging=staging,
+            )
+            self._graph, self._output = captured.graph, captured.output
+            self._out_sig, self._staging = captured.out_sig, captured.staging
+            if pool is None:
+                self._graph_pool = graph_pool
             t2 = time.perf_counter()
             self._first_replay(last if check_first_replay else None)
             t3 = time.perf_counter()
@@ -208,74 +203,6 @@ class CudaGraphProgram(Generic[OutputT]):
             )
         if pool is not None:
             pool._members.add(self)
-
-    def _capture(
-        self,
-        last: Any,
-        graph_pool: GraphPool,
-        stream: torch.cuda.Stream,
-        check_input_liveness: bool,
-        runtime: Any,
-        mode: str,
-    ) -> None:
-        fn, buffers, sig = self._function, self._buffer.tensors, self._signature
-        inner_ptrs: dict[int, int] = {}
-
-        def call() -> Any:
-            if mode == "copy":
-                return fn(*self._buffer.value)
-            tensors, ptrs = staged_arguments(buffers)
-            inner_ptrs.update(ptrs)
-            return fn(*sig.rebuild(tensors))
-
-        what = f"program {self._name}"
-        opts = {
-            "stream": stream,
-            "check_input_liveness": check_input_liveness,
-            "what": what,
-            # The cudaGraph_t stays alive for in-graph staging: node updates name
-            # nodes of the graph the executable graph was instantiated from.
-            "keep_graph": mode == "graph",
-        }
-        if self._pool is None:
-            self._graph_pool = graph_pool
-            self._graph, output = capture_into_graph(call, self._graph_pool, **opts)
-            # Detached views of the graph's output memory: the captured autograd graph
-            # is not kept alive through them.
-            try:
-                self._output = detached(output, self._leaf_types)
-                self._out_sig = output_signature(self._output, self._leaf_types)
-                check_output_device(self._out_sig.flatten(self._output), self._device)
-                self._set_up_staging(runtime, inner_ptrs)
-            except Exception:
-                self._graph.reset()
-                raise
-            return
-        # Retained outputs are copied, inside the graph, into buffers allocated outside
-        # the shared scratch, so other programs' replays cannot overwrite them.
-        leaf_types = self._leaf_types
-        self._out_sig = output_signature(detached(last, leaf_types), leaf_types)
-        like = self._out_sig.flatten(detached(last, leaf_types), path="output")
-        check_output_device(like, self._device)
-        self._graph, static = capture_with_static_outputs(
-            lambda: self._out_sig.flatten(detached(call(), leaf_types), path="output"),
-            like,
-            graph_pool,
-            **opts,
-        )
-        self._output = self._out_sig.rebuild(static)
-        try:
-            self._set_up_staging(runtime, inner_ptrs)
-        except Exception:
-            self._graph.reset()
-            raise
-
-    def _set_up_staging(self, runtime: Any, inner_ptrs: dict[int, int]) -> None:
-        if not inner_ptrs:
-            return
-        self._graph.instantiate()
-        staging = GraphStaging(runtime, self._graph, self._buffer.tensors, inner_ptrs)
-        self._staging = staging if staging else None
 
     def _first_replay(self, last: Any) -> None:
         try:
