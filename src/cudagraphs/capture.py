@@ -26,147 +26,24 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import CudaGraphCaptureError
+from .graph_pool import GraphPool, PoolHandle, as_graph_pool, new_pool, new_torch_graph, side_stream
 
 __all__ = [
     "GraphPool",
+    "PoolHandle",
+    "as_graph_pool",
     "capture_environment",
     "capture_into_graph",
     "capture_with_static_outputs",
     "new_pool",
+    "side_stream",
 ]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-PoolHandle = tuple[int, int]
 
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
-
-
-class GraphPool:
-    """A memory pool that graphs share, and that stays usable after a failed capture.
-
-    torch identifies a graph pool by a handle (``torch.cuda.graph_pool_handle()``), and
-    two torch facts make a bare handle fragile:
-
-    * After a capture fails part way, the pinned-host allocator (torch 2.11) still
-      believes it records into that handle, and there is no Python call to stop it:
-      every later capture into the handle fails with "already recording".
-    * Once the last graph of a handle is released, capturing into it again trips an
-      internal use-count assertion.
-
-    A ``GraphPool`` is therefore a logical pool. It keeps one tiny *anchor* graph in
-    its current handle (captured lazily before the first real capture; it allocates
-    nothing), so the handle never runs out of users, and after a failed capture it
-    retires the handle and moves on to a fresh one. Graphs captured before a failure
-    keep their memory; graphs captured after it simply do not share memory with them.
-
-    Not thread safe: one capture at a time, as CUDA graph capture requires anyway.
-    """
-
-    def __init__(self, handle: PoolHandle | None = None) -> None:
-        self._handle = handle
-        self._anchor: torch.cuda.CUDAGraph | None = None
-        self._anchor_buffer: torch.Tensor | None = None
-        self.retired: list[PoolHandle] = []  # handles given up after failed captures
-        self._streams: dict[int, torch.cuda.Stream] = {}
-
-    @property
-    def handle(self) -> PoolHandle:
-        """The torch pool handle captures go into now (changes after a failure)."""
-        if self._handle is None:
-            self._handle = torch.cuda.graph_pool_handle()
-        return self._handle
-
-    def prepare(self, stream: torch.cuda.Stream) -> PoolHandle:
-        """Anchor the current handle (once) and return it; call before each capture."""
-        handle = self.handle
-        if self._anchor is None:
-            # The anchor writes to a buffer allocated outside the pool, so the pool
-            # gets a user but no memory.
-            self._anchor_buffer = torch.zeros(1, device=stream.device)
-            anchor = _new_graph(keep_graph=False)
-            with torch.cuda.stream(stream):
-                anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
-                try:
-                    self._anchor_buffer.zero_()
-                finally:
-                    anchor.capture_end()
-            self._anchor = anchor
-        return handle
-
-    def capture_stream(self, device: torch.device | int | None = None) -> torch.cuda.Stream:
-        """The side stream that captures into this pool use by default (one per device).
-
-        Reusing one stream matters for memory: cuBLAS keeps a workspace per stream
-        (32 MiB on Hopper), created the first time a stream runs a matmul. Warm up on
-        this stream and the workspace is made once, outside the pool; capture each
-        graph on a fresh stream and every capture allocates another one inside it.
-        """
-        index = torch.cuda._get_device_index(device, optional=True)
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(index)
-        return stream
-
-    def retire(self) -> None:
-        """Give up the current handle after a failed capture; the next capture uses a
-        fresh one. Graphs already in the old handle keep their memory."""
-        if self._handle is not None:
-            self.retired.append(self._handle)
-            logger.warning(
-                "graph pool %s retired after a failed capture; later graphs go to a new "
-                "pool and do not share memory with the graphs captured before",
-                self._handle,
-            )
-        self._handle = None
-        self._anchor = None  # releases the old handle once its other graphs are gone
-
-    def __repr__(self) -> str:
-        return f"GraphPool(handle={self._handle}, retired={len(self.retired)})"
-
-
-@contextlib.contextmanager
-def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """Make ``stream`` current, ordered after the work already queued on the current
-    stream, and order the current stream after it again on exit (also on error).
-
-    ``None`` is a no-op (CPU code paths). Warm up here on the stream the capture will
-    use, so per-stream library state is made outside any graph pool.
-    """
-    if stream is None:
-        yield
-        return
-    caller = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(caller)
-    try:
-        with torch.cuda.stream(stream):
-            yield
-    finally:
-        caller.wait_stream(stream)
-
-
-def new_pool() -> GraphPool:
-    """A fresh :class:`GraphPool` for graphs that should share memory."""
-    return GraphPool()
-
-
-def as_graph_pool(pool: GraphPool | PoolHandle | None) -> GraphPool:
-    """Accept a :class:`GraphPool`, a raw torch pool handle, or ``None`` (a new pool).
-
-    A raw handle is wrapped; that wrapper retires the handle on failure like any
-    ``GraphPool``, but only for the captures that go through the same wrapper, so keep
-    the returned object (or pass ``new_pool()`` from the start) to capture again.
-    """
-    if isinstance(pool, GraphPool):
-        return pool
-    if pool is None:
-        return GraphPool()
-    if isinstance(pool, tuple) and len(pool) == 2:
-        return GraphPool(handle=pool)
-    raise TypeError(
-        f"pool must be a cudagraphs.GraphPool, a torch graph pool handle or None, got {pool!r}"
-    )
 
 
 @contextlib.contextmanager
@@ -196,14 +73,6 @@ def capture_environment() -> Iterator[None]:
         if set_stance is not None:
             stack.enter_context(set_stance("fail_on_recompile"))
         yield
-
-
-def _new_graph(keep_graph: bool) -> torch.cuda.CUDAGraph:
-    if keep_graph:
-        # keep_graph keeps the cudaGraph_t alive after capture, which introspection
-        # (node count, measured instantiation) needs. Every torch we support has it.
-        return torch.cuda.CUDAGraph(keep_graph=True)
-    return torch.cuda.CUDAGraph()
 
 
 def _abandon_capture(
@@ -241,7 +110,7 @@ def _repair_generators(stream: torch.cuda.Stream) -> None:
     a throwaway pool and drop it.
     """
     buffer = torch.zeros(1, device=stream.device)
-    graph = _new_graph(keep_graph=False)
+    graph = new_torch_graph(keep_graph=False)
     try:
         with torch.cuda.stream(stream):
             graph.capture_begin(
@@ -327,7 +196,7 @@ def capture_into_graph(
     pool = as_graph_pool(pool)
     stream = pool.capture_stream(device) if stream is None else stream
     caller_stream = torch.cuda.current_stream(device)
-    graph = _new_graph(keep_graph)
+    graph = new_torch_graph(keep_graph)
     # The capture records work; it must not overlap work still queued for the buffers
     # it reads (warmup outputs, freshly copied inputs).
     torch.cuda.synchronize(device)
