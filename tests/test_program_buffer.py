@@ -161,3 +161,15 @@ def test_expanded_views_cannot_be_buffered():
     assert sig.tensor_signatures()[1].self_overlapping
     with pytest.raises(ValueError, match=r"input tensors \[1\] .* expanded views"):
         ReusableValueBuffer(sig, "cpu")
+
+
+def test_copies_record_no_autograd_history():
+    # A buffer that requires grad is copied into under no_grad; a source that requires
+    # grad (unvalidated) does not attach history to a buffer that does not.
+    value = {"w": torch.zeros(3, requires_grad=True), "x": torch.zeros(3)}
+    buf = ReusableValueBuffer(ValueTreeSignature.from_value(value), "cpu")
+    buf.copy_from({"w": torch.ones(3, requires_grad=True), "x": torch.ones(3)})
+    assert all(t.grad_fn is None for t in buf.tensors)
+    plain = ReusableValueBuffer(ValueTreeSignature.from_value({"x": torch.zeros(3)}), "cpu")
+    plain.copy_tensors([torch.ones(3, requires_grad=True)])  # unvalidated: guarded
+    assert plain.tensors[0].grad_fn is None and not plain.tensors[0].requires_grad

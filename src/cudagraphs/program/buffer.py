@@ -45,6 +45,8 @@ class ReusableValueBuffer:
         self.value: Any = signature.rebuild(self.tensors)
         # Copy groups by dtype, fixed by the signature.
         self._groups = _dtype_groups(self.tensors)
+        # Copying into a tensor that requires grad is refused under grad mode.
+        self._needs_no_grad = any(t.requires_grad for t in self.tensors)
 
     @property
     def nbytes(self) -> int:
@@ -62,14 +64,22 @@ class ReusableValueBuffer:
         Raises:
             SignatureMismatchError: naming every path that differs.
         """
-        self.copy_tensors(self.signature.flatten(value, path=path), non_blocking=non_blocking)
+        self.copy_tensors(
+            self.signature.flatten(value, path=path), non_blocking=non_blocking, validated=True
+        )
 
     def copy_tensors(
-        self, sources: list[torch.Tensor], *, non_blocking: bool = False, may_alias: bool = True
+        self,
+        sources: list[torch.Tensor],
+        *,
+        non_blocking: bool = False,
+        may_alias: bool = True,
+        validated: bool = False,
     ) -> None:
-        """Copy already-validated sources (in signature order) into the buffer; nothing
-        is copied for sources that are the buffer's own tensors. ``may_alias=False``
-        promises there are none (it saves a scan on the replay path)."""
+        """Copy sources (in signature order) into the buffer; nothing is copied for
+        sources that are the buffer's own tensors. ``may_alias=False`` promises there
+        are none, and ``validated=True`` that the sources matched the signature
+        (requires_grad included); each saves work on the replay path."""
         targets = self.tensors
         same = list(map(operator.is_, sources, targets)) if may_alias else ()
         if any(same):
@@ -81,20 +91,18 @@ class ReusableValueBuffer:
             groups = _dtype_groups([targets[i] for i in keep])
         else:
             groups = self._groups
+        if validated and not self._needs_no_grad:
+            # No buffer requires grad, so no validated source does: no autograd
+            # history can be recorded, and the grad-mode switch is not needed.
+            _copy_groups(groups, sources, non_blocking)
+            return
         # Buffers may require grad (their signature records it); copying into them is
         # data movement, not a differentiable op. The raw switch is cheaper than a
         # no_grad() context on this per-replay path.
         grad_was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            for dsts, idx in groups:
-                if len(dsts) == 1:
-                    dsts[0].copy_(sources[0 if idx is None else idx[0]], non_blocking=non_blocking)
-                else:
-                    # One fused launch per dtype; sources on another device are handled
-                    # inside torch (it splits the work as needed).
-                    srcs = sources if idx is None else [sources[i] for i in idx]
-                    torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+            _copy_groups(groups, sources, non_blocking)
         finally:
             torch._C._set_grad_enabled(grad_was)
 
@@ -103,6 +111,17 @@ class ReusableValueBuffer:
             f"ReusableValueBuffer({len(self.tensors)} tensors, {self.nbytes} bytes on "
             f"{self.device})"
         )
+
+
+def _copy_groups(groups: list, sources: list[torch.Tensor], non_blocking: bool) -> None:
+    for dsts, idx in groups:
+        if len(dsts) == 1:
+            dsts[0].copy_(sources[0 if idx is None else idx[0]], non_blocking=non_blocking)
+        else:
+            # One fused launch per dtype; sources on another device are handled inside
+            # torch (it splits the work as needed).
+            srcs = sources if idx is None else [sources[i] for i in idx]
+            torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
 def _dtype_groups(targets: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], list[int] | None]]:

@@ -363,7 +363,7 @@ class CudaGraphProgram(Generic[OutputT]):
         self._order_buffer_write(stream)
         if sources is not None:
             # Callers never see the buffers, so only bound inputs can be the buffers.
-            self._buffer.copy_tensors(sources, may_alias=staging is not None)
+            self._buffer.copy_tensors(sources, may_alias=staging is not None, validated=validate)
         self._generation += 1  # any earlier CopyHandle is stale now
         self._launch(stream)
         return self._result(copy_output, synchronize)
@@ -394,7 +394,7 @@ class CudaGraphProgram(Generic[OutputT]):
         for event in events:
             stream.wait_event(event)
         with torch.cuda.stream(stream):
-            self._buffer.copy_tensors(sources, non_blocking=non_blocking)
+            self._buffer.copy_tensors(sources, non_blocking=non_blocking, validated=True)
         for src in sources:
             if src.is_cuda:
                 # The caller may drop a CUDA source at once; its memory must not be
