@@ -3,6 +3,7 @@ port) and collect what each rank wrote, for the CPU tests of distributed logic."
 
 import json
 import os
+import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -10,17 +11,23 @@ import torch.multiprocessing as mp
 
 
 def _entry(worker, rank, world_size, init_file, out_dir):
-    dist.init_process_group(
-        "gloo",
-        init_method="file://" + init_file,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=30),
-    )
     try:
-        result = worker(rank)
-    finally:
-        dist.destroy_process_group()
+        dist.init_process_group(
+            "gloo",
+            init_method="file://" + init_file,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=30),
+        )
+        try:
+            result = worker(rank)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        # The parent reports this, so a failing rank says why in the test output.
+        with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -43,6 +50,13 @@ def run_ranks(worker, world_size, tmp_path, timeout_s=60):
         if p.is_alive():
             p.kill()
             p.join()
-    assert not hung, f"ranks {hung} did not finish within {timeout_s}s"
-    assert [p.exitcode for p in procs] == [0] * world_size
+    errors = {
+        rank: (tmp_path / f"rank{rank}.error").read_text()
+        for rank in range(world_size)
+        if (tmp_path / f"rank{rank}.error").exists()
+    }
+    assert not hung, f"ranks {hung} did not finish within {timeout_s}s; errors: {errors}"
+    assert [p.exitcode for p in procs] == [0] * world_size, (
+        f"exit codes {[p.exitcode for p in procs]}; errors: {errors}"
+    )
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
