@@ -17,7 +17,10 @@ def _entry(worker, rank, world_size, init_file, out_dir):
             init_method="file://" + init_file,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=30),
+            # Generous: a worker's first imports (transformers, on a cold clean clone)
+            # can hold one rank back for many seconds while the other already waits
+            # in a collective. The parent's join timeout bounds the whole run.
+            timeout=timedelta(seconds=300),
         )
         try:
             result = worker(rank)
