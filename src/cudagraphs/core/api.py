@@ -136,7 +136,9 @@ def make_graphed_callables(
             them (a tensor hook on the parameter sees that view: clone it if you keep
             it). With ``False`` every gradient is a view: a ``.grad`` that was ``None``
             then aliases the buffer and the next backward replay overwrites it, so
-            zero with ``zero_grad(set_to_none=False)``.
+            zero with ``zero_grad(set_to_none=False)``. Leaf tensors passed as
+            arguments (parameters among them) always follow the default rule: an
+            owned copy when their ``.grad`` is ``None``, a view otherwise.
         pre_warmup_hook, post_warmup_hook: called with no arguments once before and
             once after the whole warmup phase.
         capture_time_hooks: one entry per callable, ``None`` or a dict with any of
