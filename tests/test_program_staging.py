@@ -4,6 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cudagraphs._cudart import MemcpyNode, _loaded_cudart_path, cuda_runtime
 from cudagraphs.program.staging import (
@@ -170,3 +172,62 @@ def test_no_runtime_without_cuda():
         pytest.skip("checks the CPU-only answer")
     assert cuda_runtime() is None
     assert _loaded_cudart_path() is None or "libcudart" in _loaded_cudart_path()
+
+
+# ---- property: the nodes always read what the last call asked for ------------------
+
+SOURCE_KINDS = ["same", "new", "pool", "wrong_dtype", "refused", "unbind"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(SOURCE_KINDS), st.sampled_from(SOURCE_KINDS)), max_size=12)
+)
+def test_nodes_track_the_last_call(steps):
+    buffers = [torch.zeros(4), torch.zeros(4)]
+    staging, runtime = _staging(buffers)
+    pool = [torch.ones(4) * k for k in range(3)]  # sources that come back
+    last = [buffers[0], buffers[1]]  # what each node reads now
+    for kinds in steps:
+        if "unbind" in kinds:
+            staging.unbind()
+            last = [buffers[0], buffers[1]]
+            assert staging._held == []
+            continue
+        sources = []
+        for i, kind in enumerate(kinds):
+            if kind == "same":
+                src = last[i] if last[i] is not buffers[i] else pool[i]
+            elif kind == "new":
+                src = torch.full((4,), float(i))
+            elif kind == "pool":
+                src = pool[2]
+            elif kind == "wrong_dtype":
+                src = torch.ones(4, dtype=torch.float64)
+            else:  # refused by the runtime
+                src = torch.full((4,), 7.0)
+                runtime.refuse.add(src.data_ptr())
+            sources.append(src)
+        if sources[0] is sources[1]:
+            sources[1] = sources[1].clone()  # two nodes, two tensors
+        calls_before = len(runtime.calls)
+        out = staging.bind(sources)
+        bindable = [
+            s.dtype is torch.float32 and s.data_ptr() not in runtime.refuse for s in sources
+        ]
+        expected_reads = [src if ok else buf for src, ok, buf in zip(sources, bindable, buffers)]
+        for s, want in zip(staging.inputs, expected_reads):
+            assert s.current == want.data_ptr()
+        if all(bindable):
+            assert out is None
+        else:
+            for i, ok in enumerate(bindable):
+                assert out[i] is (buffers[i] if ok else sources[i])
+        assert staging._held == [s for s, ok in zip(sources, bindable) if ok]
+        # One runtime call per node whose address changed, none otherwise.
+        changed = sum(
+            1 for prev, want in zip(last, expected_reads) if prev.data_ptr() != want.data_ptr()
+        )
+        assert len(runtime.calls) - calls_before == changed
+        last = expected_reads
+        runtime.refuse.clear()
