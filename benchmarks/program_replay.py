@@ -19,6 +19,9 @@ capture example, in the caller's default grad mode (no input requires grad):
   nothing (the floor for a replay).
 * ``raw_plus_copy``: ``static.copy_(x)`` (one leaf) or one fused
   ``torch._foreach_copy_`` over pre-flattened leaves (tree), then ``graph.replay()``.
+* ``raw_plus_copy_below_autograd``: the same copy dispatched below autograd (no
+  in-place checks, no version counter bumps), as ``ReusableValueBuffer`` copies: the
+  floor for a replay that copies.
 * ``cudagraphs_program``: ``CudaGraphProgram.replay(tree)`` with the default staging
   (``"auto"``: in-graph staging for ``one_input``, one fused copy for ``tree_64``);
   validation + staging + replay. The same source tree at every step.
@@ -261,6 +264,17 @@ def _build_raw(case: Case, copy: str | None) -> Built:
             torch._foreach_copy_(static_leaves, src_leaves)
             graph.replay()
 
+    elif copy == "fused_below_autograd":
+        below = torch._C._AutoDispatchBelowADInplaceOrView()
+
+        def step() -> None:
+            with below:
+                if len(static_leaves) == 1:
+                    static_leaves[0].copy_(src_leaves[0])
+                else:
+                    torch._foreach_copy_(static_leaves, src_leaves)
+            graph.replay()
+
     else:
 
         def step() -> None:
@@ -341,6 +355,8 @@ VARIANTS: dict[str, Callable[[Case], Built]] = {
     "eager": build_eager,
     "raw": lambda case: _build_raw(case, None),
     "raw_plus_copy": lambda case: _build_raw(case, "fused"),
+    # The same copy dispatched below autograd, as the program's buffer does.
+    "raw_plus_copy_below_autograd": lambda case: _build_raw(case, "fused_below_autograd"),
     OURS: build_ours,
     # The same with replay(validate=False): no per-leaf checks, for trusted callers.
     f"{OURS}_unvalidated": lambda case: build_ours(case, validate=False),

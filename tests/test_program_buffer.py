@@ -163,13 +163,20 @@ def test_expanded_views_cannot_be_buffered():
         ReusableValueBuffer(sig, "cpu")
 
 
-def test_copies_record_no_autograd_history():
-    # A buffer that requires grad is copied into under no_grad; a source that requires
-    # grad (unvalidated) does not attach history to a buffer that does not.
+def test_copies_record_no_autograd_history_and_bump_no_versions():
+    # A buffer that requires grad is copied into without autograd's in-place error; a
+    # source that requires grad does not attach history to a buffer that does not.
     value = {"w": torch.zeros(3, requires_grad=True), "x": torch.zeros(3)}
     buf = ReusableValueBuffer(ValueTreeSignature.from_value(value), "cpu")
     buf.copy_from({"w": torch.ones(3, requires_grad=True), "x": torch.ones(3)})
     assert all(t.grad_fn is None for t in buf.tensors)
     plain = ReusableValueBuffer(ValueTreeSignature.from_value({"x": torch.zeros(3)}), "cpu")
-    plain.copy_tensors([torch.ones(3, requires_grad=True)])  # unvalidated: guarded
+    versions = [t._version for t in plain.tensors]
+    plain.copy_tensors([torch.ones(3, requires_grad=True)])
     assert plain.tensors[0].grad_fn is None and not plain.tensors[0].requires_grad
+    assert plain.tensors[0].tolist() == [1.0, 1.0, 1.0]
+    # Like a graph replay writing captured memory, a refill is invisible to autograd.
+    assert [t._version for t in plain.tensors] == versions
+    with torch.enable_grad():
+        buf.copy_tensors([torch.full((3,), 2.0), torch.full((3,), 3.0)])
+    assert buf.value["w"].tolist() == [2.0] * 3 and buf.value["w"].grad_fn is None

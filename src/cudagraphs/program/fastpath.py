@@ -6,9 +6,10 @@ small inputs. For a given signature we therefore generate, once, a flat Python
 function that pulls out every leaf with direct subscripts and compares each tensor's
 metadata with constants: the same checks, without recursion or per-node dispatch.
 It answers only "matches exactly" (the list of tensors) or "no" (``None``, or an
-exception such as ``stride()`` of a sparse tensor); on "no" the caller runs the full
-walk, which checks the layout too and reports every difference with its path. The
-layout needs no check here: a tensor whose strides match is strided.
+exception such as ``stride()`` of a sparse tensor, or a missing dict key); on "no"
+the caller runs the full walk, which checks the layout too and reports every
+difference with its path. The layout needs no check here: a tensor whose strides
+match is strided.
 
 Signatures holding registered leaf types get no fast path (their ``flatten`` hooks
 must run anyway).
@@ -39,8 +40,9 @@ class _Emitter:
         self.counter = 0
 
     def const(self, value: Any) -> str:
+        # A global of the generated function (a cached load), not an item of a list.
         self.consts.append(value)
-        return f"C[{len(self.consts) - 1}]"
+        return f"c{len(self.consts) - 1}"
 
     def var(self) -> str:
         self.counter += 1
@@ -84,10 +86,10 @@ class _Emitter:
             self.leaves.append(f"*{name}")
             return True
         if kind == "dict":
+            # No membership test: with the length checked, a missing key raises
+            # KeyError, which callers treat as "no" (see module docs).
             for key, child in zip(sig.keys, sig.children):
-                k = self.const(key)
-                self.check(f"{k} not in {name}")
-                if not self.emit(child, f"{name}[{k}]"):
+                if not self.emit(child, f"{name}[{self.const(key)}]"):
                     return False
             return True
         return all(self.emit(child, f"{name}[{i}]") for i, child in enumerate(sig.children))
@@ -106,7 +108,8 @@ def compile_matcher(
         return None
     body = "\n    ".join([*em.lines, f"return [{', '.join(em.leaves)}]"])
     source = f"def match(value):\n    {body}\n"
-    namespace: dict[str, Any] = {"C": em.consts, "Tensor": torch.Tensor}
+    namespace: dict[str, Any] = {f"c{i}": c for i, c in enumerate(em.consts)}
+    namespace["Tensor"] = torch.Tensor
     exec(compile(source, "<cudagraphs signature matcher>", "exec"), namespace)  # noqa: S102
     return namespace["match"]
 
