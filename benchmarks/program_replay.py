@@ -98,7 +98,8 @@ PREFETCH_DIM = 4096  # input: DIM x DIM float32 = 64 MiB
 PREFETCH_MATMULS = 2
 PREFETCH_STEPS = 20
 PREFETCH_SOURCES = 3  # != 2 programs, so each program sees changing data (race check)
-ITERS, REPEATS, WARMUP = 1000, 11, 100
+ITERS, REPEATS, WARMUP = 1000, 21, 100
+SHUFFLE_SEED = 0  # each round times the variants in a new (seeded) order
 WINDOW_WARMUP = 2  # warmup windows of the prefetch case
 CHECK_RTOL = {"one_input": 0.0, "tree_64": 0.0, "prefetch": 1e-4}
 ONE_INPUT_TARGET_US = 5.0  # cudagraphs_program - raw
@@ -386,7 +387,11 @@ def measure_all(case: Case, variants: list[str], iters: int, repeats: int) -> di
     try:
         print(f"program_replay: {case.name}: timing {len(built)} variants", file=sys.stderr)
         ms = interleaved_step_times_ms(
-            {n: b.step for n, b in built.items()}, iters=iters, warmup=WARMUP, repeats=repeats
+            {n: b.step for n, b in built.items()},
+            iters=iters,
+            warmup=WARMUP,
+            repeats=repeats,
+            shuffle_seed=SHUFFLE_SEED,
         )
         for name, b in built.items():
             results[name] = {"us": ms[name] * 1e3, "setup_s": round(b.setup_s, 4), **b.extra}
@@ -669,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
         "variants": variants,
         "step_time": "median over repeats of the mean wall time of iters back-to-back "
         "steps, synchronized at both ends of each window; the variants of a case are "
-        "built together and timed in turns (one window each per round)",
+        "built together and timed in turns (one window each per round, in an order "
+        "shuffled per round with a fixed seed)",
         "prefetch_time": "median over repeats of one window of steps, per step",
         "kernel_busy": "cudagraphs.timing.kernel_busy_ms defaults (iters=20, warmup=5) "
         "of a raw replay, after all wall-clock timings",

@@ -130,3 +130,23 @@ def test_interleaved_step_times_take_turns_and_report_every_step():
     assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     # Warmup of each, then 3 rounds of (a a | b b |).
     assert "".join(order) == "ab|" + "aa|bb|" * 3
+
+
+def test_interleaved_step_times_can_shuffle_the_order_of_each_round():
+    from cudagraphs.timing import interleaved_step_times_ms
+
+    order: list[str] = []
+    steps = {n: (lambda n=n: order.append(n)) for n in "abcd"}
+    times = interleaved_step_times_ms(
+        steps, iters=1, warmup=0, repeats=20, synchronize=lambda: None, shuffle_seed=0
+    )
+    assert set(times) == set("abcd")
+    rounds = ["".join(order[i : i + 4]) for i in range(0, len(order), 4)]
+    assert all(sorted(r) == list("abcd") for r in rounds)  # each step once per round
+    assert len(set(rounds)) > 1  # in changing orders
+    again: list[str] = []
+    steps = {n: (lambda n=n: again.append(n)) for n in "abcd"}
+    interleaved_step_times_ms(
+        steps, iters=1, warmup=0, repeats=20, synchronize=lambda: None, shuffle_seed=0
+    )
+    assert again == order  # seeded: the same orders again

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -43,12 +44,16 @@ def interleaved_step_times_ms(
     warmup: int = 10,
     repeats: int = 5,
     synchronize: Callable[[], None] | None = None,
+    shuffle_seed: int | None = None,
 ) -> dict[str, float]:
     """Median over ``repeats`` rounds of the mean wall time of ``iters`` back-to-back
     calls of each step; each round times every step once, in turn.
 
     Host speed on shared machines drifts by tens of percent over a minute; timing
     variants one after another turns that drift into false differences between them.
+    With ``shuffle_seed`` each round takes the steps in a new order (seeded), so that
+    no step always follows the same neighbour (a step that leaves the GPU queue or
+    the caches in some state would otherwise bias the one after it every round).
     """
     sync = torch.cuda.synchronize if synchronize is None else synchronize
     for step in steps.values():
@@ -56,8 +61,13 @@ def interleaved_step_times_ms(
             step()
     sync()
     samples: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    rng = random.Random(shuffle_seed)
     for _ in range(repeats):
-        for name, step in steps.items():
+        if shuffle_seed is not None:
+            rng.shuffle(names)
+        for name in names:
+            step = steps[name]
             t0 = time.perf_counter()
             for _ in range(iters):
                 step()
