@@ -180,3 +180,19 @@ def test_copies_record_no_autograd_history_and_bump_no_versions():
     with torch.enable_grad():
         buf.copy_tensors([torch.full((3,), 2.0), torch.full((3,), 3.0)])
     assert buf.value["w"].tolist() == [2.0] * 3 and buf.value["w"].grad_fn is None
+
+
+def test_a_failed_copy_leaves_autograd_dispatch_as_it_was():
+    # The copy runs below autograd; an error inside it must not leave that state behind.
+    buf = ReusableValueBuffer(ValueTreeSignature.from_value([torch.zeros(3)] * 2), "cpu")
+    with pytest.raises(RuntimeError):
+        buf.copy_tensors([torch.ones(4), torch.ones(4)], may_alias=False)
+    assert not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.ADInplaceOrView)
+    x = torch.ones(2, requires_grad=True)
+    (x * 2).sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0]
+    plain = torch.zeros(2)
+    plain.add_(1)
+    assert plain._version == 1
+    buf.copy_tensors([torch.ones(3), torch.full((3,), 2.0)], may_alias=False)
+    assert [t.tolist() for t in buf.tensors] == [[1.0] * 3, [2.0] * 3]
