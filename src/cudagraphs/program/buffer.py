@@ -105,7 +105,8 @@ class ReusableValueBuffer:
 
 def _below_autograd() -> Any:
     """A reusable context in which ops dispatch below autograd (no history, no version
-    counter bumps); a no-op context (with the cost of autograd) where torch lacks it."""
+    counter bumps). Where torch lacks that guard, a grad-disabled context: still no
+    history, but autograd's bookkeeping stays."""
     guard = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
     return guard() if guard is not None else _GradDisabled()
 
