@@ -1,29 +1,146 @@
-"""One error hierarchy for the whole package.
+"""Every error the package raises, and the one mismatch record they report.
 
-Bad arguments raise the built-in ``ValueError`` / ``TypeError``; everything that goes
-wrong while capturing or replaying raises a subclass of :class:`CudaGraphsError`, with
-the underlying cause chained (``raise ... from exc``).
+Each class derives from :class:`CudaGraphsError` *and* from the built-in exception a
+caller would expect (``ValueError`` for a bad value, ``TypeError`` for a wrong type,
+``RuntimeError`` for a failure while running, ``NotImplementedError``), so both
+``except CudaGraphsError`` and ``except ValueError`` catch what they should. The
+underlying cause, where there is one, is chained (``raise ... from exc``).
+
+Messages say what was wrong, where (the argument, tree path, module name or bucket)
+and the fix.
+
+A mismatch between what was captured and what a call passed is reported the same way
+by every layer (the core's input check, program signatures, partial-graph contracts,
+serving inputs): one :class:`Mismatch` per difference, all of them at once, rendered
+by :func:`describe_mismatches`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-class CudaGraphsError(RuntimeError):
-    """Base class of every error this package raises on purpose (besides bad arguments)."""
+__all__ = [
+    "CaptureTimeHookError",
+    "CudaGraphCaptureError",
+    "CudaGraphInputError",
+    "CudaGraphOutputError",
+    "CudaGraphsError",
+    "CudaGraphsStateError",
+    "CudaGraphsTypeError",
+    "CudaGraphsValueError",
+    "GraphReleasedError",
+    "Mismatch",
+    "NoCudaDeviceError",
+    "ProgramClosedError",
+    "SignatureMismatchError",
+    "TargetSelectionError",
+    "describe_mismatches",
+]
 
 
-class CudaGraphCaptureError(CudaGraphsError):
+@dataclass(frozen=True)
+class Mismatch:
+    """One difference between what was captured and what a call passed.
+
+    ``path`` locates the value (``args[0]``, ``inputs[1]['x']``, ``inputs['tokens']``),
+    ``field`` names the property that differs (``shape``, ``dtype``, ``type``, ...).
+    """
+
+    path: str
+    field: str
+    expected: Any
+    received: Any
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.field} expected {self.expected!r}, received {self.received!r}"
+
+
+def describe_mismatches(what: str, mismatches: Sequence[Mismatch], fix: str = "") -> str:
+    """The one report format: a headline, one line per mismatch, then the fix."""
+    lines = "\n  ".join(str(m) for m in mismatches)
+    text = f"{what} in {len(mismatches)} place(s):\n  {lines}"
+    return f"{text}\n{fix}" if fix else text
+
+
+class CudaGraphsError(Exception):
+    """Base class of every error this package raises."""
+
+
+class CudaGraphsValueError(CudaGraphsError, ValueError):
+    """An argument has a value the package cannot use (the message names it)."""
+
+
+class CudaGraphsTypeError(CudaGraphsError, TypeError):
+    """An argument has a type the package cannot use (the message names it)."""
+
+
+class CudaGraphsStateError(CudaGraphsError, RuntimeError):
+    """A method was called at the wrong point of an object's life cycle (``run``
+    before ``capture``, ``capture`` with nothing recorded, use after ``close``)."""
+
+
+class NoCudaDeviceError(CudaGraphsStateError):
+    """The work needs a CUDA device and torch reports none usable here."""
+
+
+class CudaGraphCaptureError(CudaGraphsError, RuntimeError):
     """A capture failed. The allocator and the current stream were restored first, so
     the next capture (in the same pool too) can proceed."""
 
 
 class CudaGraphInputError(CudaGraphsError, ValueError):
-    """A replay received inputs that do not match what was captured."""
+    """A call passed inputs that do not match what was captured.
+
+    ``mismatches`` holds one :class:`Mismatch` per difference found (empty where the
+    problem is not a per-value difference, such as a replaced parameter).
+    """
+
+    def __init__(self, message: str, mismatches: Sequence[Mismatch] = ()) -> None:
+        super().__init__(message)
+        self.mismatches = list(mismatches)
+
+    def __reduce__(self) -> tuple:  # keep the record across pickling (multiprocessing)
+        return (type(self), (str(self), self.mismatches))
 
 
-class GraphReleasedError(CudaGraphsError):
+class SignatureMismatchError(CudaGraphInputError):
+    """A program payload differs from the captured signature; ``mismatches`` lists
+    every difference. Raised before any byte of the program's buffer is written."""
+
+    def __init__(self, what: str, mismatches: Sequence[Mismatch]) -> None:
+        super().__init__(
+            describe_mismatches(
+                f"{what} differs from the captured signature",
+                mismatches,
+                "Nothing was copied. Pass values with the captured structure, shapes, "
+                "strides and dtypes (devices may differ), or capture another program.",
+            ),
+            mismatches,
+        )
+        self.what = what
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.what, self.mismatches))
+
+
+class CudaGraphOutputError(CudaGraphsError, ValueError):
+    """A captured function's outputs cannot be handed back correctly (for example an
+    output without the row dimension a bucketed runner slices)."""
+
+
+class GraphReleasedError(CudaGraphsError, RuntimeError):
     """A graph was used after ``reset()`` / ``close()`` released it."""
 
 
-class CaptureTimeHookError(CudaGraphsError):
+class ProgramClosedError(GraphReleasedError):
+    """A program or pool was used after ``close()``."""
+
+
+class CaptureTimeHookError(CudaGraphsError, RuntimeError):
     """A capture-time hook broke its contract (for example it returned a value)."""
+
+
+class TargetSelectionError(CudaGraphsError, ValueError):
+    """A partial-graph target cannot be graphed safely (the message names it and why)."""

@@ -21,6 +21,8 @@ from typing import Literal
 
 from torch import nn
 
+from ..errors import TargetSelectionError
+
 __all__ = [
     "DiscoveredBlock",
     "Target",
@@ -38,10 +40,6 @@ logger = logging.getLogger(__name__)
 TargetKind = Literal["attention", "router", "custom"]
 _ROUTER_NAMES = ("gate", "router")  # the router child of an MoE sublayer
 _EXPERT_NAMES = ("experts",)
-
-
-class TargetSelectionError(ValueError):
-    """A chosen target cannot be graphed safely (the message names it and why)."""
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..capture import GraphPool
-from ..errors import GraphReleasedError
+from ..errors import ProgramClosedError
 
 if TYPE_CHECKING:
     from .program import CudaGraphProgram
 
 __all__ = ["CopyHandle", "CudaGraphCaptureStats", "CudaGraphPool", "ProgramClosedError"]
-
-
-class ProgramClosedError(GraphReleasedError):
-    """A program or pool was used after ``close()``."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import CudaGraphInputError
+from ..errors import Mismatch, SignatureMismatchError
 from .fastpath import compile_matcher
 from .leaves import LeafTypes
 
@@ -31,33 +31,6 @@ __all__ = [
 
 TreeKind = Literal["tensor", "value", "list", "tuple", "dict", "none"]
 _TENSOR_FIELDS = ("shape", "stride", "dtype", "layout", "requires_grad")
-
-
-@dataclass(frozen=True)
-class Mismatch:
-    """One difference between a payload and a signature."""
-
-    path: str
-    field: str
-    expected: Any
-    received: Any
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.field} expected {self.expected!r}, received {self.received!r}"
-
-
-class SignatureMismatchError(CudaGraphInputError):
-    """A payload differs from the captured signature; ``mismatches`` lists every
-    difference (path, field, expected, received)."""
-
-    def __init__(self, what: str, mismatches: list[Mismatch]) -> None:
-        self.mismatches = mismatches
-        lines = "\n  ".join(str(m) for m in mismatches)
-        super().__init__(
-            f"{what} differs from the captured signature in {len(mismatches)} place(s):\n"
-            f"  {lines}\nNothing was copied. Pass values with the captured structure, "
-            "shapes, strides and dtypes (devices may differ), or capture another program."
-        )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,76 @@
+"""Argument checks shared by every layer: typed errors that name the argument.
+
+Python's own errors for a wrong type (``'int' object is not iterable``, a comparison
+between ``str`` and ``float``) say neither which argument was wrong nor what to pass;
+these checks do, before any work starts.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .errors import CudaGraphsTypeError, CudaGraphsValueError, NoCudaDeviceError
+
+__all__ = ["check_callable", "check_int", "check_number", "require_cuda"]
+
+
+def require_cuda(what: str) -> None:
+    """Raise :class:`NoCudaDeviceError` unless torch can use a CUDA device.
+
+    Called before the first CUDA call of every entry point that needs a device, so a
+    machine without one gets this message instead of torch's (an ``AssertionError``
+    "Torch not compiled with CUDA enabled", or a "dummy base class" error).
+    """
+    if torch.cuda.is_available():
+        return
+    build = (
+        f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+    )
+    raise NoCudaDeviceError(
+        f"{what} needs a CUDA device, and torch finds none usable here (torch "
+        f"{torch.__version__}, {build}). Fixes: 1. run on a machine with an NVIDIA GPU "
+        "and its driver; 2. install a CUDA build of torch; 3. check that "
+        "CUDA_VISIBLE_DEVICES does not hide every GPU."
+    )
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """``value`` as an int (``bool`` refused: ``True`` is not a count).
+
+    Raises:
+        CudaGraphsTypeError: not an int.
+        CudaGraphsValueError: below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise CudaGraphsTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise CudaGraphsValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_number(name: str, value: Any) -> float | int:
+    """``value`` if it is a real number (``bool`` refused).
+
+    Raises:
+        CudaGraphsTypeError: a string, a tensor or anything else that is not a number.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise CudaGraphsTypeError(
+            f"{name} must be a number (int or float), got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def check_callable(name: str, value: Any) -> Callable[..., Any]:
+    """``value`` if it is callable.
+
+    Raises:
+        CudaGraphsTypeError: naming ``name`` and the type received.
+    """
+    if not callable(value):
+        raise CudaGraphsTypeError(f"{name} must be callable, got {type(value).__name__} {value!r}")
+    return value
