@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import CudaCallError
+
 __all__ = ["CudaRuntime", "MemcpyNode", "cuda_runtime"]
 
 logger = logging.getLogger(__name__)
@@ -85,7 +87,7 @@ class CudaRuntime:
     def _check(self, status: int, call: str) -> None:
         if status != 0:
             self._lib.cudaGetLastError()  # clear it, so torch's next check does not trip
-            raise RuntimeError(f"{call} returned cudaError {status}")
+            raise CudaCallError(f"{call} returned cudaError {status}")
 
     def memcpy_nodes(self, graph: int) -> list[MemcpyNode]:
         """The memcpy nodes of a ``cudaGraph_t`` (a graph captured with keep_graph)."""

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import CudaGraphCaptureError
+from .errors import CudaGraphCaptureError, CudaGraphsValueError
 from .graph_pool import GraphPool, PoolHandle, as_graph_pool, new_pool, new_torch_graph, side_stream
 
 __all__ = [
@@ -182,7 +182,7 @@ def capture_into_graph(
             fresh handle, so another capture into it may follow at once.
     """
     if capture_error_mode not in _CAPTURE_ERROR_MODES:
-        raise ValueError(
+        raise CudaGraphsValueError(
             f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {capture_error_mode!r}"
         )
     if not torch.cuda.is_available():
@@ -288,7 +288,7 @@ def capture_with_static_outputs(
         out_leaves, out_spec = pytree.tree_flatten(run())
         problems = _describe_mismatch(like_leaves, like_spec, out_leaves, out_spec)
         if problems:
-            raise ValueError("output differs from `like`: " + "; ".join(problems))
+            raise CudaGraphsValueError("output differs from `like`: " + "; ".join(problems))
         # Plain data movement: the static outputs must carry no autograd history.
         with torch.no_grad():
             for buf, out in zip(buffers, out_leaves):

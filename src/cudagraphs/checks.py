@@ -27,9 +27,7 @@ def require_cuda(what: str) -> None:
     """
     if torch.cuda.is_available():
         return
-    build = (
-        f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
-    )
+    build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
     raise NoCudaDeviceError(
         f"{what} needs a CUDA device, and torch finds none usable here (torch "
         f"{torch.__version__}, {build}). Fixes: 1. run on a machine with an NVIDIA GPU "

@@ -23,10 +23,12 @@ from typing import Any
 
 __all__ = [
     "CaptureTimeHookError",
+    "CudaCallError",
     "CudaGraphCaptureError",
     "CudaGraphInputError",
     "CudaGraphOutputError",
     "CudaGraphsError",
+    "CudaGraphsKeyError",
     "CudaGraphsStateError",
     "CudaGraphsTypeError",
     "CudaGraphsValueError",
@@ -76,6 +78,13 @@ class CudaGraphsTypeError(CudaGraphsError, TypeError):
     """An argument has a type the package cannot use (the message names it)."""
 
 
+class CudaGraphsKeyError(CudaGraphsError, KeyError):
+    """A name looked up in a registry is not there (the message lists what is)."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
 class CudaGraphsStateError(CudaGraphsError, RuntimeError):
     """A method was called at the wrong point of an object's life cycle (``run``
     before ``capture``, ``capture`` with nothing recorded, use after ``close``)."""
@@ -83,6 +92,11 @@ class CudaGraphsStateError(CudaGraphsError, RuntimeError):
 
 class NoCudaDeviceError(CudaGraphsStateError):
     """The work needs a CUDA device and torch reports none usable here."""
+
+
+class CudaCallError(CudaGraphsError, RuntimeError):
+    """A CUDA runtime or driver call made outside torch failed (the message names the
+    call and its status)."""
 
 
 class CudaGraphCaptureError(CudaGraphsError, RuntimeError):

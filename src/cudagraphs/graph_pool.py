@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import torch
 
+from .errors import CudaGraphsTypeError
+
 __all__ = ["GraphPool", "PoolHandle", "as_graph_pool", "new_pool", "new_torch_graph", "side_stream"]
 
 logger = logging.getLogger(__name__)
@@ -149,6 +151,6 @@ def as_graph_pool(pool: GraphPool | PoolHandle | None) -> GraphPool:
         return GraphPool()
     if isinstance(pool, tuple) and len(pool) == 2:
         return GraphPool(handle=pool)
-    raise TypeError(
+    raise CudaGraphsTypeError(
         f"pool must be a cudagraphs.GraphPool, a torch graph pool handle or None, got {pool!r}"
     )

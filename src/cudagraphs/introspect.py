@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import CudaCallError, CudaGraphsValueError
+
 __all__ = ["GraphMemory", "driver_backend", "graph_node_count", "instantiate_measured"]
 
 logger = logging.getLogger(__name__)
@@ -35,14 +37,14 @@ class _CtypesDriver:
         count = ctypes.c_size_t(0)
         status = self._lib.cuGraphGetNodes(ctypes.c_void_p(handle), None, ctypes.byref(count))
         if status != 0:
-            raise RuntimeError(f"cuGraphGetNodes returned CUresult {status}")
+            raise CudaCallError(f"cuGraphGetNodes returned CUresult {status}")
         return int(count.value)
 
     def free_memory(self) -> int:
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         status = self._lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
         if status != 0:
-            raise RuntimeError(f"cuMemGetInfo_v2 returned CUresult {status}")
+            raise CudaCallError(f"cuMemGetInfo_v2 returned CUresult {status}")
         return int(free.value)
 
 
@@ -57,7 +59,7 @@ class _BindingsDriver:
     def _check(self, result: tuple, call: str) -> tuple:
         status = result[0]
         if int(status) != 0:
-            raise RuntimeError(f"{call} returned {status}")
+            raise CudaCallError(f"{call} returned {status}")
         return result[1:]
 
     def node_count(self, handle: int) -> int:
@@ -85,7 +87,7 @@ def _raw_graph(graph: torch.cuda.CUDAGraph) -> int:
     try:
         return int(graph.raw_cuda_graph())
     except RuntimeError as exc:
-        raise ValueError(
+        raise CudaGraphsValueError(
             "this graph no longer holds its cudaGraph_t; capture with keep_graph=True to inspect it"
         ) from exc
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import CudaGraphsValueError
+
 __all__ = [
     "BlockConfig",
     "DecoderConfig",
@@ -38,7 +40,7 @@ class PreNormBlock(nn.Module):
     def __init__(self, cfg: BlockConfig) -> None:
         super().__init__()
         if cfg.hidden % cfg.heads:
-            raise ValueError(f"hidden {cfg.hidden} is not divisible by heads {cfg.heads}")
+            raise CudaGraphsValueError(f"hidden {cfg.hidden} is not divisible by heads {cfg.heads}")
         self.cfg = cfg
         self.ln1 = nn.LayerNorm(cfg.hidden)
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
@@ -135,7 +137,7 @@ class TinyDecoder(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         if cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads:
-            raise ValueError(f"heads must divide hidden and kv_heads divide heads: {cfg}")
+            raise CudaGraphsValueError(f"heads must divide hidden and kv_heads divide heads: {cfg}")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.layers = nn.ModuleList(_DecoderLayer(cfg) for _ in range(cfg.layers))

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..capture import GraphPool, PoolHandle, as_graph_pool, side_stream
+from ..errors import CudaGraphsValueError
 from .canonicalize import GraphPlan, canonicalize, check_devices
 from .capture_phase import CaptureOptions, capture_plan
 from .grad_targets import GradTargets, prepare_grad_targets
@@ -191,11 +192,13 @@ def make_graphed_callables(
         reuse_buffers=_reuse_graph_input_output_buffers,
     )
     if main_grad_attr is not None and not accumulate_grads_in_graph:
-        raise ValueError("main_grad_attr needs accumulate_grads_in_graph=True")
+        raise CudaGraphsValueError("main_grad_attr needs accumulate_grads_in_graph=True")
     if main_grad_attr is not None and not (
         isinstance(main_grad_attr, str) and main_grad_attr.isidentifier()
     ):
-        raise ValueError(f"main_grad_attr must be an attribute name, got {main_grad_attr!r}")
+        raise CudaGraphsValueError(
+            f"main_grad_attr must be an attribute name, got {main_grad_attr!r}"
+        )
     device = check_devices(plan)
     grad_targets = _grad_targets(plan, main_grad_attr) if accumulate_grads_in_graph else ()
     with torch.cuda.device(device):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..errors import CudaGraphsTypeError, CudaGraphsValueError
 from .hooks import CaptureTimeHooks, canonicalize_capture_time_hooks
 from .schedule import Entry, Layout, Step, assign_buffer_slots, build_layout, build_schedule
 
@@ -101,14 +102,16 @@ def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
     single = not isinstance(callables, (tuple, list))
     items = (callables,) if single else tuple(callables)
     if not items:
-        raise ValueError("make_graphed_callables needs at least one callable")
+        raise CudaGraphsValueError("make_graphed_callables needs at least one callable")
     specs = []
     seen: dict[int, int] = {}
     for i, fn in enumerate(items):
         if not callable(fn):
-            raise TypeError(f"callables[{i}] is a {type(fn).__name__}, not a module or function")
+            raise CudaGraphsTypeError(
+                f"callables[{i}] is a {type(fn).__name__}, not a module or function"
+            )
         if id(fn) in seen:
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"callables[{i}] is the same object as callables[{seen[id(fn)]}]; each "
                 "callable may appear once (use _order with microbatches to run a layer "
                 "several times)"
@@ -121,7 +124,7 @@ def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
         if module is not None:
             hooks = _registered_module_hooks(module)
             if hooks:
-                raise ValueError(
+                raise CudaGraphsValueError(
                     f"{name} has registered module hooks ({', '.join(hooks)}); their Python "
                     "side effects would not run on replay. Remove them before graphing, or "
                     "move the work into capture_time_hooks."
@@ -147,11 +150,15 @@ def _describe_path(keys: tuple) -> str:
 def _canonical_entry(entry: Entry, args: Any, kwargs: Any, callable_name: str) -> EntrySpec:
     where = f"sample_args[{entry.index}] (for {callable_name})"
     if not isinstance(args, (tuple, list)):
-        raise TypeError(f"{where} must be a tuple of arguments, got {type(args).__name__}")
+        raise CudaGraphsTypeError(
+            f"{where} must be a tuple of arguments, got {type(args).__name__}"
+        )
     if kwargs is None:
         kwargs = {}
     if not isinstance(kwargs, Mapping):
-        raise TypeError(f"sample_kwargs[{entry.index}] must be a dict, got {type(kwargs).__name__}")
+        raise CudaGraphsTypeError(
+            f"sample_kwargs[{entry.index}] must be a dict, got {type(kwargs).__name__}"
+        )
     # Keyword order is not part of a call's identity: sorted here and on every call.
     args, kwargs = tuple(args), dict(sorted(kwargs.items()))
     leaves_with_path, in_spec = pytree.tree_flatten_with_path((args, kwargs))
@@ -160,7 +167,7 @@ def _canonical_entry(entry: Entry, args: Any, kwargs: Any, callable_name: str) -
     for i in positions:
         if leaves[i].layout != torch.strided:
             path = pytree.keystr(leaves_with_path[i][0])
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"{where}: tensor at {path} has layout {leaves[i].layout}; graph inputs "
                 "must be dense (strided) tensors"
             )
@@ -187,12 +194,14 @@ def check_devices(plan: GraphPlan) -> torch.device:
             t = e.leaves[pos]
             where = f"sample_args[{e.entry.index}] {e.paths[pos]}"
             if t.device.type != "cuda":
-                raise ValueError(
+                raise CudaGraphsValueError(
                     f"{where} is on {t.device}; graph inputs must be CUDA tensors (.cuda())"
                 )
             devices.setdefault(t.device, where)
     if len(devices) > 1:
-        raise ValueError(f"graph inputs are spread over several devices: {devices}; use one")
+        raise CudaGraphsValueError(
+            f"graph inputs are spread over several devices: {devices}; use one"
+        )
     if devices:
         return next(iter(devices))
     return torch.device("cuda", torch.cuda.current_device())
@@ -208,7 +217,7 @@ def _detect_training(
         if len(flags) > 1:
             train = [c.name for c in modules if c.module.training]
             evals = [c.name for c in modules if not c.module.training]
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"callables mix training mode ({', '.join(train)}) and eval mode "
                 f"({', '.join(evals)}); graph them with one mode, in separate calls"
             )
@@ -228,7 +237,7 @@ def _check_autocast() -> None:
         except TypeError:  # torch without the device_type argument
             enabled = torch.is_autocast_enabled()
         if enabled and torch.is_autocast_cache_enabled():
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"autocast ({device_type}) is enabled with its weight cache; cast weights "
                 "cached during capture would be freed and replayed stale. Use "
                 "torch.autocast(..., cache_enabled=False) around make_graphed_callables."
@@ -252,13 +261,17 @@ def canonicalize(
         TypeError / ValueError: naming the argument, entry index and tree path.
     """
     if not isinstance(num_warmup_iters, int) or num_warmup_iters < 0:
-        raise ValueError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
+        raise CudaGraphsValueError(
+            f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}"
+        )
     specs, single = _canonical_callables(callables)
     if single:
         sample_args = (sample_args,)
         sample_kwargs = None if sample_kwargs is None else (sample_kwargs,)
     if not isinstance(sample_args, (tuple, list)):
-        raise TypeError(f"sample_args must be a tuple of tuples, got {type(sample_args).__name__}")
+        raise CudaGraphsTypeError(
+            f"sample_args must be a tuple of tuples, got {type(sample_args).__name__}"
+        )
     layout = build_layout(len(specs), len(sample_args), order, num_layers_per_chunk)
     if sample_kwargs is None:
         sample_kwargs = [None] * len(sample_args)
@@ -268,7 +281,7 @@ def canonicalize(
             if isinstance(sample_kwargs, (tuple, list))
             else type(sample_kwargs).__name__
         )
-        raise ValueError(
+        raise CudaGraphsValueError(
             f"sample_kwargs must hold one dict per sample_args entry ({len(sample_args)}), got {got}"
         )
     hooks = canonicalize_capture_time_hooks(capture_time_hooks, len(specs))
@@ -284,7 +297,7 @@ def canonicalize(
     slots = None
     if reuse_buffers:
         if order is None or not training:
-            raise ValueError(
+            raise CudaGraphsValueError(
                 "_reuse_graph_input_output_buffers needs _order and training (modules in "
                 "train mode, grad enabled); drop it or pass _order"
             )

@@ -17,7 +17,7 @@ from itertools import repeat
 
 import torch
 
-from ..errors import CudaGraphInputError
+from ..errors import CudaGraphInputError, CudaGraphsValueError
 
 __all__ = ["GradTargets", "prepare_grad_targets"]
 
@@ -84,12 +84,12 @@ def prepare_grad_targets(
         if t is None and attr == "grad":
             p.grad = t = torch.zeros_like(p)
         if not isinstance(t, torch.Tensor):
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"{owner}: parameter {name} has no tensor attribute {attr!r} to accumulate "
                 f"its gradient into; allocate it (same shape, on {p.device}) before graphing"
             )
         if t.shape != p.shape or t.device != p.device:
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"{owner}: {name}.{attr} has shape {tuple(t.shape)} on {t.device}; the "
                 f"parameter has shape {tuple(p.shape)} on {p.device}"
             )

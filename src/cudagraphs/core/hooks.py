@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CaptureTimeHookError
+from ..errors import CaptureTimeHookError, CudaGraphsTypeError, CudaGraphsValueError
 
 __all__ = ["HOOK_GROUPS", "CaptureTimeHooks", "canonicalize_capture_time_hooks"]
 
@@ -53,13 +53,13 @@ def _canonical_group(entry_index: int, group: str, hooks: Any) -> tuple:
     if hooks is None:
         return ()
     if not isinstance(hooks, Mapping):
-        raise TypeError(
+        raise CudaGraphsTypeError(
             f"capture_time_hooks[{entry_index}][{group!r}] must be a dict "
             f"{{hook_id: fn(module)}}, got {type(hooks).__name__}"
         )
     for hook_id, fn in hooks.items():
         if not callable(fn):
-            raise TypeError(
+            raise CudaGraphsTypeError(
                 f"capture_time_hooks[{entry_index}][{group!r}][{hook_id!r}] is not callable "
                 f"(got {type(fn).__name__}); each hook is fn(module) -> None"
             )
@@ -89,12 +89,12 @@ def canonicalize_capture_time_hooks(
     if isinstance(capture_time_hooks, (Mapping, str)) or not isinstance(
         capture_time_hooks, Sequence
     ):
-        raise TypeError(
+        raise CudaGraphsTypeError(
             "capture_time_hooks must be a list with one entry (None or a dict) per callable, "
             f"got {type(capture_time_hooks).__name__}"
         )
     if len(capture_time_hooks) != num_callables:
-        raise ValueError(
+        raise CudaGraphsValueError(
             f"capture_time_hooks has {len(capture_time_hooks)} entries but there are "
             f"{num_callables} callables; pass one entry (None or a dict) per callable"
         )
@@ -103,12 +103,12 @@ def canonicalize_capture_time_hooks(
         if entry is None:
             entry = {}
         if not isinstance(entry, Mapping):
-            raise TypeError(
+            raise CudaGraphsTypeError(
                 f"capture_time_hooks[{i}] must be None or a dict, got {type(entry).__name__}"
             )
         unknown = sorted(str(k) for k in entry if k not in HOOK_GROUPS)
         if unknown:
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"capture_time_hooks[{i}] has unknown key(s) {unknown}; "
                 f"allowed keys are {list(HOOK_GROUPS)}"
             )

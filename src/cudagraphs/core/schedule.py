@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from ..errors import CudaGraphsValueError
+
 __all__ = [
     "Entry",
     "Layout",
@@ -102,10 +104,12 @@ class Layout:
 def _validate_order(order: Sequence[int]) -> tuple[tuple[int, ...], int, int]:
     """Check an ``_order`` list; return it as a tuple with (num_chunks, num_microbatches)."""
     if isinstance(order, (str, bytes)) or not isinstance(order, Sequence) or len(order) == 0:
-        raise ValueError(f"_order must be a non-empty list of non-zero ints, got {order!r}")
+        raise CudaGraphsValueError(
+            f"_order must be a non-empty list of non-zero ints, got {order!r}"
+        )
     bad = [x for x in order if not isinstance(x, int) or isinstance(x, bool) or x == 0]
     if bad:
-        raise ValueError(
+        raise CudaGraphsValueError(
             f"_order holds {bad[:3]}: entries are 1-based chunk ids, positive for a "
             "forward and negative for a backward, never 0"
         )
@@ -119,7 +123,7 @@ def _validate_order(order: Sequence[int]) -> tuple[tuple[int, ...], int, int]:
         else:
             bwd[c] += 1
             if bwd[c] > fwd[c]:
-                raise ValueError(
+                raise CudaGraphsValueError(
                     f"_order[{pos}] = {x} runs backward microbatch {bwd[c] - 1} of chunk "
                     f"{c + 1} before its forward"
                 )
@@ -130,7 +134,7 @@ def _validate_order(order: Sequence[int]) -> tuple[tuple[int, ...], int, int]:
         if fwd[c] != num_microbatches or bwd[c] != num_microbatches
     ]
     if uneven or num_microbatches == 0:
-        raise ValueError(
+        raise CudaGraphsValueError(
             "_order must hold every chunk id 1..max(|_order|) as often forward as backward, "
             f"the same number of times for every chunk (chunk 1: {num_microbatches}); "
             f"found {uneven or 'no forwards'}"
@@ -158,9 +162,11 @@ def build_layout(
     """
     if order is None:
         if num_layers_per_chunk is not None:
-            raise ValueError("_num_layers_per_chunk is only meaningful together with _order")
+            raise CudaGraphsValueError(
+                "_num_layers_per_chunk is only meaningful together with _order"
+            )
         if num_entries != num_callables:
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"sample_args has {num_entries} entries but there are {num_callables} "
                 "callables; without _order pass one tuple of sample args per callable"
             )
@@ -169,7 +175,7 @@ def build_layout(
     order_t, num_chunks, num_microbatches = _validate_order(order)
     if num_layers_per_chunk is None:
         if num_callables % num_chunks:
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"{num_callables} callables cannot be split evenly across the {num_chunks} "
                 "chunks of _order; pass _num_layers_per_chunk"
             )
@@ -177,18 +183,18 @@ def build_layout(
     else:
         layers = tuple(num_layers_per_chunk)
         if len(layers) != num_chunks or any(not isinstance(n, int) or n < 1 for n in layers):
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"_num_layers_per_chunk must hold {num_chunks} positive ints (one per chunk "
                 f"of _order), got {list(layers)}"
             )
         if sum(layers) != num_callables:
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"_num_layers_per_chunk sums to {sum(layers)} but there are {num_callables} "
                 "callables"
             )
     layout = Layout(layers_per_chunk=layers, num_microbatches=num_microbatches, order=order_t)
     if num_entries != layout.num_entries:
-        raise ValueError(
+        raise CudaGraphsValueError(
             f"sample_args has {num_entries} entries; _order describes {num_chunks} chunk(s) x "
             f"{num_microbatches} microbatch(es) with {list(layers)} layers per chunk, which "
             f"needs {layout.num_entries} (ordered by chunk, then microbatch, then layer)"
@@ -272,5 +278,5 @@ def assign_buffer_slots(schedule: Sequence[Step], entry_keys: Sequence[object]) 
             free.setdefault(key, []).append(slot_of[step.entry])
     missing = [i for i in range(len(entry_keys)) if i not in slot_of]
     if missing:
-        raise ValueError(f"entries {missing} have no forward step in the schedule")
+        raise CudaGraphsValueError(f"entries {missing} have no forward step in the schedule")
     return [slot_of[i] for i in range(len(entry_keys))]

@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import CudaGraphsTypeError
+
 __all__ = ["GraphedStack", "graph_stack"]
 
 
@@ -55,21 +57,23 @@ def graph_stack(layers: Sequence[nn.Module], sample_args: tuple, **options: Any)
     """
     layers = list(layers) if not isinstance(layers, nn.Module) else [layers]
     if not layers:
-        raise TypeError("graph_stack needs at least one layer")
+        raise CudaGraphsTypeError("graph_stack needs at least one layer")
     bad = [
         f"layers[{i}] ({type(m).__name__})"
         for i, m in enumerate(layers)
         if not isinstance(m, nn.Module)
     ]
     if bad:
-        raise TypeError(
+        raise CudaGraphsTypeError(
             f"graph_stack takes nn.Module layers; got {', '.join(bad)}. Wrap functions in a module."
         )
     pipeline = sorted(k for k in options if k.startswith("_"))
     if pipeline:
-        raise TypeError(f"graph_stack does not take {pipeline}: a stack has no pipeline schedule")
+        raise CudaGraphsTypeError(
+            f"graph_stack does not take {pipeline}: a stack has no pipeline schedule"
+        )
     if not isinstance(sample_args, tuple):
-        raise TypeError(
+        raise CudaGraphsTypeError(
             f"sample_args must be a tuple of the first layer's arguments, got "
             f"{type(sample_args).__name__}"
         )

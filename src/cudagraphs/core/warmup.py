@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..errors import CudaGraphsValueError
 from .canonicalize import GraphPlan
 
 __all__ = ["differentiable_inputs", "run_warmup"]
@@ -49,7 +50,7 @@ def _warmup_backward(plan: GraphPlan, entry_index: int, output: Any, allow_unuse
         )
     except RuntimeError as exc:
         if "appears to not have been used" in str(exc):
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"{plan.callable_of(entry_index).name}: an input or parameter that requires "
                 "grad is not used by the forward, so it can get no gradient. Pass "
                 "allow_unused_input=True (its gradient is then None), or set "

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..errors import CudaGraphsValueError
 from .signature import ValueTreeSignature
 
 __all__ = ["ReusableValueBuffer"]
@@ -30,7 +31,7 @@ class ReusableValueBuffer:
     def __init__(self, signature: ValueTreeSignature, device: torch.device | str) -> None:
         overlapping = [i for i, t in enumerate(signature.tensor_signatures()) if t.self_overlapping]
         if overlapping:
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"input tensors {overlapping} (in flatten order) are expanded views whose "
                 "elements share memory (stride 0); a fixed buffer cannot hold them. Pass "
                 "materialized tensors (.contiguous()) or expand inside the function."

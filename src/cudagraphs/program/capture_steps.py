@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..capture import side_stream
-from ..errors import CudaGraphCaptureError
+from ..errors import CudaGraphCaptureError, CudaGraphsTypeError, CudaGraphsValueError
 from .buffer import ReusableValueBuffer
 from .leaves import LeafTypes
 from .signature import ValueTreeSignature
@@ -36,11 +36,11 @@ def check_capture_arguments(
     """Check the arguments of ``CudaGraphProgram.capture``; return the inputs as a
     tuple, their signature and their device. Nothing is captured or allocated."""
     if not callable(function):
-        raise TypeError(f"function must be callable, got {type(function).__name__}")
+        raise CudaGraphsTypeError(f"function must be callable, got {type(function).__name__}")
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+        raise CudaGraphsValueError(f"warmup must be an int >= 0, got {warmup!r}")
     if isinstance(example_inputs, (str, bytes)) or not isinstance(example_inputs, Sequence):
-        raise TypeError("example_inputs must be a sequence of positional arguments")
+        raise CudaGraphsTypeError("example_inputs must be a sequence of positional arguments")
     check_staging_mode(staging)
     inputs = tuple(example_inputs)
     signature = ValueTreeSignature.from_value(inputs, leaf_types=leaf_types, path="inputs")
@@ -48,26 +48,26 @@ def check_capture_arguments(
     if pool is not None:
         pool._check_open()
         if warmup < 1:
-            raise ValueError("capture into a CudaGraphPool needs warmup >= 1")
+            raise CudaGraphsValueError("capture into a CudaGraphPool needs warmup >= 1")
         if pool.device != device:
-            raise ValueError(f"pool is on {pool.device} but example_inputs on {device}")
+            raise CudaGraphsValueError(f"pool is on {pool.device} but example_inputs on {device}")
     return inputs, signature, device
 
 
 def check_examples(signature: ValueTreeSignature, tensors: list[torch.Tensor]) -> torch.device:
     if not tensors:
-        raise ValueError(
+        raise CudaGraphsValueError(
             "example_inputs hold no tensor; a program needs at least one tensor input "
             "(bind constants in the function instead)"
         )
     devices = {t.device for t in tensors}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        raise ValueError(
+        raise CudaGraphsValueError(
             f"example_inputs must all sit on one CUDA device, found {sorted(map(str, devices))}"
         )
     expanded = [i for i, t in enumerate(signature.tensor_signatures()) if t.self_overlapping]
     if expanded:
-        raise ValueError(
+        raise CudaGraphsValueError(
             f"example input tensors {expanded} (in flatten order) are expanded views (stride "
             "0); each input needs storage of its own (pass .contiguous() copies)"
         )
@@ -75,7 +75,7 @@ def check_examples(signature: ValueTreeSignature, tensors: list[torch.Tensor]) -
     for i, t in enumerate(tensors):
         ptr = t.untyped_storage().data_ptr()
         if t.numel() and ptr in storages:
-            raise ValueError(
+            raise CudaGraphsValueError(
                 f"example input tensors {storages[ptr]} and {i} (in flatten order) share "
                 "storage; every input leaf needs its own storage, since each gets its own "
                 "fixed buffer (pass clones)"
@@ -90,7 +90,7 @@ def output_signature(output: Any, leaf_types: LeafTypes | None) -> ValueTreeSign
             output, leaf_types=leaf_types, path="output", allow_none=True
         )
     except TypeError as exc:
-        raise TypeError(
+        raise CudaGraphsTypeError(
             f"{exc}. A program's output must be CUDA tensors, registered leaves or None, "
             "nested in lists, tuples and dicts."
         ) from None
@@ -99,7 +99,7 @@ def output_signature(output: Any, leaf_types: LeafTypes | None) -> ValueTreeSign
 def check_output_device(tensors: list[torch.Tensor], device: torch.device) -> None:
     elsewhere = sorted({str(t.device) for t in tensors if t.device != device})
     if elsewhere:
-        raise TypeError(
+        raise CudaGraphsTypeError(
             f"the function returned tensors on {elsewhere}; a program's outputs must be "
             f"tensors on its device {device} (a graph replay never writes other devices)"
         )

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..errors import CudaGraphsKeyError, CudaGraphsTypeError, CudaGraphsValueError
+
 __all__ = ["LeafType", "LeafTypes"]
 
 Flatten = Callable[[Any], tuple[Mapping[str, torch.Tensor], Mapping[str, Hashable]]]
@@ -40,16 +42,16 @@ class LeafType:
         tensors, metadata = dict(tensors), dict(metadata)
         bad = [k for k, t in tensors.items() if not isinstance(t, torch.Tensor)]
         if bad:
-            raise TypeError(
+            raise CudaGraphsTypeError(
                 f"{path}: flatten of leaf type {self.name!r} returned non-tensors for {bad}"
             )
         try:
             if not all(isinstance(k, str) for k in metadata):
-                raise TypeError("metadata keys must be str")
+                raise CudaGraphsTypeError("metadata keys must be str")
             frozen = tuple(sorted(metadata.items()))
             hash(frozen)
         except TypeError as exc:
-            raise TypeError(
+            raise CudaGraphsTypeError(
                 f"{path}: metadata of leaf type {self.name!r} must be hashable values under "
                 f"string keys, got {metadata!r}"
             ) from exc
@@ -89,13 +91,15 @@ class LeafTypes:
             ValueError: ``cls`` is registered already.
         """
         if not isinstance(cls, type):
-            raise TypeError(f"leaf type must be a class, got {cls!r}")
+            raise CudaGraphsTypeError(f"leaf type must be a class, got {cls!r}")
         if issubclass(cls, torch.Tensor):
-            raise TypeError(f"{cls.__name__} is a tensor type; tensors are leaves already")
+            raise CudaGraphsTypeError(
+                f"{cls.__name__} is a tensor type; tensors are leaves already"
+            )
         if not callable(flatten) or not callable(unflatten):
-            raise TypeError(f"flatten and unflatten of {cls.__name__} must be callable")
+            raise CudaGraphsTypeError(f"flatten and unflatten of {cls.__name__} must be callable")
         if cls in self._by_type:
-            raise ValueError(f"leaf type {cls.__qualname__} is registered already")
+            raise CudaGraphsValueError(f"leaf type {cls.__qualname__} is registered already")
         leaf = LeafType(
             cls=cls,
             name=name or f"{cls.__module__}.{cls.__qualname__}",
@@ -119,7 +123,7 @@ class LeafTypes:
         for leaf in self._by_type.values():
             if leaf.name == name:
                 return leaf
-        raise KeyError(f"no leaf type named {name!r} is registered (have {self.names()})")
+        raise CudaGraphsKeyError(f"no leaf type named {name!r} is registered (have {self.names()})")
 
     def names(self) -> list[str]:
         return sorted(leaf.name for leaf in self._by_type.values())

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..capture import GraphPool
-from ..errors import ProgramClosedError
+from ..errors import CudaGraphsValueError, ProgramClosedError
 
 if TYPE_CHECKING:
     from .program import CudaGraphProgram
@@ -60,7 +60,7 @@ class CudaGraphPool:
     def __init__(self, device: torch.device | str = "cuda") -> None:
         device = torch.device(device)
         if device.type != "cuda":
-            raise ValueError(f"a CudaGraphPool lives on a CUDA device, got {device}")
+            raise CudaGraphsValueError(f"a CudaGraphPool lives on a CUDA device, got {device}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self._device = device

@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from ..capture import GraphPool
-from ..errors import CudaGraphCaptureError, CudaGraphInputError
+from ..errors import CudaGraphCaptureError, CudaGraphInputError, CudaGraphsTypeError
 from .buffer import ReusableValueBuffer
 from .capture_steps import check_capture_arguments, detached, warm_up
 from .fastpath import InputValidator
@@ -48,7 +48,7 @@ class CudaGraphProgram(Generic[OutputT]):
 
     def __init__(self, *, _token: object) -> None:
         if _token is not _PRIVATE:
-            raise TypeError("build programs with CudaGraphProgram.capture(...)")
+            raise CudaGraphsTypeError("build programs with CudaGraphProgram.capture(...)")
 
     # ---- construction ---------------------------------------------------------------
     @classmethod

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import Mismatch, SignatureMismatchError
+from ..errors import CudaGraphsTypeError, CudaGraphsValueError, Mismatch, SignatureMismatchError
 from .fastpath import compile_matcher
 from .leaves import LeafTypes
 
@@ -158,7 +158,7 @@ class ValueTreeSignature:
             )
             return cls("dict", children=children, keys=tuple(keys), _leaf_types=leaf_types)
         registered = leaf_types.names() if leaf_types is not None else []
-        raise TypeError(
+        raise CudaGraphsTypeError(
             f"{path}: unsupported leaf of type {type(value).__qualname__}. Leaves are tensors "
             f"and registered leaf types (registered here: {registered or 'none'}) nested in "
             "lists, tuples and dicts; bind Python scalars and other objects in the function "
@@ -294,7 +294,7 @@ class ValueTreeSignature:
         tensors = list(tensors)
         expected = len(self.tensor_signatures())
         if len(tensors) != expected:
-            raise ValueError(f"rebuild needs {expected} tensors, got {len(tensors)}")
+            raise CudaGraphsValueError(f"rebuild needs {expected} tensors, got {len(tensors)}")
         return self._rebuild(iter(tensors))
 
     def _rebuild(self, it: Any) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .._cudart import CudaRuntime, cuda_runtime
+from ..errors import CudaCallError, CudaGraphsValueError
 
 __all__ = [
     "AUTO_GRAPH_STAGING_MAX_TENSORS",
@@ -57,7 +58,7 @@ def stageable(t: torch.Tensor) -> bool:
 
 def check_staging_mode(mode: object) -> None:
     if mode not in STAGING_MODES:
-        raise ValueError(f"staging must be one of {STAGING_MODES}, got {mode!r}")
+        raise CudaGraphsValueError(f"staging must be one of {STAGING_MODES}, got {mode!r}")
 
 
 def choose_staging(mode: str, buffers: list[torch.Tensor], runtime_available: bool) -> str:
@@ -73,13 +74,13 @@ def choose_staging(mode: str, buffers: list[torch.Tensor], runtime_available: bo
     usable = runtime_available and any(stageable(b) for b in buffers)
     if mode == "graph":
         if not runtime_available:
-            raise ValueError(
+            raise CudaGraphsValueError(
                 "staging='graph' needs the CUDA runtime library torch loaded (libcudart), "
                 "and none was found in this process (a statically linked torch?); use "
                 "staging='copy' or 'auto'"
             )
         if not usable:
-            raise ValueError(
+            raise CudaGraphsValueError(
                 "staging='graph' stages contiguous, non-empty input tensors, and the "
                 "examples have none; use staging='copy' or 'auto'"
             )
@@ -194,7 +195,7 @@ class GraphStaging:
     def _point_home(self, s: StagedInput) -> None:
         if not self._point(s, s.home.data_ptr()):
             # The node still reads a caller's tensor: replaying would read stale data.
-            raise RuntimeError(
+            raise CudaCallError(
                 f"input tensor {s.index}: CUDA refused to point its memcpy node back at "
                 "the program's own buffer (the address it was captured with); the "
                 "program cannot replay safely. Close it and capture again with "
