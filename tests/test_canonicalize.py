@@ -4,7 +4,12 @@ import pytest
 import torch
 from torch import nn
 
-from cudagraphs import make_graphed_callables
+from cudagraphs import (
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+    NoCudaDeviceError,
+    make_graphed_callables,
+)
 from cudagraphs.core.canonicalize import canonicalize, check_devices
 
 
@@ -120,9 +125,15 @@ def test_sparse_input_is_rejected_with_its_path():
         canonicalize(lin(), (x(), sparse))
 
 
-@pytest.mark.parametrize("n", [-1, 1.5, "3"])
-def test_num_warmup_iters_must_be_non_negative_int(n):
-    with pytest.raises(ValueError, match="num_warmup_iters must be an int >= 0"):
+def test_num_warmup_iters_must_be_non_negative():
+    with pytest.raises(CudaGraphsValueError, match="num_warmup_iters must be an int >= 0, got -1"):
+        canonicalize(lin(), (x(),), num_warmup_iters=-1)
+
+
+@pytest.mark.parametrize("n", [1.5, "3", True, None])
+def test_num_warmup_iters_must_be_an_int_not_a_bool(n):
+    # True is an int to Python, but not a count anyone means.
+    with pytest.raises(CudaGraphsTypeError, match="num_warmup_iters must be an int, got"):
         canonicalize(lin(), (x(),), num_warmup_iters=n)
 
 
@@ -190,9 +201,37 @@ def test_check_devices_requires_cuda_tensors():
 def test_make_graphed_callables_rejects_cpu_inputs_before_gpu_work():
     calls = []
     hooks = [{"forward_pre_hooks": {"h": lambda m: calls.append(m)}}]
-    with pytest.raises(ValueError, match="graph inputs must be CUDA tensors"):
+    if torch.cuda.is_available():
+        error, message = CudaGraphsValueError, "graph inputs must be CUDA tensors"
+    else:  # the package's own no-device error comes first, never torch's AssertionError
+        error, message = NoCudaDeviceError, "make_graphed_callables needs a CUDA device"
+    with pytest.raises(error, match=message):
         make_graphed_callables(lin(), (x(),), capture_time_hooks=hooks)
     assert calls == []  # nothing ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_a_function_without_tensor_inputs_says_no_cuda_device():
+    # No tensor tells the device, so torch.cuda.current_device() would be asked:
+    # on a CPU build that is an AssertionError. Ours comes first.
+    with pytest.raises(NoCudaDeviceError, match="torch finds none usable here"):
+        make_graphed_callables(lambda: torch.ones(2), ())
+
+
+def test_a_buffer_that_requires_grad_is_refused_by_name():
+    # Its gradient would be silently dropped: the backward graph computes gradients for
+    # parameters and inputs only.
+    m = lin()
+    m.register_buffer("scale", torch.ones(4, requires_grad=True))
+    with pytest.raises(
+        CudaGraphsValueError, match=r"callables\[0\] \(Linear\) has buffer\(s\) \['scale'\]"
+    ):
+        canonicalize(m, (x(),))
+    outer = nn.Sequential(lin(), m)
+    with pytest.raises(CudaGraphsValueError, match=r"\['1.scale'\] with requires_grad=True"):
+        canonicalize(outer, (x(),))
+    m.scale.requires_grad_(False)
+    canonicalize(m, (x(),))  # the fix works
 
 
 def test_make_graphed_callables_validates_hooks_first():

@@ -5,7 +5,7 @@ import gc
 import pytest
 import torch
 
-from cudagraphs import CudaGraphCaptureError, capture_into_graph
+from cudagraphs import NoCudaDeviceError, capture_into_graph
 from cudagraphs.capture import _describe_mismatch, capture_environment
 from cudagraphs.introspect import GraphMemory, driver_backend
 from cudagraphs.timing import _union_length
@@ -56,8 +56,8 @@ def test_bad_capture_error_mode():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
-def test_capture_without_cuda_is_a_capture_error_naming_what():
-    with pytest.raises(CudaGraphCaptureError, match="cannot capture bucket 8: no CUDA device"):
+def test_capture_without_cuda_is_the_no_device_error_naming_what():
+    with pytest.raises(NoCudaDeviceError, match="capture of bucket 8 needs a CUDA device"):
         capture_into_graph(lambda: None, what="bucket 8")
 
 

@@ -148,11 +148,17 @@ def test_copy_tensors_takes_validated_sources_in_signature_order():
     assert buf.value["a"].tolist() == [1, 2, 3] and buf.value["b"].tolist() == [4.0, 5.0]
 
 
-def test_sources_on_another_device_validate_against_cpu_storage():
+def test_meta_sources_are_refused_with_every_other_difference():
+    # The device is not part of a signature (CPU and CUDA sources both copy), but a
+    # meta tensor holds no data: refused before the copy, beside its other differences.
     buf = buffer_for([torch.zeros(2, 3)])
-    buf.signature.validate([torch.empty(2, 3, device="meta")])
-    with pytest.raises(SignatureMismatchError):
+    with pytest.raises(SignatureMismatchError) as info:
         buf.copy_from([torch.empty(3, 2, device="meta")])
+    assert [(m.path, m.field) for m in info.value.mismatches] == [
+        ("inputs[0]", "device"),
+        ("inputs[0]", "shape"),
+        ("inputs[0]", "stride"),
+    ]
 
 
 def test_expanded_views_cannot_be_buffered():

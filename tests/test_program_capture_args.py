@@ -20,10 +20,10 @@ def _check(function=_fn, example_inputs=None, warmup=3, pool=None, staging="auto
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"function": 42}, TypeError, "callable"),
+        ({"function": 42}, TypeError, "function must be callable, got int"),
         ({"warmup": -1}, ValueError, "warmup must be an int >= 0"),
-        ({"warmup": True}, ValueError, "warmup"),
-        ({"warmup": 1.5}, ValueError, "warmup"),
+        ({"warmup": True}, TypeError, "warmup must be an int, got bool"),
+        ({"warmup": 1.5}, TypeError, "warmup must be an int, got float"),
         ({"staging": "fast"}, ValueError, "staging must be one of"),
         ({"example_inputs": "abc"}, TypeError, "sequence of positional"),
         ({"example_inputs": torch.zeros(3)}, TypeError, "sequence of positional"),

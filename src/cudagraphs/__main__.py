@@ -25,19 +25,47 @@ from .serving import GraphRunner, InputSpec
 from .timing import kernel_busy_ms, step_time_ms
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+_DESCRIPTION = """\
+Graphs an embedded stack of transformer blocks (training step), a graph program over
+a nested tree, greedy decoding of an embedded decoder through the bucketed runner
+and, with transformers installed, partial graphs in a Hugging Face Llama; prints each
+against eager and the GPU's kernel-busy time. Without a CUDA device it says so and
+exits 0 (2 with --require-gpu).
+"""
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cudagraphs", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(
+        prog="python -m cudagraphs",
+        description=_DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument(
         "--require-gpu", action="store_true", help="exit 2 when no CUDA device is present"
     )
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument(
+        "--layers", type=_positive_int, default=8, help="transformer blocks in the stack"
+    )
+    p.add_argument("--hidden", type=_positive_int, default=512, help="hidden size")
+    p.add_argument("--heads", type=_positive_int, default=8, help="attention heads")
+    p.add_argument("--batch", type=_positive_int, default=1, help="sequences per step")
+    p.add_argument("--seq", type=_positive_int, default=64, help="tokens per sequence")
+    p.add_argument("--iters", type=_positive_int, default=50, help="timed steps per variant")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.hidden % args.heads:
+        p.error(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
+    return args
 
 
 def _training_step(layers, x):  # noqa: ANN001 - list of callables, tensor

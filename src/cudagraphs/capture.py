@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
+from .checks import require_cuda
 from .errors import CudaGraphCaptureError, CudaGraphsValueError
 from .graph_pool import GraphPool, PoolHandle, as_graph_pool, new_pool, new_torch_graph, side_stream
 
@@ -32,6 +33,8 @@ __all__ = [
     "GraphPool",
     "PoolHandle",
     "as_graph_pool",
+    "EagerGraph",
+    "capture_eagerly",
     "capture_environment",
     "capture_into_graph",
     "capture_with_static_outputs",
@@ -175,7 +178,8 @@ def capture_into_graph(
         ``(graph, output)``.
 
     Raises:
-        ValueError: unknown ``capture_error_mode``.
+        CudaGraphsValueError: unknown ``capture_error_mode``.
+        NoCudaDeviceError: torch finds no usable CUDA device.
         CudaGraphCaptureError: ``run`` raised or the capture was invalidated. The
             cause is chained. The allocator, the current stream, the random
             generators and the global settings are restored, and ``pool`` moved to a
@@ -185,8 +189,7 @@ def capture_into_graph(
         raise CudaGraphsValueError(
             f"capture_error_mode must be one of {_CAPTURE_ERROR_MODES}, got {capture_error_mode!r}"
         )
-    if not torch.cuda.is_available():
-        raise CudaGraphCaptureError(f"cannot capture {what}: no CUDA device is available")
+    require_cuda(f"capture of {what}")
     if torch.cuda.is_current_stream_capturing():
         raise CudaGraphCaptureError(
             f"cannot capture {what}: the current stream is already capturing; "
@@ -314,3 +317,58 @@ def _describe_mismatch(
                 f"leaf {i}: {tuple(b.shape)}/{b.dtype} != expected {tuple(a.shape)}/{a.dtype}"
             )
     return problems
+
+
+class EagerGraph:
+    """Stands in for a captured graph when graphs are disabled (``CUDAGRAPHS_DISABLE``).
+
+    ``replay()`` runs the function eagerly and copies what it returns into the static
+    output buffers made by :func:`capture_eagerly`, so a caller keeps reading the same
+    (borrowed) output tree that a real graph's replay overwrites: the layer above runs
+    its usual code path, only the kernels are launched one by one.
+    """
+
+    def __init__(self, run: Callable[[], Any], static: list[Any], spec: Any, what: str) -> None:
+        self._run, self._static, self._spec, self._what = run, static, spec, what
+        self.replays = 0
+
+    def replay(self) -> None:
+        leaves, spec = pytree.tree_flatten(self._run())
+        problems = _describe_mismatch(self._static, self._spec, leaves, spec)
+        if problems:
+            # A real graph would replay the captured kernels; an eager run that changes
+            # its outputs cannot stand in for it.
+            raise CudaGraphCaptureError(
+                f"{self._what}: run eagerly (graphs disabled), it returned outputs that "
+                "differ from its first run: " + "; ".join(problems)
+            )
+        pairs = [(b, x) for b, x in zip(self._static, leaves) if isinstance(b, torch.Tensor)]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([b for b, _ in pairs], [x for _, x in pairs])
+        self.replays += 1
+
+    def reset(self) -> None:
+        self._run = self._static = None
+
+
+def capture_eagerly(
+    run: Callable[[], Any], like: Any = None, *, what: str = "callable"
+) -> tuple[EagerGraph, Any]:
+    """The eager stand-in for :func:`capture_with_static_outputs`: no capture, no pool.
+
+    Args:
+        run: the work a graph would hold; returns a tree of tensors and other leaves.
+        like: a tree its outputs look like (sizes the static buffers); ``None`` runs
+            ``run()`` once for it.
+        what: a name for error messages.
+
+    Returns:
+        ``(graph, static_outputs)``: ``graph.replay()`` runs ``run`` and copies its
+        outputs into ``static_outputs`` (detached tensors owned by the caller).
+    """
+    if like is None:
+        like = run()
+    leaves, spec = pytree.tree_flatten(like)
+    static = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
+    return EagerGraph(run, static, spec, what), pytree.tree_unflatten(static, spec)

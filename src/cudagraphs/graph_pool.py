@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .checks import require_cuda
 from .errors import CudaGraphsTypeError
 
 __all__ = ["GraphPool", "PoolHandle", "as_graph_pool", "new_pool", "new_torch_graph", "side_stream"]
@@ -134,7 +135,12 @@ def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
 
 
 def new_pool() -> GraphPool:
-    """A fresh :class:`GraphPool` for graphs that should share memory."""
+    """A fresh :class:`GraphPool` for graphs that should share memory.
+
+    Raises:
+        NoCudaDeviceError: torch finds no usable CUDA device (graph pools live on one).
+    """
+    require_cuda("new_pool()")
     return GraphPool()
 
 

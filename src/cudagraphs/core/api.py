@@ -10,9 +10,11 @@ from typing import Any
 import torch
 
 from ..capture import GraphPool, PoolHandle, as_graph_pool, side_stream
+from ..checks import require_cuda
 from ..errors import CudaGraphsValueError
+from ..settings import DISABLE_ENV, graphs_disabled
 from .canonicalize import GraphPlan, canonicalize, check_devices
-from .capture_phase import CaptureOptions, capture_plan
+from .capture_phase import CaptureOptions, capture_plan, eager_entry_graphs
 from .grad_targets import GradTargets, prepare_grad_targets
 from .runtime import EntryGraphs, GraphedCallable
 from .warmup import run_warmup
@@ -79,6 +81,28 @@ def _wrap(plan: GraphPlan, entry_graphs: list[EntryGraphs]) -> list[Any]:
         else:
             results.append(graphed)
     return results
+
+
+def _eager_results(plan: GraphPlan, main_grad_attr: str | None) -> Any:
+    """``CUDAGRAPHS_DISABLE``: the same results, validating every call against the
+    samples as replays do, but running the callables eagerly. Nothing is warmed up or
+    captured, so no hook runs."""
+    logger.warning(
+        "%s is set: make_graphed_callables captures nothing; its %d result(s) check each "
+        "call against sample_args and run eagerly",
+        DISABLE_ENV,
+        len(plan.entries),
+    )
+    if main_grad_attr is not None:
+        _grad_targets(plan, main_grad_attr)  # the same argument checks
+        logger.warning(
+            "%s: gradients go to .grad, as eager autograd puts them, not to %r",
+            DISABLE_ENV,
+            main_grad_attr,
+        )
+    entry_graphs = [eager_entry_graphs(plan, i) for i in range(len(plan.entries))]
+    results = _wrap(plan, entry_graphs)
+    return results[0] if plan.single else tuple(results)
 
 
 def make_graphed_callables(
@@ -199,7 +223,10 @@ def make_graphed_callables(
         raise CudaGraphsValueError(
             f"main_grad_attr must be an attribute name, got {main_grad_attr!r}"
         )
+    require_cuda("make_graphed_callables")
     device = check_devices(plan)
+    if graphs_disabled():
+        return _eager_results(plan, main_grad_attr)
     grad_targets = _grad_targets(plan, main_grad_attr) if accumulate_grads_in_graph else ()
     with torch.cuda.device(device):
         # Warmup and capture share the pool's side stream: libraries that create

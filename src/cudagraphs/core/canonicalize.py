@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..checks import check_int
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError
 from .hooks import CaptureTimeHooks, canonicalize_capture_time_hooks
 from .schedule import Entry, Layout, Step, assign_buffer_slots, build_layout, build_schedule
@@ -98,6 +99,20 @@ def _registered_module_hooks(module: torch.nn.Module) -> list[str]:
     return found
 
 
+def _refuse_buffers_requiring_grad(module: torch.nn.Module, name: str) -> None:
+    # The backward graph computes gradients for the module's parameters and the inputs
+    # that require grad; a buffer is neither, so its gradient would be silently dropped
+    # (torch's and Transformer Engine's helpers refuse it too).
+    found = [b for b, t in module.named_buffers() if t is not None and t.requires_grad]
+    if found:
+        raise CudaGraphsValueError(
+            f"{name} has buffer(s) {found} with requires_grad=True; a graphed backward "
+            "computes no gradient for buffers, so theirs would be dropped. Fixes: 1. make "
+            "each a parameter (register_parameter / nn.Parameter) if it should train; 2. "
+            "call .requires_grad_(False) on it if it should not."
+        )
+
+
 def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
     single = not isinstance(callables, (tuple, list))
     items = (callables,) if single else tuple(callables)
@@ -129,6 +144,7 @@ def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
                     "side effects would not run on replay. Remove them before graphing, or "
                     "move the work into capture_time_hooks."
                 )
+            _refuse_buffers_requiring_grad(module, name)
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             params = tuple(p for _, p in named)
             param_names = tuple(n for n, _ in named)
@@ -260,10 +276,7 @@ def canonicalize(
     Raises:
         TypeError / ValueError: naming the argument, entry index and tree path.
     """
-    if not isinstance(num_warmup_iters, int) or num_warmup_iters < 0:
-        raise CudaGraphsValueError(
-            f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}"
-        )
+    check_int("num_warmup_iters", num_warmup_iters, minimum=0)
     specs, single = _canonical_callables(callables)
     if single:
         sample_args = (sample_args,)

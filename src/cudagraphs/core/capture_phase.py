@@ -63,10 +63,15 @@ def _new_static_inputs(spec: EntrySpec) -> list[torch.Tensor]:
 
 
 def _entry_graphs(
-    plan: GraphPlan, index: int, static_inputs: list[torch.Tensor], opts: CaptureOptions
+    plan: GraphPlan,
+    index: int,
+    static_inputs: list[torch.Tensor],
+    opts: CaptureOptions | None,
 ) -> EntryGraphs:
+    """The record of one entry before its graphs are captured; with ``opts=None`` an
+    entry that validates calls like a graphed one but runs them eagerly
+    (``CUDAGRAPHS_DISABLE``): no static buffers, no graphs."""
     spec = plan.entries[index]
-    params = plan.callable_of(index).params if plan.training else ()
     positional_only = not spec.kwargs and len(spec.leaves) == len(spec.args) == len(
         spec.tensor_positions
     )
@@ -83,10 +88,16 @@ def _entry_graphs(
             if isinstance(t, torch.nn.Parameter)
         ),
         static_inputs=static_inputs,
-        params=params,
-        clone_param_grads=opts.clone_param_grads_on_return,
+        params=plan.callable_of(index).params if plan.training and opts is not None else (),
+        clone_param_grads=opts.clone_param_grads_on_return if opts is not None else True,
         positional_only=positional_only,
+        eager_only=opts is None,
     )
+
+
+def eager_entry_graphs(plan: GraphPlan, index: int) -> EntryGraphs:
+    """See :func:`_entry_graphs` with ``opts=None``."""
+    return _entry_graphs(plan, index, [], None)
 
 
 def _capture_forward(plan: GraphPlan, g: EntryGraphs, index: int, opts: CaptureOptions) -> None:

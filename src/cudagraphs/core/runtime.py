@@ -19,7 +19,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
-from ..errors import CudaGraphInputError, GraphReleasedError
+from ..dtypes import converts_losslessly
+from ..errors import CudaGraphInputError, GraphReleasedError, Mismatch, describe_mismatches
 from .grad_targets import GradTargets
 
 __all__ = ["EntryGraphs", "GraphedCallable"]
@@ -81,38 +82,43 @@ class EntryGraphs:
     grad_targets: GradTargets | None = None  # in-graph accumulation of param grads
     autograd_params: tuple[torch.nn.Parameter, ...] = ()  # set by finalize()
     released: bool = False
+    eager_only: bool = False  # CUDAGRAPHS_DISABLE: validate calls, run them eagerly
 
     # ---- validation -------------------------------------------------------------
     def user_tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        """The tensor leaves of a call, after checking it against the captured call."""
-        if self.positional_only and not kwargs and len(args) == len(self.static_inputs):
+        """The tensor leaves of a call, after checking it against the captured call.
+
+        Raises:
+            CudaGraphInputError: listing every difference as a
+                :class:`~cudagraphs.errors.Mismatch` (path, field, expected, received).
+        """
+        if self.positional_only and not kwargs and len(args) == len(self.input_meta):
             tensors = list(args)
             if all(isinstance(t, torch.Tensor) for t in tensors):
                 self._check_meta(tensors)
                 return tensors
         leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
         if spec != self.in_spec:
-            raise CudaGraphInputError(
-                f"{self.name}: call structure differs from the captured one.\n"
-                f"  captured: {self.in_spec}\n  received: {spec}\n"
+            self._raise(
+                "call structure differs from the captured one",
+                _structure_mismatches(self.in_spec, spec),
                 "Pass arguments with the same nesting and keyword names as sample_args/"
-                "sample_kwargs."
+                "sample_kwargs.",
             )
         problems = []
         tensor_positions = set(self.tensor_positions)
         for pos, (got, want) in enumerate(zip(leaves, self.leaves)):
             if pos in tensor_positions:
                 if not isinstance(got, torch.Tensor):
-                    problems.append(
-                        f"{self.paths[pos]}: expected a tensor, got {type(got).__name__}"
-                    )
+                    problems.append(Mismatch(self.paths[pos], "type", "Tensor", type(got).__name__))
             elif isinstance(got, torch.Tensor) or got != want:
-                problems.append(
-                    f"{self.paths[pos]}: non-tensor argument {got!r} != captured {want!r}"
-                )
+                problems.append(Mismatch(self.paths[pos], "constant", want, got))
         if problems:
-            raise CudaGraphInputError(
-                f"{self.name}: call differs from the captured one:\n  " + "\n  ".join(problems)
+            self._raise(
+                "call differs from the captured one",
+                problems,
+                "Non-tensor arguments are baked into the graph: pass the captured values, "
+                "or graph the callable again for new ones.",
             )
         tensors = [leaves[i] for i in self.tensor_positions]
         self._check_meta(tensors)
@@ -122,35 +128,48 @@ class EntryGraphs:
         grad_on = torch.is_grad_enabled()
         for t, (shape, dtype, rg) in zip(tensors, self.input_meta):
             if t.shape != shape or t.dtype != dtype or (grad_on and t.requires_grad and not rg):
-                self._raise_meta(tensors, grad_on)
+                # Off the common path: maybe only a dtype that converts without loss.
+                problems = self._meta_mismatches(tensors, grad_on)
+                if problems:
+                    self._raise(
+                        "inputs differ from the captured ones (graphs have fixed shapes)",
+                        problems,
+                        "Capture another graph for this shape or dtype, or pad the inputs.",
+                    )
+                break
         for i, ptr, param in self.pinned:
             t = tensors[i]
             if t is not param or t.data_ptr() != ptr:
                 # Copying into a parameter read in place would overwrite it, and a
                 # parameter with new storage would leave the graph reading freed memory.
-                raise CudaGraphInputError(
-                    f"{self.name}: {self.paths[self.tensor_positions[i]]} must be the parameter "
-                    "captured there, with the storage it had at capture (it was replaced or "
-                    "re-allocated, e.g. by resharding or .data assignment); graph again"
+                path = self.paths[self.tensor_positions[i]]
+                self._raise(
+                    "a parameter read in place was replaced",
+                    [Mismatch(path, "parameter", "the parameter captured there", _describe(t))],
+                    f"{path} must be the parameter captured there, with the storage it had at "
+                    "capture (it was replaced or re-allocated, e.g. by resharding or .data "
+                    "assignment); graph again.",
                 )
 
-    def _raise_meta(self, tensors: list[torch.Tensor], grad_on: bool) -> None:
+    def _meta_mismatches(self, tensors: list[torch.Tensor], grad_on: bool) -> list[Mismatch]:
         problems = []
         for pos, t, (shape, dtype, rg) in zip(self.tensor_positions, tensors, self.input_meta):
             where = self.paths[pos]
             if t.shape != shape:
-                problems.append(f"{where}: shape {tuple(t.shape)} != captured {tuple(shape)}")
-            if t.dtype != dtype:
-                problems.append(f"{where}: dtype {t.dtype} != captured {dtype}")
+                problems.append(Mismatch(where, "shape", tuple(shape), tuple(t.shape)))
+            if t.dtype != dtype and not converts_losslessly(t.dtype, dtype):
+                # A lossless conversion (bf16 into an fp32 input) is made by the staging
+                # copy; autograd casts the gradient back to the input's dtype.
+                problems.append(Mismatch(where, "dtype", dtype, t.dtype))
             if grad_on and t.requires_grad and not rg:
                 problems.append(
-                    f"{where}: requires_grad=True but the graph was captured without a "
-                    "gradient for it (its sample arg did not require grad)"
+                    Mismatch(where, "requires_grad (no gradient was captured for it)", rg, True)
                 )
+        return problems
+
+    def _raise(self, what: str, problems: list[Mismatch], fix: str) -> None:
         raise CudaGraphInputError(
-            f"{self.name}: inputs differ from the captured ones (graphs have fixed shapes):\n  "
-            + "\n  ".join(problems)
-            + "\nCapture another graph for this shape, or pad the inputs."
+            describe_mismatches(f"{self.name}: {what}", problems, fix), problems
         )
 
     # ---- replay -----------------------------------------------------------------
@@ -270,6 +289,56 @@ class EntryGraphs:
         self.released = True
 
 
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{type(value).__name__} {tuple(value.shape)} {value.dtype} at {value.data_ptr():#x}"
+    return type(value).__name__
+
+
+def _structure_mismatches(captured: pytree.TreeSpec, received: pytree.TreeSpec) -> list[Mismatch]:
+    """Where two call structures part, walking both specs from the root
+    ``(args, kwargs)``: one record per differing node."""
+    out: list[Mismatch] = []
+    want_args, want_kwargs = _spec_children(captured)
+    got_args, got_kwargs = _spec_children(received)
+    _spec_diff(want_args, got_args, "args", out)
+    _spec_diff(want_kwargs, got_kwargs, "kwargs", out)
+    return out
+
+
+def _spec_children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
+    # torch 2.13 deprecates the children_specs attribute for a children() method that
+    # older versions do not have.
+    children = getattr(type(spec), "children", None)
+    return list(spec.children()) if callable(children) else list(spec.children_specs)
+
+
+def _spec_name(spec: pytree.TreeSpec) -> str:
+    return "a leaf (tensor or constant)" if spec.is_leaf() else spec.type.__name__
+
+
+def _spec_diff(want: pytree.TreeSpec, got: pytree.TreeSpec, path: str, out: list) -> None:
+    if want.is_leaf() or got.is_leaf() or want.type is not got.type:
+        if want.is_leaf() != got.is_leaf() or want.type is not got.type:
+            out.append(Mismatch(path, "type", _spec_name(want), _spec_name(got)))
+        return
+    if want.type is dict:
+        if want.context != got.context:
+            out.append(Mismatch(path, "keys", list(want.context), list(got.context)))
+            return
+        keys = [f"[{k!r}]" for k in want.context]
+    elif want.num_children != got.num_children:
+        out.append(Mismatch(path, "length", want.num_children, got.num_children))
+        return
+    elif want.context != got.context:
+        out.append(Mismatch(path, "context", want.context, got.context))
+        return
+    else:
+        keys = [f"[{i}]" for i in range(want.num_children)]
+    for key, w, g in zip(keys, _spec_children(want), _spec_children(got)):
+        _spec_diff(w, g, path + key, out)
+
+
 class _ReplayFunction(torch.autograd.Function):
     """Autograd node for one graphed entry: forward replays the forward graph,
     backward the backward graph. Inputs: the entry, then user tensors, then the
@@ -328,6 +397,9 @@ class GraphedCallable:
             return self._eager(*args, **kwargs)
         graphs = self.graphs
         tensors = graphs.user_tensors(args, kwargs)
+        if graphs.eager_only:
+            graphs._live()
+            return self._eager(*args, **kwargs)
         if graphs.bwd_graph is not None and torch.is_grad_enabled():
             outs = _ReplayFunction.apply(graphs, *tensors, *graphs.autograd_params)
             return graphs.output_tree(outs)

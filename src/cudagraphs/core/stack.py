@@ -39,8 +39,10 @@ def graph_stack(layers: Sequence[nn.Module], sample_args: tuple, **options: Any)
     """Graph ``layers`` as one unit: one forward and (in training) one backward graph.
 
     Args:
-        layers: the modules, in call order (for example a model's decoder blocks).
-            Each takes the previous one's output; none may carry module hooks.
+        layers: the modules, in call order: a list, or a model's ``nn.ModuleList`` /
+            ``nn.Sequential`` of decoder blocks (its layers are graphed, one after
+            another). Each takes the previous one's output; none may carry module
+            hooks. A single other module is one layer.
         sample_args: the first layer's arguments, as for
             :func:`~cudagraphs.make_graphed_callables` with one callable.
         options: any keyword of :func:`~cudagraphs.make_graphed_callables` except the
@@ -52,10 +54,21 @@ def graph_stack(layers: Sequence[nn.Module], sample_args: tuple, **options: Any)
         releases them and restores the eager forward). Outputs are borrowed.
 
     Raises:
-        TypeError: ``layers`` is empty or holds something other than modules, or an
-            ``_order`` option was given, or ``sample_args`` is not a tuple.
+        CudaGraphsTypeError: ``layers`` is empty or holds something other than
+            modules, or an ``_order`` option was given, or ``sample_args`` is not a
+            tuple.
     """
-    layers = list(layers) if not isinstance(layers, nn.Module) else [layers]
+    if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        layers = list(layers)  # model.layers: its layers, one after another
+    elif isinstance(layers, nn.Module):
+        layers = [layers]
+    elif isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise CudaGraphsTypeError(
+            f"layers must be a sequence of modules (a list, an nn.ModuleList or an "
+            f"nn.Sequential), got {type(layers).__name__}"
+        )
+    else:
+        layers = list(layers)
     if not layers:
         raise CudaGraphsTypeError("graph_stack needs at least one layer")
     bad = [

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..capture import side_stream
+from ..checks import check_callable, check_int
 from ..errors import CudaGraphCaptureError, CudaGraphsTypeError, CudaGraphsValueError
 from .buffer import ReusableValueBuffer
 from .leaves import LeafTypes
@@ -35,10 +36,8 @@ def check_capture_arguments(
 ) -> tuple[tuple, ValueTreeSignature, torch.device]:
     """Check the arguments of ``CudaGraphProgram.capture``; return the inputs as a
     tuple, their signature and their device. Nothing is captured or allocated."""
-    if not callable(function):
-        raise CudaGraphsTypeError(f"function must be callable, got {type(function).__name__}")
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise CudaGraphsValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    check_callable("function", function)
+    check_int("warmup", warmup, minimum=0)
     if isinstance(example_inputs, (str, bytes)) or not isinstance(example_inputs, Sequence):
         raise CudaGraphsTypeError("example_inputs must be a sequence of positional arguments")
     check_staging_mode(staging)

@@ -67,14 +67,19 @@ class _Emitter:
             if not self.tensor_checks:
                 self.leaves.append(name)
                 return True
+            # is_cuda/is_cpu: a meta tensor matches every other field but holds nothing
+            # to copy. stride() of a sparse tensor raises: callers treat that as "no".
             self.check(
                 f"not isinstance({name}, Tensor) or {name}.shape != {self.const(leaf.shape)} "
                 f"or {name}.dtype is not {self.const(leaf.dtype)} "
                 f"or {name}.requires_grad is not {leaf.requires_grad} "
-                f"or {name}.stride() != {self.const(leaf.stride)}"
+                f"or {name}.stride() != {self.const(leaf.stride)} "
+                f"or not ({name}.is_cuda or {name}.is_cpu)"
             )
             self.leaves.append(name)
             return True
+        if kind == "node":
+            return self._emit_node(sig, name)
         container = {"list": "list", "tuple": "tuple", "dict": "dict"}[kind]
         self.check(f"type({name}) is not {container} or len({name}) != {len(sig.children)}")
         if (
@@ -93,6 +98,21 @@ class _Emitter:
                     return False
             return True
         return all(self.emit(child, f"{name}[{i}]") for i, child in enumerate(sig.children))
+
+    def _emit_node(self, sig: ValueTreeSignature, name: str) -> bool:
+        # A registered container (namedtuple, OrderedDict, dataclass, ModelOutput):
+        # exact type, then its own flatten function and context, as the full walk does.
+        c = sig.container
+        n = len(sig.children)
+        self.check(f"type({name}) is not {self.const(c.cls)}")
+        if c.is_namedtuple:
+            items = name
+            self.check(f"len({name}) != {n}")
+        else:
+            items, context = self.var(), self.var()
+            self.lines.append(f"{items}, {context} = {self.const(c.flatten)}({name})")
+            self.check(f"len({items}) != {n} or {context} != {self.const(c.context)}")
+        return all(self.emit(child, f"{items}[{i}]") for i, child in enumerate(sig.children))
 
 
 def compile_matcher(

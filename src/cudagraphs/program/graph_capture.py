@@ -4,20 +4,29 @@ graph (:mod:`.staging`). Runs once per program, never on the replay path."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..capture import GraphPool, capture_into_graph, capture_with_static_outputs
+from ..capture import (
+    GraphPool,
+    capture_eagerly,
+    capture_into_graph,
+    capture_with_static_outputs,
+)
+from ..settings import DISABLE_ENV
 from .buffer import ReusableValueBuffer
 from .capture_steps import check_output_device, detached, output_signature
 from .leaves import LeafTypes
 from .signature import ValueTreeSignature
 from .staging import GraphStaging, choose_staging, runtime_for, staged_arguments
 
-__all__ = ["CapturedGraph", "capture_function"]
+__all__ = ["CapturedGraph", "capture_function", "run_function_eagerly"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,6 +105,29 @@ def capture_function(
         graph.reset()
         raise
     return CapturedGraph(graph, out_sig.rebuild(static), out_sig, staged)
+
+
+def run_function_eagerly(
+    function: Callable[..., Any],
+    buffer: ReusableValueBuffer,
+    leaf_types: LeafTypes | None,
+    name: str,
+) -> CapturedGraph:
+    """``CUDAGRAPHS_DISABLE``: the stand-in for :func:`capture_function`. Each replay
+    runs ``function`` on the buffer eagerly and copies the result into a fixed output
+    tree, which callers borrow as they would a graph's."""
+    logger.warning(
+        "%s is set: program %s is not captured; each replay runs it eagerly", DISABLE_ENV, name
+    )
+    first = detached(function(*buffer.value), leaf_types)
+    out_sig = output_signature(first, leaf_types)
+    check_output_device(out_sig.flatten(first), buffer.device)
+    graph, static = capture_eagerly(
+        lambda: out_sig.flatten(detached(function(*buffer.value), leaf_types), path="output"),
+        out_sig.flatten(first, path="output"),
+        what=f"program {name}",
+    )
+    return CapturedGraph(graph, out_sig.rebuild(static), out_sig, None)
 
 
 def _staging(

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..capture import GraphPool
-from ..errors import CudaGraphsValueError, ProgramClosedError
+from ..checks import require_cuda
+from ..errors import CudaGraphsTypeError, CudaGraphsValueError, ProgramClosedError
 
 if TYPE_CHECKING:
     from .program import CudaGraphProgram
@@ -54,11 +55,26 @@ class CudaGraphPool:
     so programs replayed from different streams still use the scratch one at a time.
 
     Args:
-        device: the CUDA device of the scratch memory.
+        device: the CUDA device of the scratch memory (``"cuda"``: the current one).
+
+    Raises:
+        CudaGraphsTypeError, CudaGraphsValueError: ``device`` is not a CUDA device.
+        NoCudaDeviceError: torch finds no usable CUDA device.
     """
 
-    def __init__(self, device: torch.device | str = "cuda") -> None:
-        device = torch.device(device)
+    def __init__(self, device: torch.device | str | int = "cuda") -> None:
+        if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+            raise CudaGraphsTypeError(
+                f"CudaGraphPool(device=...) takes a torch.device, a str such as 'cuda:0' "
+                f"or a device index, got {type(device).__name__}"
+            )
+        try:
+            device = (
+                torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+            )
+        except RuntimeError as exc:
+            raise CudaGraphsValueError(f"CudaGraphPool(device={device!r}): {exc}") from None
+        require_cuda("CudaGraphPool")
         if device.type != "cuda":
             raise CudaGraphsValueError(f"a CudaGraphPool lives on a CUDA device, got {device}")
         if device.index is None:

@@ -14,11 +14,13 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from ..capture import GraphPool
+from ..checks import require_cuda
 from ..errors import CudaGraphCaptureError, CudaGraphInputError, CudaGraphsTypeError
+from ..settings import graphs_disabled
 from .buffer import ReusableValueBuffer
 from .capture_steps import check_capture_arguments, detached, warm_up
 from .fastpath import InputValidator
-from .graph_capture import capture_function
+from .graph_capture import capture_function, run_function_eagerly
 from .leaves import LeafTypes
 from .pool import CopyHandle, CudaGraphCaptureStats, CudaGraphPool, ProgramClosedError
 from .signature import ValueTreeSignature
@@ -46,9 +48,13 @@ class CudaGraphProgram(Generic[OutputT]):
     usable eagerly; anything it closes over is static program state.
     """
 
-    def __init__(self, *, _token: object) -> None:
+    def __init__(self, *, _token: object = None) -> None:
         if _token is not _PRIVATE:
-            raise CudaGraphsTypeError("build programs with CudaGraphProgram.capture(...)")
+            raise CudaGraphsTypeError(
+                "CudaGraphProgram has no public constructor (a program is a captured "
+                "graph): build one with CudaGraphProgram.capture(function, "
+                "example_inputs=(...))"
+            )
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
@@ -94,11 +100,17 @@ class CudaGraphProgram(Generic[OutputT]):
         Returns:
             The program, or with ``function=None`` a decorator that returns it.
 
+        With ``CUDAGRAPHS_DISABLE=1`` nothing is warmed up or captured: the program
+        checks and copies inputs as usual and runs ``function`` eagerly on its buffer
+        at each replay, copying the result into the same borrowed output tree.
+
         Raises:
-            TypeError: ``function`` or a leaf is unsupported.
-            ValueError: bad ``warmup`` or ``staging``, examples without tensors, on
-                several devices, sharing storage, or a pool on another device /
-                without warmup.
+            NoCudaDeviceError: torch finds no usable CUDA device.
+            CudaGraphsTypeError: ``function`` or a leaf is unsupported, ``warmup`` is
+                not an int.
+            CudaGraphsValueError: bad ``warmup`` or ``staging``, examples without
+                tensors, on several devices, sharing storage, or a pool on another
+                device / without warmup.
             CudaGraphCaptureError: warmup, capture or the first replay failed (cause
                 chained); the pool stays usable.
         """
@@ -113,6 +125,7 @@ class CudaGraphProgram(Generic[OutputT]):
                 check_first_replay=check_first_replay,
                 staging=staging,
             )
+        require_cuda("CudaGraphProgram.capture")
         inputs, signature, device = check_capture_arguments(
             function, example_inputs, warmup, pool, leaf_types, staging
         )
@@ -171,23 +184,29 @@ class CudaGraphProgram(Generic[OutputT]):
             # workspace, made during the first warmup rather than inside a capture).
             graph_pool = pool._graph_pool if pool is not None else GraphPool()
             stream = graph_pool.capture_stream(device)
+            disabled = graphs_disabled()
             t0 = time.perf_counter()
-            last = warm_up(function, signature, inputs, device, warmup, stream, name)
+            last = None
+            if not disabled:
+                last = warm_up(function, signature, inputs, device, warmup, stream, name)
             t1 = time.perf_counter()
             self._buffer = ReusableValueBuffer(signature, device)
             self._buffer.copy_from(inputs, path="inputs")
-            captured = capture_function(
-                function,
-                self._buffer,
-                last=last,
-                graph_pool=graph_pool,
-                stream=stream,
-                shared_pool=pool is not None,
-                leaf_types=leaf_types,
-                name=name,
-                check_input_liveness=check_input_liveness,
-                staging=staging,
-            )
+            if disabled:
+                captured = run_function_eagerly(function, self._buffer, leaf_types, name)
+            else:
+                captured = capture_function(
+                    function,
+                    self._buffer,
+                    last=last,
+                    graph_pool=graph_pool,
+                    stream=stream,
+                    shared_pool=pool is not None,
+                    leaf_types=leaf_types,
+                    name=name,
+                    check_input_liveness=check_input_liveness,
+                    staging=staging,
+                )
             self._graph, self._output = captured.graph, captured.output
             self._out_sig, self._staging = captured.out_sig, captured.staging
             if pool is None:
@@ -256,7 +275,8 @@ class CudaGraphProgram(Generic[OutputT]):
     @property
     def cuda_graph(self) -> torch.cuda.CUDAGraph:
         """The torch graph. Replaying it directly skips validation, copies, event waits
-        and overwrite protection, and reuses the payload the buffer holds."""
+        and overwrite protection, and reuses the payload the buffer holds. With
+        ``CUDAGRAPHS_DISABLE=1``: a :class:`~cudagraphs.capture.EagerGraph` stand-in."""
         self._check_open()
         return self._graph
 

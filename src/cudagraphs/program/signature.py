@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError, Mismatch, SignatureMismatchError
+from .containers import ContainerSignature, describe_container
 from .fastpath import compile_matcher
 from .leaves import LeafTypes
 
@@ -29,7 +30,9 @@ __all__ = [
     "ValueTreeSignature",
 ]
 
-TreeKind = Literal["tensor", "value", "list", "tuple", "dict", "none"]
+TreeKind = Literal["tensor", "value", "list", "tuple", "dict", "node", "none"]
+# Sources a copy into the fixed buffer can read: host memory and CUDA devices.
+_COPYABLE_DEVICES = ("cpu", "cuda")
 _TENSOR_FIELDS = ("shape", "stride", "dtype", "layout", "requires_grad")
 
 
@@ -44,7 +47,18 @@ class TensorSignature:
     requires_grad: bool
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor) -> TensorSignature:
+    def from_tensor(cls, tensor: torch.Tensor, path: str = "value") -> TensorSignature:
+        """The signature of a dense tensor.
+
+        Raises:
+            CudaGraphsTypeError: a sparse (or other non-strided) tensor, naming ``path``.
+        """
+        if tensor.layout != torch.strided:
+            raise CudaGraphsTypeError(
+                f"{path}: a {tensor.layout} tensor; program inputs and outputs are dense "
+                "(strided) tensors. Pass .to_dense(), or rebuild the sparse tensor inside "
+                "the function from dense parts."
+            )
         return cls(
             shape=tuple(tensor.shape),
             stride=tuple(tensor.stride()),
@@ -54,14 +68,22 @@ class TensorSignature:
         )
 
     def mismatches(self, tensor: torch.Tensor, path: str) -> list[Mismatch]:
-        got = TensorSignature.from_tensor(tensor)
-        if got == self:
-            return []
-        return [
-            Mismatch(path, f, getattr(self, f), getattr(got, f))
-            for f in _TENSOR_FIELDS
-            if getattr(self, f) != getattr(got, f)
-        ]
+        """Every difference of ``tensor`` from this signature; also a layout other than
+        strided (a sparse tensor: nothing else is compared) and a device a copy cannot
+        read from (meta)."""
+        if tensor.layout != self.layout:
+            return [Mismatch(path, "layout", self.layout, tensor.layout)]
+        found = []
+        if tensor.device.type not in _COPYABLE_DEVICES:
+            found.append(Mismatch(path, "device", "a CPU or CUDA tensor", str(tensor.device)))
+        got = TensorSignature.from_tensor(tensor, path)
+        if got != self:
+            found.extend(
+                Mismatch(path, f, getattr(self, f), getattr(got, f))
+                for f in _TENSOR_FIELDS
+                if getattr(self, f) != getattr(got, f)
+            )
+        return found
 
     def empty(self, device: torch.device | str) -> torch.Tensor:
         """A new tensor with this topology on ``device`` (the fixed target)."""
@@ -106,6 +128,7 @@ class ValueTreeSignature:
     leaf: TensorSignature | ValueSignature | None = None
     children: tuple[ValueTreeSignature, ...] = ()
     keys: tuple[Any, ...] = ()
+    container: ContainerSignature | None = None  # kind "node": a registered container
     _leaf_types: LeafTypes | None = field(default=None, compare=False, repr=False)
 
     # ---- construction ---------------------------------------------------------------
@@ -116,17 +139,24 @@ class ValueTreeSignature:
         *,
         leaf_types: LeafTypes | None = None,
         path: str = "value",
-        allow_none: bool = False,
+        allow_none: bool = True,
     ) -> ValueTreeSignature:
-        """Describe ``value``: tensors and registered leaves nested in lists, tuples
-        and dicts (and ``None`` leaves with ``allow_none``, as outputs may hold).
+        """Describe ``value``: dense tensors, registered leaves (``leaf_types``) and
+        ``None`` nested in lists, tuples, dicts and the containers torch's pytree knows
+        (namedtuples, ``OrderedDict``, registered dataclasses, Hugging Face
+        ``ModelOutput``; see :mod:`.containers`).
+
+        Args:
+            allow_none: accept ``None`` leaves (a later value must hold ``None`` there
+                too); ``False`` refuses them.
 
         Raises:
-            TypeError: a leaf is neither a tensor nor a registered type (the message
-                names its path), or a container is of another kind.
+            CudaGraphsTypeError: a leaf is neither a tensor nor a registered type, a
+                tensor is not dense, or a container is of another kind (the message
+                names its path).
         """
         if isinstance(value, torch.Tensor):
-            return cls("tensor", TensorSignature.from_tensor(value), _leaf_types=leaf_types)
+            return cls("tensor", TensorSignature.from_tensor(value, path), _leaf_types=leaf_types)
         if value is None and allow_none:
             return cls("none", _leaf_types=leaf_types)
         leaf_type = leaf_types.get(value) if leaf_types is not None else None
@@ -137,7 +167,8 @@ class ValueTreeSignature:
                 schema_version=leaf_type.version,
                 metadata=metadata,
                 tensors=tuple(
-                    (name, TensorSignature.from_tensor(tensors[name])) for name in sorted(tensors)
+                    (name, TensorSignature.from_tensor(tensors[name], f"{path}.{name}"))
+                    for name in sorted(tensors)
                 ),
             )
             return cls("value", sig, _leaf_types=leaf_types)
@@ -157,12 +188,21 @@ class ValueTreeSignature:
                 for k in keys
             )
             return cls("dict", children=children, keys=tuple(keys), _leaf_types=leaf_types)
+        described = describe_container(value)
+        if described is not None:
+            container, items = described
+            children = tuple(
+                cls.from_value(v, leaf_types=leaf_types, path=path + suffix, allow_none=allow_none)
+                for v, suffix in zip(items, container.child_paths)
+            )
+            return cls("node", children=children, container=container, _leaf_types=leaf_types)
         registered = leaf_types.names() if leaf_types is not None else []
         raise CudaGraphsTypeError(
-            f"{path}: unsupported leaf of type {type(value).__qualname__}. Leaves are tensors "
-            f"and registered leaf types (registered here: {registered or 'none'}) nested in "
-            "lists, tuples and dicts; bind Python scalars and other objects in the function "
-            "(closure or functools.partial)."
+            f"{path}: unsupported leaf of type {type(value).__qualname__}. Leaves are tensors, "
+            f"None and registered leaf types (registered here: {registered or 'none'}) nested "
+            "in lists, tuples, dicts and containers registered with torch's pytree "
+            "(namedtuples, OrderedDict, register_dataclass); bind Python scalars and other "
+            "objects in the function (closure or functools.partial)."
         )
 
     # ---- checking ---------------------------------------------------------------------
@@ -222,19 +262,24 @@ class ValueTreeSignature:
                 return
             leaf = self.leaf
             # The common case (a match) compares fields directly: building a signature
-            # per tensor would dominate the replay path.
+            # per tensor would dominate the replay path. The layout goes first: a sparse
+            # tensor has no strides to compare. A meta tensor matches every field but
+            # holds nothing a copy could read.
             if (
-                value.shape != leaf.shape
+                value.layout != leaf.layout
+                or value.device.type not in _COPYABLE_DEVICES
+                or value.shape != leaf.shape
                 or value.dtype != leaf.dtype
                 or value.stride() != leaf.stride
                 or value.requires_grad != leaf.requires_grad
-                or value.layout != leaf.layout
             ):
                 problems.extend(leaf.mismatches(value, path))
             if out is not None:
                 out.append(value)
         elif kind == "value":
             self._collect_value(value, path, problems, out)
+        elif kind == "node":
+            self._collect_node(value, path, problems, out)
         elif kind in ("list", "tuple"):
             expected_type = list if kind == "list" else tuple
             if type(value) is not expected_type:
@@ -256,6 +301,21 @@ class ValueTreeSignature:
                 return
             for k, child in zip(self.keys, self.children):
                 child._collect(value[k], f"{path}[{k!r}]", problems, out)
+
+    def _collect_node(self, value: Any, path: str, problems: list, out: list | None) -> None:
+        c = self.container
+        if type(value) is not c.cls:
+            problems.append(Mismatch(path, "type", c.cls.__qualname__, type(value).__qualname__))
+            return
+        items, context = c.split(value)
+        if context != c.context:
+            problems.append(Mismatch(path, c.context_field, c.context, context))
+            return
+        if len(items) != len(self.children):
+            problems.append(Mismatch(path, "length", len(self.children), len(items)))
+            return
+        for child, v, suffix in zip(self.children, items, c.child_paths):
+            child._collect(v, path + suffix, problems, out)
 
     def _collect_value(self, value: Any, path: str, problems: list, out: list | None) -> None:
         sig = self.leaf
@@ -308,6 +368,8 @@ class ValueTreeSignature:
             return leaf_type.unflatten(named, dict(self.leaf.metadata))
         if self.kind == "dict":
             return {k: child._rebuild(it) for k, child in zip(self.keys, self.children)}
+        if self.kind == "node":
+            return self.container.build([child._rebuild(it) for child in self.children])
         items = [child._rebuild(it) for child in self.children]
         return items if self.kind == "list" else tuple(items)
 
