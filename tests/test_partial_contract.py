@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, Mismatch
 from cudagraphs.partial import CallContract, ContractSet, FallbackCounter
 from cudagraphs.partial.contract import REASONS, same_control
 
@@ -318,9 +319,16 @@ def test_unique_tensor_indices_across_args_and_kwargs():
 # --- ContractSet -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", None])
+@pytest.mark.parametrize("bad", [0, -1])
 def test_contract_set_max_variants_validation(bad):
-    with pytest.raises(ValueError, match="max_variants"):
+    with pytest.raises(CudaGraphsValueError, match="max_variants must be an int >= 1"):
+        ContractSet(max_variants=bad)
+
+
+@pytest.mark.parametrize("bad", [1.5, "2", None, True])
+def test_contract_set_max_variants_type(bad):
+    # Not a count at all (True included): a type error, still naming the argument.
+    with pytest.raises(CudaGraphsTypeError, match="max_variants must be an int"):
         ContractSet(max_variants=bad)
 
 
@@ -477,3 +485,174 @@ def test_contracts_recorded_from_a_real_llama_forward():
         for h in handles:
             h.remove()
     assert all(not x.module._forward_pre_hooks for x in targets)
+
+
+# --- mismatch records ------------------------------------------------------------------
+
+
+def _cases():
+    """(recorded args, kwargs, training; call args, kwargs, training; grad on) across
+    every kind of difference, for the mismatches / differences agreement."""
+    x, y = t(2), t(2)
+    cases = {
+        f"structure: {k}": (ra, rk, True, ca, ck, True, True)
+        for k, (ra, rk, ca, ck) in STRUCTURE_CHANGES.items()
+    }
+    cases.update(
+        {
+            "same": ((t(2, 3),), {"m": 1}, True, (t(2, 3),), {"m": 1}, True, True),
+            "shape": ((t(2, 3),), {}, True, (t(3, 2),), {}, True, True),
+            "stride": ((t(4, 4),), {}, True, (t(4, 4).t(),), {}, True, True),
+            "dtype": ((t(2),), {}, True, (t(2, dtype=torch.float64),), {}, True, True),
+            "device": ((t(2),), {}, True, (torch.empty(2, device="meta"),), {}, True, True),
+            "requires_grad": ((t(2),), {}, True, (t(2, requires_grad=True),), {}, True, True),
+            "tensor_type": ((t(2),), {}, True, (nn.Parameter(t(2)),), {}, True, True),
+            "alias": ((x, y), {}, True, (x, x), {}, True, True),
+            "control": ((x,), {"c": 1}, True, (x,), {"c": 1.0}, True, True),
+            "grad_mode": ((x,), {}, True, (x,), {}, True, False),
+            "training": ((x,), {}, True, (x,), {}, False, True),
+            "many": ((t(2, 3), 1), {}, True, (t(3, 3, dtype=torch.float64), 2), {}, False, False),
+            "structure and modes": ((t(2),), {}, True, (t(2), 1), {}, False, False),
+        }
+    )
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mismatches_say_what_differences_say(case):
+    rec_args, rec_kwargs, rec_training, args, kwargs, training, grad = CASES[case]
+    c = record(rec_args, rec_kwargs, training=rec_training)
+    with torch.set_grad_enabled(grad):
+        found = c.mismatches(args, kwargs, training=training)
+        assert {m.field for m in found} == c.differences(args, kwargs, training=training)
+        assert (found == []) == (c.match(args, kwargs, training=training)[0] is None)
+    assert all(isinstance(m, Mismatch) for m in found)
+
+
+def test_mismatches_name_paths_and_values():
+    h, mask, cos, sin = t(2, 4), t(4, 4), t(4, 2), t(4, 2)
+    c = record((h,), {"attention_mask": mask, "rope": (cos, sin), "impl": "sdpa"})
+    found = c.mismatches(
+        (h,),
+        {"attention_mask": t(4, 5), "rope": (cos, sin.double()), "impl": "eager"},
+        training=True,
+    )
+    assert found == [
+        Mismatch("kwargs['attention_mask']", "shape", (4, 4), (4, 5)),
+        Mismatch("kwargs['attention_mask']", "stride", (4, 1), (5, 1)),
+        Mismatch("kwargs['impl']", "control", "sdpa", "eager"),
+        Mismatch("kwargs['rope'][1]", "dtype", torch.float32, torch.float64),
+    ], "every difference at once, in call order (kwargs sorted by name)"
+
+
+def test_mismatches_show_types_and_devices_readably():
+    c = record((t(2), t(2)))
+    found = c.mismatches((nn.Parameter(t(2)), torch.empty(2, device="meta")), {}, training=True)
+    assert found == [
+        Mismatch("args[0]", "tensor_type", "Tensor", "Parameter"),
+        Mismatch("args[0]", "requires_grad", False, True),
+        Mismatch("args[1]", "device", "cpu", "meta"),
+    ]
+
+
+def test_mismatches_alias_names_the_other_argument():
+    x, y = t(2), t(2)
+    assert record((x, y)).mismatches((x, x), {}, training=True) == [
+        Mismatch("args[1]", "alias", "its own tensor", "the same tensor as args[0]")
+    ]
+    assert record((), {"a": x, "b": x}).mismatches((), {"a": x, "b": y}, training=True) == [
+        Mismatch("kwargs['b']", "alias", "the same tensor as kwargs['a']", "its own tensor")
+    ]
+
+
+def test_mismatches_modes():
+    c = record((t(2),))
+    with torch.no_grad():
+        assert c.mismatches((t(2),), {}, training=False) == [
+            Mismatch("torch.is_grad_enabled()", "grad_mode", True, False),
+            Mismatch("module.training", "training", True, False),
+        ]
+
+
+@pytest.mark.parametrize(
+    "change, want",
+    [
+        ("extra kwarg", [Mismatch("kwargs['extra']", "structure", "absent", "int")]),
+        ("missing kwarg", [Mismatch("kwargs['mask']", "structure", "Tensor", "absent")]),
+        (
+            "renamed kwarg",
+            [
+                Mismatch("kwargs['mask']", "structure", "Tensor", "absent"),
+                Mismatch("kwargs['maskk']", "structure", "absent", "Tensor"),
+            ],
+        ),
+        ("None replaced by tensor", [Mismatch("kwargs['mask']", "structure", "None", "Tensor")]),
+        ("tensor replaced by int", [Mismatch("args[0]", "structure", "Tensor", "int")]),
+        ("int replaced by tensor", [Mismatch("args[1]", "structure", "int", "Tensor")]),
+        (
+            "tuple vs list",
+            [
+                Mismatch(
+                    "(args, kwargs)",
+                    "structure",
+                    "(((Tensor, Tensor),), {})",
+                    "(([Tensor, Tensor],), {})",
+                )
+            ],
+        ),
+    ],
+)
+def test_structure_mismatches_locate_the_change(change, want):
+    rec_args, rec_kwargs, args, kwargs = STRUCTURE_CHANGES[change]
+    assert record(rec_args, rec_kwargs).mismatches(args, kwargs, training=True) == want
+
+
+def test_mismatch_report_renders_with_the_shared_format():
+    from cudagraphs.errors import describe_mismatches
+
+    c = record((), {"attention_mask": t(4, 4)})
+    text = describe_mismatches(
+        "call differs", c.mismatches((), {"attention_mask": t(4, 5)}, training=True)
+    )
+    assert "kwargs['attention_mask']: shape expected (4, 4), received (4, 5)" in text
+
+
+def test_contract_set_mismatches_use_the_first_variant():
+    s = ContractSet()
+    s.add(record((t(1, 8),)))
+    s.add(record((t(1, 16),)))
+    assert s.mismatches((t(1, 16),), {}, training=True)[0] == Mismatch(
+        "args[0]", "shape", (1, 8), (1, 16)
+    ), "the variant whose reason match() reports"
+    assert s.mismatches((t(1, 8),), {}, training=True) == []
+    (empty,) = ContractSet().mismatches((t(2),), {}, training=True)
+    assert empty.field == "structure"
+
+
+def test_leaf_kinds_take_no_part_in_matching_or_equality():
+    import dataclasses
+
+    c = record((t(2),), {"mask": None})
+    assert c.leaf_kinds == (("args[0]", "Tensor"), ("kwargs['mask']", "None"))
+    bare = dataclasses.replace(c, leaf_kinds=())
+    assert bare == c and bare.same_as(c)
+
+
+def test_match_and_differences_build_no_key_paths(monkeypatch):
+    # The per-call path stays as cheap as before: key paths only for reports.
+    from cudagraphs.partial import contract
+
+    c = record((t(2),), {"k": 1})
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("key paths built on the per-call path")
+
+    monkeypatch.setattr(contract.pytree, "tree_flatten_with_path", refuse)
+    assert c.match((t(3),), {"k": 1}, training=True)[0] == "shape"
+    assert c.differences((t(3),), {"k": 2}, training=True) == {"shape", "control"}
+    s = ContractSet()
+    s.variants.append(c)
+    assert s.match((t(3),), {"k": 1}, training=True)[:2] == (None, "shape")

@@ -7,6 +7,7 @@ import pytest
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from cudagraphs.errors import CudaGraphsError, CudaGraphsTypeError
 from cudagraphs.partial import (
     DiscoveredBlock,
     Target,
@@ -18,6 +19,7 @@ from cudagraphs.partial import (
     select_targets,
     unwrap_checkpoint,
 )
+from cudagraphs.partial.discovery import include_predicate
 
 transformers = pytest.importorskip("transformers")
 
@@ -346,6 +348,80 @@ def test_include_nested_in_a_target_is_rejected(pattern, inner, outer):
 
 def test_target_selection_error_is_value_error():
     assert issubclass(TargetSelectionError, ValueError)
+    assert issubclass(TargetSelectionError, CudaGraphsError)
+
+
+# --- what include accepts ---------------------------------------------------------------
+
+MLPS = [("model.layers.0.mlp", "custom"), ("model.layers.1.mlp", "custom")]
+
+
+def test_include_plain_string_is_one_glob_pattern():
+    # Not a sequence of one-character patterns: "*" alone would match every module.
+    model = tiny("llama")
+    targets = select_targets(model, attention=False, include="model.layers.*.mlp")
+    assert names_kinds(targets) == MLPS
+    assert targets[0].module is model.model.layers[0].mlp
+    with_attention = select_targets(model, include="model.layers.*.mlp")
+    assert names_kinds(with_attention) == [
+        (ATTN.format(0), "attention"),
+        MLPS[0],
+        (ATTN.format(1), "attention"),
+        MLPS[1],
+    ]
+
+
+@pytest.mark.parametrize(
+    "include",
+    [["model.layers.*.mlp"], ("model.layers.*.mlp",), ["nothing", "model.layers.?.mlp"]],
+    ids=["list", "tuple", "two patterns"],
+)
+def test_include_list_or_tuple_of_patterns(include):
+    assert names_kinds(select_targets(tiny("llama"), attention=False, include=include)) == MLPS
+
+
+def test_include_predicate_as_before():
+    targets = select_targets(
+        tiny("llama"), attention=False, include=lambda name, module: name.endswith(".mlp")
+    )
+    assert names_kinds(targets) == MLPS
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        (5, "include must be a glob pattern"),
+        ({"model.layers.*.mlp"}, "include must be a glob pattern .*got set"),
+        (b"model.*", "include must be a glob pattern .*got bytes"),
+        (["model.*", 3], r"include\[1\] must be a glob pattern \(str\), got int"),
+    ],
+    ids=["int", "set", "bytes", "list with an int"],
+)
+def test_include_of_another_type_is_a_typed_error(bad, named):
+    with pytest.raises(CudaGraphsTypeError, match=named):
+        select_targets(tiny("llama"), include=bad)
+
+
+def test_include_predicate_normalization():
+    assert include_predicate(None) is None
+    pick = include_predicate("a.*")
+    assert pick("a.b", nn.Linear(1, 1)) and not pick("b.a", nn.Linear(1, 1))
+
+    def predicate(name, module):
+        return True
+
+    assert include_predicate(predicate) is predicate
+
+
+@pytest.mark.parametrize("flag", ["attention", "router"])
+def test_switches_must_be_bools(flag):
+    with pytest.raises(CudaGraphsTypeError, match=f"{flag} must be a bool, got int"):
+        select_targets(tiny("llama"), **{flag: 1})
+
+
+def test_model_must_be_a_module():
+    with pytest.raises(CudaGraphsTypeError, match="model must be an nn.Module, got list"):
+        select_targets([tiny("llama")])
 
 
 # --- physical modules invoked more than once per forward ------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cudagraphs.partial import PartialCudaGraphManager
+from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
 
 transformers = pytest.importorskip("transformers")
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -90,8 +90,41 @@ def test_dtensor_parameters_outside_fsdp2_are_refused(process_group):
     attn.q_proj.weight = torch.nn.Parameter(
         distribute_tensor(attn.q_proj.weight.data, mesh, [Replicate()])
     )
-    with pytest.raises(ValueError, match=r"self_attn\.q_proj\.weight is a DTensor outside FSDP2"):
+    with pytest.raises(
+        TargetSelectionError, match=r"self_attn\.q_proj\.weight is a DTensor outside FSDP2"
+    ) as err:
         PartialCudaGraphManager.from_model_parts([model], capture_backend=eager_backend)
+    assert isinstance(err.value, ValueError) and "fully_shard" in str(err.value)
+
+
+def test_fsdp2_with_graphs_disabled_equals_eager_and_captures_nothing(process_group, monkeypatch):
+    # CUDAGRAPHS_DISABLE=1: the same path (parameters fetched per call, passed to the
+    # adapter first), with the adapter run eagerly in place of a graph.
+    monkeypatch.setenv("CUDAGRAPHS_DISABLE", "1")
+
+    def refusing_backend(callables, sample_args, sample_kwargs):
+        raise AssertionError("a graphing backend ran under CUDAGRAPHS_DISABLE=1")
+
+    model, ref = sharded_llama(), sharded_llama()
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=refusing_backend)
+    gen = torch.Generator().manual_seed(2)
+    mgr.start_recording()
+    try:
+        for i in range(3):
+            ids = torch.randint(0, 128, (2, 8), generator=gen)
+            assert torch.equal(step(model, ids), step(ref, ids)), f"step {i}: loss"
+            got, want = full_grads(model), full_grads(ref)
+            for name in want:
+                assert torch.equal(got[name], want[name]), f"step {i}: grad of {name}"
+            model.zero_grad()
+            ref.zero_grad()
+            if i == 0:
+                mgr.capture()
+        stats = mgr.stats()
+        assert stats["disabled"] == 1 and stats["captured"] == 0, stats
+        assert stats["replayed"] == 4 and stats["fallbacks"] == 0, stats
+    finally:
+        mgr.close()
 
 
 def _two_rank_worker(rank):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from cudagraphs.errors import CudaGraphsStateError, CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
 
 transformers = pytest.importorskip("transformers")
@@ -61,7 +62,13 @@ def test_a_new_sequence_length_falls_back_and_is_counted():
     model = tiny()
     mgr = recorded(model, torch.randint(0, 128, (1, 8)))
     step(model, torch.randint(0, 128, (1, 12)))
-    assert mgr.stats() == {"captured": 2, "replayed": 0, "fallbacks": 2, "fallback_shape": 2}
+    assert mgr.stats() == {
+        "captured": 2,
+        "disabled": 0,
+        "replayed": 0,
+        "fallbacks": 2,
+        "fallback_shape": 2,
+    }
     step(model, torch.randint(0, 128, (1, 8)))
     assert mgr.stats()["replayed"] == 2
 
@@ -71,7 +78,13 @@ def test_eval_mode_falls_back_with_reason_training():
     mgr = recorded(model, torch.randint(0, 128, (1, 8)))
     model.eval()  # grad stays enabled: only the training flag differs
     model(input_ids=torch.randint(0, 128, (1, 8)), use_cache=False)
-    assert mgr.stats() == {"captured": 2, "replayed": 0, "fallbacks": 2, "fallback_training": 2}
+    assert mgr.stats() == {
+        "captured": 2,
+        "disabled": 0,
+        "replayed": 0,
+        "fallbacks": 2,
+        "fallback_training": 2,
+    }
 
 
 def test_no_grad_evaluation_falls_back_first_on_requires_grad():
@@ -126,7 +139,7 @@ def test_parameters_are_explicit_graph_inputs():
 
 def test_capture_without_recording_is_an_error():
     mgr = PartialCudaGraphManager.from_model_parts([tiny()], capture_backend=eager_backend)
-    with pytest.raises(RuntimeError, match="nothing was recorded"):
+    with pytest.raises(CudaGraphsStateError, match="nothing was recorded"):
         mgr.capture()
 
 
@@ -172,14 +185,20 @@ def test_a_target_called_twice_per_forward_is_rejected_at_capture():
 def test_meta_parameters_are_refused_before_capture():
     with torch.device("meta"):
         model = Toy()
-    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q\.weight is on the meta device"):
+    with pytest.raises(
+        CudaGraphsValueError, match=r"layers\.0\.self_attn\.q\.weight is on the meta device"
+    ):
         PartialCudaGraphManager.from_model_parts([model], capture_backend=eager_backend)
 
 
 def test_nothing_graphable_returns_none_and_logs(caplog):
+    # Issue 13: a model that silently trains without graphs is said at WARNING.
     with caplog.at_level(logging.INFO, logger="cudagraphs.partial.manager"):
         assert PartialCudaGraphManager.from_model_parts([nn.Linear(2, 2)]) is None
     assert "nothing graphable" in caplog.text
+    (record,) = [r for r in caplog.records if "nothing graphable" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert "Linear with 0 block(s)" in record.getMessage() and "include=" in record.getMessage()
 
 
 def test_close_restores_eager_modules_and_is_idempotent():
@@ -193,11 +212,11 @@ def test_close_restores_eager_modules_and_is_idempotent():
     mgr.close()
     assert "forward" not in model.layers[0].self_attn.__dict__
     assert model.layers[0].self_attn._forward_pre_hooks == {}
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(CudaGraphsStateError, match="closed"):
         mgr.start_recording()
 
 
-def test_a_replaced_parameter_storage_falls_back_with_its_reason():
+def test_a_replaced_parameter_storage_falls_back_with_its_reason(caplog):
     from cudagraphs import CudaGraphInputError
 
     def pinning_backend(callables, sample_args, sample_kwargs):
@@ -224,9 +243,15 @@ def test_a_replaced_parameter_storage_falls_back_with_its_reason():
     assert mgr.stats()["replayed"] == 2
     model.layers[0].self_attn.q.weight.data = torch.randn(8, 8)  # e.g. a reshard
     x = torch.randn(2, 8)
-    out = model(x)
-    stats = mgr.stats()
-    assert stats["fallback_param_storage"] == 1 and stats["replayed"] == 3
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        out = model(x)
+        stats = mgr.stats()
+        assert stats["fallback_param_storage"] == 1 and stats["replayed"] == 3
+        model(x)
+    assert mgr.stats()["fallback_param_storage"] == 2 and mgr.stats()["replayed"] == 4
+    (said,) = fallback_warnings(caplog, "param_storage")
+    text = said.getMessage()
+    assert "layers.0.self_attn ran eagerly" in text and "parameter re-allocated" in text
     mgr.close()
     assert torch.equal(out, model(x))  # the fallback ran the real (eager) module
 
@@ -250,3 +275,267 @@ def test_checkpoint_recompute_is_not_a_second_call_and_gets_a_pool_per_target():
     # Each target replays twice per step: the forward and its recompute in backward.
     assert stats["replayed"] == 4 and stats["fallbacks"] == 0, stats
     mgr.close()
+
+
+# --- quiet eager runs are said once per cause (issue 13) ------------------------------
+
+
+def fallback_warnings(caplog, reason):
+    return [
+        r
+        for r in caplog.records
+        if r.levelno == logging.WARNING and f"ran eagerly (reason {reason!r})" in r.getMessage()
+    ]
+
+
+def test_each_fallback_reason_is_said_once_and_every_fallback_counted(caplog):
+    model = tiny()
+    mgr = recorded(model, torch.randint(0, 128, (1, 8)))
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        for _ in range(3):
+            step(model, torch.randint(0, 128, (1, 12)))
+        model.eval()
+        for _ in range(2):
+            model(input_ids=torch.randint(0, 128, (1, 8)), use_cache=False)
+        model.train()
+        step(model, torch.randint(0, 128, (1, 8)))
+    stats = mgr.stats()
+    # 2 targets: 3 steps at a new length, 2 forwards in eval mode, then one replayed step.
+    assert stats["fallback_shape"] == 6 and stats["fallback_training"] == 4
+    assert stats["fallbacks"] == 10 and stats["replayed"] == 2
+    (shape,) = fallback_warnings(caplog, "shape")
+    (training,) = fallback_warnings(caplog, "training")
+    text = shape.getMessage()
+    assert "model.layers.0.self_attn ran eagerly" in text, "names the first target"
+    assert "kwargs['hidden_states']: shape expected (1, 8, 64), received (1, 12, 64)" in text
+    assert "stats()['fallback_shape']" in text and "not logged again" in text
+    assert "module.training: training expected True, received False" in training.getMessage()
+    ours = [r for r in caplog.records if r.name == "cudagraphs.partial.manager"]
+    assert len(ours) == 2, [r.getMessage() for r in ours]
+    mgr.close()
+
+
+def test_the_report_is_built_only_for_the_first_fallback_of_a_cause(monkeypatch):
+    from cudagraphs.partial import ContractSet
+
+    built = []
+    original = ContractSet.mismatches
+
+    def counting(self, *args, **kwargs):
+        built.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ContractSet, "mismatches", counting)
+    model = tiny()
+    mgr = recorded(model, torch.randint(0, 128, (1, 8)))
+    for _ in range(3):
+        step(model, torch.randint(0, 128, (1, 8)))
+    assert built == [] and mgr.stats()["replayed"] == 6, "replays build no report"
+    for _ in range(3):
+        step(model, torch.randint(0, 128, (1, 12)))
+    assert len(built) == 1 and mgr.stats()["fallback_shape"] == 6
+    mgr.close()
+
+
+def test_warnings_are_once_per_manager_not_per_process(caplog):
+    model = tiny()
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        for _ in range(2):
+            mgr = recorded(model, torch.randint(0, 128, (1, 8)))
+            step(model, torch.randint(0, 128, (1, 12)))
+            step(model, torch.randint(0, 128, (1, 12)))
+            mgr.close()
+            model.zero_grad(set_to_none=True)
+    assert len(fallback_warnings(caplog, "shape")) == 2
+
+
+def test_not_captured_fallback_is_said_once(caplog):
+    model = tiny()
+    mgr = recorded(model, torch.randint(0, 128, (1, 8)))
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        mgr.start_recording()
+        step(model, torch.randint(0, 128, (1, 12)))  # recorded: runs eagerly
+        mgr.capture()
+    assert mgr.stats()["fallback_not_captured"] == 2
+    (record,) = fallback_warnings(caplog, "not_captured")
+    assert "recorded but not captured yet" in record.getMessage()
+    assert "model.layers.0.self_attn" in record.getMessage()
+
+
+def test_variants_full_is_said_once(caplog):
+    model = tiny()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        model, max_variants=1, capture_backend=eager_backend
+    )
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        for seq in (8, 12, 16):
+            mgr.start_recording()
+            step(model, torch.randint(0, 128, (1, seq)))
+            mgr.capture()
+    full = [r for r in caplog.records if "already has max_variants=1" in r.getMessage()]
+    assert len(full) == 1, "4 refused recordings (2 targets x 2 steps), said once"
+    assert "model.layers.0.self_attn" in full[0].getMessage()
+    assert mgr.stats()["fallback_shape"] == 4
+
+
+# --- CUDAGRAPHS_DISABLE=1 --------------------------------------------------------------
+
+
+def refusing_backend(callables, sample_args, sample_kwargs):
+    raise AssertionError("a graphing backend ran under CUDAGRAPHS_DISABLE=1")
+
+
+@pytest.fixture
+def disabled(monkeypatch):
+    import cudagraphs.core
+
+    monkeypatch.setenv("CUDAGRAPHS_DISABLE", "1")
+    # The default backend resolves the core helper at capture: refuse it too.
+    monkeypatch.setattr(cudagraphs.core, "make_graphed_callables", refusing_backend)
+
+
+@pytest.mark.parametrize("backend", [None, refusing_backend], ids=["default", "given"])
+def test_disabled_runs_every_target_eagerly_through_the_same_path(disabled, caplog, backend):
+    model = tiny("qwen3_moe")
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 128, (2, 8), generator=gen) for _ in range(3)]
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        mgr.start_recording()
+        for i, ids in enumerate(batches):
+            assert torch.equal(step(model, ids), step(ref, ids)), f"step {i}: output"
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert (p.grad is None) == (q.grad is None), name
+                if p.grad is not None:
+                    assert torch.equal(p.grad, q.grad), f"step {i}: grad of {name}"
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            if i == 0:
+                mgr.capture()
+        step(model, torch.randint(0, 128, (2, 12)))  # contract matching still runs
+        mgr.start_recording()  # a second capture: no second "disabled" warning
+        step(model, torch.randint(0, 128, (2, 12)))
+        mgr.capture()
+    stats = mgr.stats()
+    # 4 targets (attention + router per layer): 2 matching steps, then one new length.
+    assert stats["disabled"] == 1 and stats["captured"] == 0, stats
+    assert stats["replayed"] == 8 and stats["fallback_shape"] == 4, stats
+    for entry in mgr.entries:
+        # The "graph" is the target's adapter itself, run eagerly.
+        assert [g.__qualname__ for g in entry.graphs] == [f"partial[{entry.name}]"] * 2
+    said = [r for r in caplog.records if "partial graphs are disabled" in r.getMessage()]
+    assert len(said) == 1 and "CUDAGRAPHS_DISABLE=1" in said[0].getMessage()
+    assert len(fallback_warnings(caplog, "shape")) == 1
+    mgr.close()
+
+
+def test_disabled_is_zero_when_graphs_are_on(monkeypatch):
+    monkeypatch.delenv("CUDAGRAPHS_DISABLE", raising=False)
+    model = tiny()
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=eager_backend)
+    assert mgr.stats()["disabled"] == 0
+    mgr.start_recording()
+    step(model, torch.randint(0, 128, (1, 8)))
+    mgr.capture()
+    assert mgr.stats()["disabled"] == 0 and mgr.stats()["captured"] == 2
+
+
+def test_disabled_flag_changed_between_captures_is_refused(monkeypatch):
+    monkeypatch.delenv("CUDAGRAPHS_DISABLE", raising=False)
+    model = tiny()
+    mgr = recorded(model, torch.randint(0, 128, (1, 8)))
+    monkeypatch.setenv("CUDAGRAPHS_DISABLE", "1")
+    mgr.start_recording()
+    step(model, torch.randint(0, 128, (1, 12)))
+    with pytest.raises(CudaGraphsStateError, match="CUDAGRAPHS_DISABLE changed"):
+        mgr.capture()
+    monkeypatch.setenv("CUDAGRAPHS_DISABLE", "0")
+    mgr.capture()  # refused without side effects: the recorded variant captures now
+    assert mgr.stats()["captured"] == 4
+    mgr.close()
+
+
+# --- what from_model_parts accepts ------------------------------------------------------
+
+
+def test_a_single_module_is_one_model_part():
+    model = tiny("qwen3_moe")
+    one = PartialCudaGraphManager.from_model_parts(model, capture_backend=eager_backend)
+    many = PartialCudaGraphManager.from_model_parts([model], capture_backend=eager_backend)
+    assert [e.name for e in one.entries] == [e.name for e in many.entries]
+    assert len(one.entries) == 4
+
+
+def test_include_string_graphs_the_named_modules_and_equals_eager():
+    model = tiny()
+    ref = copy.deepcopy(model)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        model, attention=False, include="model.layers.*.mlp", capture_backend=eager_backend
+    )
+    assert [e.name for e in mgr.entries] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    ids = torch.randint(0, 128, (2, 8))
+    mgr.start_recording()
+    step(model, ids)
+    mgr.capture()
+    model.zero_grad(set_to_none=True)
+    assert torch.equal(step(model, ids), step(ref, ids))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert mgr.stats()["replayed"] == 2 and mgr.stats()["fallbacks"] == 0
+    mgr.close()
+
+
+def test_nothing_found_reasons(caplog):
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        assert PartialCudaGraphManager.from_model_parts([]) is None
+        assert PartialCudaGraphManager.from_model_parts(tiny(), attention=False) is None
+        assert (
+            PartialCudaGraphManager.from_model_parts(tiny(), include="no.such.module") is not None
+        )
+        assert (
+            PartialCudaGraphManager.from_model_parts(
+                tiny(), attention=False, router=False, include=None
+            )
+            is None
+        )
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 3
+    assert "no model parts were given" in said[0]
+    assert "LlamaForCausalLM with 2 block(s), looking for MoE routers" in said[1]
+    assert "nothing asked for" in said[2]
+
+
+class BadRepr:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+class CtlBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = Attn()
+
+    def forward(self, x, ctl):
+        return x + self.self_attn(x, attention_mask=ctl)
+
+
+def test_a_failing_report_still_warns_and_runs_the_module(caplog):
+    layers = nn.ModuleList([CtlBlock(), CtlBlock()])
+    mgr = PartialCudaGraphManager.from_model_parts(layers, capture_backend=eager_backend)
+    x, ctl = torch.randn(2, 8), BadRepr()
+    mgr.start_recording()
+    layers[0](x, ctl)
+    mgr.capture()
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        out = layers[0](x, BadRepr())  # another object: a control difference
+    assert mgr.stats()["fallback_control"] == 1
+    (said,) = fallback_warnings(caplog, "control")
+    assert said.getMessage().startswith("partial graphs: 0.self_attn ran eagerly")
+    assert "report failed (RuntimeError: no repr)" in said.getMessage()
+    mgr.close()
+    assert torch.equal(out, layers[0](x, ctl))

@@ -15,7 +15,7 @@ import torch
 
 from .errors import CudaGraphsTypeError, CudaGraphsValueError, NoCudaDeviceError
 
-__all__ = ["check_callable", "check_int", "check_number", "require_cuda"]
+__all__ = ["check_bool", "check_callable", "check_int", "check_number", "require_cuda"]
 
 
 def require_cuda(what: str) -> None:
@@ -48,6 +48,17 @@ def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise CudaGraphsValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool (``0``/``1`` refused: flags are spelled True/False).
+
+    Raises:
+        CudaGraphsTypeError: naming ``name`` and the value received.
+    """
+    if not isinstance(value, bool):
+        raise CudaGraphsTypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
 
 
 def check_number(name: str, value: Any) -> float | int:

@@ -1,10 +1,22 @@
 """Partial graphs for training: graph the fixed-shape pieces of each transformer block
-(attention, the MoE router) inside an eager training loop.
+(attention, the MoE router, and modules named by ``include``) inside an otherwise
+eager training loop.
 
-The manager records one eager iteration, captures through the core
-``make_graphed_callables`` and replays calls that match the recorded contract, with
-counted eager fallback. Parameters are explicit graph inputs: read in place, or under
-FSDP2 copied in at each call (:mod:`.fsdp`).
+:class:`PartialCudaGraphManager` records one eager step, captures the recorded calls
+through the core ``make_graphed_callables``, and replays a later call only when it
+matches the recorded contract (:class:`CallContract`: structure, tensor type, shape,
+stride, dtype, device, requires_grad, aliasing, non-tensor controls, grad mode,
+training flag). Every other call runs the module eagerly: counted per reason in
+``stats()``, and the first call of each reason logged at WARNING with its mismatch
+report (:meth:`CallContract.mismatches`, :class:`~cudagraphs.errors.Mismatch`
+records). ``CUDAGRAPHS_DISABLE=1`` runs every target eagerly through the same path.
+Parameters are explicit graph inputs: read in place, or under FSDP2 copied in at each
+call (:mod:`.fsdp`). The errors this layer raises derive from
+:class:`~cudagraphs.errors.CudaGraphsError`.
+
+Not here: discovery does not pick MLPs, whole MoE blocks or whole layers by itself
+(``include`` can name them), nothing measures whether a graph is faster than eager,
+and there is no Trainer integration.
 """
 
 from .contract import CallContract, ContractSet, FallbackCounter
@@ -19,7 +31,8 @@ from .discovery import (
     select_targets,
     unwrap_checkpoint,
 )
-from .manager import CaptureBackend, PartialCudaGraphManager, PartialGraphEntry
+from .entry import PartialGraphEntry
+from .manager import CaptureBackend, PartialCudaGraphManager
 
 __all__ = [
     "CaptureBackend",

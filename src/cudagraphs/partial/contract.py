@@ -5,6 +5,16 @@ it only if nothing the graph baked in differs: the argument structure, each tens
 type, shape, stride, dtype, device and requires_grad, which arguments are the same
 tensor object (the alias pattern), every non-tensor control value, the grad mode and
 the module's training flag. Anything else runs eagerly, and the reason is counted.
+
+Two ways to ask why a call differs, one for each purpose:
+
+* :meth:`CallContract.match` / :meth:`CallContract.differences`: the reasons (names
+  from :data:`REASONS`), cheap enough to run on every call;
+* :meth:`CallContract.mismatches`: the same differences as
+  :class:`~cudagraphs.errors.Mismatch` records (path such as ``args[0]`` or
+  ``kwargs['attention_mask']``, field, expected, received), for reports. It builds
+  key paths, so it is for the first fallback of a cause and for debugging, not for
+  every call.
 """
 
 from __future__ import annotations
@@ -12,11 +22,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+
+from ..checks import check_int
+from ..errors import Mismatch
 
 __all__ = [
     "REASONS",
@@ -82,9 +95,56 @@ def _alias_pattern(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors))
 
 
+def _path(keys: tuple) -> str:
+    """A pytree key path of ``(args, kwargs)`` as ``args[0]`` / ``kwargs['mask']``."""
+    return ("args" if keys[0].idx == 0 else "kwargs") + pytree.keystr(keys[1:])
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "Tensor"
+    return "None" if value is None else type(value).__qualname__
+
+
+def _leaf_kinds(call: tuple[tuple, dict]) -> tuple[tuple[str, str], ...]:
+    """``(path, kind)`` of every leaf of a flattened call, ``None`` included: pytree
+    treats ``None`` as an empty container, so a ``None`` that became a tensor would
+    otherwise have no path to report."""
+    flat, _ = pytree.tree_flatten_with_path(call, is_leaf=lambda x: x is None)
+    return tuple((_path(keys), _kind(value)) for keys, value in flat)
+
+
+class _Shown:
+    """A placeholder leaf whose repr is a kind, to print a call's skeleton."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _skeleton(kinds: list[str], spec: pytree.TreeSpec) -> str:
+    """``(args, kwargs)`` with each leaf replaced by its kind: ``(([Tensor],), {})``."""
+    try:
+        return repr(pytree.tree_unflatten([_Shown(k) for k in kinds], spec))
+    except Exception:  # a custom pytree node that refuses placeholder children
+        return str(spec)
+
+
+def _shown(field_name: str, value: Any) -> Any:
+    if field_name == "tensor_type":
+        return value.__qualname__
+    return str(value) if field_name == "device" else value
+
+
 @dataclass(frozen=True)
 class CallContract:
-    """Everything a recorded call fixes (see module docs)."""
+    """Everything a recorded call fixes (see module docs). Built by :meth:`from_call`.
+
+    ``leaf_kinds`` (``(path, kind)`` per leaf, ``None`` leaves included) serves only
+    :meth:`mismatches`' structure report; it takes no part in matching or equality.
+    """
 
     in_spec: pytree.TreeSpec
     controls: tuple[tuple[int, Any], ...]  # (leaf position, value) of non-tensor leaves
@@ -93,6 +153,7 @@ class CallContract:
     alias: tuple[int, ...]
     grad_enabled: bool
     training: bool
+    leaf_kinds: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def from_call(cls, args: tuple, kwargs: dict, *, training: bool) -> CallContract:
@@ -107,6 +168,7 @@ class CallContract:
             alias=_alias_pattern(tensors),
             grad_enabled=torch.is_grad_enabled(),
             training=training,
+            leaf_kinds=_leaf_kinds((tuple(args), dict(sorted(kwargs.items())))),
         )
 
     def unique_tensor_indices(self) -> tuple[int, ...]:
@@ -133,6 +195,95 @@ class CallContract:
     def differences(self, args: tuple, kwargs: dict, *, training: bool) -> set[str]:
         """Every reason (from :data:`REASONS`) why the call differs; empty if none."""
         return self._differences(*flatten_call(args, kwargs), training)
+
+    def mismatches(self, args: tuple, kwargs: dict, *, training: bool) -> list[Mismatch]:
+        """Every difference of a call from this contract, one
+        :class:`~cudagraphs.errors.Mismatch` each, for reports
+        (:func:`~cudagraphs.errors.describe_mismatches` renders them).
+
+        The records say what :meth:`differences` says, in detail: the set of their
+        ``field`` s equals ``differences(...)``, and the list is empty exactly when
+        :meth:`match` accepts the call. ``path`` is ``args[i]...`` or
+        ``kwargs['name']...`` (a pytree key path of the call), ``(args, kwargs)`` for
+        a change of container types, ``torch.is_grad_enabled()`` for ``grad_mode`` and
+        ``module.training`` for ``training``. Tensor types are shown by class name and
+        devices as strings; other expected / received values are the values.
+
+        As with :meth:`differences`, a structure difference ends the comparison of
+        leaves (positions no longer correspond). Slower than :meth:`match` (it builds
+        key paths): call it to explain a fallback, not on every call.
+        """
+        call = (tuple(args), dict(sorted(kwargs.items())))
+        flat, spec = pytree.tree_flatten_with_path(call)
+        if spec != self.in_spec:
+            found = self._structure_mismatches(call, [v for _, v in flat], spec)
+        else:
+            found = self._leaf_mismatches([_path(k) for k, _ in flat], [v for _, v in flat])
+        grad = torch.is_grad_enabled()
+        if grad != self.grad_enabled:
+            found.append(Mismatch("torch.is_grad_enabled()", "grad_mode", self.grad_enabled, grad))
+        if training != self.training:
+            found.append(Mismatch("module.training", "training", self.training, training))
+        return found
+
+    def _structure_mismatches(
+        self, call: tuple[tuple, dict], leaves: list, spec: pytree.TreeSpec
+    ) -> list[Mismatch]:
+        want, got = dict(self.leaf_kinds), dict(_leaf_kinds(call))
+        found = []
+        for path, kind in want.items():
+            if path not in got:
+                found.append(Mismatch(path, "structure", kind, "absent"))
+            elif _role(kind) != _role(got[path]):
+                found.append(Mismatch(path, "structure", kind, got[path]))
+        found += [Mismatch(p, "structure", "absent", k) for p, k in got.items() if p not in want]
+        if not found:  # same paths, other containers (a list for a tuple, say)
+            recorded = ["Tensor"] * self.in_spec.num_leaves
+            for pos, value in self.controls:
+                recorded[pos] = _kind(value)
+            received = [_kind(v) for v in leaves]
+            found.append(
+                Mismatch(
+                    "(args, kwargs)",
+                    "structure",
+                    _skeleton(recorded, self.in_spec),
+                    _skeleton(received, spec),
+                )
+            )
+        return found
+
+    def _leaf_mismatches(self, paths: list[str], leaves: list) -> list[Mismatch]:
+        # The same checks, in the same order, as _differences.
+        not_tensors = [p for p in self.tensor_positions if not isinstance(leaves[p], torch.Tensor)]
+        if not_tensors:
+            return [
+                Mismatch(paths[p], "structure", "Tensor", _kind(leaves[p])) for p in not_tensors
+            ]
+        by_leaf: list[tuple[int, Mismatch]] = []  # sorted by position below: call order
+        for pos, value in self.controls:
+            if isinstance(leaves[pos], torch.Tensor):
+                by_leaf.append((pos, Mismatch(paths[pos], "structure", _kind(value), "Tensor")))
+            elif not same_control(leaves[pos], value):
+                by_leaf.append((pos, Mismatch(paths[pos], "control", value, leaves[pos])))
+        tensors = [leaves[pos] for pos in self.tensor_positions]
+        for pos, t, want in zip(self.tensor_positions, tensors, self.tensor_meta):
+            by_leaf += [
+                (pos, Mismatch(paths[pos], name, _shown(name, b), _shown(name, a)))
+                for name, a, b in zip(_META_FIELDS, _meta(t), want)
+                if a != b
+            ]
+        found = [m for _, m in sorted(by_leaf, key=lambda item: item[0])]
+        tensor_paths = [paths[pos] for pos in self.tensor_positions]
+
+        def alias_text(first: int, i: int) -> str:
+            return "its own tensor" if first == i else f"the same tensor as {tensor_paths[first]}"
+
+        for i, (want, got) in enumerate(zip(self.alias, _alias_pattern(tensors))):
+            if want != got:
+                found.append(
+                    Mismatch(tensor_paths[i], "alias", alias_text(want, i), alias_text(got, i))
+                )
+        return found
 
     def _differences(self, leaves: list, spec: pytree.TreeSpec, training: bool) -> set[str]:
         found: set[str] = set()
@@ -179,14 +330,22 @@ class CallContract:
 _META_FIELDS = ("tensor_type", "shape", "stride", "dtype", "device", "requires_grad")
 
 
+def _role(kind: str) -> str:
+    """What the structure of a call depends on: tensor, None, or a control value."""
+    return kind if kind in ("Tensor", "None") else "value"
+
+
 class ContractSet:
     """The recorded variants of one target (for example two sequence lengths), at most
     ``max_variants``; a call replays the first variant it matches."""
 
     def __init__(self, max_variants: int = 4) -> None:
-        if not isinstance(max_variants, int) or max_variants < 1:
-            raise ValueError(f"max_variants must be an int >= 1, got {max_variants!r}")
-        self.max_variants = max_variants
+        """
+        Raises:
+            CudaGraphsTypeError: ``max_variants`` is not an int (``True`` included).
+            CudaGraphsValueError: ``max_variants`` < 1.
+        """
+        self.max_variants = check_int("max_variants", max_variants, minimum=1)
         self.variants: list[CallContract] = []
 
     def add(self, contract: CallContract) -> int | None:
@@ -211,6 +370,14 @@ class ContractSet:
                 return i, "", tensors
             first_reason = first_reason or reason
         return None, first_reason, []
+
+    def mismatches(self, args: tuple, kwargs: dict, *, training: bool) -> list[Mismatch]:
+        """:meth:`CallContract.mismatches` against the first variant, the one whose
+        reason :meth:`match` reports; one ``structure`` record when nothing was
+        recorded. Empty when the first variant accepts the call."""
+        if not self.variants:
+            return [Mismatch("(args, kwargs)", "structure", "a recorded call", "none recorded")]
+        return self.variants[0].mismatches(args, kwargs, training=training)
 
 
 class FallbackCounter:

@@ -7,7 +7,14 @@ sublayer by having a router (a gate with a weight) beside experts. A model label
 produced for diagnostics only.
 
 Targets are the modules a manager will graph: each block's whole attention module and
-its MoE router. Users can choose targets themselves by name pattern or predicate.
+its MoE router. Users add targets of their own with ``include``: one glob pattern over
+qualified module names (a plain string), a list or tuple of patterns, or a predicate
+``(name, module) -> bool``.
+
+What this module does NOT do: it does not graph MLPs, whole MoE blocks or whole
+layers unless ``include`` names them, and it does not judge whether an included
+module is graph-safe (host syncs, data-dependent shapes): the replay contract and the
+capture do.
 """
 
 from __future__ import annotations
@@ -17,22 +24,27 @@ import inspect
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
-from ..errors import TargetSelectionError
+from ..checks import check_bool
+from ..errors import CudaGraphsTypeError, TargetSelectionError
 
 __all__ = [
     "DiscoveredBlock",
+    "Selector",
     "Target",
     "TargetSelectionError",
+    "as_model_parts",
     "discover_blocks",
     "find_attention",
     "find_moe",
+    "include_predicate",
     "model_label",
     "select_targets",
     "unwrap_checkpoint",
+    "why_nothing_found",
 ]
 
 logger = logging.getLogger(__name__)
@@ -185,7 +197,46 @@ def model_label(model: nn.Module) -> str:
     return f"{type(model).__name__} with {len(discover_blocks(model))} block(s)"
 
 
-Selector = Sequence[str] | Callable[[str, nn.Module], bool]
+#: What ``include`` accepts: one glob pattern, a list or tuple of them, or a predicate.
+Selector = str | Sequence[str] | Callable[[str, nn.Module], bool]
+Predicate = Callable[[str, nn.Module], bool]
+
+
+def include_predicate(include: Selector | None) -> Predicate | None:
+    """``include`` as a predicate ``(name, module) -> bool`` (``None`` stays ``None``).
+
+    A plain string is one glob pattern (``"model.layers.*.mlp"``), not a sequence of
+    one-character patterns; a list or tuple holds patterns; a callable is used as it
+    is. Patterns match qualified names with :func:`fnmatch.fnmatchcase`.
+
+    Raises:
+        CudaGraphsTypeError: ``include`` is none of these, or a list / tuple holds
+            something other than a string (naming ``include[i]``).
+    """
+    if include is None:
+        return None
+    if isinstance(include, str):
+        patterns: tuple[str, ...] = (include,)
+    elif isinstance(include, (list, tuple)):
+        for i, pattern in enumerate(include):
+            if not isinstance(pattern, str):
+                raise CudaGraphsTypeError(
+                    f"include[{i}] must be a glob pattern (str), got "
+                    f"{type(pattern).__name__} {pattern!r}"
+                )
+        patterns = tuple(include)
+    elif callable(include):
+        return include
+    else:
+        raise CudaGraphsTypeError(
+            "include must be a glob pattern (str), a list or tuple of patterns, or a "
+            f"predicate (name, module) -> bool; got {type(include).__name__} {include!r}"
+        )
+
+    def matches(name: str, module: nn.Module) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+    return matches
 
 
 def select_targets(
@@ -198,26 +249,38 @@ def select_targets(
     """The targets to graph in ``model``, in module order.
 
     Args:
+        model: the model (or one pipeline stage) to search; not modified.
         attention, router: take the discovered attention modules / MoE routers.
-        include: extra user-chosen targets: glob patterns over qualified names
-            (``"model.layers.*.mlp.shared_experts"``) or a predicate
-            ``(name, module) -> bool``.
+        include: extra user-chosen targets (see :func:`include_predicate`): one glob
+            pattern over qualified names (``"model.layers.*.mlp.shared_experts"``),
+            a list or tuple of patterns, or a predicate ``(name, module) -> bool``.
+            A module already chosen is not added twice.
+
+    Returns:
+        The targets, in the order of ``model``'s modules (empty when nothing fits).
 
     Raises:
+        CudaGraphsTypeError: ``model`` is not an ``nn.Module``, ``attention`` /
+            ``router`` is not a bool, or ``include`` has an unusable type.
         TargetSelectionError: the same physical module would be graphed under two
             names (a shared layer runs more than once per forward), or one target
             contains another.
     """
+    if not isinstance(model, nn.Module):
+        raise CudaGraphsTypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_bool("attention", attention)
+    check_bool("router", router)
+    predicate = include_predicate(include)
     targets: list[Target] = []
     for block in discover_blocks(model):
         if attention and block.attention is not None:
             targets.append(block.attention)
         if router and block.router is not None:
             targets.append(block.router)
-    if include is not None:
+    if predicate is not None:
         chosen = {t.name for t in targets}
         for name, module in _named_modules(model):
-            if name not in chosen and _included(include, name, module):
+            if name not in chosen and predicate(name, module):
                 targets.append(Target(name, module, "custom"))
     _reject_shared(targets)
     order = {name: i for i, (name, _) in enumerate(_named_modules(model))}
@@ -236,12 +299,6 @@ def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _included(include: Selector, name: str, module: nn.Module) -> bool:
-    if callable(include):
-        return bool(include(name, module))
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in include)
-
-
 def _reject_shared(targets: list[Target]) -> None:
     by_module: dict[int, str] = {}
     for t in targets:
@@ -250,7 +307,9 @@ def _reject_shared(targets: list[Target]) -> None:
             raise TargetSelectionError(
                 f"{t.name} and {other} are the same module object: it runs more than once "
                 "per forward, and one graph cannot stand for several calls with different "
-                "inputs. Untie the modules or leave them out of the targets."
+                "inputs. Fixes: 1. untie the modules (one object per position); 2. leave "
+                "them out of the targets (attention=False / router=False, or an include "
+                "that does not name them)."
             )
     names = {t.name for t in targets}
     for inner in sorted(names):
@@ -259,5 +318,49 @@ def _reject_shared(targets: list[Target]) -> None:
             outer = ".".join(parts[:k])
             if outer in names:
                 raise TargetSelectionError(
-                    f"target {inner} lies inside target {outer}; graph one of them, not both"
+                    f"target {inner} lies inside target {outer}; graph one of them, not "
+                    "both (narrow include, or turn attention / router off)"
                 )
+
+
+def as_model_parts(model_parts: Any) -> list[nn.Module]:
+    """``model_parts`` as a list of modules: one ``nn.Module`` (a ``ModuleList``
+    included: it is one module) or an iterable of them.
+
+    Raises:
+        CudaGraphsTypeError: neither, naming ``model_parts`` or ``model_parts[i]``.
+    """
+    if isinstance(model_parts, nn.Module):
+        return [model_parts]
+    if isinstance(model_parts, (str, bytes)) or not isinstance(model_parts, Iterable):
+        raise CudaGraphsTypeError(
+            "model_parts must be an nn.Module or a sequence of them (pipeline stages), "
+            f"got {type(model_parts).__name__}"
+        )
+    parts = list(model_parts)
+    for i, part in enumerate(parts):
+        if not isinstance(part, nn.Module):
+            raise CudaGraphsTypeError(
+                f"model_parts[{i}] must be an nn.Module, got {type(part).__name__} {part!r}"
+            )
+    return parts
+
+
+def why_nothing_found(
+    parts: Sequence[nn.Module], *, attention: bool, router: bool, include: Selector | None
+) -> str:
+    """Why no target was found in ``parts``, with the fixes (for a log line)."""
+    if not parts:
+        return "no model parts were given"
+    searched = ", ".join(model_label(p) for p in parts)
+    asked = [w for w, on in (("attention", attention), ("MoE routers", router)) if on]
+    if include is not None:
+        asked.append(f"include={include!r}")
+    if not asked:
+        return f"in {searched}: attention=False, router=False and no include: nothing asked for"
+    return (
+        f"in {searched}, looking for {', '.join(asked)}; blocks are found in a ModuleList/"
+        "ModuleDict of same-typed modules that each hold an attention module. Fixes: "
+        "1. pass include= naming the modules to graph; 2. pass the model parts that hold "
+        "the decoder layers"
+    )

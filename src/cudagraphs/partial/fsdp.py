@@ -11,13 +11,20 @@ gradients returned to autograd, which accumulates them into the unsharded
 parameters' ``.grad`` for FSDP's reduce-scatter. The static buffers hold one
 unsharded copy of each target's parameters: for the attention modules of a large
 model that is memory FSDP would otherwise not keep.
+
+:func:`check_target_parameters` says which parameters a target's graph takes and
+refuses those it cannot use: meta-device parameters, and DTensors that FSDP2 does not
+manage (tensor parallelism).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["fsdp_managed_modules"]
+from ..errors import CudaGraphsValueError, TargetSelectionError
+from .discovery import Target
+
+__all__ = ["check_target_parameters", "fsdp_managed_modules"]
 
 
 def fsdp_managed_modules(part: nn.Module) -> set[int]:
@@ -33,3 +40,30 @@ def fsdp_managed_modules(part: nn.Module) -> set[int]:
         if isinstance(module, FSDPModule)
         for inner in module.modules()
     }
+
+
+def check_target_parameters(target: Target, fsdp: bool) -> list[tuple[str, nn.Parameter]]:
+    """The ``(name, parameter)`` pairs of ``target`` that require grad: the graph's
+    parameter inputs. ``fsdp``: whether FSDP2 manages the target.
+
+    Raises:
+        CudaGraphsValueError: a parameter is on the meta device (naming it).
+        TargetSelectionError: a DTensor parameter outside FSDP2 (naming it).
+    """
+    params = [(n, p) for n, p in target.module.named_parameters() if p.requires_grad]
+    for name, p in target.module.named_parameters():
+        if p.is_meta:
+            raise CudaGraphsValueError(
+                f"{target.name}.{name} is on the meta device (not materialized), so a "
+                "graph would have no storage to read. Fix: materialize the model "
+                "(to_empty(device=...), then initialize or load weights) before "
+                "from_model_parts."
+            )
+        if not fsdp and (type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"):
+            raise TargetSelectionError(
+                f"{target.name}.{name} is a DTensor outside FSDP2 (tensor parallelism?); "
+                "only FSDP2-sharded parameters (fully_shard) are supported. Fixes: "
+                "1. leave this module out of the targets (attention=False / router=False, "
+                "or an include that does not name it); 2. shard it with fully_shard."
+            )
+    return params

@@ -8,24 +8,47 @@ Life cycle (the constructor never captures):
    :func:`~cudagraphs.make_graphed_callables`, with the target's parameters passed
    as explicit graph inputs so their gradients reach the real parameters.
 4. Later calls replay when they match a recorded contract (:mod:`.contract`) and run
-   eagerly otherwise, counted per reason. ``stats()`` / ``log_stats()`` report.
+   eagerly otherwise, counted per reason. The first eager run of each reason is
+   logged at WARNING with the target and the call's mismatch report; later ones are
+   only counted. ``stats()`` / ``log_stats()`` report.
 5. ``close()`` (idempotent) restores the eager modules and releases the graphs.
+
+With ``CUDAGRAPHS_DISABLE=1`` (read by ``capture()``) the same life cycle runs with
+no graph: each target's graphed callable is its adapter run eagerly, so recording,
+contract matching and counting are those of graphed runs; ``stats()["disabled"]``
+is 1 and a WARNING says so once.
+
+Every error raised here derives from :class:`~cudagraphs.errors.CudaGraphsError`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import CudaGraphInputError
-from .contract import CallContract, ContractSet, FallbackCounter
-from .discovery import Selector, Target, TargetSelectionError, model_label, select_targets
-from .fsdp import fsdp_managed_modules
+from ..checks import check_bool, check_callable, check_int
+from ..diagnostics import WarnOnce
+from ..errors import (
+    CudaGraphsStateError,
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+)
+from ..settings import DISABLE_ENV, graphs_disabled
+from .contract import ContractSet
+from .discovery import (
+    Selector,
+    TargetSelectionError,
+    as_model_parts,
+    include_predicate,
+    select_targets,
+    why_nothing_found,
+)
+from .entry import PartialGraphEntry
+from .fsdp import check_target_parameters, fsdp_managed_modules
 
 __all__ = ["CaptureBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
 
@@ -42,28 +65,11 @@ def _default_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) 
     return result if isinstance(result, tuple) else (result,)
 
 
-def _detached_clone(value: Any) -> Any:
-    """A sample of a recorded argument: same metadata, its own storage, no history."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone().requires_grad_(value.requires_grad)
-    return value
-
-
-def _check_parameters(target: Target, fsdp: bool) -> list[tuple[str, nn.Parameter]]:
-    params = [(n, p) for n, p in target.module.named_parameters() if p.requires_grad]
-    for name, p in target.module.named_parameters():
-        if p.is_meta:
-            raise ValueError(
-                f"{target.name}.{name} is on the meta device (not materialized); "
-                "materialize the model (to_empty + init) before recording"
-            )
-        if not fsdp and (type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"):
-            raise ValueError(
-                f"{target.name}.{name} is a DTensor outside FSDP2 (tensor parallelism?); "
-                "only FSDP2-sharded parameters (fully_shard) are supported. Leave this "
-                "module out of the targets."
-            )
-    return params
+def _eager_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) -> Sequence[Any]:
+    """The backend under ``CUDAGRAPHS_DISABLE=1``: each adapter is its own "graph",
+    called with the arguments a graph would get (parameters first) and run eagerly."""
+    del sample_args, sample_kwargs
+    return list(callables)
 
 
 def _in_backward() -> bool:
@@ -73,109 +79,49 @@ def _in_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
-@dataclass
-class PartialGraphEntry:
-    """One target: its recorded variants, their graphs, counters and hooks."""
-
-    target: Target
-    contracts: ContractSet
-    counter: FallbackCounter = field(default_factory=FallbackCounter)
-    samples: list[tuple[tuple, dict]] = field(default_factory=list)  # per variant
-    graphs: list[Any] = field(default_factory=list)  # per variant (None until captured)
-    param_names: tuple[str, ...] = ()
-    params: tuple[nn.Parameter, ...] = ()
-    # Under FSDP2 (see .fsdp): parameters are fetched at each call and copied into the
-    # graph; param_samples holds their recorded values per variant until capture.
-    fsdp: bool = False
-    param_samples: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
-    original_forward: Callable[..., Any] | None = None
-    instance_forward: Any = None  # a forward the instance had of its own, to restore
-    recorder: Any = None  # the one-shot hook handle while recording
-    calls_while_recording: int = 0
-    bypass: bool = False  # set while the graphed adapter itself runs the module
-
-    @property
-    def name(self) -> str:
-        return self.target.name
-
-    def record(self, args: tuple, kwargs: dict) -> None:
-        self.calls_while_recording += 1
-        if self.calls_while_recording > 1:
-            return  # reported by capture(): one graph cannot stand for two calls
-        contract = CallContract.from_call(args, kwargs, training=self.target.module.training)
-        index = self.contracts.add(contract)
-        if index is None:
-            logger.warning(
-                "%s: %d variants recorded already; this call will run eagerly",
-                self.name,
-                self.contracts.max_variants,
-            )
-        elif index == len(self.samples):
-            self.samples.append(
-                (
-                    tuple(_detached_clone(a) for a in args),
-                    {k: _detached_clone(v) for k, v in kwargs.items()},
-                )
-            )
-            if self.fsdp:
-                # Plain tensors, not parameters: the graph copies these inputs per call.
-                self.param_samples.append(tuple(_detached_clone(p) for p in self.call_params()))
-            self.graphs.append(None)
-
-    def call_params(self) -> tuple[nn.Parameter, ...]:
-        """The parameters to pass to the graph now: fixed ones, or under FSDP2 the
-        module's current (unsharded, inside forward) parameters."""
-        if not self.fsdp:
-            return self.params
-        module = self.target.module
-        return tuple(module.get_parameter(name) for name in self.param_names)
-
-    def capture_params(self, variant: int) -> tuple[torch.Tensor, ...]:
-        """The parameter samples to capture ``variant`` with."""
-        return self.param_samples[variant] if self.fsdp else self.params
-
-    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
-        """The target's forward while graphs exist: replay or fall back, counted."""
-        if self.bypass:
-            return self.original_forward(*args, **kwargs)
-        index, reason, _ = self.contracts.match(args, kwargs, training=self.target.module.training)
-        if index is not None and self.graphs[index] is not None:
-            try:
-                out = self.graphs[index](self.call_params(), *args, **kwargs)
-            except CudaGraphInputError:
-                # The contract matched, so only the parameters can differ: one was
-                # replaced or re-allocated since capture (checked before any replay).
-                self.counter.fallback("param_storage")
-                return self.original_forward(*args, **kwargs)
-            self.counter.replay()
-            return out
-        self.counter.fallback(reason or "not_captured")
-        return self.original_forward(*args, **kwargs)
-
-    def adapter(self) -> Callable[..., Any]:
-        """The function graphed for this target: parameters first, as explicit inputs,
-        then the recorded call. It runs the module with those tensors bound in place of
-        its parameters, so the graph reads its inputs rather than captured state."""
-        module, names = self.target.module, self.param_names
-
-        def run(params: tuple, *args: Any, **kwargs: Any) -> Any:
-            self.bypass = True
-            try:
-                return torch.func.functional_call(module, dict(zip(names, params)), args, kwargs)
-            finally:
-                self.bypass = False
-
-        run.__qualname__ = f"partial[{self.name}]"
-        return run
-
-
 class PartialCudaGraphManager:
-    """Graphs for the fixed-shape pieces of a training model (see module docs).
+    """Graphs for the fixed-shape pieces of a training model.
+
+    Workflow:
+
+    1. ``mgr = PartialCudaGraphManager.from_model_parts(model)`` finds the targets
+       (each block's attention, MoE routers, whatever ``include`` names); ``None``
+       when there are none.
+    2. ``mgr.start_recording()``, then one training step: each target's call is
+       recorded (arguments, metadata, aliasing, controls, grad mode, training flag).
+    3. ``mgr.capture()`` graphs the recorded calls in forward order and installs a
+       dispatching forward on each target.
+    4. Train: a call that matches a recorded contract replays; any other call runs
+       the module eagerly, counted per reason and said once per reason at WARNING.
+       Repeat 2-3 to add variants (another sequence length), up to ``max_variants``.
+    5. ``mgr.stats()`` / ``mgr.log_stats(phase)``; ``mgr.close()`` at the end.
+
+    What it does NOT do: graph anything outside the targets (the rest of the step
+    stays eager), graph a target that runs more than once per forward, re-capture by
+    itself when inputs change, or judge whether graphs are faster than eager.
+
+    ``stats()`` keys: ``captured`` (graphs held), ``replayed``, ``fallbacks``,
+    ``disabled`` (1 under ``CUDAGRAPHS_DISABLE=1``, else 0), and one
+    ``fallback_<reason>`` per reason seen: a name from
+    :data:`~cudagraphs.partial.contract.REASONS`, ``not_captured`` (recorded, not
+    captured yet) or ``param_storage`` (a parameter replaced since capture). Under
+    ``CUDAGRAPHS_DISABLE=1`` no graph exists (``captured`` is 0) and ``replayed``
+    counts the calls that matched a recorded contract and ran eagerly in its place.
 
     Args:
         entries: one per target, in module order (built by :meth:`from_model_parts`).
         capture_backend: how recorded calls become graphed callables; the core
             ``make_graphed_callables`` by default (tests substitute an eager one).
+            Called as ``backend(callables, sample_args, sample_kwargs)`` and must
+            return one callable per call. Replaced by an eager one under
+            ``CUDAGRAPHS_DISABLE=1``.
+        activation_checkpointing: give each target its own memory pool (see
+            :meth:`from_model_parts`).
+
+    Raises:
+        CudaGraphsTypeError: an entry that is not a :class:`PartialGraphEntry`, a
+            ``capture_backend`` that is not callable, or ``activation_checkpointing``
+            that is not a bool.
 
     Threading: one training thread drives a manager.
     """
@@ -188,17 +134,31 @@ class PartialCudaGraphManager:
         activation_checkpointing: bool = False,
     ) -> None:
         self.entries = list(entries)
+        for i, entry in enumerate(self.entries):
+            if not isinstance(entry, PartialGraphEntry):
+                raise CudaGraphsTypeError(
+                    f"entries[{i}] must be a PartialGraphEntry (build the manager with "
+                    f"from_model_parts), got {type(entry).__name__}"
+                )
+        if capture_backend is not None:
+            check_callable("capture_backend", capture_backend)
         self._backend = capture_backend or _default_backend
         # Set by the caller, or on seeing a checkpoint recompute while recording.
-        self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing = check_bool(
+            "activation_checkpointing", activation_checkpointing
+        )
         self._recording = False
         self._closed = False
+        self._disabled: bool | None = None  # fixed by the first capture()
         self._order: list[PartialGraphEntry] = []  # first-call order while recording
+        self._warn_once = WarnOnce(logger)
+        for entry in self.entries:
+            entry.warn_once = self._warn_once
 
     @classmethod
     def from_model_parts(
         cls,
-        model_parts: Sequence[nn.Module],
+        model_parts: nn.Module | Sequence[nn.Module],
         activation_checkpointing: bool = False,
         pipeline_parallel: bool = False,
         *,
@@ -210,37 +170,69 @@ class PartialCudaGraphManager:
     ) -> PartialCudaGraphManager | None:
         """Discover targets in already-built model parts (pipeline stages).
 
-        ``activation_checkpointing``: layers are recomputed in backward, so every
-        target replays its forward graph a second time, after later targets' backward
-        graphs ran. Each target then gets its own memory pool, so that replay cannot
-        overwrite another graph's live output (more memory, never wrong values). A
-        recompute seen while recording turns this on by itself. Checkpoint wrapper
-        modules are always unwrapped. ``pipeline_parallel`` is accepted for interface
-        compatibility: each part is searched on its own.
+        Args:
+            model_parts: one ``nn.Module`` or a sequence of them (pipeline stages);
+                borrowed: their target modules get a dispatching ``forward`` from
+                ``capture()`` until ``close()``.
+            activation_checkpointing: layers are recomputed in backward, so every
+                target replays its forward graph a second time, after later targets'
+                backward graphs ran. Each target then gets its own memory pool, so
+                that replay cannot overwrite another graph's live output (more memory,
+                never wrong values). A recompute seen while recording turns this on by
+                itself. Checkpoint wrapper modules are always unwrapped.
+            pipeline_parallel: accepted for interface compatibility: each part is
+                searched on its own.
+            attention, router: graph the discovered attention modules / MoE routers.
+            include: more targets: one glob pattern over qualified names (a plain
+                string such as ``"model.layers.*.mlp"``), a list or tuple of
+                patterns, or a predicate ``(name, module) -> bool``.
+            max_variants: recorded variants per target (for example sequence lengths).
+            capture_backend: see the class docs.
+
+        Targets under FSDP2 (``fully_shard``) are supported: their unsharded
+        parameters are copied into the graph at each call (:mod:`.fsdp`).
 
         Returns:
-            A manager, or ``None`` (with the reason logged) when nothing is graphable.
+            A manager, or ``None`` when nothing is graphable (said at WARNING, with
+            the reason: the model trains eagerly).
 
         Raises:
-            TargetSelectionError: a module shared under two names, or nested targets.
-            ValueError: meta parameters in a target, or DTensor parameters that
-                FSDP2 does not manage. Targets under FSDP2 (``fully_shard``) are
-                supported: their unsharded parameters are copied into the graph at
-                each call (see :mod:`cudagraphs.partial.fsdp`).
+            CudaGraphsTypeError: an argument of the wrong type (named): model parts
+                that are not modules, a non-bool flag, ``max_variants`` that is not
+                an int (``True`` included), an ``include`` of an unusable type, a
+                ``capture_backend`` that is not callable.
+            CudaGraphsValueError: ``max_variants`` < 1, or meta-device parameters in
+                a target.
+            TargetSelectionError: a module shared under two names, nested targets, or
+                DTensor parameters that FSDP2 does not manage.
         """
-        del pipeline_parallel  # see docstring
+        del pipeline_parallel  # see docstring (type-checked below all the same)
+        parts = as_model_parts(model_parts)
+        for name, flag in (
+            ("activation_checkpointing", activation_checkpointing),
+            ("attention", attention),
+            ("router", router),
+        ):
+            check_bool(name, flag)
+        max_variants = check_int("max_variants", max_variants, minimum=1)
+        if capture_backend is not None:
+            check_callable("capture_backend", capture_backend)
+        predicate = include_predicate(include)
         entries, seen = [], {}
-        for part in model_parts:
+        for part in parts:
             sharded = fsdp_managed_modules(part)
-            for target in select_targets(part, attention=attention, router=router, include=include):
+            for target in select_targets(
+                part, attention=attention, router=router, include=predicate
+            ):
                 if id(target.module) in seen:
                     raise TargetSelectionError(
                         f"{target.name} is the same module as {seen[id(target.module)]} in "
-                        "another model part; one graph cannot stand for both calls"
+                        "another model part; one graph cannot stand for both calls. Fix: "
+                        "leave it out of the targets of one part."
                     )
                 seen[id(target.module)] = target.name
                 fsdp = id(target.module) in sharded
-                params = _check_parameters(target, fsdp)
+                params = check_target_parameters(target, fsdp)
                 entries.append(
                     PartialGraphEntry(
                         target=target,
@@ -251,8 +243,11 @@ class PartialCudaGraphManager:
                     )
                 )
         if not entries:
-            labels = ", ".join(model_label(p) for p in model_parts) or "no model parts"
-            logger.info("partial graphs: nothing graphable found in %s", labels)
+            logger.warning(
+                "partial graphs: nothing graphable found (%s); the model trains eagerly "
+                "and from_model_parts returns None",
+                why_nothing_found(parts, attention=attention, router=router, include=include),
+            )
             return None
         logger.info("partial graphs: %d target(s): %s", len(entries), [e.name for e in entries])
         return cls(
@@ -264,7 +259,11 @@ class PartialCudaGraphManager:
     # ---- recording ------------------------------------------------------------------
     def start_recording(self) -> None:
         """Install one-shot recorders on every target; the next forward records each
-        target's call (arguments, metadata, aliasing, controls, modes)."""
+        target's call (arguments, metadata, aliasing, controls, modes).
+
+        Raises:
+            CudaGraphsStateError: the manager was closed.
+        """
         self._check_open()
         self._order = []
         for entry in self.entries:
@@ -301,19 +300,34 @@ class PartialCudaGraphManager:
 
     # ---- capture --------------------------------------------------------------------
     def capture(self) -> None:
-        """Graph every recorded, not yet graphed call, in real forward order.
+        """Graph every recorded, not yet graphed call, in real forward order, and
+        install the dispatching forward on each target that has a graph.
+
+        Reads ``CUDAGRAPHS_DISABLE`` (:func:`cudagraphs.settings.graphs_disabled`):
+        when set, the eager backend stands in for the graphing one (see the class
+        docs) and a WARNING says so once. The first capture fixes the mode for the
+        manager's life.
 
         Raises:
+            CudaGraphsStateError: the manager was closed; nothing was recorded (run a
+                forward after start_recording); or ``CUDAGRAPHS_DISABLE`` changed since
+                this manager's first capture.
+            CudaGraphsValueError: ``CUDAGRAPHS_DISABLE`` is not a boolean, or the
+                capture backend returned the wrong number of callables.
             TargetSelectionError: a target ran more than once in the recorded forward.
-            RuntimeError: nothing was recorded (run a forward after start_recording).
+
+        An error of the capture backend (the core's ``CudaGraphCaptureError``, say)
+        propagates; the recorded calls are kept, so ``capture()`` can run again.
         """
         self._check_open()
+        disabled = self._read_disabled()
         self._stop_recording()
         repeated = [e.name for e in self.entries if e.calls_while_recording > 1]
         if repeated:
             raise TargetSelectionError(
                 f"{repeated} ran more than once in the recorded forward; one graph cannot "
-                "stand for several calls. Leave these modules out of the targets."
+                "stand for several calls. Fix: leave these modules out of the targets "
+                "(attention=False / router=False, or an include that does not name them)."
             )
         todo = [
             (entry, i)
@@ -322,11 +336,24 @@ class PartialCudaGraphManager:
             if graph is None
         ]
         if not todo and not any(e.graphs for e in self.entries):
-            raise RuntimeError(
-                "nothing was recorded: call start_recording(), run one forward, then capture()"
+            raise CudaGraphsStateError(
+                "nothing was recorded, so there is nothing to capture. Fix: call "
+                "start_recording(), run one training step (forward and backward), then "
+                "capture()."
+            )
+        self._disabled = disabled
+        if disabled:
+            self._warn_once(
+                "disabled",
+                "partial graphs are disabled (%s=1): the %d target(s) of this manager run "
+                "eagerly through the same recording, contract matching and counting, and "
+                "no graph is captured; stats()['disabled'] is 1. Unset %s to graph them.",
+                DISABLE_ENV,
+                len(self.entries),
+                DISABLE_ENV,
             )
         if todo:
-            self._capture_calls(todo)
+            self._capture_calls(todo, _eager_backend if disabled else self._backend)
         for entry in self.entries:
             if entry.original_forward is None and entry.graphs:
                 module = entry.target.module
@@ -334,7 +361,19 @@ class PartialCudaGraphManager:
                 entry.original_forward = module.forward
                 module.forward = entry.dispatch
 
-    def _capture_calls(self, todo: list[tuple[PartialGraphEntry, int]]) -> None:
+    def _read_disabled(self) -> bool:
+        disabled = graphs_disabled()
+        if self._disabled is not None and disabled != self._disabled:
+            was, now = ("disabled", "enabled") if self._disabled else ("enabled", "disabled")
+            raise CudaGraphsStateError(
+                f"{DISABLE_ENV} changed since this manager's first capture() (graphs were "
+                f"{was} then, {now} now); one manager does not mix graphed and eager "
+                f"targets. Fixes: 1. set {DISABLE_ENV} before the first capture() and keep "
+                "it; 2. close() this manager and build a new one."
+            )
+        return disabled
+
+    def _capture_calls(self, todo: list[tuple[PartialGraphEntry, int]], backend: Any) -> None:
         # One capture (one shared pool) for all calls, replayed in capture order; under
         # activation checkpointing one capture (one pool) per call: see from_model_parts.
         groups = [[call] for call in todo] if self.activation_checkpointing else [todo]
@@ -345,22 +384,31 @@ class PartialCudaGraphManager:
                 callables.append(entry.adapter())
                 sample_args.append((tuple(entry.capture_params(i)), *args))
                 sample_kwargs.append(kwargs)
-            graphed = self._backend(tuple(callables), tuple(sample_args), sample_kwargs)
+            graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))
+            if len(graphed) != len(group):
+                raise CudaGraphsValueError(
+                    f"capture_backend returned {len(graphed)} callable(s) for "
+                    f"{len(group)} call(s) ({[e.name for e, _ in group]}); it must return "
+                    "one graphed callable per call, in order"
+                )
             for (entry, i), g in zip(group, graphed):
                 entry.graphs[i] = g
                 if entry.fsdp:
                     entry.param_samples[i] = ()  # the graph holds its own copies now
         logger.info(
-            "partial graphs: captured %d call(s)%s",
+            "partial graphs: %s %d call(s)%s",
+            "prepared eagerly (disabled)" if self._disabled else "captured",
             len(todo),
             ", one pool each (activation checkpointing)" if self.activation_checkpointing else "",
         )
 
     # ---- reporting and teardown -------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        """Totals: captured graphs, replays, fallbacks, and fallbacks per reason."""
+        """Totals over all targets (keys: see the class docs)."""
+        graphs = sum(g is not None for e in self.entries for g in e.graphs)
         out: dict[str, int] = {
-            "captured": sum(g is not None for e in self.entries for g in e.graphs),
+            "captured": 0 if self._disabled else graphs,
+            "disabled": int(bool(self._disabled)),
             "replayed": 0,
             "fallbacks": 0,
         }
@@ -370,10 +418,12 @@ class PartialCudaGraphManager:
         return out
 
     def log_stats(self, phase: str) -> None:
+        """Log :meth:`stats` at INFO, labelled with ``phase``."""
         logger.info("partial graphs [%s]: %s", phase, self.stats())
 
     def close(self) -> None:
-        """Restore every module's eager forward, drop recorders and graphs (idempotent)."""
+        """Restore every module's eager forward, drop recorders and graphs (idempotent).
+        Counters are kept: ``stats()`` still reports replays and fallbacks."""
         if self._closed:
             return
         self._stop_recording()
@@ -395,4 +445,7 @@ class PartialCudaGraphManager:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this PartialCudaGraphManager was closed; build a new one")
+            raise CudaGraphsStateError(
+                "this PartialCudaGraphManager was closed (its modules run eagerly again); "
+                "build a new one with from_model_parts"
+            )

@@ -1,0 +1,193 @@
+"""One partial-graph target at run time: its recorded variants, their graphs, and the
+dispatch that replays a matching call or runs the module eagerly, counted, with the
+first eager run of each reason said at WARNING (see :mod:`.manager`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..diagnostics import WarnOnce
+from ..errors import CudaGraphInputError, describe_mismatches
+from .contract import CallContract, ContractSet, FallbackCounter
+from .discovery import Target
+
+__all__ = ["PartialGraphEntry"]
+
+# The manager's logger: users filter partial-graph messages under one name.
+logger = logging.getLogger("cudagraphs.partial.manager")
+
+
+def _detached_clone(value: Any) -> Any:
+    """A sample of a recorded argument: same metadata, its own storage, no history."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return value
+
+
+_CONTRACT_FIX = (
+    "Fixes: 1. record these inputs as another variant: start_recording(), run one step, "
+    "capture() (at most max_variants={n} per target); 2. make the calls match the "
+    "recorded one (pad to a recorded shape; same dtypes, grad mode and train/eval "
+    "mode); 3. nothing: the eager run is correct, only not graphed."
+)
+
+
+@dataclass
+class PartialGraphEntry:
+    """One target: its recorded variants, their graphs, counters and hooks."""
+
+    target: Target
+    contracts: ContractSet
+    counter: FallbackCounter = field(default_factory=FallbackCounter)
+    samples: list[tuple[tuple, dict]] = field(default_factory=list)  # per variant
+    graphs: list[Any] = field(default_factory=list)  # per variant (None until captured)
+    param_names: tuple[str, ...] = ()
+    params: tuple[nn.Parameter, ...] = ()
+    # Under FSDP2 (see .fsdp): parameters are fetched at each call and copied into the
+    # graph; param_samples holds their recorded values per variant until capture.
+    fsdp: bool = False
+    param_samples: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    original_forward: Callable[..., Any] | None = None
+    instance_forward: Any = None  # a forward the instance had of its own, to restore
+    recorder: Any = None  # the one-shot hook handle while recording
+    calls_while_recording: int = 0
+    bypass: bool = False  # set while the graphed adapter itself runs the module
+    # The owning manager's once-per-cause warnings (set by the manager).
+    warn_once: WarnOnce | None = None
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+    def record(self, args: tuple, kwargs: dict) -> None:
+        self.calls_while_recording += 1
+        if self.calls_while_recording > 1:
+            return  # reported by capture(): one graph cannot stand for two calls
+        contract = CallContract.from_call(args, kwargs, training=self.target.module.training)
+        index = self.contracts.add(contract)
+        if index is None:
+            self._warn(
+                "variants_full",
+                "partial graphs: %s already has max_variants=%d recorded variants; this "
+                "new call is not recorded and will run eagerly. Fix: pass a larger "
+                "max_variants to from_model_parts, or keep fewer distinct input shapes. "
+                "Later refusals (any target) are not logged again.",
+                self.name,
+                self.contracts.max_variants,
+            )
+        elif index == len(self.samples):
+            self.samples.append(
+                (
+                    tuple(_detached_clone(a) for a in args),
+                    {k: _detached_clone(v) for k, v in kwargs.items()},
+                )
+            )
+            if self.fsdp:
+                # Plain tensors, not parameters: the graph copies these inputs per call.
+                self.param_samples.append(tuple(_detached_clone(p) for p in self.call_params()))
+            self.graphs.append(None)
+
+    def call_params(self) -> tuple[nn.Parameter, ...]:
+        """The parameters to pass to the graph now: fixed ones, or under FSDP2 the
+        module's current (unsharded, inside forward) parameters."""
+        if not self.fsdp:
+            return self.params
+        module = self.target.module
+        return tuple(module.get_parameter(name) for name in self.param_names)
+
+    def capture_params(self, variant: int) -> tuple[torch.Tensor, ...]:
+        """The parameter samples to capture ``variant`` with."""
+        return self.param_samples[variant] if self.fsdp else self.params
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        """The target's forward while graphs exist: replay or fall back, counted.
+
+        A fallback runs the module's own forward. Its reason is counted (``stats()``)
+        and, the first time the manager sees that reason, logged at WARNING.
+        """
+        if self.bypass:
+            return self.original_forward(*args, **kwargs)
+        index, reason, _ = self.contracts.match(args, kwargs, training=self.target.module.training)
+        if index is not None and self.graphs[index] is not None:
+            try:
+                out = self.graphs[index](self.call_params(), *args, **kwargs)
+            except CudaGraphInputError as exc:
+                # The contract matched, so only the parameters can differ: one was
+                # replaced or re-allocated since capture (checked before any replay).
+                self._fall_back("param_storage", args, kwargs, exc)
+                return self.original_forward(*args, **kwargs)
+            self.counter.replay()
+            return out
+        self._fall_back(reason or "not_captured", args, kwargs, index)
+        return self.original_forward(*args, **kwargs)
+
+    def _fall_back(self, reason: str, args: tuple, kwargs: dict, detail: Any) -> None:
+        self.counter.fallback(reason)
+        # One set lookup per fallback; the report is built only the first time.
+        if self.warn_once is not None and not self.warn_once.said(reason):
+            try:
+                report = self._fallback_report(reason, args, kwargs, detail)
+            except Exception as exc:  # a report (a control's repr, say) must not break a step
+                report = (
+                    f"partial graphs: {self.name} ran eagerly (reason {reason!r}); its "
+                    f"mismatch report failed ({type(exc).__name__}: {exc}). Later eager "
+                    f"runs for this reason are counted in stats()['fallback_{reason}']."
+                )
+            self._warn(reason, "%s", report)
+
+    def _fallback_report(self, reason: str, args: tuple, kwargs: dict, detail: Any) -> str:
+        head = f"partial graphs: {self.name} ran eagerly (reason {reason!r})"
+        if reason == "param_storage":
+            body = (
+                f"{head}: a parameter was replaced or re-allocated since capture, and the "
+                f"graph reads parameters in place.\n{detail}\nFixes: 1. change parameters "
+                "in place (copy_, load_state_dict) rather than assigning .data or new "
+                "Parameters; 2. build a new manager and capture again after the change."
+            )
+        elif reason == "not_captured":
+            body = (
+                f"{head}: the call matches variant {detail}, which was recorded but not "
+                "captured yet (expected during a recording step). Fix: call capture() "
+                "after the recording step."
+            )
+        else:
+            mismatches = self.contracts.mismatches(
+                args, kwargs, training=self.target.module.training
+            )
+            body = describe_mismatches(
+                f"{head}: the call differs from its first recorded variant",
+                mismatches,
+                _CONTRACT_FIX.format(n=self.contracts.max_variants),
+            )
+        return (
+            f"{body}\nLater eager runs for this reason (this or any other target) are not "
+            f"logged again; stats()['fallback_{reason}'] counts them all."
+        )
+
+    def _warn(self, cause: str, message: str, *args: Any) -> None:
+        if self.warn_once is not None:
+            self.warn_once(cause, message, *args)
+        else:  # an entry used outside a manager
+            logger.warning(message, *args)
+
+    def adapter(self) -> Callable[..., Any]:
+        """The function graphed for this target: parameters first, as explicit inputs,
+        then the recorded call. It runs the module with those tensors bound in place of
+        its parameters, so the graph reads its inputs rather than captured state."""
+        module, names = self.target.module, self.param_names
+
+        def run(params: tuple, *args: Any, **kwargs: Any) -> Any:
+            self.bypass = True
+            try:
+                return torch.func.functional_call(module, dict(zip(names, params)), args, kwargs)
+            finally:
+                self.bypass = False
+
+        run.__qualname__ = f"partial[{self.name}]"
+        return run
