@@ -350,8 +350,11 @@ def test_capture_eagerly_copies_each_run_into_the_same_outputs():
     graph.replay()
     assert out["y"] is y and y.tolist() == [10.0, 12.0] and graph.replays == 1
     state["x"] = torch.ones(3)
-    with pytest.raises(cudagraphs.CudaGraphCaptureError, match="f: run eagerly"):
+    with pytest.raises(cudagraphs.CudaGraphOutputError, match="f: run eagerly"):
         graph.replay()  # an eager run cannot stand in for a graph if its outputs change
+    graph.reset()
+    with pytest.raises(cudagraphs.CudaGraphsStateError, match=r"replay\(\) after reset"):
+        graph.replay()
 
 
 # ---- accept what users pass -------------------------------------------------------------

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cudagraphs import CudaGraphCaptureError, CudaGraphInputError
+from cudagraphs.errors import CudaGraphsTypeError
 from cudagraphs.serving import (
     DEFAULT_BATCH_SIZES,
     STRICT_BUCKETS_ENV,
@@ -41,11 +42,16 @@ def test_config_sorts_batch_sizes_and_returns_a_fresh_list():
     assert len(cfg.buckets()) == 3
 
 
-@pytest.mark.parametrize(
-    "sizes", [[], [0], [-4], [1, 0, 2], [2, 2], [1, 4, 1], [True], [1, True], [1.5], ["8"]]
-)
+@pytest.mark.parametrize("sizes", [[], [0], [-4], [1, 0, 2], [2, 2], [1, 4, 1]])
 def test_config_rejects_bad_batch_sizes(sizes):
     with pytest.raises(ValueError, match="batch_sizes"):
+        BucketConfig(batch_sizes=sizes)
+
+
+@pytest.mark.parametrize("sizes", [[True], [1, True], [1.5], ["8"], 8, "8", None])
+def test_config_rejects_batch_sizes_of_the_wrong_type(sizes):
+    # Not ints (bool included: True is not a count), or not a sequence at all.
+    with pytest.raises(CudaGraphsTypeError, match="batch_sizes"):
         BucketConfig(batch_sizes=sizes)
 
 
@@ -456,18 +462,53 @@ def test_stage_smaller_batch_resets_previous_rows():
 
 
 @pytest.mark.parametrize(
-    ("mutate", "expected"),
+    ("mutate", "expected", "field"),
     [
-        (lambda d: d.pop("h"), ["missing", "'h'"]),
-        (lambda d: d.update(extra=torch.zeros(5)), ["unknown", "'extra'"]),
-        (lambda d: d.update(h=d["h"].double()), ["h:", "torch.float64", "torch.float32"]),
-        (lambda d: d.update(ids=d["ids"].to("meta")), ["ids:", "meta"]),
-        (lambda d: d.update(h=torch.zeros(5, 4)), ["h:", "(4,)", "(3,)"]),
-        (lambda d: d.update(kv=torch.zeros(3, 5, 4)), ["kv:", "(3, 4)", "(2, 4)"]),
-        (lambda d: d.update(h=torch.zeros(5, 3, 1)), ["h:", "3 dims", "2"]),
-        (lambda d: d.update(ids=torch.zeros(4, dtype=torch.int64)), ["ids:", "4 rows", "5"]),
-        (lambda d: d.update(kv=torch.zeros(2, 6, 4)), ["kv:", "6 rows", "dim 1"]),
-        (lambda d: d.update(h=[[1.0] * 3] * 5), ["h:", "tensor", "list"]),
+        (
+            lambda d: d.pop("h"),
+            [
+                "Missing inputs: ['h']",
+                "inputs: names expected ['h', 'ids', 'kv'], received ['ids', 'kv']",
+            ],
+            "names",
+        ),
+        (lambda d: d.update(extra=torch.zeros(5)), ["Unknown inputs: ['extra']"], "names"),
+        (
+            lambda d: d.update(h=d["h"].double()),
+            ["inputs['h']: dtype expected torch.float32, received torch.float64"],
+            "dtype",
+        ),
+        (lambda d: d.update(ids=d["ids"].to("meta")), ["inputs['ids']: device", "meta"], "device"),
+        (
+            lambda d: d.update(h=torch.zeros(5, 4)),
+            ["inputs['h']: shape expected (5, 3), received (5, 4)"],
+            "shape",
+        ),
+        (
+            lambda d: d.update(kv=torch.zeros(3, 5, 4)),
+            ["inputs['kv']: shape expected (2, 5, 4), received (3, 5, 4)"],
+            "shape",
+        ),
+        (
+            lambda d: d.update(h=torch.zeros(5, 3, 1)),
+            ["inputs['h']: shape expected (5, 3), received (5, 3, 1)"],
+            "shape",
+        ),
+        (
+            lambda d: d.update(ids=torch.zeros(4, dtype=torch.int64)),
+            ["inputs['ids']: rows in dim 0 expected 5, received 4"],
+            "rows in dim 0",
+        ),
+        (
+            lambda d: d.update(kv=torch.zeros(2, 6, 4)),
+            ["inputs['kv']: rows in dim 1 expected 5, received 6"],
+            "rows in dim 1",
+        ),
+        (
+            lambda d: d.update(h=[[1.0] * 3] * 5),
+            ["inputs['h']: type expected 'Tensor', received 'list'"],
+            "type",
+        ),
     ],
     ids=[
         "missing",
@@ -482,7 +523,7 @@ def test_stage_smaller_batch_resets_previous_rows():
         "not-tensor",
     ],
 )
-def test_validate_and_stage_reject_naming_input_and_bucket(mutate, expected):
+def test_validate_and_stage_reject_naming_input_and_bucket(mutate, expected, field):
     s = make_inputs()
     fill_storage(s, 7)
     before = snapshot(s)
@@ -491,9 +532,11 @@ def test_validate_and_stage_reject_naming_input_and_bucket(mutate, expected):
     with pytest.raises(CudaGraphInputError) as info:
         s.validate(inputs, Bucket(8), 5)
     msg = str(info.value)
-    assert "bucket(bs=8)" in msg
+    assert "inputs for bucket(bs=8) (5 rows)" in msg
+    assert "Nothing was staged." in msg
     for part in expected:
         assert part in msg
+    assert [m.field for m in info.value.mismatches] == [field]
     with pytest.raises(CudaGraphInputError):
         s.stage(inputs, Bucket(8), 5)
     assert_storage_equal(s, before)
@@ -502,7 +545,10 @@ def test_validate_and_stage_reject_naming_input_and_bucket(mutate, expected):
 def test_validate_rows_larger_than_bucket():
     s = make_inputs()
     before = snapshot(s)
-    with pytest.raises(CudaGraphInputError, match=r"9 rows do not fit bucket\(bs=8\)"):
+    with pytest.raises(
+        CudaGraphInputError,
+        match=r"inputs: rows expected at most 8, the rows of bucket\(bs=8\), received 9",
+    ):
         s.stage(batch(9), Bucket(8), 9)
     assert_storage_equal(s, before)
 
@@ -516,10 +562,16 @@ def test_validate_reports_every_problem_at_once():
     with pytest.raises(CudaGraphInputError) as info:
         s.stage(inputs, Bucket(8), 5)
     msg = str(info.value)
-    assert "missing inputs ['ids']" in msg
-    assert "h: dtype torch.float64" in msg
-    assert "kv: dims besides row dim 1" in msg
-    assert "nothing was staged" in msg
+    assert "in 3 place(s)" in msg
+    assert "Missing inputs: ['ids']" in msg
+    assert "inputs['h']: dtype expected torch.float32, received torch.float64" in msg
+    assert "inputs['kv']: shape expected (2, 5, 4), received (3, 5, 4)" in msg
+    assert "Nothing was staged" in msg
+    assert [(m.path, m.field) for m in info.value.mismatches] == [
+        ("inputs", "names"),
+        ("inputs['h']", "dtype"),
+        ("inputs['kv']", "shape"),
+    ]
 
 
 def test_input_error_is_a_value_error():
@@ -710,7 +762,9 @@ def test_pad_ratio_of_a_token_bucket_needs_num_tokens():
 
 def test_staging_for_a_bucket_larger_than_the_buffers_is_rejected():
     si = StaticInputs([InputSpec("ids", (8,), torch.int64)], 8, "cpu")
-    with pytest.raises(CudaGraphInputError, match=r"needs 16 rows, the buffers hold 8"):
+    with pytest.raises(
+        CudaGraphInputError, match=r"bucket\(bs=16\): rows expected at most 8, the buffers' rows"
+    ):
         si.stage({"ids": torch.arange(4)}, Bucket(16), 4)
 
 

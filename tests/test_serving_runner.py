@@ -5,7 +5,7 @@ output buffers)."""
 import pytest
 import torch
 
-from cudagraphs import CudaGraphCaptureError, CudaGraphInputError
+from cudagraphs.errors import CudaGraphCaptureError, CudaGraphInputError, CudaGraphsStateError
 from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec
 
 HIDDEN = 4
@@ -107,7 +107,7 @@ def test_batches_no_bucket_fits_run_eagerly_and_are_counted():
     assert runner.select(5) is None  # larger than every bucket
     assert torch.equal(runner.run(batch(3)), forward(**batch(3)))
     assert torch.equal(runner.run(batch(5)), forward(**batch(5)))
-    assert runner.stats()["eager_runs"] == {"no_bucket": 1}
+    assert runner.stats()["eager_runs"] == {"too_large": 1}
 
 
 def test_wasteful_padding_runs_eagerly():
@@ -115,7 +115,7 @@ def test_wasteful_padding_runs_eagerly():
     runner.capture(dummy)
     assert runner.select(5) is None  # 8 rows for 5: 37.5% padding
     assert torch.equal(runner.run(batch(5)), forward(**batch(5)))
-    assert runner.stats()["eager_runs"] == {"no_bucket": 1}
+    assert runner.stats()["eager_runs"] == {"pad_ratio": 1}
 
 
 def test_a_failed_bucket_is_dropped_and_the_rest_serve():
@@ -145,9 +145,12 @@ def test_bad_inputs_name_the_input_and_the_bucket_and_stage_nothing():
     before = runner.static.view("x", 64).clone()
     bad = batch(4)
     bad["x"] = bad["x"].double()
-    with pytest.raises(CudaGraphInputError, match=r"bucket\(bs=4\)[\s\S]*x: dtype torch.float64"):
+    with pytest.raises(
+        CudaGraphInputError,
+        match=r"bucket\(bs=4\)[\s\S]*inputs\['x'\]: dtype expected torch.float32, received torch.float64",
+    ):
         runner.run(bad)
-    with pytest.raises(CudaGraphInputError, match="missing inputs"):
+    with pytest.raises(CudaGraphInputError, match=r"Missing inputs: \['scale'\]"):
         runner.run({"x": torch.zeros(4, HIDDEN)})
     assert torch.equal(runner.static.view("x", 64), before)
 
@@ -155,20 +158,23 @@ def test_bad_inputs_name_the_input_and_the_bucket_and_stage_nothing():
 def test_rows_must_agree_across_inputs():
     runner = make_runner()
     runner.capture(dummy)
-    with pytest.raises(CudaGraphInputError, match="disagree on their row counts"):
+    with pytest.raises(
+        CudaGraphInputError,
+        match=r"row counts expected one count for all, received \{'x': 4, 'scale': 3\}",
+    ):
         runner.run({"x": torch.zeros(4, HIDDEN), "scale": torch.ones(3, 1)})
 
 
 def test_run_before_capture_and_close():
     runner = make_runner()
-    with pytest.raises(RuntimeError, match="capture"):
+    with pytest.raises(CudaGraphsStateError, match=r"run\(\) before capture\(\)"):
         runner.run(batch(2))
     runner.capture(dummy)
     graphs = [g.graph for g in runner.graphs.values()]
     runner.close()
     runner.close()
     assert all(g.was_reset for g in graphs)
-    with pytest.raises(RuntimeError, match="capture"):
+    with pytest.raises(CudaGraphsStateError, match="capture"):
         runner.run(batch(2))
 
 
@@ -210,14 +216,15 @@ def test_memory_plan_with_room_for_everything_keeps_every_bucket():
 
 
 def test_static_outputs_option_selects_the_copying_capture():
-    from cudagraphs.serving.runner import _default_backend, _static_outputs_backend
+    from cudagraphs.serving.graphs import default_backend, static_outputs_backend
 
     specs = [InputSpec("x", (4, HIDDEN), torch.float32)]
+    config = BucketConfig(batch_sizes=(2, 4))
     assert (
-        GraphRunner(forward, specs, device="cpu", static_outputs=True)._backend
-        is _static_outputs_backend
+        GraphRunner(forward, specs, config, device="cpu", static_outputs=True)._backend
+        is static_outputs_backend
     )
-    assert GraphRunner(forward, specs, device="cpu")._backend is _default_backend
+    assert GraphRunner(forward, specs, config, device="cpu")._backend is default_backend
 
 
 def test_double_buffered_slots_alternate_and_plan_runs_before_each_replay():

@@ -26,7 +26,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .checks import require_cuda
-from .errors import CudaGraphCaptureError, CudaGraphsValueError
+from .errors import (
+    CudaGraphCaptureError,
+    CudaGraphOutputError,
+    CudaGraphsStateError,
+    CudaGraphsValueError,
+)
 from .graph_pool import GraphPool, PoolHandle, as_graph_pool, new_pool, new_torch_graph, side_stream
 
 __all__ = [
@@ -333,14 +338,17 @@ class EagerGraph:
         self.replays = 0
 
     def replay(self) -> None:
+        if self._run is None:
+            raise CudaGraphsStateError(f"{self._what}: replay() after reset()")
         leaves, spec = pytree.tree_flatten(self._run())
         problems = _describe_mismatch(self._static, self._spec, leaves, spec)
         if problems:
             # A real graph would replay the captured kernels; an eager run that changes
             # its outputs cannot stand in for it.
-            raise CudaGraphCaptureError(
+            raise CudaGraphOutputError(
                 f"{self._what}: run eagerly (graphs disabled), it returned outputs that "
-                "differ from its first run: " + "; ".join(problems)
+                "differ from its first run: " + "; ".join(problems) + ". Return the same "
+                "output tree and shapes for every call, as a graph would."
             )
         pairs = [(b, x) for b, x in zip(self._static, leaves) if isinstance(b, torch.Tensor)]
         if pairs:

@@ -15,7 +15,15 @@ import torch
 
 from .errors import CudaGraphsTypeError, CudaGraphsValueError, NoCudaDeviceError
 
-__all__ = ["check_bool", "check_callable", "check_int", "check_number", "require_cuda"]
+__all__ = [
+    "check_bool",
+    "check_callable",
+    "check_device",
+    "check_instance",
+    "check_int",
+    "check_number",
+    "require_cuda",
+]
 
 
 def require_cuda(what: str) -> None:
@@ -83,3 +91,37 @@ def check_callable(name: str, value: Any) -> Callable[..., Any]:
     if not callable(value):
         raise CudaGraphsTypeError(f"{name} must be callable, got {type(value).__name__} {value!r}")
     return value
+
+
+def check_instance(name: str, value: Any, types: type | tuple[type, ...], what: str) -> Any:
+    """``value`` if it is an instance of ``types``.
+
+    Raises:
+        CudaGraphsTypeError: naming ``name``, ``what`` it must be, and what it is.
+    """
+    if not isinstance(value, types):
+        raise CudaGraphsTypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_device(name: str, device: Any) -> torch.device:
+    """``device`` (a ``torch.device``, a str such as ``"cuda:0"`` or an index) as a
+    ``torch.device``.
+
+    Raises:
+        CudaGraphsTypeError: another type.
+        CudaGraphsValueError: a string torch does not parse as a device.
+    """
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise CudaGraphsTypeError(
+            f"{name} must be a torch.device or a str such as 'cuda', got "
+            f"{type(device).__name__} {device!r}"
+        )
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise CudaGraphsValueError(
+            f"{name} {device!r} is not a device torch knows ({exc}); pass 'cuda', 'cuda:N' or 'cpu'"
+        ) from exc

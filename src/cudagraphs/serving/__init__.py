@@ -1,9 +1,19 @@
-"""Serving: bucketed graph runners for inference (issue in progress).
+"""Serving: bucketed graph runners for inference.
 
-The pure policies (bucket configuration and choice, padding ratio, shared static
-input buffers, memory planning, rank agreement) and ``GraphRunner``, which captures
-one graph per bucket and replays it; the runner's GPU path is not yet validated and
-the memory plan is not yet wired into its capture.
+:class:`GraphRunner` captures one graph per batch-size (or token-count) bucket over
+shared static inputs and replays the tightest bucket that fits each batch; it is
+validated on the GPU against eager results (decode steps, piecewise regions, compiled
+forwards, rank agreement). The pure policies it uses live beside it and are tested on
+the CPU: bucket configuration and choice, padding ratio, the shared static input
+buffers with their input check, the memory plan (wired into ``capture(plan_memory=
+True)``) and rank agreement.
+
+The contract: every error is a :class:`~cudagraphs.errors.CudaGraphsError`; arguments
+are checked when objects are built; outputs the runner cannot cut to the real rows are
+refused at capture; a bucket that fails to capture or to be measured is dropped and
+logged at ERROR (an error with ``CUDAGRAPHS_REQUIRE_ALL_BUCKETS=1``); every eager run
+is counted per cause and said once at WARNING; ``CUDAGRAPHS_DISABLE=1`` runs the same
+path eagerly.
 """
 
 from .buckets import (
@@ -16,8 +26,9 @@ from .buckets import (
     select_bucket,
 )
 from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
+from .graphs import BucketGraph, SlotGraph
 from .memory import BucketCost, MemoryPlan, MemoryUse, plan_buckets
-from .runner import BucketGraph, GraphRunner
+from .runner import GraphRunner
 from .static_inputs import InputSpec, StaticInputs, infer_row_dim
 
 __all__ = [
@@ -31,6 +42,7 @@ __all__ = [
     "InputSpec",
     "MemoryPlan",
     "MemoryUse",
+    "SlotGraph",
     "StaticInputs",
     "agree_on_batch_size",
     "agree_on_captured",

@@ -3,11 +3,13 @@ a batch replays on. Pure policy, tested on the CPU."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..errors import CudaGraphCaptureError
+from ..checks import check_int, check_number
+from ..errors import CudaGraphCaptureError, CudaGraphsTypeError, CudaGraphsValueError
+from ..settings import STRICT_BUCKETS_ENV, env_flag
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
@@ -20,8 +22,8 @@ __all__ = [
 ]
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
-#: Set to 1 to make any bucket dropped at startup an error (as ``require_all_buckets``).
-STRICT_BUCKETS_ENV = "CUDAGRAPHS_REQUIRE_ALL_BUCKETS"
+# STRICT_BUCKETS_ENV (defined in ``settings``, re-exported here): set it to 1 to make any
+# bucket dropped at startup an error, as ``require_all_buckets=True`` does.
 
 
 @dataclass(frozen=True, order=True)
@@ -47,27 +49,44 @@ def _size_key(bucket: Bucket) -> tuple[int, int]:
     return (bucket.rows, bucket.batch_size)
 
 
-def _positive_ints(values: Iterable[int], what: str) -> tuple[int, ...]:
+def _positive_ints(values: Any, what: str, *, allow_empty: bool = False) -> tuple[int, ...]:
+    """``values`` as a sorted tuple of distinct ints >= 1, or an error naming ``what``."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise CudaGraphsTypeError(
+            f"{what} must be a sequence of ints such as (1, 2, 4), got "
+            f"{type(values).__name__} {values!r}"
+        )
     out = tuple(values)
-    bad = [v for v in out if not isinstance(v, int) or isinstance(v, bool) or v < 1]
-    if bad or not out:
-        raise ValueError(f"{what} must be a non-empty list of positive ints, got {list(out)}")
+    for i, v in enumerate(out):
+        check_int(f"{what}[{i}]", v)
+    bad = [v for v in out if v < 1]
+    if bad or not (out or allow_empty):
+        raise CudaGraphsValueError(
+            f"{what} must be a non-empty list of positive ints, got {list(out)}"
+        )
     if len(set(out)) != len(out):
-        raise ValueError(f"{what} has duplicates: {list(out)}")
-    return tuple(sorted(out))
+        raise CudaGraphsValueError(f"{what} has duplicates: {list(out)}")
+    return tuple(sorted(int(v) for v in out))
 
 
 @dataclass(frozen=True)
 class BucketConfig:
-    """Which buckets to capture.
+    """Which buckets to capture. Every argument is checked here, at construction.
 
     Args:
-        batch_sizes: capture batch sizes; the largest is always captured.
-        token_counts: for packed prefill, per batch size the token counts to capture;
-            a batch size missing here gets one bucket with as many tokens as sequences
-            (a decode step).
-        max_pad_ratio: largest share of padding rows a replay may carry, in [0, 1);
-            a batch that would pad more runs eagerly. ``None``: no limit.
+        batch_sizes: capture batch sizes (a sequence of distinct ints >= 1); the
+            largest is always captured.
+        token_counts: for packed prefill, per batch size the token counts to capture
+            (a mapping of int to a sequence of ints); a batch size missing here gets
+            one bucket with as many tokens as sequences (a decode step).
+        max_pad_ratio: largest share of padding rows a replay may carry, a number in
+            [0, 1); a batch that would pad more runs eagerly. ``None``: no limit.
+
+    Raises:
+        CudaGraphsTypeError: an argument of the wrong type (``batch_sizes=8``,
+            ``max_pad_ratio="0.5"``, token counts that are not ints), naming it.
+        CudaGraphsValueError: sizes below 1, duplicates, a ratio outside [0, 1),
+            token counts for unknown batch sizes or below their batch size.
     """
 
     batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES
@@ -78,26 +97,16 @@ class BucketConfig:
     def __post_init__(self) -> None:
         sizes = _positive_ints(self.batch_sizes, "batch_sizes")
         object.__setattr__(self, "batch_sizes", sizes)
-        if self.max_pad_ratio is not None and not 0.0 <= self.max_pad_ratio < 1.0:
-            raise ValueError(f"max_pad_ratio must be in [0, 1), got {self.max_pad_ratio}")
-        buckets: list[Bucket] = []
+        if self.max_pad_ratio is not None:
+            check_number("max_pad_ratio", self.max_pad_ratio)
+            if not 0.0 <= self.max_pad_ratio < 1.0:
+                raise CudaGraphsValueError(
+                    f"max_pad_ratio must be in [0, 1), got {self.max_pad_ratio}"
+                )
         if self.token_counts is None:
             buckets = [Bucket(bs) for bs in sizes]
         else:
-            unknown = sorted(set(self.token_counts) - set(sizes))
-            if unknown:
-                raise ValueError(
-                    f"token_counts names batch sizes {unknown} that are not in batch_sizes {list(sizes)}"
-                )
-            for bs in sizes:
-                for tokens in _positive_ints(
-                    self.token_counts.get(bs, ()) or (bs,), f"token_counts[{bs}]"
-                ):
-                    if tokens < bs:
-                        raise ValueError(
-                            f"token_counts[{bs}] holds {tokens}, fewer tokens than sequences"
-                        )
-                    buckets.append(Bucket(bs, tokens))
+            buckets = _token_buckets(self.token_counts, sizes)
         # Capture order: largest first, so smaller graphs reuse the largest one's pool.
         object.__setattr__(self, "_buckets", tuple(sorted(buckets, key=_size_key, reverse=True)))
 
@@ -111,10 +120,42 @@ class BucketConfig:
         return self._buckets[0]
 
 
+def _token_buckets(token_counts: Any, sizes: tuple[int, ...]) -> list[Bucket]:
+    if not isinstance(token_counts, Mapping):
+        raise CudaGraphsTypeError(
+            "token_counts must be a mapping of batch size to token counts such as "
+            f"{{8: (64, 256)}}, got {type(token_counts).__name__} {token_counts!r}"
+        )
+    for bs in token_counts:
+        check_int(f"token_counts key {bs!r}", bs)
+    unknown = sorted(set(token_counts) - set(sizes))
+    if unknown:
+        raise CudaGraphsValueError(
+            f"token_counts names batch sizes {unknown} that are not in batch_sizes {list(sizes)}"
+        )
+    buckets = []
+    for bs in sizes:
+        counts = token_counts.get(bs)
+        name = f"token_counts[{bs}]"
+        # None or an empty list mean the same as leaving the batch size out.
+        tokens_per_bucket = _positive_ints(() if counts is None else counts, name, allow_empty=True)
+        for tokens in tokens_per_bucket or (bs,):
+            if tokens < bs:
+                raise CudaGraphsValueError(
+                    f"token_counts[{bs}] holds {tokens}, fewer tokens than sequences"
+                )
+            buckets.append(Bucket(bs, tokens))
+    return buckets
+
+
 def pad_ratio(bucket: Bucket, batch_size: int, num_tokens: int | None = None) -> float:
-    """Share of the bucket's rows that would be padding for this batch."""
+    """Share of the bucket's rows that would be padding for this batch.
+
+    Raises:
+        CudaGraphsValueError: a token bucket without ``num_tokens``.
+    """
     if bucket.num_tokens is not None and num_tokens is None:
-        raise ValueError(f"{bucket} is a token bucket: pass num_tokens")
+        raise CudaGraphsValueError(f"{bucket} is a token bucket: pass num_tokens")
     real = batch_size if bucket.num_tokens is None else num_tokens
     return (bucket.rows - real) / bucket.rows
 
@@ -132,17 +173,20 @@ def select_bucket(
     that would be padded more than that is refused.
 
     Raises:
-        ValueError: a batch size below 1, or token buckets without ``num_tokens``.
+        CudaGraphsValueError: a batch size below 1, or token buckets without
+            ``num_tokens``.
     """
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise CudaGraphsValueError(f"batch_size must be >= 1, got {batch_size}")
     fitting = []
     for b in captured:
         if b.batch_size < batch_size:
             continue
         if b.num_tokens is not None:
             if num_tokens is None:
-                raise ValueError(f"{b} is a token bucket: pass num_tokens to select a bucket")
+                raise CudaGraphsValueError(
+                    f"{b} is a token bucket: pass num_tokens to select a bucket"
+                )
             if b.num_tokens < num_tokens:
                 continue
         fitting.append(b)
@@ -159,17 +203,16 @@ def check_dropped_buckets(dropped: Mapping[Bucket, str], require_all: bool | Non
 
     Args:
         dropped: bucket -> reason it was dropped (capture error, memory plan, ranks).
-        require_all: ``True``/``False`` decides; ``None`` reads :data:`STRICT_BUCKETS_ENV`.
+        require_all: ``True``/``False`` decides; ``None`` reads :data:`STRICT_BUCKETS_ENV`
+            through :func:`cudagraphs.settings.env_flag`.
 
     Raises:
         CudaGraphCaptureError: listing every dropped bucket and why.
+        CudaGraphsValueError: :data:`STRICT_BUCKETS_ENV` holds something other than a
+            boolean (read only when ``require_all`` is ``None``).
     """
     if require_all is None:
-        require_all = os.environ.get(STRICT_BUCKETS_ENV, "0").strip().lower() in (
-            "1",
-            "true",
-            "yes",
-        )
+        require_all = env_flag(STRICT_BUCKETS_ENV)
     if require_all and dropped:
         ordered = sorted(dropped.items(), key=lambda item: _size_key(item[0]), reverse=True)
         lines = "\n  ".join(f"{b}: {why}" for b, why in ordered)

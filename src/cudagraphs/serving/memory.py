@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..errors import CudaGraphsValueError
 from .buckets import Bucket
 
 __all__ = ["BucketCost", "MemoryPlan", "MemoryUse", "measure_bucket_cost", "plan_buckets"]
@@ -110,13 +111,15 @@ def plan_buckets(
     expensive large buckets and keeps the cheap small ones.
 
     Raises:
-        ValueError: negative budgets or duplicate buckets.
+        CudaGraphsValueError: negative budgets or duplicate buckets.
     """
     if free_bytes < 0 or headroom_bytes < 0:
-        raise ValueError("free_bytes and headroom_bytes must be >= 0")
+        raise CudaGraphsValueError(
+            f"free_bytes and headroom_bytes must be >= 0, got {free_bytes} and {headroom_bytes}"
+        )
     buckets = [c.bucket for c in costs]
     if len(set(buckets)) != len(buckets):
-        raise ValueError(f"duplicate buckets in costs: {buckets}")
+        raise CudaGraphsValueError(f"duplicate buckets in costs: {buckets}")
     reserve = max((c.eager_peak_bytes for c in costs), default=0) + headroom_bytes
     budget = free_bytes - reserve
     chosen = sorted(costs, key=lambda c: (c.bucket.rows, c.bucket.batch_size), reverse=True)
@@ -153,6 +156,11 @@ def measure_bucket_cost(
     The eager step and the capture run on ``stream`` (default: a new side stream), the
     stream the real capture will use: per-stream library workspaces are then made by
     the eager step and are not counted as pool bytes.
+
+    Raises:
+        Whatever the eager step raises, and CudaGraphCaptureError when the thrown-away
+        capture fails (a host sync at this size, for example); the runner drops the
+        bucket then. The graph is released either way.
     """
     from ..capture import GraphPool, capture_into_graph
     from ..introspect import instantiate_measured
@@ -172,11 +180,13 @@ def measure_bucket_cost(
     graph, out = capture_into_graph(
         run, GraphPool(), stream=stream, keep_graph=True, what=f"measuring {bucket}"
     )
-    pool_bytes = torch.cuda.memory_reserved() - reserved
-    memory = instantiate_measured(graph)
-    del out
-    graph.reset()
-    torch.cuda.empty_cache()
+    try:
+        pool_bytes = torch.cuda.memory_reserved() - reserved
+        memory = instantiate_measured(graph)
+    finally:
+        del out
+        graph.reset()
+        torch.cuda.empty_cache()
     return BucketCost(
         bucket=bucket,
         eager_peak_bytes=max(0, eager_peak),

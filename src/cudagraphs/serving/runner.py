@@ -1,12 +1,15 @@
 """GraphRunner: one graph per batch-size bucket over shared static inputs.
 
 The user gives a forward function over named static inputs. ``capture()`` walks the
-buckets largest first into one pool: a bucket whose capture fails is dropped (logged
-with its cause) and the others still capture; ranks then agree on the captured set.
-``run()`` picks the tightest captured bucket, stages the real rows with one fused
-copy, pads the rest, replays, and returns views of the real rows of the outputs
-(borrowed: overwritten by the next replay) or owned copies. A batch no bucket fits
-runs eagerly, counted.
+buckets largest first into one pool: a bucket whose capture (or memory measurement)
+fails is dropped (logged at ERROR with its cause) and the others still capture; ranks
+then agree on the captured set. An output the runner could not cut to the real rows
+is a configuration error raised at capture. ``run()`` picks the tightest captured
+bucket, stages the real rows with one fused copy, pads the rest, replays, and returns
+views of the real rows of the outputs (borrowed: overwritten by the next replay) or
+owned copies. A batch no bucket serves runs eagerly: counted per cause and said once
+at WARNING. ``CUDAGRAPHS_DISABLE=1`` replaces each graph by an eager stand-in on the
+same path.
 """
 
 from __future__ import annotations
@@ -15,70 +18,73 @@ import gc
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
-from ..capture import GraphPool, capture_into_graph, capture_with_static_outputs, side_stream
-from ..errors import CudaGraphInputError
+from ..capture import GraphPool, side_stream
+from ..checks import check_callable, check_device, check_instance, check_int, require_cuda
+from ..diagnostics import WarnOnce
+from ..errors import (
+    CudaGraphOutputError,
+    CudaGraphsStateError,
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+)
+from ..settings import DISABLE_ENV, graphs_disabled
 from .buckets import Bucket, BucketConfig, check_dropped_buckets, select_bucket
 from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
+from .graphs import (
+    BucketGraph,
+    CaptureBackend,
+    default_backend,
+    eager_backend,
+    release,
+    slot_graph,
+    static_outputs_backend,
+)
 from .memory import BucketCost, MemoryPlan, MemoryUse, measure_bucket_cost, plan_buckets
-from .static_inputs import InputSpec, StaticInputs
+from .static_inputs import InputSpec, StaticInputs, check_specs
 
-__all__ = ["BucketGraph", "GraphRunner"]
+__all__ = ["GraphRunner"]
 
 logger = logging.getLogger(__name__)
 
-#: ``backend(run, pool, what) -> (graph with .replay() and .reset(), output)``
-CaptureBackend = Callable[[Callable[[], Any], GraphPool, str], tuple[Any, Any]]
-
-
-def _default_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:
-    return capture_into_graph(run, pool, what=what)
-
-
-def _static_outputs_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:
-    # Piecewise regions: the graph ends by copying its outputs into buffers outside the
-    # pool, so regions sharing the pool may replay in any order around eager code.
-    return capture_with_static_outputs(run, run(), pool, what=what)
-
-
-@dataclass
-class BucketGraph:
-    """One captured bucket: its graph and the output tree the graph writes (slot 0),
-    and the same for every further slot when the runner double-buffers."""
-
-    bucket: Bucket
-    graph: Any
-    output: Any
-    replays: int = 0
-    more_slots: list[tuple[Any, Any]] = field(default_factory=list)  # (graph, output)
-    next_slot: int = 0
-
-    def slot(self, index: int) -> tuple[Any, Any]:
-        return (self.graph, self.output) if index == 0 else self.more_slots[index - 1]
-
-    def reset(self) -> None:
-        for graph, _ in [(self.graph, None), *self.more_slots]:
-            reset = getattr(graph, "reset", None)
-            if reset is not None:
-                reset()
-
 
 class GraphRunner:
-    """A bucketed CUDA-graph runner for a fixed forward function (see module docs).
+    """A bucketed CUDA-graph runner for a fixed forward function.
+
+    Workflow:
+
+    1. ``GraphRunner(forward, inputs, config, ...)`` checks every argument and
+       allocates nothing.
+    2. ``capture(make_inputs)`` allocates the static inputs at the largest bucket and
+       captures every bucket largest first into one pool (optionally only those a
+       memory plan fits). A bucket whose capture or measurement fails is dropped and
+       said at ERROR; outputs without the bucket's rows in ``output_row_dim`` are an
+       error. Under ``CUDAGRAPHS_DISABLE=1`` every bucket gets an
+       :class:`~cudagraphs.capture.EagerGraph` instead of a graph.
+    3. ``run(inputs)`` validates the batch, picks the tightest captured bucket, stages
+       and pads, calls ``plan``, replays and returns the real rows. A batch no bucket
+       serves runs ``forward`` eagerly, counted per cause in ``eager_runs`` and said
+       once per cause at WARNING.
+    4. ``close()`` releases the graphs and buffers; ``capture()`` may then run again.
+
+    It does NOT: capture in the constructor; graph batches larger than the largest
+    captured bucket; check that forward's rows are independent of each other (padding
+    rows must not change the real ones); let several threads drive one runner.
 
     Args:
         forward: ``forward(**inputs) -> output tree`` of tensors whose row dimension
             (``output_row_dim``) grows with the bucket; runs eagerly for warmup, for
-            capture and for batches no bucket fits.
-        inputs: the named inputs at the largest bucket (:class:`InputSpec`).
-        config: the buckets (:class:`BucketConfig`).
-        device: where the static inputs live.
-        output_row_dim: the row dimension of every output tensor.
+            capture and for batches no bucket serves.
+        inputs: a sequence of :class:`InputSpec`, the named inputs at the largest
+            bucket (each with the largest bucket's rows in its row_dim).
+        config: the buckets (:class:`BucketConfig`; default: batch sizes 1 to 64).
+        device: where the static inputs live; graphs need a CUDA device.
+        output_row_dim: the row dimension of every output tensor (negative values
+            count from the end of each tensor); checked against every output at
+            capture.
         require_all_buckets: make any dropped bucket a startup error (``None``: the
             ``CUDAGRAPHS_REQUIRE_ALL_BUCKETS`` environment variable decides).
         group: process group for rank agreement (default group when distributed).
@@ -87,7 +93,7 @@ class GraphRunner:
             the pool (piecewise regions: several runners share a pool and replay in
             any order, with eager code between them).
         pool: the :class:`GraphPool` to capture into (share one between the runners of
-            piecewise regions); a new one by default.
+            piecewise regions); a new one by default. Borrowed.
         slots: input/graph sets per bucket, used in turn by consecutive steps (2 for
             double buffering: host-side planning of step N+1 writes the other slot's
             buffers while step N replays).
@@ -99,8 +105,13 @@ class GraphRunner:
             account of the guard that broke (the capture runs under the
             ``fail_on_recompile`` stance).
 
-    The constructor allocates nothing and captures nothing; call :meth:`capture`.
-    One host thread drives a runner.
+    Raises:
+        CudaGraphsTypeError: an argument of the wrong type (naming it): ``forward`` or
+            ``plan`` not callable, ``config`` not a ``BucketConfig``, ``inputs`` not a
+            sequence of ``InputSpec``, ``output_row_dim`` or ``slots`` not an int,
+            ``compile_options`` not a mapping, ``pool`` not a ``GraphPool``.
+        CudaGraphsValueError: ``slots`` below 1, a device torch does not know, input
+            specs that repeat names or lack the largest bucket's rows.
     """
 
     def __init__(
@@ -120,32 +131,48 @@ class GraphRunner:
         plan: Callable[[Bucket, int], None] | None = None,
         compile_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
-        self.slots = slots
-        self.plan = plan
-        self.slot_inputs: list[StaticInputs] = []
-        self.eager_forward = forward
+        self.eager_forward = check_callable("forward", forward)
+        self.config = _checked_config(config)
+        self.slots = check_int("slots", slots, minimum=1)
+        self.output_row_dim = check_int("output_row_dim", output_row_dim)
+        self.plan = None if plan is None else check_callable("plan", plan)
+        self.device = check_device("device", device)
+        check_instance(
+            "require_all_buckets", require_all_buckets, (bool, type(None)), "a bool or None"
+        )
+        check_instance("static_outputs", static_outputs, bool, "a bool")
+        check_instance("pool", pool, (GraphPool, type(None)), "a GraphPool or None")
+        check_instance(
+            "compile_options", compile_options, (Mapping, type(None)), "a mapping of keywords"
+        )
+        if capture_backend is not None:
+            check_callable("capture_backend", capture_backend)
+        self.specs = check_specs(inputs, self.config.largest.rows)
         # Compiled once per runner (torch.compile itself compiles per bucket shape, in
         # warmup, never inside a capture).
         self.forward = (
             forward if compile_options is None else torch.compile(forward, **compile_options)
         )
-        self.config = config or BucketConfig()
-        self.specs = list(inputs)
-        self.device = torch.device(device)
-        self.output_row_dim = output_row_dim
         self.require_all_buckets = require_all_buckets
         self.group = group
-        default = _static_outputs_backend if static_outputs else _default_backend
+        self._capture_backend = capture_backend
+        default = static_outputs_backend if static_outputs else default_backend
         self._backend = capture_backend or default
+        self._token_buckets = self.config.token_counts is not None
         self.memory_plan: MemoryPlan | None = None
         #: With ``plan_memory``: what the captures actually took (logged beside the plan).
         self.memory_used: MemoryUse | None = None
+        self.slot_inputs: list[StaticInputs] = []
         self.static: StaticInputs | None = None
         self.graphs: dict[Bucket, BucketGraph] = {}
         self.dropped_buckets: dict[Bucket, str] = {}
+        #: Eager runs per cause: "no_graphs", "too_large", "pad_ratio".
         self.eager_runs: Counter[str] = Counter()
+        #: Arguments ``run()`` accepted and ignored, per name ("num_tokens").
+        self.ignored_arguments: Counter[str] = Counter()
+        self.disabled = False
+        self._warn = WarnOnce(logger)
+        self._given_pool = pool
         self._pool: GraphPool | None = pool
 
     # ---- capture ---------------------------------------------------------------------
@@ -161,6 +188,9 @@ class GraphRunner:
     ) -> None:
         """Capture every configured bucket, largest first, into one pool.
 
+        A transaction: if it raises, every graph it captured is released and the
+        runner is as before (``dropped_buckets`` still says why buckets went).
+
         Args:
             make_inputs: dummy inputs for a bucket (all its rows real), staged before
                 its warmup and capture.
@@ -169,13 +199,51 @@ class GraphRunner:
                 step's peak, a thrown-away capture and the driver's executable memory)
                 and capture only the buckets :func:`plan_buckets` fits into
                 ``free_bytes`` (default: the device's free memory); the others are
-                dropped with the plan's reason. ``memory_plan`` keeps the plan, and
+                dropped with the plan's reason, and a bucket whose measurement fails
+                is dropped like a failed capture. ``memory_plan`` keeps the plan, and
                 ``memory_used`` what the captures then took (both logged at INFO).
             headroom_bytes: memory the plan keeps free besides the largest eager step.
 
+        Under ``CUDAGRAPHS_DISABLE=1`` (read now) each bucket gets an
+        :class:`~cudagraphs.capture.EagerGraph` instead of a graph; warmup and the memory plan are
+        skipped, and a WARNING says so.
+
         Raises:
+            CudaGraphsTypeError, CudaGraphsValueError: a bad argument (naming it), a
+                bad environment flag, or a device that is not CUDA with the real
+                capture (no ``capture_backend``, not disabled).
+            NoCudaDeviceError: a CUDA device and torch finds none (before any CUDA
+                call).
+            CudaGraphsStateError: the runner is captured already (``close()`` first).
+            CudaGraphOutputError: an output tensor of some bucket or slot lacks the
+                bucket's rows in ``output_row_dim`` (naming its path and shape).
             CudaGraphCaptureError: a bucket was dropped and all are required.
         """
+        check_callable("make_inputs", make_inputs)
+        warmup = check_int("warmup", warmup, minimum=0)
+        if free_bytes is not None:
+            check_int("free_bytes", free_bytes, minimum=0)
+        headroom_bytes = check_int("headroom_bytes", headroom_bytes, minimum=0)
+        if measure is not None:
+            check_callable("measure", measure)
+        if self.static is not None:
+            raise CudaGraphsStateError(
+                "GraphRunner.capture() on a runner that is captured already; close() it first"
+            )
+        disabled = graphs_disabled()
+        self._check_device(disabled, plan_memory, free_bytes, measure)
+        self.disabled = disabled
+        self.dropped_buckets = {}
+        self.memory_plan = self.memory_used = None
+        if disabled:
+            self._warn(
+                "disabled",
+                "GraphRunner: %s=1: every bucket runs eagerly through the runner's path (an "
+                "eager stand-in per bucket, no graph); warmup%s skipped",
+                DISABLE_ENV,
+                " and the memory plan" if plan_memory else "",
+            )
+            warmup, plan_memory = 0, False
         largest = self.config.largest
         self.slot_inputs = [
             StaticInputs(self.specs, largest.rows, self.device) for _ in range(self.slots)
@@ -183,16 +251,57 @@ class GraphRunner:
         self.static = self.slot_inputs[0]
         if self._pool is None:
             self._pool = GraphPool()
+        try:
+            self._capture_all(make_inputs, warmup, plan_memory, free_bytes, headroom_bytes, measure)
+        except BaseException:
+            self.close()
+            raise
+        if not self.graphs:
+            self._warn(
+                "no_graphs",
+                "GraphRunner: no bucket was captured (%d dropped, see the ERROR lines): every "
+                "batch runs eagerly, counted in stats()['eager_runs']['no_graphs']",
+                len(self.dropped_buckets),
+            )
+
+    def _check_device(
+        self, disabled: bool, plan_memory: bool, free_bytes: int | None, measure: Any
+    ) -> None:
+        if self.device.type == "cuda":
+            require_cuda("GraphRunner.capture")
+            return
+        where = f"GraphRunner(device='{self.device}')"
+        if self._capture_backend is None and not disabled:
+            raise CudaGraphsValueError(
+                f"{where}: CUDA graphs need a CUDA device. Fixes: 1. pass device='cuda' (or "
+                f"'cuda:N'); 2. set {DISABLE_ENV}=1 to run eagerly through the runner."
+            )
+        if plan_memory and not disabled and (measure is None or free_bytes is None):
+            raise CudaGraphsValueError(
+                f"{where}: capture(plan_memory=True) measures CUDA memory; off CUDA pass "
+                "both measure= and free_bytes="
+            )
+
+    def _capture_all(
+        self,
+        make_inputs: Callable,
+        warmup: int,
+        plan_memory: bool,
+        free_bytes: int | None,
+        headroom_bytes: int,
+        measure: Callable[[Bucket], BucketCost] | None,
+    ) -> None:
         chosen = set(self.config.buckets())
         if plan_memory:
             chosen = self._plan(make_inputs, free_bytes, headroom_bytes, measure)
+        backend = eager_backend if self.disabled else self._backend
         local_ok = []
         gc.collect()  # once before: no collection of old cycles during the captures
         before = self._memory_now() if plan_memory else None
         for bucket in self.config.buckets():
             # Every rank walks every bucket, also after a local failure, so the
             # agreement below is one collective per rank.
-            ok = bucket in chosen and self._capture_bucket(bucket, make_inputs, warmup)
+            ok = bucket in chosen and self._capture_bucket(bucket, make_inputs, warmup, backend)
             local_ok.append(ok)
         if before is not None:
             after = self._memory_now()
@@ -220,24 +329,34 @@ class GraphRunner:
     ) -> set[Bucket]:
         costs = []
         for bucket in self.config.buckets():
-            views = self.static.views(bucket)
-            self.static.stage(make_inputs(bucket), bucket, bucket.rows)
-            if measure is not None:
-                costs.append(measure(bucket))
-            else:
-                costs.append(
-                    measure_bucket_cost(
-                        bucket, lambda v=views: self.forward(**v), self._capture_stream()
-                    )
+            try:
+                cost = self._measure(bucket, make_inputs, measure)
+            except Exception as exc:
+                # A sync or a failing step at this size only: the real capture would
+                # fail the same way, so the bucket goes and the others are planned.
+                self._drop(bucket, f"memory measurement failed: {type(exc).__name__}: {exc}")
+                continue
+            if not isinstance(cost, BucketCost):
+                raise CudaGraphsTypeError(
+                    f"measure({bucket}) must return a BucketCost, got {type(cost).__name__}"
                 )
+            costs.append(cost)
         if free_bytes is None:
-            free_bytes = torch.cuda.mem_get_info()[0]
+            free_bytes = torch.cuda.mem_get_info(self.device)[0]
         self.memory_plan = plan = plan_buckets(costs, free_bytes, headroom_bytes=headroom_bytes)
         logger.info("%s", plan.describe())
         for bucket, why in plan.dropped.items():
-            self.dropped_buckets[bucket] = f"memory plan: {why}"
-            logger.error("dropping %s: %s", bucket, why)
+            self._drop(bucket, f"memory plan: {why}")
         return set(plan.chosen)
+
+    def _measure(
+        self, bucket: Bucket, make_inputs: Callable, measure: Callable[[Bucket], BucketCost] | None
+    ) -> BucketCost:
+        self.static.stage(make_inputs(bucket), bucket, bucket.rows)
+        if measure is not None:
+            return measure(bucket)
+        views = self.static.views(bucket)
+        return measure_bucket_cost(bucket, lambda: self.forward(**views), self._capture_stream())
 
     def _capture_stream(self) -> torch.cuda.Stream | None:
         # Warmup and capture of every bucket on the pool's one stream: cuBLAS makes its
@@ -247,8 +366,10 @@ class GraphRunner:
             return None
         return self._pool.capture_stream(self.device)
 
-    def _capture_bucket(self, bucket: Bucket, make_inputs: Callable, warmup: int) -> bool:
-        captured: list[tuple[Any, Any]] = []
+    def _capture_bucket(
+        self, bucket: Bucket, make_inputs: Callable, warmup: int, backend: CaptureBackend
+    ) -> bool:
+        captured: list[tuple[Any, Any, str]] = []
         try:
             for slot, static in enumerate(self.slot_inputs):
                 views = static.views(bucket)
@@ -257,39 +378,36 @@ class GraphRunner:
                 with side_stream(self._capture_stream()):
                     for _ in range(warmup):
                         self.forward(**views)
-                    captured.append(
-                        self._backend(lambda v=views: self.forward(**v), self._pool, what)
-                    )
+                    graph, output = backend(lambda v=views: self.forward(**v), self._pool, what)
+                captured.append((graph, output, what))
         except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            self.dropped_buckets[bucket] = reason
-            logger.error("dropping %s: its capture failed: %s", bucket, reason)
-            for graph, _ in captured:
-                getattr(graph, "reset", lambda: None)()
+            release(graph for graph, _, _ in captured)
+            self._drop(bucket, f"{type(exc).__name__}: {exc}", "its capture failed: ")
             return False
-        (graph, output), *more = captured
-        self.graphs[bucket] = BucketGraph(bucket, graph, output, more_slots=more)
+        try:
+            # A configuration error, not a failure of this bucket: raised, not dropped.
+            slots = [
+                slot_graph(graph, output, bucket, self.output_row_dim, what)
+                for graph, output, what in captured
+            ]
+        except CudaGraphOutputError:
+            release(graph for graph, _, _ in captured)
+            raise
+        self.graphs[bucket] = BucketGraph(bucket, slots)
         return True
+
+    def _drop(self, bucket: Bucket, reason: str, how: str = "") -> None:
+        self.dropped_buckets[bucket] = reason
+        logger.error("GraphRunner: dropping %s: %s%s", bucket, how, reason)
 
     def _agree(self, local_ok: list[bool]) -> None:
         agreed = agree_on_captured(local_ok, self.group)
         for bucket, ok, all_ok in zip(self.config.buckets(), local_ok, agreed):
             if ok and not all_ok:
                 self.graphs.pop(bucket).reset()
-                self.dropped_buckets[bucket] = "dropped on another rank"
-                logger.error("dropping %s: another rank could not capture it", bucket)
+                self._drop(bucket, "dropped on another rank", "another rank could not capture it: ")
 
     # ---- run -------------------------------------------------------------------------
-    def _rows(self, inputs: Mapping[str, torch.Tensor]) -> int:
-        counts = {
-            name: t.shape[self.static.specs[name].row_dim]
-            for name, t in inputs.items()
-            if name in self.static.specs and isinstance(t, torch.Tensor)
-        }
-        if len(set(counts.values())) != 1:
-            raise CudaGraphInputError(f"inputs disagree on their row counts: {counts}")
-        return next(iter(counts.values()))
-
     def select(self, batch_size: int, num_tokens: int | None = None) -> Bucket | None:
         """The captured bucket a batch would replay on (``None``: eager)."""
         return select_bucket(self.graphs, batch_size, num_tokens, self.config.max_pad_ratio)
@@ -305,63 +423,144 @@ class GraphRunner:
         """Run one step: replay the tightest captured bucket, or eagerly.
 
         Args:
-            inputs: the real rows of every named input.
+            inputs: the real rows of every named input (a tensor of another dtype is
+                converted when that loses nothing).
             batch_size: sequences in the batch (default: the inputs' row count).
-            num_tokens: packed tokens, for token buckets.
+            num_tokens: packed tokens, for token buckets (ignored, with a WARNING
+                once, by a config without token buckets).
             copy_output: return owned copies instead of borrowed views.
 
+        Returns:
+            forward's output tree with every tensor cut to the batch's rows in
+            ``output_row_dim``: views of the graph's outputs, overwritten by the next
+            replay of the bucket, unless ``copy_output``. An eager run (counted in
+            ``eager_runs`` by cause, said once per cause at WARNING) returns forward's
+            own output.
+
         Raises:
-            CudaGraphInputError: inputs that differ from the specs (naming the input
-                and the bucket); nothing is staged then.
+            CudaGraphsStateError: before :meth:`capture` or after :meth:`close`.
+            CudaGraphInputError: inputs that differ from the specs (every difference,
+                naming the input and the bucket); nothing is staged then.
+            CudaGraphsTypeError, CudaGraphsValueError: a bad ``batch_size``, or token
+                buckets without ``num_tokens``.
         """
-        if self.static is None:
-            raise RuntimeError("capture() the runner before run()")
-        rows = self._rows(inputs)
-        batch = rows if batch_size is None else batch_size
+        static = self.static
+        if static is None:
+            raise CudaGraphsStateError(
+                "GraphRunner.run() before capture() (or after close()): call "
+                "capture(make_inputs) first"
+            )
+        rows = static.batch_rows(inputs)
+        batch = rows if batch_size is None else check_int("batch_size", batch_size, minimum=1)
+        if num_tokens is not None and not self._token_buckets:
+            num_tokens = self._ignore_num_tokens(num_tokens)
         if is_distributed(self.group):
             # All ranks pick the same bucket: a graph holding a collective must be
             # replayed by every rank or by none.
             batch = agree_on_batch_size(batch, self.group)
         bucket = self.select(batch, num_tokens)
         if bucket is None:
-            self.eager_runs["no_bucket"] += 1
-            return self.eager_forward(**inputs)
+            return self._run_eagerly(inputs, rows, batch, num_tokens)
         entry = self.graphs[bucket]
-        slot = entry.next_slot
-        entry.next_slot = (slot + 1) % self.slots
-        self.slot_inputs[slot].stage(inputs, bucket, rows)
+        index = entry.next_slot
+        entry.next_slot = (index + 1) % self.slots
+        self.slot_inputs[index].stage(inputs, bucket, rows)
         if self.plan is not None:
-            self.plan(bucket, slot)
-        graph, output = entry.slot(slot)
-        graph.replay()
+            self.plan(bucket, index)
+        slot = entry.slots[index]
+        slot.graph.replay()
         entry.replays += 1
-        return self._real_rows(output, rows, copy_output)
+        return slot.real_rows(rows, bucket.rows, copy_output)
 
-    def _real_rows(self, output: Any, rows: int, copy_output: bool) -> Any:
-        leaves, spec = pytree.tree_flatten(output)
-        dim = self.output_row_dim
-        out = []
-        for x in leaves:
-            if isinstance(x, torch.Tensor) and x.dim() > dim:
-                x = x.narrow(dim, 0, rows)
-                x = x.clone() if copy_output else x
-            out.append(x)
-        return pytree.tree_unflatten(out, spec)
+    def _ignore_num_tokens(self, num_tokens: int) -> None:
+        self.ignored_arguments["num_tokens"] += 1
+        self._warn(
+            "num_tokens",
+            "GraphRunner: run(num_tokens=%s) is ignored: the config has no token buckets "
+            "(BucketConfig(token_counts=...)), so buckets are chosen by batch size alone",
+            num_tokens,
+        )
+
+    def _run_eagerly(
+        self, inputs: Mapping[str, torch.Tensor], rows: int, batch: int, num_tokens: int | None
+    ) -> Any:
+        static = self.static
+        static.validate(inputs, None, rows)
+        self.eager_runs[self._eager_cause(batch, num_tokens)] += 1
+        return self.eager_forward(**static.in_spec_dtypes(inputs))
+
+    def _eager_cause(self, batch: int, num_tokens: int | None) -> str:
+        if not self.graphs:
+            return "no_graphs"  # said at the end of capture
+        size = f"{batch}" if num_tokens is None else f"{batch} ({num_tokens} tokens)"
+        if select_bucket(self.graphs, batch, num_tokens) is None:
+            largest = max(self.graphs, key=lambda b: (b.rows, b.batch_size))
+            self._warn(
+                "too_large",
+                "GraphRunner: a batch of %s fits no captured bucket (the largest is %s%s): "
+                "it and later ones like it run eagerly, counted in "
+                "stats()['eager_runs']['too_large']",
+                size,
+                largest,
+                f"; dropped: {', '.join(map(str, self.dropped_buckets))}"
+                if self.dropped_buckets
+                else "",
+            )
+            return "too_large"
+        self._warn(
+            "pad_ratio",
+            "GraphRunner: a batch of %s would pad its bucket by more than max_pad_ratio=%s: "
+            "it and later ones like it run eagerly, counted in "
+            "stats()['eager_runs']['pad_ratio']",
+            size,
+            self.config.max_pad_ratio,
+        )
+        return "pad_ratio"
 
     # ---- reporting and teardown ------------------------------------------------------
     def stats(self) -> dict[str, Any]:
+        """What the runner did, for logs and tests.
+
+        Returns:
+            ``disabled`` (``CUDAGRAPHS_DISABLE`` was set at capture), ``captured``
+            (buckets with a graph; none when disabled), ``dropped`` (bucket -> why),
+            ``replays`` (per bucket: replays, or eager stand-in runs when disabled),
+            ``eager_runs`` (per cause: ``no_graphs``, ``too_large``, ``pad_ratio``,
+            and ``disabled`` for stand-in runs) and ``ignored_arguments`` (per
+            argument ``run()`` ignored: ``num_tokens``).
+        """
+        replays = {str(b): g.replays for b, g in self.graphs.items()}
+        eager = dict(self.eager_runs)
+        if self.disabled and sum(replays.values()):
+            eager["disabled"] = sum(replays.values())
         return {
-            "captured": [str(b) for b in self.graphs],
+            "disabled": self.disabled,
+            "captured": [] if self.disabled else [str(b) for b in self.graphs],
             "dropped": {str(b): why for b, why in self.dropped_buckets.items()},
-            "replays": {str(b): g.replays for b, g in self.graphs.items()},
-            "eager_runs": dict(self.eager_runs),
+            "replays": replays,
+            "eager_runs": eager,
+            "ignored_arguments": dict(self.ignored_arguments),
         }
 
     def close(self) -> None:
-        """Release every graph and the static buffers (idempotent)."""
+        """Release every graph and the static buffers (idempotent); a given pool is
+        kept for the next :meth:`capture`."""
         for entry in self.graphs.values():
             entry.reset()
         self.graphs = {}
         self.static = None
         self.slot_inputs = []
-        self._pool = None
+        self._pool = self._given_pool
+
+
+def _checked_config(config: Any) -> BucketConfig:
+    if config is None:
+        return BucketConfig()
+    if isinstance(config, BucketConfig):
+        return config
+    hint = "BucketConfig(batch_sizes=(1, 2, 4))"
+    if isinstance(config, (list, tuple)) and all(isinstance(n, int) for n in config):
+        hint = f"BucketConfig(batch_sizes={tuple(config)!r})"
+    raise CudaGraphsTypeError(
+        f"config must be a BucketConfig, got {type(config).__name__} {config!r}; pass {hint}"
+    )

@@ -5,32 +5,64 @@ Each named input is allocated once, at the largest bucket, with its row dimensio
 captured on the leading ``rows`` of that storage, viewed back in the caller's layout,
 so all buckets share one set of buffers and every bucket's slice is one contiguous
 block: staging a batch is one fused copy, and padding is one fill per input.
+
+A batch that differs from the specs is refused before anything is written, with one
+:class:`~cudagraphs.errors.Mismatch` per difference (the report every layer uses). An
+input whose dtype converts losslessly into its spec's (int32 ids into int64, bfloat16
+into float32) is accepted and converted by the staging copy.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..errors import CudaGraphInputError
+from ..checks import check_int, check_number
+from ..dtypes import converts_losslessly
+from ..errors import (
+    CudaGraphInputError,
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+    Mismatch,
+    describe_mismatches,
+)
 from .buckets import Bucket
 
-__all__ = ["InputSpec", "StaticInputs", "infer_row_dim"]
+__all__ = ["InputSpec", "StaticInputs", "check_specs", "infer_row_dim"]
+
+
+class Said(str):
+    """Text shown as written in a mismatch report (``Mismatch`` shows values by repr),
+    for expectations that are a rule rather than a value: "at most 8 rows"."""
+
+    def __repr__(self) -> str:
+        return str.__str__(self)
 
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One named input at the largest bucket.
+    """One named input at the largest bucket. Every field is checked here.
 
     Args:
         name: the keyword the forward function receives it under.
-        shape: its shape at the largest bucket.
-        dtype: its dtype.
-        row_dim: the dimension that grows with the bucket (batch or tokens).
+        shape: its shape at the largest bucket (a tuple or list of ints >= 1).
+        dtype: its dtype (a ``torch.dtype`` such as ``torch.float32``).
+        row_dim: the dimension that grows with the bucket (batch or tokens); negative
+            values count from the end.
         pad_value: what padding rows hold (0, or a neutral value such as an
-            out-of-range position that the model ignores).
+            out-of-range position that the model ignores); a number the dtype holds.
+
+    Raises:
+        CudaGraphsTypeError: a name that is not a str, a shape that is not a sequence
+            of ints, a dtype that is not a ``torch.dtype`` (a string such as
+            ``"float32"``), a ``row_dim`` that is not an int, a ``pad_value`` that is
+            not a number.
+        CudaGraphsValueError: an empty shape, a size below 1, a ``row_dim`` out of
+            range, a ``pad_value`` the dtype cannot hold.
     """
 
     name: str
@@ -40,16 +72,106 @@ class InputSpec:
     pad_value: float | int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise CudaGraphsTypeError(
+                f"InputSpec name must be a str (the keyword forward receives), got "
+                f"{type(self.name).__name__} {self.name!r}"
+            )
+        where = f"InputSpec {self.name!r}"
+        object.__setattr__(self, "shape", _checked_shape(where, self.shape))
+        if not isinstance(self.dtype, torch.dtype):
+            hint = "float32"
+            if isinstance(self.dtype, str):
+                hint = self.dtype.removeprefix("torch.")
+            raise CudaGraphsTypeError(
+                f"{where}: dtype must be a torch.dtype (pass torch.{hint}), got "
+                f"{type(self.dtype).__name__} {self.dtype!r}"
+            )
+        check_int(f"{where}: row_dim", self.row_dim)
         if not -len(self.shape) <= self.row_dim < len(self.shape):
-            raise ValueError(
-                f"input {self.name!r}: row_dim {self.row_dim} is out of range for shape {self.shape}"
+            raise CudaGraphsValueError(
+                f"{where}: row_dim {self.row_dim} is out of range for shape {self.shape}"
             )
         object.__setattr__(self, "row_dim", self.row_dim % len(self.shape))
+        if not isinstance(self.pad_value, bool):  # False/True: the pad of a bool mask
+            check_number(f"{where}: pad_value", self.pad_value)
+        if not _holds(self.dtype, self.pad_value):
+            raise CudaGraphsValueError(
+                f"{where}: pad_value {self.pad_value!r} is not a value of {self.dtype}; "
+                "pass one it holds exactly"
+            )
 
     @property
     def trailing(self) -> tuple[int, ...]:
         """The shape without the row dimension (what every call must match)."""
         return tuple(n for i, n in enumerate(self.shape) if i != self.row_dim)
+
+
+def _checked_shape(where: str, shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, (tuple, list)) or any(
+        isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in shape
+    ):
+        raise CudaGraphsTypeError(
+            f"{where}: shape must be a tuple or list of ints, got {type(shape).__name__} {shape!r}"
+        )
+    if not shape:
+        raise CudaGraphsValueError(f"{where}: shape is empty; an input needs a row dimension")
+    small = [i for i, n in enumerate(shape) if n < 1]
+    if small:
+        raise CudaGraphsValueError(
+            f"{where}: shape {tuple(shape)} has sizes below 1 in dims {small}; give its "
+            "shape at the largest bucket, every size >= 1"
+        )
+    return tuple(int(n) for n in shape)
+
+
+def _holds(dtype: torch.dtype, value: float | int) -> bool:
+    """Whether ``dtype`` holds ``value`` exactly (floating types: any number)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return True
+    if dtype == torch.bool:
+        return value in (0, 1)
+    if isinstance(value, float) and not value.is_integer():
+        return False
+    try:
+        info = torch.iinfo(dtype)
+    except TypeError:  # quantized types: their values carry a scale; not ours to check
+        return True
+    return info.min <= value <= info.max
+
+
+def check_specs(specs: Any, max_rows: int) -> list[InputSpec]:
+    """``specs`` as a list, checked: a non-empty sequence of :class:`InputSpec` with
+    distinct names, each holding ``max_rows`` rows (the largest bucket) in its row_dim.
+
+    Raises:
+        CudaGraphsTypeError: not a sequence (a dict, a single spec), or an entry that is
+            not an ``InputSpec`` (naming its index).
+        CudaGraphsValueError: no specs, repeated names, or specs without ``max_rows``
+            rows.
+    """
+    if isinstance(specs, (str, bytes, Mapping)) or not isinstance(specs, Sequence):
+        raise CudaGraphsTypeError(
+            "inputs must be a sequence (list or tuple) of InputSpec, got "
+            f"{type(specs).__name__}; pass [InputSpec('tokens', (64,), torch.long), ...]"
+        )
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, InputSpec):
+            raise CudaGraphsTypeError(
+                f"inputs[{i}] must be an InputSpec, got {type(spec).__name__} {spec!r}"
+            )
+    if not specs:
+        raise CudaGraphsValueError("inputs is empty; a runner needs at least one InputSpec")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise CudaGraphsValueError(f"input names repeat: {names}")
+    bad = [s.name for s in specs if s.shape[s.row_dim] != max_rows]
+    if bad:
+        raise CudaGraphsValueError(
+            f"inputs {bad} do not have {max_rows} rows (the largest bucket) in their "
+            "row_dim; give each InputSpec its shape at the largest bucket"
+        )
+    return list(specs)
 
 
 def infer_row_dim(
@@ -59,11 +181,11 @@ def infer_row_dim(
     buckets (``rows_large`` and ``rows_small`` rows).
 
     Raises:
-        ValueError: the shapes differ in rank, in no dimension or in several, or the
-            differing dimension does not hold the row counts.
+        CudaGraphsValueError: the shapes differ in rank, in no dimension or in several,
+            or the differing dimension does not hold the row counts.
     """
     if len(large) != len(small):
-        raise ValueError(
+        raise CudaGraphsValueError(
             f"input {name!r}: rank differs between buckets ({list(large)} vs {list(small)})"
         )
     dims = [i for i, (a, b) in enumerate(zip(large, small)) if a != b]
@@ -74,7 +196,7 @@ def infer_row_dim(
     ]
     if not dims and len(candidates) == 1:
         return candidates[0]
-    raise ValueError(
+    raise CudaGraphsValueError(
         f"input {name!r}: cannot tell which dimension grows with the bucket from shapes "
         f"{list(large)} ({rows_large} rows) and {list(small)} ({rows_small} rows); "
         "give its row_dim explicitly"
@@ -82,35 +204,35 @@ def infer_row_dim(
 
 
 class StaticInputs:
-    """The runner's input buffers: one storage per input, sliced per bucket.
+    """The runner's input buffers: one storage per input, sliced per bucket (owned).
 
     Args:
         specs: the inputs at the largest bucket.
         max_rows: rows of the largest bucket.
         device: where the buffers live.
+
+    Raises:
+        CudaGraphsTypeError, CudaGraphsValueError: as :func:`check_specs`.
     """
 
     def __init__(
         self, specs: Sequence[InputSpec], max_rows: int, device: torch.device | str
     ) -> None:
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"input names repeat: {names}")
-        bad = [s.name for s in specs if s.shape[s.row_dim] != max_rows]
-        if bad:
-            raise ValueError(
-                f"inputs {bad} do not have {max_rows} rows (the largest bucket) in their row_dim"
-            )
-        self.specs = {s.name: s for s in specs}
+        self.specs = {s.name: s for s in check_specs(specs, max_rows)}
         self.max_rows = max_rows
         # Row dimension first: a bucket's rows are one contiguous leading block.
         self._storage = {
             s.name: torch.full((max_rows, *s.trailing), s.pad_value, dtype=s.dtype, device=device)
-            for s in specs
+            for s in self.specs.values()
         }
         # The device as tensors report it ("cuda" becomes "cuda:0"), for comparisons.
-        probe = next(iter(self._storage.values()), None)
-        self.device = probe.device if probe is not None else torch.device(device)
+        self.device = next(iter(self._storage.values())).device
+        # What the per-call check compares, worked out once: (name, dtype, row_dim,
+        # dims before the rows, dims after them).
+        self._expected = tuple(
+            (s.name, s.dtype, s.row_dim, s.shape[: s.row_dim], s.shape[s.row_dim + 1 :])
+            for s in self.specs.values()
+        )
 
     def view(self, name: str, rows: int) -> torch.Tensor:
         """Input ``name`` for ``rows`` rows, in the caller's layout (a view of the
@@ -121,61 +243,161 @@ class StaticInputs:
     def views(self, bucket: Bucket) -> dict[str, torch.Tensor]:
         return {name: self.view(name, bucket.rows) for name in self.specs}
 
-    def validate(self, inputs: Mapping[str, torch.Tensor], bucket: Bucket, rows: int) -> None:
-        """Check a batch of ``rows`` real rows against the specs, naming the input and
-        the bucket of every problem. Nothing is written.
+    def batch_rows(self, inputs: Mapping[str, torch.Tensor]) -> int:
+        """The number of rows every input of the batch holds in its row_dim.
 
         Raises:
-            CudaGraphInputError: missing or unknown names, dtype, device, trailing
-                dimensions or row count that differ.
+            CudaGraphInputError: the inputs are not a mapping, miss names, hold
+                something other than tensors, or disagree on their rows (with every
+                other difference from the specs).
         """
-        problems = []
-        missing = sorted(set(self.specs) - set(inputs))
-        unknown = sorted(set(inputs) - set(self.specs))
-        if missing:
-            problems.append(f"missing inputs {missing}")
-        if unknown:
-            problems.append(f"unknown inputs {unknown}")
-        for name, t in inputs.items():
-            spec = self.specs.get(name)
-            if spec is None:
-                continue
-            if not isinstance(t, torch.Tensor):
-                problems.append(f"{name}: expected a tensor, got {type(t).__name__}")
-                continue
-            if t.dtype != spec.dtype:
-                problems.append(f"{name}: dtype {t.dtype} != {spec.dtype}")
-            if t.device != self.device:
-                problems.append(f"{name}: on {t.device}, the runner's buffers are on {self.device}")
-            if t.dim() != len(spec.shape):
-                problems.append(f"{name}: {t.dim()} dims != {len(spec.shape)}")
-                continue
-            trailing = tuple(n for i, n in enumerate(t.shape) if i != spec.row_dim)
-            if trailing != spec.trailing:
-                problems.append(
-                    f"{name}: dims besides row dim {spec.row_dim} are {trailing} != {spec.trailing}"
+        try:
+            counts = {inputs[name].shape[dim] for name, _, dim, _, _ in self._expected}
+        except (KeyError, AttributeError, IndexError, TypeError):
+            counts = set()  # the report below says which input and why
+        if len(counts) == 1:
+            return counts.pop()
+        raise self._error(inputs, None, None, self.mismatches(inputs, None, None))
+
+    def validate(
+        self, inputs: Mapping[str, torch.Tensor], bucket: Bucket | None, rows: int
+    ) -> None:
+        """Check a batch of ``rows`` real rows against the specs (and, with a
+        ``bucket``, that it fits that bucket and the buffers). Nothing is written.
+
+        A dtype other than the spec's passes when it converts losslessly into it.
+
+        Raises:
+            CudaGraphInputError: one :class:`Mismatch` per difference (names, type,
+                dtype, device, shape, rows), naming the input and the bucket.
+        """
+        if self._matches(inputs, bucket, rows):
+            return
+        found = self.mismatches(inputs, bucket, rows)
+        if found:
+            raise self._error(inputs, bucket, rows, found)
+
+    def _matches(self, inputs: Any, bucket: Bucket | None, rows: int) -> bool:
+        # The per-call path: True only when everything matches exactly. Anything else
+        # (a lossless dtype conversion included) goes to the full check.
+        if bucket is not None and not rows <= bucket.rows <= self.max_rows:
+            return False
+        if not isinstance(inputs, Mapping) or len(inputs) != len(self._expected):
+            return False
+        device = self.device
+        for name, dtype, _, before, after in self._expected:
+            t = inputs.get(name)
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dtype != dtype
+                or t.device != device
+                or t.shape != (*before, rows, *after)
+            ):
+                return False
+        return True
+
+    def _error(
+        self, inputs: Any, bucket: Bucket | None, rows: int | None, mismatches: list[Mismatch]
+    ) -> CudaGraphInputError:
+        what = "inputs" if bucket is None else f"inputs for {bucket}"
+        if rows is not None:
+            what += f" ({rows} rows)"
+        return CudaGraphInputError(
+            describe_mismatches(
+                f"{what} differ from the runner's input specs", mismatches, self._fix(inputs)
+            ),
+            mismatches,
+        )
+
+    def mismatches(self, inputs: Any, bucket: Bucket | None, rows: int | None) -> list[Mismatch]:
+        """Every difference between a batch and the specs (empty: it can be staged).
+        ``rows=None``: the batch's rows are unknown, and inputs that disagree on them
+        are a difference."""
+        if not isinstance(inputs, Mapping):
+            return [Mismatch("inputs", "type", "Mapping[str, Tensor]", type(inputs).__name__)]
+        found = []
+        if set(inputs) != set(self.specs):
+            found.append(Mismatch("inputs", "names", sorted(self.specs), sorted(inputs, key=str)))
+        counts: dict[str, int] = {}
+        for name, spec in self.specs.items():
+            if name in inputs:
+                found += self._input_mismatches(name, spec, inputs[name], rows, counts)
+        if rows is None and len(set(counts.values())) > 1:
+            found.append(Mismatch("inputs", "row counts", Said("one count for all"), counts))
+        if bucket is not None and rows is not None and rows > bucket.rows:
+            found.append(
+                Mismatch(
+                    "inputs", "rows", Said(f"at most {bucket.rows}, the rows of {bucket}"), rows
                 )
-            if t.shape[spec.row_dim] != rows:
-                problems.append(
-                    f"{name}: {t.shape[spec.row_dim]} rows in dim {spec.row_dim}, the batch has {rows}"
-                )
-        if rows > bucket.rows:
-            problems.append(f"{rows} rows do not fit {bucket} ({bucket.rows} rows)")
-        if bucket.rows > self.max_rows:
-            problems.append(f"{bucket} needs {bucket.rows} rows, the buffers hold {self.max_rows}")
-        if problems:
-            raise CudaGraphInputError(
-                f"inputs for {bucket} rejected; nothing was staged:\n  " + "\n  ".join(problems)
             )
+        if bucket is not None and bucket.rows > self.max_rows:
+            found.append(
+                Mismatch(
+                    str(bucket),
+                    "rows",
+                    Said(f"at most {self.max_rows}, the buffers' rows"),
+                    bucket.rows,
+                )
+            )
+        return found
+
+    def _input_mismatches(
+        self, name: str, spec: InputSpec, t: Any, rows: int | None, counts: dict[str, int]
+    ) -> list[Mismatch]:
+        path = f"inputs[{name!r}]"
+        if not isinstance(t, torch.Tensor):
+            return [Mismatch(path, "type", "Tensor", type(t).__name__)]
+        found = []
+        if t.dtype != spec.dtype and not converts_losslessly(t.dtype, spec.dtype):
+            found.append(Mismatch(path, "dtype", spec.dtype, t.dtype))
+        if t.device != self.device:
+            found.append(Mismatch(path, "device", self.device, t.device))
+        trailing = tuple(n for i, n in enumerate(t.shape) if i != spec.row_dim)
+        if t.dim() != len(spec.shape) or trailing != spec.trailing:
+            found.append(Mismatch(path, "shape", _pattern(spec, rows), tuple(t.shape)))
+            return found
+        counts[name] = t.shape[spec.row_dim]
+        if rows is not None and counts[name] != rows:
+            found.append(Mismatch(path, f"rows in dim {spec.row_dim}", rows, counts[name]))
+        return found
+
+    def _fix(self, inputs: Any) -> str:
+        names = ""
+        if isinstance(inputs, Mapping):
+            missing = sorted(set(self.specs) - set(inputs))
+            unknown = sorted(set(inputs) - set(self.specs), key=str)
+            names = "".join(
+                f" {label}: {found}."
+                for label, found in (("Missing inputs", missing), ("Unknown inputs", unknown))
+                if found
+            )
+        return (
+            f"Nothing was staged.{names} Pass every input named in the specs, each a tensor "
+            f"on {self.device} with its spec's dtype (or one that converts to it "
+            "losslessly, such as int32 into int64) and its spec's shape, with the batch's "
+            "rows in its row_dim."
+        )
+
+    def in_spec_dtypes(self, inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """A validated batch with each tensor in its spec's dtype (``inputs`` itself
+        when all match): what an eager run passes to forward, as staging would."""
+        if all(inputs[name].dtype == spec.dtype for name, spec in self.specs.items()):
+            return inputs
+        return {name: inputs[name].to(spec.dtype) for name, spec in self.specs.items()}
 
     def stage(self, inputs: Mapping[str, torch.Tensor], bucket: Bucket, rows: int) -> None:
-        """Validate, then copy the real rows (one fused copy) and reset the padding rows
-        of ``bucket`` to each input's ``pad_value``."""
+        """Validate, then copy the real rows (one fused copy, converting a lossless
+        dtype) and reset the padding rows of ``bucket`` to each input's ``pad_value``.
+
+        Raises:
+            CudaGraphInputError: as :meth:`validate`; nothing is written then.
+        """
         self.validate(inputs, bucket, rows)
         dsts, srcs = [], []
-        for name, spec in self.specs.items():
+        for name, _, row_dim, _, _ in self._expected:
             dsts.append(self._storage[name][:rows])
-            srcs.append(inputs[name].movedim(spec.row_dim, 0))
+            t = inputs[name]
+            srcs.append(t if row_dim == 0 else t.movedim(row_dim, 0))
         torch._foreach_copy_(dsts, srcs)
         if rows < bucket.rows:
             zeros = []
@@ -191,3 +413,10 @@ class StaticInputs:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._storage.values())
+
+
+def _pattern(spec: InputSpec, rows: int | None) -> Said:
+    """The shape a call must pass, with its rows (or "rows") in the row dimension."""
+    dims = [str(n) for n in spec.shape]
+    dims[spec.row_dim] = "rows" if rows is None else str(rows)
+    return Said("(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")")

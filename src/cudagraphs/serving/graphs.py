@@ -1,0 +1,141 @@
+"""What a runner holds per bucket: the captured graphs (one per slot), the output
+trees they write, and how each output is cut to a batch's real rows, checked once at
+capture; and the capture backends (a graph, a graph with static outputs, or the eager
+stand-in under ``CUDAGRAPHS_DISABLE``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..capture import GraphPool, capture_eagerly, capture_into_graph, capture_with_static_outputs
+from ..errors import CudaGraphOutputError, Mismatch, describe_mismatches
+from .buckets import Bucket
+from .static_inputs import Said
+
+__all__ = [
+    "BucketGraph",
+    "CaptureBackend",
+    "SlotGraph",
+    "default_backend",
+    "eager_backend",
+    "release",
+    "slot_graph",
+    "static_outputs_backend",
+]
+
+#: ``backend(run, pool, what) -> (graph with .replay() and .reset(), output)``
+CaptureBackend = Callable[[Callable[[], Any], GraphPool, str], tuple[Any, Any]]
+
+
+def default_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:
+    return capture_into_graph(run, pool, what=what)
+
+
+def static_outputs_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:
+    # Piecewise regions: the graph ends by copying its outputs into buffers outside the
+    # pool, so regions sharing the pool may replay in any order around eager code.
+    return capture_with_static_outputs(run, run(), pool, what=what)
+
+
+def eager_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:
+    """``CUDAGRAPHS_DISABLE``: an :class:`~cudagraphs.capture.EagerGraph` in place of
+    each graph; its replay runs ``run()`` (forward on the static input views) and
+    copies the result into the output tree returned here, so the runner's path
+    (staging, padding, ``plan``, output rows) is the graphed one, minus the graph."""
+    del pool  # nothing is captured, nothing goes into the pool
+    return capture_eagerly(run, what=what)
+
+
+@dataclass
+class SlotGraph:
+    """One captured graph of a bucket and the output tree its replay writes, with what
+    ``run()`` cuts to the real rows worked out at capture."""
+
+    graph: Any
+    output: Any
+    leaves: list[Any]
+    treespec: pytree.TreeSpec
+    narrow: tuple[tuple[int, int], ...]  # (leaf index, row dim) of every tensor leaf
+
+    def real_rows(self, rows: int, full_rows: int, copy: bool) -> Any:
+        """The output tree cut to ``rows`` real rows: views of the graph's outputs, or
+        owned copies with ``copy``."""
+        if rows == full_rows and not copy:
+            return self.output
+        leaves = list(self.leaves)
+        for i, dim in self.narrow:
+            x = leaves[i].narrow(dim, 0, rows)
+            leaves[i] = x.clone() if copy else x
+        return pytree.tree_unflatten(leaves, self.treespec)
+
+
+def slot_graph(graph: Any, output: Any, bucket: Bucket, row_dim: int, what: str) -> SlotGraph:
+    """Check every tensor leaf of ``output`` for the bucket's rows in ``row_dim``.
+
+    Raises:
+        CudaGraphOutputError: leaves without that dimension or with another size there
+            (all of them, by path and shape): returning them would hand back padding
+            rows or cut another dimension.
+    """
+    flat, treespec = pytree.tree_flatten_with_path(output)
+    narrow, wrong = [], []
+    for i, (path, x) in enumerate(flat):
+        if not isinstance(x, torch.Tensor):
+            continue
+        dim = row_dim + x.dim() if row_dim < 0 else row_dim
+        if 0 <= dim < x.dim() and x.shape[dim] == bucket.rows:
+            narrow.append((i, dim))
+        else:
+            expected = Said(f"{bucket.rows} rows in dim {row_dim}")
+            wrong.append(
+                Mismatch(f"output{pytree.keystr(path)}", "shape", expected, tuple(x.shape))
+            )
+    if wrong:
+        raise CudaGraphOutputError(
+            describe_mismatches(
+                f"outputs of {what} do not hold its {bucket.rows} rows in output_row_dim={row_dim}",
+                wrong,
+                "The runner cuts every output tensor to the batch's rows in that dimension. "
+                "Fixes: 1. set output_row_dim to the dimension holding the rows (0 for "
+                "[rows, ...] outputs; negative values count from the end); 2. return only "
+                "row-wise outputs from forward.",
+            )
+        )
+    return SlotGraph(graph, output, [x for _, x in flat], treespec, tuple(narrow))
+
+
+@dataclass
+class BucketGraph:
+    """One captured bucket: a :class:`SlotGraph` per slot (one, or more when the runner
+    double-buffers), its replay count and the slot the next step uses."""
+
+    bucket: Bucket
+    slots: list[SlotGraph]
+    replays: int = 0
+    next_slot: int = 0
+
+    @property
+    def graph(self) -> Any:
+        return self.slots[0].graph
+
+    @property
+    def output(self) -> Any:
+        return self.slots[0].output
+
+    def slot(self, index: int) -> SlotGraph:
+        return self.slots[index]
+
+    def reset(self) -> None:
+        release(slot.graph for slot in self.slots)
+
+
+def release(graphs: Any) -> None:
+    for graph in graphs:
+        reset = getattr(graph, "reset", None)
+        if reset is not None:
+            reset()
