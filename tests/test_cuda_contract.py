@@ -107,8 +107,11 @@ def test_graph_stack_of_a_module_list_graphs_its_layers():
     for layer in eager:
         ref = layer(ref)
     assert_bitwise_equal(out, ref, "stack output")
-    out.sum().backward()
-    ref.sum().backward()
+    # A dense incoming gradient: sum()'s is an expanded tensor (stride 0), which eager
+    # matmuls read with another kernel than the graph's dense static buffer.
+    grad = _randn(4, 16, seed=6)
+    out.backward(grad)
+    ref.backward(grad)
     assert_bitwise_equal(layers[0][0].weight.grad, eager[0][0].weight.grad, "first layer grad")
     assert stack.cuda_graph.graphs.fwd_graph is not None and not stack.cuda_graph.graphs.eager_only
 
@@ -177,8 +180,9 @@ def test_disabled_make_graphed_callables_equals_graphed_and_captures_nothing(mon
         x_ref = x.detach().clone().requires_grad_(True)
         out, ref = graphed_mod(x), eager_mod(x_ref)
         assert_bitwise_equal(out, ref, "output")
-        out.sum().backward()
-        ref.sum().backward()
+        grad = _randn(4, 16, seed=10 + seed)  # dense: see the graph_stack test
+        out.backward(grad)
+        ref.backward(grad)
         assert_bitwise_equal(x.grad, x_ref.grad, "input grad")
     assert_bitwise_equal(graphed_mod[2].weight.grad, eager_mod[2].weight.grad, "weight grad")
     with pytest.raises(CudaGraphInputError, match=r"args\[0\]: shape"):
