@@ -1,11 +1,18 @@
 """cudagraphs: CUDA Graphs made practical in PyTorch.
 
-* :mod:`cudagraphs.capture`: capture primitives (one way to capture, one way to
-  recover from a failed capture).
+* :mod:`cudagraphs.capture`: capture primitives (one way to capture into a pool, one
+  way to recover from a failed capture); :mod:`cudagraphs.introspect`: node counts and
+  executable memory of graphs.
 * :func:`make_graphed_callables`: Transformer Engine-compatible graph helper with
-  ``capture_time_hooks`` and pipeline (``_order``) schedules, and in-graph gradient
+  ``capture_time_hooks``, pipeline (``_order``) schedules and in-graph gradient
   accumulation; :func:`graph_stack` graphs a whole layer stack as one unit.
-* :mod:`cudagraphs.introspect`: node counts and executable memory of graphs.
+* :mod:`cudagraphs.program`: :class:`CudaGraphProgram` / :class:`CudaGraphPool`, a
+  fixed function replayed on validated, fixed-address inputs.
+* :mod:`cudagraphs.partial`: graphs of attention and MoE routers inside eager training.
+* :mod:`cudagraphs.serving`: the bucketed :class:`~cudagraphs.serving.GraphRunner`.
+* :mod:`cudagraphs.errors`: every error the package raises (all derive from
+  :class:`CudaGraphsError`); :mod:`cudagraphs.settings`: ``CUDAGRAPHS_DISABLE`` and the
+  other environment switches.
 """
 
 from .capture import GraphPool, capture_into_graph, capture_with_static_outputs, new_pool
