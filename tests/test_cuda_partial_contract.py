@@ -15,25 +15,10 @@ pytestmark = pytest.mark.cuda
 transformers = pytest.importorskip("transformers")
 
 from _hf_models import tiny  # noqa: E402
+from test_cuda_partial import step_both_and_compare  # noqa: E402
 
 LOGGER = "cudagraphs.partial.manager"
 TARGETS = {"llama": 2, "qwen3_moe": 4}  # attention (+ router) per layer, 2 layers
-
-
-def loss_of(model, ids):
-    return model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
-
-
-def step_both_and_compare(model, ref, ids, step):
-    """Forward + backward of both models on ``ids``; losses and grads must be equal."""
-    loss, ref_loss = loss_of(model, ids), loss_of(ref, ids)
-    loss.backward()
-    ref_loss.backward()
-    assert torch.equal(loss, ref_loss), f"step {step}: loss differs"
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert (p.grad is None) == (q.grad is None), f"step {step}: grad of {name}"
-        if p.grad is not None:
-            assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name} differs"
 
 
 def batches(seed, n, seq=16):

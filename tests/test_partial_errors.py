@@ -6,7 +6,6 @@ import logging
 
 import pytest
 import torch
-from torch import nn
 
 from cudagraphs.errors import (
     CudaGraphsStateError,
@@ -15,36 +14,7 @@ from cudagraphs.errors import (
     TargetSelectionError,
 )
 from cudagraphs.partial import ContractSet, PartialCudaGraphManager, select_targets
-
-
-class Attn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, hidden_states, attention_mask=None):
-        return self.o(torch.tanh(self.q(hidden_states)))
-
-
-class Block(nn.Module):
-    def __init__(self, twice=False):
-        super().__init__()
-        self.self_attn, self.twice = Attn(), twice
-
-    def forward(self, x):
-        x = x + self.self_attn(x)
-        return x + self.self_attn(x) if self.twice else x
-
-
-class Toy(nn.Module):
-    def __init__(self, twice=False):
-        super().__init__()
-        self.layers = nn.ModuleList([Block(twice), Block()])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+from test_partial_manager import Toy
 
 
 def eager_backend(callables, sample_args, sample_kwargs):
