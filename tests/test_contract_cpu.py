@@ -52,6 +52,7 @@ def test_every_error_class_lives_in_errors_and_derives_from_the_root():
         errors.CaptureTimeHookError: RuntimeError,
         errors.TargetSelectionError: ValueError,
         errors.CudaCallError: RuntimeError,
+        errors.QuantizationNotSupportedError: NotImplementedError,
     }
     for cls, base in builtin.items():
         assert issubclass(cls, base), (cls, base)

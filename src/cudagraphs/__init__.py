@@ -16,6 +16,7 @@
 """
 
 from .capture import GraphPool, capture_into_graph, capture_with_static_outputs, new_pool
+from .capturing import is_graph_capturing
 from .core import GraphedCallable, GraphedStack, graph_stack, make_graphed_callables
 from .errors import (
     CaptureTimeHookError,
@@ -32,6 +33,7 @@ from .errors import (
     Mismatch,
     NoCudaDeviceError,
     ProgramClosedError,
+    QuantizationNotSupportedError,
     SignatureMismatchError,
     TargetSelectionError,
 )
@@ -72,6 +74,7 @@ __all__ = [
     "GraphReleasedError",
     "Mismatch",
     "NoCudaDeviceError",
+    "QuantizationNotSupportedError",
     "SignatureMismatchError",
     "TargetSelectionError",
     "GraphedCallable",
@@ -79,6 +82,7 @@ __all__ = [
     "capture_into_graph",
     "capture_with_static_outputs",
     "graph_stack",
+    "is_graph_capturing",
     "make_graphed_callables",
     "new_pool",
 ]

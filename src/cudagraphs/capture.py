@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
+from .capturing import capture_scope
 from .checks import require_cuda
 from .errors import (
     CudaGraphCaptureError,
@@ -208,7 +209,7 @@ def capture_into_graph(
     # The capture records work; it must not overlap work still queued for the buffers
     # it reads (warmup outputs, freshly copied inputs).
     torch.cuda.synchronize(device)
-    with capture_environment():
+    with capture_environment(), capture_scope():
         handle = pool.prepare(stream)
         torch.cuda.set_stream(stream)
         try:

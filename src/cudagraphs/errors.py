@@ -36,6 +36,7 @@ __all__ = [
     "Mismatch",
     "NoCudaDeviceError",
     "ProgramClosedError",
+    "QuantizationNotSupportedError",
     "SignatureMismatchError",
     "TargetSelectionError",
     "describe_mismatches",
@@ -150,6 +151,12 @@ class GraphReleasedError(CudaGraphsError, RuntimeError):
 
 class ProgramClosedError(GraphReleasedError):
     """A program or pool was used after ``close()``."""
+
+
+class QuantizationNotSupportedError(CudaGraphsError, NotImplementedError):
+    """Transformer Engine's FP8/FP4 graphing was asked for (``enabled=True``,
+    ``fp8_enabled=True``, ``calibrating=True``): graph quantized layers with Transformer
+    Engine's own ``make_graphed_callables``."""
 
 
 class CaptureTimeHookError(CudaGraphsError, RuntimeError):

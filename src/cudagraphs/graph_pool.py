@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -52,8 +53,10 @@ class GraphPool:
     Not thread safe: one capture at a time, as CUDA graph capture requires anyway.
     """
 
-    def __init__(self, handle: PoolHandle | None = None) -> None:
+    def __init__(self, handle: PoolHandle | None = None, *, owner: Any = None) -> None:
         self._handle = handle
+        # What the handle came from (a torch.cuda.MemPool), kept alive with it.
+        self._owner = owner
         self._anchor: torch.cuda.CUDAGraph | None = None
         self._anchor_buffer: torch.Tensor | None = None
         self.retired: list[PoolHandle] = []  # handles given up after failed captures
@@ -144,19 +147,46 @@ def new_pool() -> GraphPool:
     return GraphPool()
 
 
-def as_graph_pool(pool: GraphPool | PoolHandle | None) -> GraphPool:
-    """Accept a :class:`GraphPool`, a raw torch pool handle, or ``None`` (a new pool).
+def as_graph_pool(pool: Any) -> GraphPool:
+    """The :class:`GraphPool` for what a caller passed as ``pool``.
 
-    A raw handle is wrapped; that wrapper retires the handle on failure like any
-    ``GraphPool``, but only for the captures that go through the same wrapper, so keep
-    the returned object (or pass ``new_pool()`` from the start) to capture again.
+    Accepted: a :class:`GraphPool` (itself); ``None`` (a new pool); a raw torch pool
+    handle, as ``torch.cuda.graph_pool_handle()`` and Transformer Engine's
+    ``graph_pool_handle()`` return; a ``torch.cuda.MemPool`` (its handle, with the
+    ``MemPool`` kept alive as long as the wrapper); and any object with a
+    ``graph_pool`` attribute holding a :class:`GraphPool` (a
+    :class:`~cudagraphs.CudaGraphPool`: graphs then share its scratch memory).
+
+    A raw handle or ``MemPool`` is wrapped; the wrapper retires the handle on failure
+    like any ``GraphPool``, but only for the captures that go through the same
+    wrapper, so keep the returned object (or pass ``new_pool()`` from the start) to
+    capture again.
+
+    Raises:
+        CudaGraphsTypeError: anything else, naming what was passed.
     """
     if isinstance(pool, GraphPool):
         return pool
     if pool is None:
         return GraphPool()
-    if isinstance(pool, tuple) and len(pool) == 2:
-        return GraphPool(handle=pool)
+    inner = getattr(pool, "graph_pool", None)
+    if isinstance(inner, GraphPool):
+        return inner
+    if _is_handle(pool):
+        return GraphPool(handle=tuple(pool))
+    mem_pool = getattr(torch.cuda, "MemPool", None)
+    if isinstance(mem_pool, type) and isinstance(pool, mem_pool) and _is_handle(pool.id):
+        return GraphPool(handle=tuple(pool.id), owner=pool)
     raise CudaGraphsTypeError(
-        f"pool must be a cudagraphs.GraphPool, a torch graph pool handle or None, got {pool!r}"
+        "pool must be a cudagraphs.GraphPool, a CudaGraphPool, a torch.cuda.MemPool, a "
+        f"handle from torch.cuda.graph_pool_handle() or None; got {type(pool).__name__} "
+        f"{pool!r}"
+    )
+
+
+def _is_handle(value: Any) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     )

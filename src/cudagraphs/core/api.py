@@ -9,14 +9,16 @@ from typing import Any
 
 import torch
 
-from ..capture import GraphPool, PoolHandle, as_graph_pool, side_stream
-from ..checks import require_cuda
+from ..capture import as_graph_pool, side_stream
+from ..capturing import capture_scope
+from ..checks import check_callable, require_cuda
 from ..errors import CudaGraphsValueError
 from ..settings import DISABLE_ENV, graphs_disabled
 from .canonicalize import GraphPlan, canonicalize, check_devices
 from .capture_phase import CaptureOptions, capture_plan, eager_entry_graphs
 from .grad_targets import GradTargets, prepare_grad_targets
 from .runtime import EntryGraphs, GraphedCallable
+from .te_compat import check_fifth_argument, check_quantization_off
 from .warmup import run_warmup
 
 __all__ = ["make_graphed_callables"]
@@ -111,25 +113,38 @@ def make_graphed_callables(
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
     sample_kwargs: Any = None,
-    pool: GraphPool | PoolHandle | None = None,
-    retain_graph_in_backward: bool = False,
+    enabled: Any = None,
+    calibrating: bool | None = None,
+    recipe: Any = None,
+    amax_reduction_group: Any = None,
+    cache_quantized_params: bool | None = None,
     _order: Sequence[int] | None = None,
     _num_layers_per_chunk: Sequence[int] | None = None,
+    pool: Any = None,
+    retain_graph_in_backward: bool = False,
     _reuse_graph_input_output_buffers: bool = False,
+    *,
+    fp8_enabled: Any = None,
+    fp8_calibrating: bool | None = None,
+    fp8_recipe: Any = None,
+    fp8_group: Any = None,
+    fp8_weight_caching: bool | None = None,
     clone_param_grads_on_return: bool = True,
     pre_warmup_hook: Callable[[], Any] | None = None,
     post_warmup_hook: Callable[[], Any] | None = None,
     capture_time_hooks: Sequence[HookMap | None] | None = None,
-    *,
     accumulate_grads_in_graph: bool = False,
     main_grad_attr: str | None = None,
 ) -> Any:
     """Graph modules or functions: forward (and in training backward) CUDA graphs,
     replayed behind an autograd node.
 
-    The parameters are Transformer Engine's graphing parameters (without its FP8/FP4
-    ones), so code written for ``transformer_engine.pytorch.make_graphed_callables``
-    runs unchanged.
+    The parameters are Transformer Engine's, in its positional order (the first
+    fifteen), so code written for ``transformer_engine.pytorch.make_graphed_callables``
+    runs unchanged as long as quantization is off; the parameters after
+    ``_reuse_graph_input_output_buffers`` are keyword-only, so no positional call can
+    land in the wrong one. ``is_graph_capturing()`` (ours, and Transformer Engine's
+    when TE is imported) is true during warmup and capture.
 
     Args:
         modules: one callable, or a tuple of them: ``nn.Module`` s or functions. Under
@@ -142,14 +157,26 @@ def make_graphed_callables(
         num_warmup_iters: eager iterations of the whole schedule before capture.
         allow_unused_input: allow inputs/parameters that require grad but are not used
             (their gradient is ``None``); otherwise that is a ``ValueError``.
-        sample_kwargs: per entry, a dict of keyword arguments (tensors are graph inputs).
-        pool: the :class:`~cudagraphs.GraphPool` (or raw torch pool handle) to
-            capture into; a new pool shared by all graphs made here when ``None``.
-        retain_graph_in_backward: capture the backward with ``retain_graph=True``
-            (keeps the forward's saved tensors alive, costing memory).
+        sample_kwargs: per entry, a dict of keyword arguments (tensors are graph
+            inputs). Fifth, as in Transformer Engine; torch's helper has ``pool``
+            there, and a pool passed fifth is refused with that explanation.
+        enabled, calibrating, recipe, amax_reduction_group, cache_quantized_params:
+            Transformer Engine 2.x's quantization arguments, accepted while they leave
+            quantization off (``enabled`` and ``calibrating`` false or ``None``; the
+            others are then ignored). Their Transformer Engine 1.x names
+            ``fp8_enabled, fp8_calibrating, fp8_recipe, fp8_group,
+            fp8_weight_caching`` are accepted as keywords (positionally they are the
+            same five slots).
         _order: interleaved pipeline schedule: 1-based chunk ids, positive for the
             forward of the chunk's next microbatch, negative for its backward.
         _num_layers_per_chunk: layers per chunk under ``_order`` (default: even split).
+        pool: the memory pool to capture into, shared by all graphs made here: a
+            :class:`~cudagraphs.GraphPool`, ``torch.cuda.graph_pool_handle()`` (or
+            Transformer Engine's), a ``torch.cuda.MemPool``, or a
+            :class:`~cudagraphs.CudaGraphPool` (its scratch pool); a new one when
+            ``None``.
+        retain_graph_in_backward: capture the backward with ``retain_graph=True``
+            (keeps the forward's saved tensors alive, costing memory).
         _reuse_graph_input_output_buffers: under ``_order`` in training, microbatches
             of a layer whose forward-to-backward lifetimes do not overlap share static
             input and incoming-gradient buffers.
@@ -196,7 +223,10 @@ def make_graphed_callables(
         Outputs are borrowed (overwritten by the next replay of that entry).
 
     Raises:
-        TypeError, ValueError: bad arguments, before any GPU work (see the message).
+        CudaGraphsTypeError, CudaGraphsValueError: bad arguments, before any GPU work
+            (the message names the argument).
+        QuantizationNotSupportedError: Transformer Engine's quantization turned on.
+        NoCudaDeviceError: torch finds no usable CUDA device.
         CaptureTimeHookError: a capture-time hook returned a value.
         CudaGraphCaptureError: a capture failed; graphs captured so far are released
             and the pool and stream stay usable.
@@ -205,6 +235,30 @@ def make_graphed_callables(
     captured (the schedule): forwards in order, backwards in reverse order, or the
     ``_order`` schedule. Only one host thread may replay a given graph at a time.
     """
+    check_fifth_argument(sample_kwargs)
+    check_quantization_off(
+        {
+            "enabled": enabled,
+            "calibrating": calibrating,
+            "recipe": recipe,
+            "amax_reduction_group": amax_reduction_group,
+            "cache_quantized_params": cache_quantized_params,
+        },
+        {
+            "fp8_enabled": fp8_enabled,
+            "fp8_calibrating": fp8_calibrating,
+            "fp8_recipe": fp8_recipe,
+            "fp8_group": fp8_group,
+            "fp8_weight_caching": fp8_weight_caching,
+        },
+    )
+    for name, hook in (
+        ("pre_warmup_hook", pre_warmup_hook),
+        ("post_warmup_hook", post_warmup_hook),
+    ):
+        if hook is not None:
+            check_callable(name, hook)
+    graph_pool = as_graph_pool(pool)
     plan = canonicalize(
         modules,
         sample_args,
@@ -228,11 +282,10 @@ def make_graphed_callables(
     if graphs_disabled():
         return _eager_results(plan, main_grad_attr)
     grad_targets = _grad_targets(plan, main_grad_attr) if accumulate_grads_in_graph else ()
-    with torch.cuda.device(device):
+    with torch.cuda.device(device), capture_scope():
         # Warmup and capture share the pool's side stream: libraries that create
         # per-stream state lazily (cuBLAS workspaces) do so during warmup, not inside
         # capture, and once per pool rather than once per call.
-        graph_pool = as_graph_pool(pool)
         stream = graph_pool.capture_stream(device)
         t0 = time.perf_counter()
         with side_stream(stream):

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..capturing import capture_scope
 from ..checks import check_bool, check_callable, check_int
 from ..diagnostics import WarnOnce
 from ..errors import (
@@ -384,7 +386,8 @@ class PartialCudaGraphManager:
                 callables.append(entry.adapter())
                 sample_args.append((tuple(entry.capture_params(i)), *args))
                 sample_kwargs.append(kwargs)
-            graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))
+            with nullcontext() if self._disabled else capture_scope():
+                graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))
             if len(graphed) != len(group):
                 raise CudaGraphsValueError(
                     f"capture_backend returned {len(graphed)} callable(s) for "

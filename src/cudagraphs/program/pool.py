@@ -56,13 +56,17 @@ class CudaGraphPool:
 
     Args:
         device: the CUDA device of the scratch memory (``"cuda"``: the current one).
+        pool: the :class:`~cudagraphs.GraphPool` to take the scratch from (share one
+            with the core helper's or a runner's graphs); a new one by default.
 
     Raises:
         CudaGraphsTypeError, CudaGraphsValueError: ``device`` is not a CUDA device.
         NoCudaDeviceError: torch finds no usable CUDA device.
     """
 
-    def __init__(self, device: torch.device | str | int = "cuda") -> None:
+    def __init__(
+        self, device: torch.device | str | int = "cuda", *, pool: GraphPool | None = None
+    ) -> None:
         if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
             raise CudaGraphsTypeError(
                 f"CudaGraphPool(device=...) takes a torch.device, a str such as 'cuda:0' "
@@ -80,7 +84,12 @@ class CudaGraphPool:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self._device = device
-        self._graph_pool = GraphPool()
+        if pool is not None and not isinstance(pool, GraphPool):
+            raise CudaGraphsTypeError(
+                f"CudaGraphPool(pool=...) takes a cudagraphs.GraphPool (new_pool()), got "
+                f"{type(pool).__name__}"
+            )
+        self._graph_pool = GraphPool() if pool is None else pool
         self._members: weakref.WeakSet[CudaGraphProgram] = weakref.WeakSet()
         self._launched = torch.cuda.Event()
         self._record_launches = False
@@ -94,6 +103,17 @@ class CudaGraphPool:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def graph_pool(self) -> GraphPool:
+        """The :class:`~cudagraphs.GraphPool` holding the scratch: pass it (or this
+        object) as ``pool=`` to other layers' captures to share the memory.
+
+        Raises:
+            ProgramClosedError: after ``close()``.
+        """
+        self._check_open()
+        return self._graph_pool
 
     def _check_open(self) -> None:
         if self._closed:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from ..capture import GraphPool
+from ..capturing import capture_scope
 from ..checks import require_cuda
 from ..errors import CudaGraphCaptureError, CudaGraphInputError, CudaGraphsTypeError
 from ..settings import graphs_disabled
@@ -179,12 +181,12 @@ class CudaGraphProgram(Generic[OutputT]):
         self._stream: torch.cuda.Stream | None = None
         self._closed = False
         self._staging: GraphStaging | None = None
-        with torch.cuda.device(device):
+        disabled = graphs_disabled()
+        with torch.cuda.device(device), nullcontext() if disabled else capture_scope():
             # Programs of one pool share its capture stream (and so one cuBLAS
             # workspace, made during the first warmup rather than inside a capture).
-            graph_pool = pool._graph_pool if pool is not None else GraphPool()
+            graph_pool = pool.graph_pool if pool is not None else GraphPool()
             stream = graph_pool.capture_stream(device)
-            disabled = graphs_disabled()
             t0 = time.perf_counter()
             last = None
             if not disabled:

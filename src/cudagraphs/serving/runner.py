@@ -18,11 +18,13 @@ import gc
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from ..capture import GraphPool, side_stream
+from ..capturing import capture_scope
 from ..checks import check_callable, check_device, check_instance, check_int, require_cuda
 from ..diagnostics import WarnOnce
 from ..errors import (
@@ -252,7 +254,10 @@ class GraphRunner:
         if self._pool is None:
             self._pool = GraphPool()
         try:
-            self._capture_all(make_inputs, warmup, plan_memory, free_bytes, headroom_bytes, measure)
+            with nullcontext() if disabled else capture_scope():
+                self._capture_all(
+                    make_inputs, warmup, plan_memory, free_bytes, headroom_bytes, measure
+                )
         except BaseException:
             self.close()
             raise
