@@ -56,11 +56,14 @@ def x():
 
 
 def _past_the_argument_checks(call):
-    """Run a call whose arguments are all acceptable: on a machine without CUDA it gets
-    as far as the device check; with CUDA it graphs."""
+    """Run a call whose arguments are all acceptable but whose sample tensors are on the
+    CPU: it gets as far as the device checks, the last before any GPU work (the GPU
+    file graphs such calls)."""
     if torch.cuda.is_available():
-        pytest.skip("the GPU file graphs these calls")
-    with pytest.raises(NoCudaDeviceError):
+        error, message = CudaGraphsValueError, "graph inputs must be CUDA tensors"
+    else:
+        error, message = NoCudaDeviceError, "needs a CUDA device"
+    with pytest.raises(error, match=message):
         call()
 
 
