@@ -1,8 +1,9 @@
 """Tiny Hugging Face causal LMs built from config (no downloads), shared by the
-partial-graph tests. Import only after ``pytest.importorskip("transformers")``."""
+partial-graph tests. Safe to import without transformers: :func:`tiny` skips the test
+that calls it then, so tests of toy modules in the same file still run."""
 
+import pytest
 import torch
-import transformers
 from torch import nn
 
 CONFIGS = {
@@ -60,7 +61,9 @@ CONFIGS = {
 
 
 def tiny(family: str = "llama", seed: int = 0) -> nn.Module:
-    """A fresh tiny causal LM of ``family`` with weights drawn from ``seed``."""
+    """A fresh tiny causal LM of ``family`` with weights drawn from ``seed`` (skips the
+    calling test when transformers is not installed)."""
+    transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     config = transformers.AutoConfig.for_model(family, **CONFIGS[family])
     return transformers.AutoModelForCausalLM.from_config(config)

@@ -16,3 +16,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """A run that selected only GPU tests (``pytest -m cuda``, or GPU files alone) on a
+    machine where CUDA is not usable would report every test skipped and exit 0: a GPU
+    run that passes by skipping. Fail it instead, saying why. A run that also selected
+    CPU tests (plain ``pytest``) keeps skipping the GPU ones."""
+    items = session.items
+    if not items or torch.cuda.is_available():
+        return
+    if all("cuda" in item.keywords for item in items):
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
+        pytest.exit(
+            f"{len(items)} GPU test(s) were selected, but CUDA is not usable here (torch "
+            f"{torch.__version__}, {build}; torch.cuda.is_available() is False): they would "
+            "all be skipped. Run them on a GPU machine (a CUDA build of torch and a working "
+            "driver), or run the whole suite (plain pytest), which skips them.",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )

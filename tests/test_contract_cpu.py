@@ -314,7 +314,7 @@ def test_disabled_core_entries_validate_then_run_eagerly():
     with pytest.raises(cudagraphs.CudaGraphInputError, match=r"args\[1\]: shape"):
         graphed(x, torch.randn(4))  # validated as a replay would be
     graphed.reset()
-    with pytest.raises(cudagraphs.GraphReleasedError):
+    with pytest.raises(cudagraphs.GraphReleasedError, match="released by reset"):
         graphed(x, y)
 
 
@@ -336,7 +336,7 @@ def test_disabled_core_entries_keep_autograd_eager():
 def test_disabled_make_graphed_callables_still_needs_cuda(monkeypatch):
     # The same checks as a graphed run, the device included.
     monkeypatch.setenv(DISABLE_ENV, "1")
-    with pytest.raises(errors.NoCudaDeviceError):
+    with pytest.raises(errors.NoCudaDeviceError, match="make_graphed_callables needs a CUDA"):
         cudagraphs.make_graphed_callables(nn.Linear(2, 2), (torch.ones(1, 2),))
 
 

@@ -203,7 +203,7 @@ def test_disabled_program_runs_eagerly_into_the_same_borrowed_output(monkeypatch
         handle = program.copy_inputs_from(*_tree_args(50))
         out = program.replay_prepared(copy_handle=handle, copy_output=True)
         assert_bitwise_equal(out.x["z"], _tree_fn(*_tree_args(50)).x["z"], "prefetched")
-        with pytest.raises(SignatureMismatchError):
+        with pytest.raises(SignatureMismatchError, match=r"inputs\[0\]: type expected 'Pair'"):
             program.replay(_randn(3), _tree_args(1)[1])
     finally:
         program.close()

@@ -625,9 +625,9 @@ def test_reset_of_a_function_releases_it():
     x = _randn(16, seed=2, requires_grad=True)
     _assert_equal(graphed(x), _sin_times_two(x.detach()), "replay before reset")
     graphed.reset()
-    with pytest.raises(GraphReleasedError):
+    with pytest.raises(GraphReleasedError, match="released by reset"):
         graphed(x)
-    with torch.no_grad(), pytest.raises(GraphReleasedError):
+    with torch.no_grad(), pytest.raises(GraphReleasedError, match="released by reset"):
         graphed(x)
     graphed.reset()  # idempotent
     assert "released" in repr(graphed)

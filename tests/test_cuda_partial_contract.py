@@ -9,13 +9,11 @@ import pytest
 import torch
 
 import cudagraphs.core
+from _hf_models import tiny
 from cudagraphs.partial import PartialCudaGraphManager
+from test_cuda_partial import step_both_and_compare
 
 pytestmark = pytest.mark.cuda
-transformers = pytest.importorskip("transformers")
-
-from _hf_models import tiny  # noqa: E402
-from test_cuda_partial import step_both_and_compare  # noqa: E402
 
 LOGGER = "cudagraphs.partial.manager"
 TARGETS = {"llama": 2, "qwen3_moe": 4}  # attention (+ router) per layer, 2 layers

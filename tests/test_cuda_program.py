@@ -268,20 +268,20 @@ def test_stale_and_foreign_copy_handles_are_rejected():
         # Both programs made exactly one copy: only the owner tells the handles apart.
         foreign = other.copy_inputs_from(c)
         h_a = program.copy_inputs_from(a)
-        with pytest.raises(CudaGraphInputError):
+        with pytest.raises(CudaGraphInputError, match="copy_handle was made by another program"):
             program.replay_prepared(copy_handle=foreign)
         assert_bitwise_equal(program.replay_prepared(copy_handle=h_a), _scale_shift(a), "h_a")
         assert_bitwise_equal(other.replay_prepared(copy_handle=foreign), _scale_shift(c), "c")
 
         h_b = program.copy_inputs_from(b)
-        with pytest.raises(CudaGraphInputError):
+        with pytest.raises(CudaGraphInputError, match=r"copy_handle is stale \(payload 1, .* 2\)"):
             program.replay_prepared(copy_handle=h_a)  # older than h_b
         assert_bitwise_equal(program.replay_prepared(copy_handle=h_b), _scale_shift(b), "h_b")
         assert_bitwise_equal(program.replay_prepared(), _scale_shift(b), "current payload")
 
         h_c = program.copy_inputs_from(c)
         program.replay(a)  # replaces the payload h_c copied
-        with pytest.raises(CudaGraphInputError):
+        with pytest.raises(CudaGraphInputError, match="copy_handle is stale"):
             program.replay_prepared(copy_handle=h_c)
         assert_bitwise_equal(program.replay_prepared(), _scale_shift(a), "payload after replay")
     finally:
@@ -446,7 +446,7 @@ def test_pool_close_closes_live_members_and_refuses_new_captures():
     assert pool.closed
     assert first.closed and second.closed
     for program in (first, second):
-        with pytest.raises(ProgramClosedError):
+        with pytest.raises(ProgramClosedError, match="was closed; its graph, buffers"):
             program.replay(x)
     with pytest.raises((cudagraphs.CudaGraphsError, ValueError), match="closed"):
         _capture(_scale_shift, x, pool=pool)
@@ -886,48 +886,87 @@ def _with_cpu_output(t):
 
 
 CAPTURE_ARGUMENT_CASES = [
-    pytest.param(lambda x: {"example_inputs": ()}, ValueError, id="no_inputs"),
-    pytest.param(lambda x: {"example_inputs": ([], {"k": ()})}, ValueError, id="no_tensor"),
-    pytest.param(lambda x: {"example_inputs": (x.cpu(),)}, ValueError, id="cpu_tensor"),
+    pytest.param(lambda x: {"example_inputs": ()}, ValueError, "hold no tensor", id="no_inputs"),
     pytest.param(
-        lambda x: {"function": _add, "example_inputs": (x, x.cpu())}, ValueError, id="cpu_and_cuda"
+        lambda x: {"example_inputs": ([], {"k": ()})}, ValueError, "hold no tensor", id="no_tensor"
     ),
     pytest.param(
-        lambda x: {"function": _add, "example_inputs": (x, x[1:])}, ValueError, id="tensor_and_view"
+        lambda x: {"example_inputs": (x.cpu(),)}, ValueError, "one CUDA device", id="cpu_tensor"
     ),
     pytest.param(
-        lambda x: {"function": _add, "example_inputs": (x, x)}, ValueError, id="same_tensor_twice"
+        lambda x: {"function": _add, "example_inputs": (x, x.cpu())},
+        ValueError,
+        r"one CUDA device, found \['cpu', 'cuda:0'\]",
+        id="cpu_and_cuda",
     ),
-    pytest.param(lambda x: {"example_inputs": (x,), "warmup": -1}, ValueError, id="warmup_-1"),
+    pytest.param(
+        lambda x: {"function": _add, "example_inputs": (x, x[1:])},
+        ValueError,
+        "tensors 0 and 1 .* share storage",
+        id="tensor_and_view",
+    ),
+    pytest.param(
+        lambda x: {"function": _add, "example_inputs": (x, x)},
+        ValueError,
+        "tensors 0 and 1 .* share storage",
+        id="same_tensor_twice",
+    ),
+    pytest.param(
+        lambda x: {"example_inputs": (x,), "warmup": -1},
+        ValueError,
+        "warmup must be an int >= 0",
+        id="warmup_-1",
+    ),
     pytest.param(
         lambda x: {"example_inputs": (x,), "warmup": 0, "pool": CudaGraphPool()},
         ValueError,
+        "CudaGraphPool needs warmup >= 1",
         id="pool_without_warmup",
     ),
     pytest.param(
-        lambda x: {"function": _return_int, "example_inputs": (x,)}, TypeError, id="int_output"
+        lambda x: {"function": _return_int, "example_inputs": (x,)},
+        TypeError,
+        "output: unsupported leaf of type int",
+        id="int_output",
     ),
     pytest.param(
         lambda x: {"function": _return_int, "example_inputs": (x,), "pool": CudaGraphPool()},
         TypeError,
+        "output: unsupported leaf of type int",
         id="int_output_in_pool",
     ),
     pytest.param(
         lambda x: {"function": _with_cpu_output, "example_inputs": (x,)},
         TypeError,
+        r"returned tensors on \['cpu'\]",
         id="cpu_tensor_output",
     ),
-    pytest.param(lambda x: {"function": 42, "example_inputs": (x,)}, TypeError, id="not_callable"),
-    pytest.param(lambda x: {"example_inputs": x}, TypeError, id="example_inputs_not_a_sequence"),
-    pytest.param(lambda x: {"example_inputs": (x, 3)}, TypeError, id="int_input_leaf"),
+    pytest.param(
+        lambda x: {"function": 42, "example_inputs": (x,)},
+        TypeError,
+        "function must be callable, got int",
+        id="not_callable",
+    ),
+    pytest.param(
+        lambda x: {"example_inputs": x},
+        TypeError,
+        "example_inputs must be a sequence of positional arguments",
+        id="example_inputs_not_a_sequence",
+    ),
+    pytest.param(
+        lambda x: {"example_inputs": (x, 3)},
+        TypeError,
+        r"inputs\[1\]: unsupported leaf of type int",
+        id="int_input_leaf",
+    ),
 ]
 
 
-@pytest.mark.parametrize("build, error", CAPTURE_ARGUMENT_CASES)
-def test_capture_rejects_bad_arguments(build, error):
+@pytest.mark.parametrize("build, error, match", CAPTURE_ARGUMENT_CASES)
+def test_capture_rejects_bad_arguments(build, error, match):
     kwargs = {"function": _double, **build(_randn(16))}
     try:
-        with pytest.raises(error):
+        with pytest.raises(error, match=match):
             CudaGraphProgram.capture(**kwargs)
     finally:
         _close(kwargs.get("pool"))

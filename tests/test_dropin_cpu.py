@@ -274,7 +274,7 @@ def test_transformer_engine_flag_is_set_around_the_outermost_scope(fake_te):
 
 
 def test_transformer_engine_flag_is_restored_when_the_scope_fails(fake_te):
-    with pytest.raises(ValueError), capture_scope():
+    with pytest.raises(ValueError, match="capture failed"), capture_scope():
         raise ValueError("capture failed")
     assert fake_te.calls == ["start", "end"] and not fake_te.is_graph_capturing()
 

@@ -6,12 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _hf_models import tiny
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
 
-transformers = pytest.importorskip("transformers")
 fsdp = pytest.importorskip("torch.distributed.fsdp")
-
-from _hf_models import tiny  # noqa: E402
 
 
 def eager_backend(callables, sample_args, sample_kwargs):
@@ -157,6 +155,7 @@ def _two_rank_worker(rank):
     return {"mismatches": mismatches, "stats": stats, "local_rows": shard}
 
 
+@pytest.mark.spawns
 def test_fsdp2_across_two_gloo_ranks_equals_eager(tmp_path):
     from _spawn import run_ranks
 

@@ -8,12 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from _hf_models import tiny
 from cudagraphs.errors import CudaGraphsStateError, CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
-
-transformers = pytest.importorskip("transformers")
-
-from _hf_models import tiny  # noqa: E402
 
 
 def eager_backend(callables, sample_args, sample_kwargs):

@@ -131,9 +131,7 @@ def test_ordereddict_key_order_is_part_of_its_identity():
 def test_ordereddict_keys_name_the_path():
     sig = ValueTreeSignature.from_value(OrderedDict(a=torch.zeros(1), b=torch.zeros(2)))
     bad = OrderedDict(a=torch.zeros(1), b=torch.zeros(2, dtype=torch.int64))
-    assert _mismatches(sig, bad) == [
-        Mismatch("inputs['b']", "dtype", torch.float32, torch.int64)
-    ]
+    assert _mismatches(sig, bad) == [Mismatch("inputs['b']", "dtype", torch.float32, torch.int64)]
 
 
 def test_a_dataclass_field_that_becomes_none_is_a_mismatch():

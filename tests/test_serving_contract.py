@@ -435,7 +435,10 @@ def test_disabled_stand_in_refuses_outputs_that_change_shape(monkeypatch):
     runner = small_runner(varying)
     runner.capture(dummy)
     state["rows"] = 1
-    with pytest.raises(CudaGraphOutputError, match=r"bucket\(bs=4\): run eagerly \(graphs disabled\), it returned outputs that differ"):
+    with pytest.raises(
+        CudaGraphOutputError,
+        match=r"bucket\(bs=4\): run eagerly \(graphs disabled\), it returned outputs that differ",
+    ):
         runner.run(batch(3))
 
 
@@ -493,6 +496,7 @@ def test_capture_twice_needs_close_between():
 )
 def test_capture_arguments_are_checked(kwargs, error, match):
     runner = small_runner(backend=eager_backend())
+    kwargs = dict(kwargs)  # the parametrized dict is shared by every run of the test
     make_inputs = kwargs.pop("make_inputs", dummy)
     with pytest.raises(error, match=match):
         runner.capture(make_inputs, **kwargs)

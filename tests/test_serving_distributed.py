@@ -1,6 +1,7 @@
 """Rank agreement on captured buckets and padded batch sizes: two gloo processes on the
 CPU (file rendezvous, no fixed port), and the local answer without a process group."""
 
+import pytest
 import torch.distributed as dist
 
 from _spawn import run_ranks
@@ -38,6 +39,7 @@ def _runner_on_rank(rank):
     }
 
 
+@pytest.mark.spawns
 def test_two_gloo_ranks_agree(tmp_path):
     results = run_ranks(_worker, WORLD_SIZE, tmp_path)
     for r in results:

@@ -14,7 +14,12 @@ import torch
 
 from ..capture import GraphPool
 from ..checks import require_cuda
-from ..errors import CudaGraphsTypeError, CudaGraphsValueError, ProgramClosedError
+from ..errors import (
+    CudaGraphInputError,
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+    ProgramClosedError,
+)
 
 if TYPE_CHECKING:
     from .program import CudaGraphProgram
@@ -44,6 +49,26 @@ class CopyHandle:
     generation: int
     event: torch.cuda.Event
     sources: tuple[torch.Tensor, ...]  # kept alive until the copy is consumed
+
+    def check(self, program_token: object, generation: int, program: str) -> None:
+        """That this handle is ``program``'s latest payload.
+
+        Raises:
+            CudaGraphInputError: made by another program (a foreign handle), or a
+                newer copy or replay replaced its payload (a stale handle); the two
+                are told apart in the message.
+        """
+        if self.program_token is not program_token:
+            raise CudaGraphInputError(
+                f"program {program}: copy_handle was made by another program; pass the "
+                "handle that this program's copy_inputs_from returned"
+            )
+        if self.generation != generation:
+            raise CudaGraphInputError(
+                f"program {program}: copy_handle is stale (payload {self.generation}, "
+                f"buffer now holds payload {generation}): a newer copy_inputs_from or "
+                "replay replaced it; use the latest handle"
+            )
 
 
 class CudaGraphPool:

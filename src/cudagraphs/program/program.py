@@ -17,7 +17,7 @@ import torch
 from ..capture import GraphPool
 from ..capturing import capture_scope
 from ..checks import require_cuda
-from ..errors import CudaGraphCaptureError, CudaGraphInputError, CudaGraphsTypeError
+from ..errors import CudaGraphCaptureError, CudaGraphsTypeError
 from ..settings import graphs_disabled
 from .buffer import ReusableValueBuffer
 from .capture_steps import check_capture_arguments, detached, warm_up
@@ -456,15 +456,7 @@ class CudaGraphProgram(Generic[OutputT]):
         self._check_open()
         stream = self._current_stream()
         if copy_handle is not None:
-            if copy_handle.program_token is not self._token:
-                raise CudaGraphInputError(
-                    f"program {self._name}: copy_handle was made by another program"
-                )
-            if copy_handle.generation != self._generation:
-                raise CudaGraphInputError(
-                    f"program {self._name}: copy_handle is stale (payload {copy_handle.generation}"
-                    f", buffer now holds payload {self._generation}); use the latest handle"
-                )
+            copy_handle.check(self._token, self._generation, self._name)
             stream.wait_event(copy_handle.event)
         elif self._last_copy is not None:
             # Without a handle, still never read a payload that is half copied.

@@ -1,0 +1,23 @@
+"""The main job on a GPU: it runs end to end and every demo reports results equal to
+eager (the CPU paths of the command line are in test_contract_cpu.py)."""
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.cuda
+
+
+def test_main_job_runs_and_every_demo_equals_eager(capsys):
+    from cudagraphs.__main__ import main
+
+    rc = main(["--layers", "2", "--iters", "3", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["training_grads_equal"] is True, result
+    assert result["program_equal_to_eager"] is True, result
+    assert result["decode_tokens_equal"] is True, result
+    if "partial_loss_equal" in result:  # with transformers installed
+        assert result["partial_loss_equal"] is True and result["partial_fallbacks"] == 0, result
+    for key in ("eager_ms", "graphed_ms", "kernel_busy_ms", "program_replay_ms"):
+        assert result[key] > 0, (key, result)
+    assert rc == 0
