@@ -1,8 +1,11 @@
 """Argument validation of make_graphed_callables, all before any GPU work (CPU only)."""
 
+import functools
+
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cudagraphs import (
     CudaGraphsTypeError,
@@ -89,7 +92,7 @@ def test_tensor_kwargs_and_constants_are_flattened_with_paths():
             lin(),
             x(),
             TypeError,
-            r"sample_args\[0\] \(for callables\[0\] \(Linear\)\) must be a tuple",
+            r"sample_args\[0\] \(for callables\[0\] \(Linear\)\) must be a tuple.*, got Tensor",
         ),
         (
             (lin(), lin()),
@@ -97,8 +100,8 @@ def test_tensor_kwargs_and_constants_are_flattened_with_paths():
             ValueError,
             "sample_args has 1 entries but there are 2 callables",
         ),
-        ((lin(),), [x()], TypeError, r"sample_args\[0\] .* must be a tuple"),
-        ((lin(),), 5, TypeError, "sample_args must be a tuple of tuples"),
+        ((lin(),), [x()], TypeError, r"sample_args\[0\] .* must be a tuple.*, got Tensor"),
+        ((lin(),), 5, TypeError, "sample_args must be a tuple of tuples, got int"),
     ],
 )
 def test_bad_callables_and_sample_args(callables, sample_args, exc, match):
@@ -115,8 +118,14 @@ def test_same_callable_twice_is_rejected():
 def test_sample_kwargs_errors():
     with pytest.raises(ValueError, match=r"one dict per sample_args entry \(2\), got 1"):
         canonicalize((lin(), lin()), ((x(),), (x(),)), sample_kwargs=[{}])
-    with pytest.raises(TypeError, match=r"sample_kwargs\[0\] must be a dict"):
+    # one callable: sample_kwargs is that call's kwargs, so this list is the bad dict
+    with pytest.raises(TypeError, match=r"sample_kwargs\[0\] must be a dict, got list"):
         canonicalize(lin(), (x(),), sample_kwargs=[1])
+    with pytest.raises(TypeError, match=r"sample_kwargs\[1\] must be a dict, got int"):
+        canonicalize((lin(), lin()), ((x(),), (x(),)), sample_kwargs=[None, 1])
+    # one dict for several callables: the message names the type, not a length
+    with pytest.raises(ValueError, match=r"one dict per sample_args entry \(2\), got dict"):
+        canonicalize((lin(), lin()), ((x(),), (x(),)), sample_kwargs={"mask": x()})
 
 
 def test_sparse_input_is_rejected_with_its_path():
@@ -137,8 +146,16 @@ def test_num_warmup_iters_must_be_an_int_not_a_bool(n):
         canonicalize(lin(), (x(),), num_warmup_iters=n)
 
 
-@pytest.mark.parametrize("hook_attr", ["forward_pre", "forward", "backward_pre", "full_backward"])
-def test_modules_with_registered_hooks_are_rejected(hook_attr):
+@pytest.mark.parametrize(
+    "hook_attr, listed",
+    [
+        ("forward_pre", "0.forward_pre_hooks"),
+        ("forward", "0.forward_hooks"),
+        ("backward_pre", "0.backward_pre_hooks"),
+        ("full_backward", "0.backward_hooks"),
+    ],
+)
+def test_modules_with_registered_hooks_are_rejected(hook_attr, listed):
     m = nn.Sequential(lin(), nn.ReLU())
     target = m[0]
     register = {
@@ -150,8 +167,9 @@ def test_modules_with_registered_hooks_are_rejected(hook_attr):
     handle = register()
     with pytest.raises(
         ValueError, match=r"callables\[0\] \(Sequential\) has registered module hooks \(0\."
-    ):
+    ) as info:
         canonicalize(m, (x(),))
+    assert f"hooks ({listed});" in str(info.value)
     handle.remove()
     canonicalize(m, (x(),))  # fine once removed
 
@@ -237,3 +255,135 @@ def test_a_buffer_that_requires_grad_is_refused_by_name():
 def test_make_graphed_callables_validates_hooks_first():
     with pytest.raises(ValueError, match="has 2 entries but there are 1 callables"):
         make_graphed_callables(lin(), (x(),), capture_time_hooks=[None, None])
+
+
+def test_callable_specs_keep_index_fn_and_trainable_parameter_names():
+    def f(a):
+        return a
+
+    m = lin()
+    m.bias.requires_grad_(False)  # frozen: not a graph input
+    plan = canonicalize((m, f), ((x(),), (x(),)))
+    assert [c.index for c in plan.callables] == [0, 1]
+    assert plan.callables[0].fn is m and plan.callables[1].fn is f
+    assert plan.callables[0].params == (m.weight,)
+    assert plan.callables[0].param_names == ("weight",)
+    assert plan.callables[1].param_names == ()
+    nested = nn.Sequential(lin(), nn.ReLU(), lin())
+    assert canonicalize(nested, (x(),)).callables[0].param_names == (
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+    )
+
+
+def test_entry_spec_keeps_args_and_sorted_kwargs():
+    a, mask = x(), x()
+    e = canonicalize(lin(), [a, 3], sample_kwargs={"z": 1, "mask": mask}).entries[0]
+    assert e.args == (a, 3)
+    assert list(e.kwargs) == ["mask", "z"] and e.kwargs["mask"] is mask
+    assert canonicalize(lin(), (a,)).entries[0].kwargs == {}
+
+
+def test_callables_without_qualname_are_named_by_their_type():
+    # functools.partial objects and other callable instances have no __qualname__.
+    scale = functools.partial(torch.mul, other=2.0)
+    plan = canonicalize(scale, (x(),))
+    assert plan.callables[0].name == "callables[0] (partial)"
+    with pytest.raises(TypeError, match=r"sample_args\[0\] \(for callables\[0\] \(partial\)\)"):
+        canonicalize(scale, x())
+
+
+def test_modules_are_named_by_their_class_even_with_a_qualname_attribute():
+    # functools.update_wrapper and similar leave a __qualname__ on the instance; the
+    # class name is what the user recognizes (and what torch prints for the module).
+    m = lin()
+    m.__qualname__ = "wrapped_forward"
+    assert canonicalize(m, (x(),)).callables[0].name == "callables[0] (Linear)"
+
+
+def test_functions_have_no_module_training_flag():
+    def f(a):
+        return a
+
+    plan = canonicalize(f, (x(True),))
+    assert plan.module_training is None
+
+
+def test_hooks_on_the_root_module_are_listed_as_root():
+    m = lin()
+    m.register_forward_hook(lambda mod, a, o: None)
+    with pytest.raises(ValueError, match=r"has registered module hooks \(<root>\.forward_hooks\);"):
+        canonicalize(m, (x(),))
+
+
+def test_autocast_check_falls_back_for_torch_without_device_type(monkeypatch):
+    # Older torch: is_autocast_enabled() takes no device type and answers for CUDA.
+    def is_autocast_enabled(*device_type):
+        if device_type:
+            raise TypeError("is_autocast_enabled() takes 0 positional arguments")
+        return True
+
+    monkeypatch.setattr(torch, "is_autocast_enabled", is_autocast_enabled)
+    monkeypatch.setattr(torch, "is_autocast_cache_enabled", lambda: True)
+    with pytest.raises(ValueError, match=r"autocast \(cuda\) is enabled with its weight cache"):
+        canonicalize(lin(), (x(),))
+
+
+def test_num_layers_per_chunk_reaches_the_layout():
+    mods = tuple(lin() for _ in range(3))
+    sample = tuple((x(True),) for _ in range(3))
+    plan = canonicalize(mods, sample, order=[1, 2, -2, -1], num_layers_per_chunk=[1, 2])
+    assert plan.layout.layers_per_chunk == (1, 2)
+
+
+def test_plan_carries_hooks_and_no_slots_without_reuse():
+    def h(m):
+        return None
+
+    plan = canonicalize(
+        (lin(), lin()), ((x(),), (x(),)), capture_time_hooks=[None, {"forward_hooks": {"h": h}}]
+    )
+    assert plan.buffer_slots is None
+    assert [hk.callable_index for hk in plan.hooks] == [0, 1]
+    assert plan.hooks[1].forward_hooks == (("h", h),)
+
+
+# check_devices only reads devices, so fake tensors (metadata only, no storage) can
+# claim CUDA devices on a machine without one.
+def fake_cuda(device="cuda:0"):
+    with FakeTensorMode():
+        return torch.empty(2, 4, device=device)
+
+
+def test_check_devices_returns_the_one_cuda_device():
+    plan = canonicalize(
+        (lin(), lin()),
+        ((fake_cuda(),), (fake_cuda(),)),
+        sample_kwargs=[{"mask": fake_cuda()}, None],
+    )
+    assert check_devices(plan) == torch.device("cuda", 0)
+
+
+def test_check_devices_rejects_several_devices_naming_where_each_first_appears():
+    plan = canonicalize(
+        (lin(), lin()), ((fake_cuda("cuda:0"), fake_cuda("cuda:0")), (fake_cuda("cuda:1"),))
+    )
+    with pytest.raises(ValueError, match="spread over several devices") as info:
+        check_devices(plan)
+    message = str(info.value)
+    assert "index=0): 'sample_args[0] args[0]'" in message
+    assert "index=1): 'sample_args[1] args[0]'" in message
+
+
+def test_check_devices_rejects_a_cpu_tensor_beside_cuda_ones():
+    plan = canonicalize(lin(), (fake_cuda(), x()))
+    with pytest.raises(ValueError, match=r"sample_args\[0\] args\[1\] is on cpu"):
+        check_devices(plan)
+
+
+def test_check_devices_without_tensor_inputs_uses_the_current_cuda_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    plan = canonicalize(lambda: None, ())
+    assert check_devices(plan) == torch.device("cuda", 3)

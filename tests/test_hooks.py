@@ -53,12 +53,16 @@ def test_unknown_key_is_value_error_naming_entry_and_key():
 @pytest.mark.parametrize(
     "value, match",
     [
-        ({"forward_hooks": {}}, "must be a list"),
-        ("forward_hooks", "must be a list"),
-        (5, "must be a list"),
-        ([5], r"capture_time_hooks\[0\] must be None or a dict"),
-        ([{"forward_hooks": [print]}], r"\['forward_hooks'\] must be a dict"),
-        ([{"backward_hooks": {"h": 3}}], r"\['backward_hooks'\]\['h'\] is not callable"),
+        # each message names the type it received
+        ({"forward_hooks": {}}, "must be a list.*, got dict"),
+        ("forward_hooks", "must be a list.*, got str"),
+        (5, "must be a list.*, got int"),
+        ([5], r"capture_time_hooks\[0\] must be None or a dict, got int"),
+        ([{"forward_hooks": [print]}], r"\['forward_hooks'\] must be a dict .*, got list"),
+        (
+            [{"backward_hooks": {"h": 3}}],
+            r"\['backward_hooks'\]\['h'\] is not callable \(got int\)",
+        ),
     ],
 )
 def test_wrong_types_are_type_errors(value, match):
@@ -96,3 +100,16 @@ def test_hook_returning_a_value_is_runtime_error_naming_it():
     ):
         hooks.run("backward_pre_hooks", torch.nn.Linear(1, 1))
     assert issubclass(CaptureTimeHookError, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    "entry, match",
+    [
+        ({"forward_hooks": [print]}, r"capture_time_hooks\[1\]\['forward_hooks'\] must be a dict"),
+        ({"backward_hooks": {"h": 3}}, r"capture_time_hooks\[1\]\['backward_hooks'\]\['h'\]"),
+    ],
+)
+def test_group_type_errors_name_the_entry_they_are_in(entry, match):
+    # Entry 0 is fine; the message must point at entry 1, not at the first entry.
+    with pytest.raises(TypeError, match=match):
+        canonicalize_capture_time_hooks([None, entry], 2)

@@ -8,6 +8,7 @@ from cudagraphs.core.schedule import (
     build_layout,
     build_schedule,
 )
+from cudagraphs.errors import CudaGraphsValueError
 
 
 def steps(schedule):
@@ -193,3 +194,53 @@ def test_buffer_slots_respect_keys():
 def test_buffer_slots_need_a_forward_for_every_entry():
     with pytest.raises(ValueError, match=r"entries \[1\] have no forward"):
         assign_buffer_slots([Step("fwd", 0, 0), Step("bwd", 0, 0)], ["a", "a"])
+
+
+def test_bad_order_entries_are_listed_up_to_three():
+    # The message quotes the first three offending entries, not the whole list.
+    with pytest.raises(ValueError, match=r"_order holds \[0, 0\.5, True\]: entries are 1-based"):
+        build_layout(2, 2, order=[0, 0.5, True, 0, 1, -1])
+
+
+@pytest.mark.parametrize(
+    "order, message",
+    [
+        # the second backward of chunk 1 has no forward: microbatch 1 (0-based)
+        ([1, -1, -1, 1], r"_order\[2\] = -1 runs backward microbatch 1 of chunk 1 before"),
+        # chunk ids in messages are the 1-based ids of _order
+        ([1, -2, 2, -1], r"_order\[1\] = -2 runs backward microbatch 0 of chunk 2 before"),
+    ],
+)
+def test_backward_before_forward_names_position_microbatch_and_chunk(order, message):
+    with pytest.raises(ValueError, match=message):
+        build_layout(2, 2, order=order)
+
+
+@pytest.mark.parametrize(
+    "order, found",
+    [
+        # chunk 1 sets the microbatch count (2); chunk 2 runs once
+        ([1, 1, -1, -1, 2, -2], r"\(chunk 1: 2\); found \['chunk 2: 1 forwards, 1 backwards'\]"),
+        # chunk 1 never runs: it has 0 microbatches, chunk 2 has 1
+        ([2, -2], r"\(chunk 1: 0\); found \['chunk 2: 1 forwards, 1 backwards'\]"),
+    ],
+)
+def test_uneven_chunks_are_named_with_their_counts(order, found):
+    with pytest.raises(ValueError, match=found):
+        build_layout(2, 2, order=order)
+
+
+def test_a_forward_without_its_backward_is_rejected():
+    # Chunk 2 runs 2 forwards but 1 backward: its backward count matches chunk 1's
+    # microbatch count (1), only its forward count is off.
+    with pytest.raises(ValueError, match=r"found \['chunk 2: 2 forwards, 1 backwards'\]"):
+        build_layout(2, 2, order=[1, 2, -2, -1, 2])
+
+
+def test_a_backward_before_its_forward_is_refused_by_entry():
+    # build_schedule never makes one, but assign_buffer_slots is public: a hand-made
+    # schedule gets the reason, not a bare KeyError.
+    with pytest.raises(
+        CudaGraphsValueError, match="entry 0: its backward comes before its forward"
+    ):
+        assign_buffer_slots([Step("bwd", 0, 0), Step("fwd", 0, 0)], ["a"])

@@ -15,8 +15,9 @@ Equivalent mutants are of two kinds:
   not its wording. Found automatically by comparing the mutant's syntax tree with the
   original's; any other difference (a substituted expression in an f-string, a name,
   a number, a string used as data) is not prose.
-* listed: ``tests/mutation/equivalent.toml`` names a mutant and why no test can tell
-  it from the original (same behaviour for every input).
+* listed: a ``tests/mutation/equivalent*.toml`` file names the mutant under
+  ``[mutants]`` with the reason no test can tell it from the original (the same
+  behaviour for every input).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import tomllib  # Python 3.11+: this is a development tool, not package code
 
 ROOT = Path(__file__).resolve().parents[2]
 MUTANTS = ROOT / "mutants"
-EQUIVALENT = Path(__file__).with_name("equivalent.toml")
+EQUIVALENT_FILES = "equivalent*.toml"  # beside this file, one per group of modules
 OUT_JSON = ROOT / "docs" / "mutation-testing.json"
 TARGET = 0.90
 _LOG_CALLS = {"debug", "info", "warning", "error", "exception", "_warn", "warn_once", "_warn_once"}
@@ -125,7 +126,9 @@ def is_prose(name: str, functions: dict[str, ast.FunctionDef]) -> bool:
 
 def summarize() -> dict:
     statuses = results()
-    listed = tomllib.loads(EQUIVALENT.read_text()).get("mutants", {}) if EQUIVALENT.exists() else {}
+    listed = {}
+    for path in sorted(Path(__file__).parent.glob(EQUIVALENT_FILES)):
+        listed.update(tomllib.loads(path.read_text()).get("mutants", {}))
     by_module: dict[str, dict] = defaultdict(
         lambda: {
             "mutants": 0,

@@ -159,7 +159,7 @@ def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
 def _describe_path(keys: tuple) -> str:
     """Render a pytree key path of (args, kwargs) as ``args[0]['x']`` / ``kwargs['mask']``."""
     head, rest = keys[0], keys[1:]
-    root = "args" if getattr(head, "idx", 0) == 0 else "kwargs"
+    root = "args" if head.idx == 0 else "kwargs"
     return root + pytree.keystr(rest)
 
 

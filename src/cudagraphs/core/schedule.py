@@ -260,6 +260,10 @@ def assign_buffer_slots(schedule: Sequence[Step], entry_keys: Sequence[object]) 
     Returns:
         Per entry, a slot id; entries with equal slot ids share buffers. Slot ids are
         numbered globally from 0 in order of first use.
+
+    Raises:
+        CudaGraphsValueError: an entry's backward comes before its forward, or an
+            entry has no forward.
     """
     free: dict[object, list[int]] = {}
     slot_of: dict[int, int] = {}
@@ -275,7 +279,12 @@ def assign_buffer_slots(schedule: Sequence[Step], entry_keys: Sequence[object]) 
                 slot_of[step.entry] = next_slot
                 next_slot += 1
         else:
-            free.setdefault(key, []).append(slot_of[step.entry])
+            if step.entry not in slot_of:
+                raise CudaGraphsValueError(
+                    f"entry {step.entry}: its backward comes before its forward in the "
+                    "schedule; an entry's buffers live from its forward to its backward"
+                )
+            free[key].append(slot_of[step.entry])
     missing = [i for i in range(len(entry_keys)) if i not in slot_of]
     if missing:
         raise CudaGraphsValueError(f"entries {missing} have no forward step in the schedule")

@@ -45,7 +45,8 @@ from .graphs import (
     slot_graph,
     static_outputs_backend,
 )
-from .memory import BucketCost, MemoryPlan, MemoryUse, measure_bucket_cost, plan_buckets
+from .measure import measure_bucket_cost
+from .memory import BucketCost, MemoryPlan, MemoryUse, plan_buckets
 from .static_inputs import InputSpec, StaticInputs, check_specs
 
 __all__ = ["GraphRunner"]
