@@ -49,6 +49,10 @@ def test_decode_tokens_equal_eager_for_every_bucket_and_padded_sizes():
             reset_cache(model)
             got = greedy_decode(lambda t, p: runner.run({"tokens": t, "positions": p}), prompts, 6)
             assert torch.equal(got, want), f"batch {batch}"
+        # Every step replayed a graph (an eager run would equal eager trivially).
+        stats = runner.stats()
+        assert stats["eager_runs"] == {}, stats
+        assert sum(stats["replays"].values()) == 10 * (4 + 6 - 1), stats
     finally:
         runner.close()
 
@@ -73,6 +77,8 @@ def test_a_bucket_whose_capture_fails_is_dropped_and_the_others_serve():
         reset_cache(model)
         got = greedy_decode(lambda t, p: runner.run({"tokens": t, "positions": p}), prompts, 4)
         assert torch.equal(got, want)
+        assert runner.stats()["replays"]["bucket(bs=16)"] == 4 + 4 - 1, runner.stats()
+        assert runner.stats()["eager_runs"] == {}
         torch.rand(2, device="cuda")  # the generator left capture mode
     finally:
         runner.close()
@@ -109,6 +115,7 @@ def test_a_tight_memory_budget_drops_the_expensive_buckets():
         assert Bucket(1) in runner.graphs and Bucket(8) in runner.graphs
         x = torch.randn(3, 1024, device="cuda")
         torch.testing.assert_close(runner.run({"x": x}), forward(x))
+        assert runner.stats()["replays"]["bucket(bs=4)"] == 1, runner.stats()
     finally:
         runner.close()
 
@@ -141,6 +148,7 @@ def test_piecewise_region_with_static_outputs_equals_eager():
         got = runner.run({"x": x, "positions": pos}).clone()
         want = region(x, pos)
         assert torch.equal(got, want)
+        assert runner.stats()["replays"] == {"bucket(bs=8)": 1, "bucket(bs=4)": 0}
     finally:
         runner.close()
 
