@@ -1,11 +1,13 @@
 """Replay contracts of partial graphs: what a recorded call fixes, why a later call falls
 back, bounded variants and the fallback counters (CPU only)."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, Mismatch
 from cudagraphs.partial import CallContract, ContractSet, FallbackCounter
@@ -375,6 +377,51 @@ def test_contract_set_keeps_controls_that_differ_by_type():
     assert s.match((x,), {"ctl": True}, training=True)[0] == 2
 
 
+def test_contract_set_keeps_eval_and_training_variants_apart():
+    # An eval-mode call (dropout off) recorded into the training variant would replay
+    # the wrong graph: the mode is part of a variant's identity.
+    x = t(2)
+    s = ContractSet()
+    assert s.add(record((x,), training=True)) == 0
+    assert s.add(record((x,), training=False)) == 1
+    assert s.add(record((x,), training=False)) == 1
+    assert s.match((x,), {}, training=False)[:2] == (1, "")
+    assert s.match((x,), {}, training=True)[:2] == (0, "")
+    assert not record((x,), training=True).same_as(record((x,), training=False))
+
+
+def test_contract_set_keeps_grad_mode_variants_apart():
+    x = t(2)
+    s = ContractSet()
+    assert s.add(record((x,))) == 0
+    with torch.no_grad():
+        assert s.add(record((x,))) == 1
+        assert s.match((x,), {}, training=True)[:2] == (1, "")
+    assert s.match((x,), {}, training=True)[:2] == (0, "")
+
+
+SHARED = t(2)
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        (((t(2),), {}), ((t(2),), {"k": None})),  # structure
+        (((t(2), 1), {}), ((1, t(2)), {})),  # tensor positions
+        (((t(2),), {}), ((t(3),), {})),  # tensor metadata
+        (((SHARED, SHARED), {}), ((t(2), t(2)), {})),  # alias pattern
+        (((t(2), 1), {}), ((t(2), 2), {})),  # control value
+    ],
+    ids=["structure", "positions", "meta", "alias", "control"],
+)
+def test_same_as_tells_every_recorded_difference(a, b):
+    ca, cb = record(*a), record(*b)
+    assert ca.same_as(ca) and cb.same_as(cb)
+    assert not ca.same_as(cb) and not cb.same_as(ca)
+    s = ContractSet()
+    assert (s.add(ca), s.add(cb)) == (0, 1)
+
+
 def test_contract_set_keeps_array_like_controls_apart():
     x = t(2)
     s = ContractSet()
@@ -610,6 +657,62 @@ def test_structure_mismatches_locate_the_change(change, want):
     assert record(rec_args, rec_kwargs).mismatches(args, kwargs, training=True) == want
 
 
+def test_structure_mismatches_report_a_changed_role_at_a_path_both_calls_have():
+    # An extra argument changes the structure; at the paths both calls share, a leaf
+    # that changed between tensor, None and a control value is reported, while a
+    # control replaced by a control of another type (1 -> "b") is not a structure
+    # difference.
+    x = t(2)
+    c = record((x, None, 1, "a", x, None))
+    assert c.mismatches((None, x, "b", 2, 3, 4, x), {}, training=True) == [
+        Mismatch("args[0]", "structure", "Tensor", "None"),
+        Mismatch("args[1]", "structure", "None", "Tensor"),
+        Mismatch("args[4]", "structure", "Tensor", "int"),
+        Mismatch("args[5]", "structure", "None", "int"),
+        Mismatch("args[6]", "structure", "absent", "Tensor"),
+    ]
+
+
+def test_structure_mismatch_skeleton_shows_control_kinds():
+    c = record(((t(2), 1, "causal"),))
+    assert c.mismatches(([t(2), 1, "causal"],), {}, training=True) == [
+        Mismatch(
+            "(args, kwargs)",
+            "structure",
+            "(((Tensor, int, str),), {})",
+            "(([Tensor, int, str],), {})",
+        )
+    ]
+
+
+@dataclasses.dataclass
+class StrictBox:
+    """A pytree container that refuses non-tensor children (so no skeleton of it)."""
+
+    x: object
+
+    def __post_init__(self):
+        if not isinstance(self.x, torch.Tensor):
+            raise TypeError("x must be a tensor")
+
+
+@dataclasses.dataclass
+class LooseBox:
+    x: object
+
+
+pytree.register_dataclass(StrictBox)
+pytree.register_dataclass(LooseBox)
+
+
+def test_structure_mismatch_of_a_container_that_refuses_placeholders_shows_its_spec():
+    x = t(2)
+    c = record((StrictBox(x),))
+    assert c.mismatches((LooseBox(x),), {}, training=True) == [
+        Mismatch("(args, kwargs)", "structure", str(c.in_spec), "((LooseBox(x=Tensor),), {})")
+    ]
+
+
 def test_mismatch_report_renders_with_the_shared_format():
     from cudagraphs.errors import describe_mismatches
 
@@ -630,6 +733,7 @@ def test_contract_set_mismatches_use_the_first_variant():
     assert s.mismatches((t(1, 8),), {}, training=True) == []
     (empty,) = ContractSet().mismatches((t(2),), {}, training=True)
     assert empty.field == "structure"
+    assert empty == Mismatch("(args, kwargs)", "structure", "a recorded call", "none recorded")
 
 
 def test_leaf_kinds_take_no_part_in_matching_or_equality():

@@ -1,12 +1,14 @@
 """Structural discovery of partial-graph targets: HF model families built from config,
 checkpoint wrappers, extra (MTP) stacks, user models and rejected selections (CPU only)."""
 
+import logging
 import re
 
 import pytest
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from _hf_models import CONFIGS, tiny
 from cudagraphs.errors import CudaGraphsError, CudaGraphsTypeError
 from cudagraphs.partial import (
     DiscoveredBlock,
@@ -19,11 +21,7 @@ from cudagraphs.partial import (
     select_targets,
     unwrap_checkpoint,
 )
-from cudagraphs.partial.discovery import include_predicate
-
-transformers = pytest.importorskip("transformers")
-
-from _hf_models import CONFIGS, tiny  # noqa: E402
+from cudagraphs.partial.discovery import as_model_parts, include_predicate, why_nothing_found
 
 ATTN = "model.layers.{}.self_attn"
 ROUTER = "model.layers.{}.mlp.gate"
@@ -261,6 +259,43 @@ def test_attention_is_recognized_by_capability():
         assert (hit == ("b.mixer", child)) if found else hit is None, type(child).__name__
 
 
+def test_attention_taking_position_ids_is_recognized():
+    class PositionIdsAttention(ToyAttention):
+        def forward(self, hidden_states, position_ids=None):
+            return self.o(hidden_states)
+
+    block = nn.Module()
+    block.mixer = PositionIdsAttention()
+    assert find_attention(block) == ("mixer", block.mixer)
+
+
+def test_an_empty_child_slot_does_not_hide_the_children_after_it():
+    # An optional submodule left out (registered as None) comes before the attention.
+    block = nn.Module()
+    block.register_module("cross_attn", None)
+    block.attn = ToyAttention()
+    assert find_attention(block) == ("attn", block.attn)
+    model = nn.Module()
+    model.layers = nn.ModuleList([block])
+    assert names_kinds(select_targets(model)) == [("layers.0.attn", "attention")]
+
+
+def test_several_attention_like_children_take_the_first_and_say_so(caplog):
+    block = nn.Module()
+    block.attn_a, block.attn_b = ToyAttention(), ToyAttention()
+    single = nn.Module()
+    single.attn = ToyAttention()
+    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.discovery"):
+        assert find_attention(single, "one") == ("one.attn", single.attn)
+        assert caplog.records == []
+        assert find_attention(block, "blk") == ("blk.attn_a", block.attn_a)
+    (record,) = caplog.records
+    assert record.levelno == logging.DEBUG
+    assert record.getMessage() == (
+        "block blk has several attention-like children ['attn_a', 'attn_b']; taking the first"
+    )
+
+
 def test_moe_is_recognized_by_gate_and_experts():
     assert find_moe(ToyBlock(moe=True), "blk")[::2] == ("blk.ffn", "blk.ffn.router")
     gate_named = ToyBlock()
@@ -279,6 +314,37 @@ def test_moe_is_recognized_by_gate_and_experts():
     # The block itself holding gate+experts is not "an MoE sublayer of the block".
     flat = ToyMoE(router_name="gate")
     assert find_moe(flat) is None
+
+
+@pytest.mark.parametrize(
+    "gate",
+    [nn.LayerNorm(8), nn.Conv1d(8, 2, 1), nn.ReLU()],
+    ids=["1-D weight", "3-D weight", "no weight"],
+)
+def test_a_gate_without_a_2d_weight_beside_experts_is_not_a_router(gate):
+    # A router maps hidden states to expert logits: a 2-D weight. A norm called "gate"
+    # (1-D weight) or a convolution (3-D) beside experts is not one.
+    block = ToyBlock()
+    block.ffn = ToyMoE(router_name="gate")
+    block.ffn.gate = gate
+    assert find_moe(block) is None
+    model = nn.Module()
+    model.layers = nn.ModuleList([block])
+    assert names_kinds(select_targets(model)) == [("layers.0.attn", "attention")]
+    assert discover_blocks(model)[0].router is None
+
+
+def test_a_gate_with_a_non_tensor_weight_is_not_a_router():
+    block = ToyBlock(moe=True)
+    block.ffn.router = nn.Identity()
+    block.ffn.router.weight = 2.0  # no .dim(): not a projection
+    assert find_moe(block) is None
+
+
+def test_the_router_name_is_tried_when_the_gate_is_not_a_router():
+    block = ToyBlock(moe=True)  # ffn.router: a 2-D projection
+    block.ffn.gate = nn.LayerNorm(8)  # a 1-D "gate" beside it
+    assert find_moe(block, "b")[2:] == ("b.ffn.router", block.ffn.router)
 
 
 # --- selection switches and include ---------------------------------------------------
@@ -314,6 +380,14 @@ def test_include_by_predicate():
     assert "model.layers.0.self_attn.q_proj" in seen, "the predicate sees every submodule"
 
 
+def test_include_predicate_is_given_each_module():
+    model = tiny("llama")
+    targets = select_targets(
+        model, attention=False, include=lambda name, module: module is model.model.layers[1].mlp
+    )
+    assert names_kinds(targets) == [("model.layers.1.mlp", "custom")]
+
+
 def test_include_matching_nothing_adds_nothing():
     model = tiny("llama")
     assert select_targets(model, include=["no.such.module"]) == select_targets(model)
@@ -344,6 +418,13 @@ def test_include_nested_in_a_target_is_rejected(pattern, inner, outer):
     msg = f"target {re.escape(inner)} lies inside target {re.escape(outer)}"
     with pytest.raises(TargetSelectionError, match=msg):
         select_targets(model, include=[pattern])
+
+
+def test_a_target_inside_a_top_level_include_is_rejected():
+    with pytest.raises(
+        TargetSelectionError, match="target layers.0.attn lies inside target layers"
+    ):
+        select_targets(ToyModel(), include="layers")
 
 
 def test_target_selection_error_is_value_error():
@@ -453,6 +534,75 @@ def test_shared_attention_between_blocks_is_rejected():
     assert ATTN.format(0) in str(err.value) and ATTN.format(1) in str(err.value)
     # Leaving the shared module out of the targets is the documented way around it.
     assert select_targets(model, attention=False) == []
+
+
+# --- model parts -------------------------------------------------------------------------
+
+
+def test_as_model_parts_of_one_module_or_a_sequence():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    assert as_model_parts(a) == [a]
+    stack = nn.ModuleList([a, b])
+    assert as_model_parts(stack) == [stack], "a ModuleList is one module"
+    assert as_model_parts([a, b]) == [a, b]
+    assert as_model_parts((a,)) == [a]
+    assert as_model_parts(m for m in (b, a)) == [b, a]
+    assert as_model_parts([]) == []
+
+
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        ("model", "model_parts must be an nn.Module or a sequence of them .*, got str$"),
+        (b"model", "model_parts must be an nn.Module or a sequence of them .*, got bytes$"),
+        (5, "model_parts must be an nn.Module or a sequence of them .*, got int$"),
+        ([nn.Linear(2, 2), 3], r"^model_parts\[1\] must be an nn.Module, got int 3$"),
+    ],
+    ids=["str", "bytes", "int", "list with an int"],
+)
+def test_as_model_parts_of_another_type_is_a_typed_error(bad, named):
+    with pytest.raises(CudaGraphsTypeError, match=named):
+        as_model_parts(bad)
+
+
+# --- why nothing was found ------------------------------------------------------------
+
+
+def test_why_nothing_found_names_what_was_searched_and_asked_and_the_fixes():
+    # The manager logs this line as it is: it is this function's whole product.
+    why = why_nothing_found(
+        [ToyModel(), nn.Linear(2, 2)], attention=True, router=True, include=["x.*"]
+    )
+    assert why == (
+        "in ToyModel with 3 block(s), Linear with 0 block(s), looking for attention, "
+        "MoE routers, include=['x.*']; blocks are found in a ModuleList/ModuleDict of "
+        "same-typed modules that each hold an attention module. Fixes: 1. pass include= "
+        "naming the modules to graph; 2. pass the model parts that hold the decoder layers"
+    )
+
+
+@pytest.mark.parametrize(
+    "attention, router, include, asked",
+    [
+        (True, False, None, "looking for attention; "),
+        (False, True, None, "looking for MoE routers; "),
+        (False, False, "*.mlp", "looking for include='*.mlp'; "),
+    ],
+)
+def test_why_nothing_found_lists_only_what_was_asked(attention, router, include, asked):
+    why = why_nothing_found([nn.Linear(2, 2)], attention=attention, router=router, include=include)
+    assert why.startswith("in Linear with 0 block(s), " + asked), why
+
+
+def test_why_nothing_found_when_nothing_was_asked_or_given():
+    assert (
+        why_nothing_found([nn.Linear(2, 2)], attention=False, router=False, include=None)
+        == "in Linear with 0 block(s): attention=False, router=False and no include: "
+        "nothing asked for"
+    )
+    assert why_nothing_found([], attention=True, router=True, include=None) == (
+        "no model parts were given"
+    )
 
 
 # --- model_label is only a label ----------------------------------------------------

@@ -30,6 +30,16 @@ class Batch:
 pytree.register_dataclass(Batch)
 
 
+class Stack:
+    """A registered container whose context does not record how many items it holds."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+
+pytree.register_pytree_node(Stack, lambda s: (s.items, None), lambda items, context: Stack(items))
+
+
 def _model_output():
     transformers = pytest.importorskip("transformers")
     return transformers.modeling_outputs.CausalLMOutputWithPast
@@ -173,3 +183,11 @@ def test_equal_signatures_for_equal_containers():
     assert a == b
     c = ValueTreeSignature.from_value(OrderedDict(j=Pair(torch.ones(1), None)))
     assert a != c
+
+
+def test_a_registered_container_with_another_number_of_items_is_a_length_mismatch():
+    sig = ValueTreeSignature.from_value(Stack([torch.zeros(1), torch.zeros(2)]))
+    assert _mismatches(sig, Stack([torch.zeros(1)])) == [Mismatch("inputs", "length", 2, 1)]
+    assert _mismatches(sig, Stack([torch.zeros(1), torch.zeros(3)])) == [
+        Mismatch("inputs[1]", "shape", (2,), (3,))
+    ]

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import cudagraphs
 from _program_trees import (
     LEAF_TYPES,
+    PackedTensor,
     QuantizedTensor,
     leaf_tensors,
     map_tensors,
@@ -96,6 +97,17 @@ def test_dict_insertion_order_is_not_part_of_the_signature(value):
         assert torch.equal(dst, src)
 
 
+def test_dict_keys_of_mixed_types_have_one_canonical_order():
+    # Keys of different types do not compare with <; they are ordered by type name,
+    # then repr, and tensors are flattened in that order.
+    a, one = torch.zeros(2), torch.zeros(3)
+    sig = signature({"a": a, 1: one})
+    assert sig.keys == (1, "a")
+    flat = sig.flatten({1: one, "a": a})
+    assert flat[0] is one and flat[1] is a
+    assert [t.shape for t in sig.tensor_signatures()] == [(3,), (2,)]
+
+
 @st.composite
 def one_mutation(draw):
     """(original, mutated, expected path, expected field) with one node changed."""
@@ -167,6 +179,27 @@ def test_tensor_signature_fields():
         requires_grad=True,
     )
     assert type(sig.shape) is tuple and type(sig.stride) is tuple
+
+
+def test_empty_allocates_the_topology_on_the_given_device():
+    sig = TensorSignature.from_tensor(torch.zeros(3, 2, dtype=torch.float16).t().requires_grad_())
+    out = sig.empty("meta")
+    assert out.device.type == "meta"
+    assert TensorSignature.from_tensor(out) == sig
+
+
+def test_from_tensor_of_a_sparse_tensor_names_the_default_path():
+    with pytest.raises(cudagraphs.CudaGraphsTypeError, match=r"^value: a torch.sparse_coo tensor"):
+        TensorSignature.from_tensor(torch.zeros(2).to_sparse())
+
+
+def test_mismatches_against_a_hand_built_sparse_signature_name_the_path():
+    # Layouts equal, so the comparison goes on: the tensor's own signature is refused,
+    # and the error names the path being checked.
+    sparse = torch.zeros(2).to_sparse()
+    sig = TensorSignature((2,), (1,), torch.float32, torch.sparse_coo, False)
+    with pytest.raises(cudagraphs.CudaGraphsTypeError, match=r"^inputs\[3\]: a torch.sparse_coo"):
+        sig.mismatches(sparse, "inputs[3]")
 
 
 def test_device_is_not_part_of_a_signature():
@@ -286,6 +319,64 @@ def test_registered_type_is_unsupported_without_its_leaf_types():
         ValueTreeSignature.from_value([q])
     with pytest.raises(TypeError, match="QuantizedTensor"):
         ValueTreeSignature.from_value([q], leaf_types=LeafTypes())
+
+
+@pytest.mark.parametrize(
+    "leaf_types, registered",
+    [
+        (LEAF_TYPES, "registered here: ['PackedTensor', 'QuantizedTensor']"),
+        (LeafTypes(), "registered here: none"),
+        (None, "registered here: none"),
+    ],
+    ids=["two", "empty", "none"],
+)
+def test_unsupported_leaf_error_lists_the_registered_types(leaf_types, registered):
+    with pytest.raises(TypeError, match=r"value\[0\]: unsupported leaf of type str") as info:
+        ValueTreeSignature.from_value(["text"], leaf_types=leaf_types)
+    assert registered in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "value, path",
+    [
+        ({"k": None}, r"value\['k'\]"),
+        (Point(torch.zeros(1), None), r"value\.y"),
+        ([None], r"value\[0\]"),
+    ],
+    ids=["dict", "namedtuple", "list"],
+)
+def test_allow_none_false_refuses_none_at_any_depth(value, path):
+    with pytest.raises(TypeError, match=path + ": unsupported leaf of type NoneType"):
+        ValueTreeSignature.from_value(value, allow_none=False)
+    ValueTreeSignature.from_value(value)  # allowed by default
+
+
+def test_unsupported_leaf_in_a_namedtuple_names_its_field():
+    with pytest.raises(TypeError, match=r"^value\.y: unsupported leaf of type str"):
+        ValueTreeSignature.from_value(Point(torch.zeros(1), "text"))
+
+
+def test_registered_leaves_inside_a_namedtuple():
+    q = QuantizedTensor(torch.zeros(4, dtype=torch.int8), torch.ones(1), 2)
+    x = torch.zeros(3)
+    sig = signature(Point(q, x))
+    assert [c.kind for c in sig.children] == ["value", "tensor"]
+    # Registered leaves have no generated fast path: the full walk collects the tensors.
+    flat = sig.flatten(Point(q, x))
+    assert [id(t) for t in flat] == [id(q.data), id(q.scale), id(x)]
+    rebuilt = sig.rebuild(flat)
+    assert type(rebuilt) is Point and type(rebuilt.x) is QuantizedTensor
+    assert rebuilt.x.data is q.data and rebuilt.x.block == 2 and rebuilt.y is x
+    bad = Point(QuantizedTensor(torch.zeros(5, dtype=torch.int8), torch.ones(1), 2), x)
+    assert mismatches_of(sig, bad) == [Mismatch("value.x.data", "shape", (4,), (5,))]
+
+
+def test_a_sparse_tensor_inside_a_registered_leaf_names_its_path():
+    q = QuantizedTensor(torch.zeros(4, dtype=torch.int8).to_sparse(), torch.ones(1), 2)
+    with pytest.raises(
+        cudagraphs.CudaGraphsTypeError, match=r"^value\[0\]\.data: a torch.sparse_coo tensor"
+    ):
+        signature([q])
 
 
 # ---- LeafTypes ----------------------------------------------------------------------------
@@ -428,6 +519,116 @@ def test_mismatch_error_lists_every_line_and_says_nothing_was_copied():
     assert str(dtype) == "inputs['b'][0]: dtype expected torch.int64, received torch.float32"
 
 
+@pytest.mark.parametrize(
+    "recorded, value, want",
+    [
+        ([torch.zeros(1)], ["text"], Mismatch("value[0]", "type", "Tensor", "str")),
+        ([torch.zeros(1)], (torch.zeros(1),), Mismatch("value", "type", "list", "tuple")),
+        ((torch.zeros(1),), [torch.zeros(1)], Mismatch("value", "type", "tuple", "list")),
+        ([torch.zeros(1)] * 2, [torch.zeros(1)] * 3, Mismatch("value", "length", 2, 3)),
+        ({"k": {}}, {"k": []}, Mismatch("value['k']", "type", "dict", "list")),
+        (
+            {"a": torch.zeros(1), "b": torch.zeros(1)},
+            {"a": torch.zeros(1), "c": torch.zeros(1)},
+            Mismatch("value", "keys", ["'a'", "'b'"], ["'a'", "'c'"]),
+        ),
+        ((None,), (torch.zeros(1),), Mismatch("value[0]", "type", "None", "Tensor")),
+    ],
+    ids=["tensor", "list", "tuple", "length", "dict", "keys", "none"],
+)
+def test_structure_mismatches_say_what_was_expected_and_received(recorded, value, want):
+    assert mismatches_of(signature(recorded), value) == [want]
+    with pytest.raises(SignatureMismatchError) as info:
+        signature(recorded).flatten(value)
+    assert info.value.mismatches == [want]
+
+
+def _named_leaf_types():
+    # Registered names that differ from the class names, so a report shows which.
+    leaf_types = LeafTypes()
+    leaf_types.register(
+        QuantizedTensor,
+        flatten=lambda q: ({"data": q.data}, {"block": q.block}),
+        unflatten=lambda t, m: QuantizedTensor(t["data"], torch.ones(1), m["block"]),
+        name="pkg.Quant",
+    )
+    leaf_types.register(
+        PackedTensor,
+        flatten=lambda p: ({"data": p.data}, {"block": p.block}),
+        unflatten=lambda t, m: PackedTensor(t["data"], torch.ones(1), m["block"]),
+        name="pkg.Packed",
+    )
+    return leaf_types
+
+
+def test_registered_leaf_mismatches_say_what_was_expected_and_received():
+    leaf_types = _named_leaf_types()
+    q = QuantizedTensor(torch.zeros(4, dtype=torch.int8), torch.ones(1), 2)
+    sig = ValueTreeSignature.from_value([q], leaf_types=leaf_types)
+    other = PackedTensor(q.data, q.scale, 2)
+    assert mismatches_of(sig, [other]) == [Mismatch("value[0]", "type", "pkg.Quant", "pkg.Packed")]
+    assert mismatches_of(sig, [torch.zeros(1)]) == [
+        Mismatch("value[0]", "type", "pkg.Quant", "Tensor")
+    ]
+    reblocked = QuantizedTensor(q.data, q.scale, 3)
+    assert mismatches_of(sig, [reblocked]) == [
+        Mismatch("value[0]", "metadata", {"block": 2}, {"block": 3})
+    ]
+
+
+def test_tensor_names_mismatch_says_what_was_expected_and_received():
+    q = QuantizedTensor(torch.zeros(4, dtype=torch.int8), torch.ones(1), 2)
+    with_zero = QuantizedTensor(q.data, q.scale, 2, torch.zeros(1, dtype=torch.int8))
+    assert mismatches_of(signature([q]), [with_zero]) == [
+        Mismatch("value[0]", "tensor names", ["data", "scale"], ["data", "scale", "zero_point"])
+    ]
+
+
+def test_a_registered_leaf_checked_without_its_leaf_types_is_a_type_mismatch():
+    # A signature that lost its leaf types (replaced, say) cannot split the value:
+    # it reports the type, it does not crash.
+    q = QuantizedTensor(torch.zeros(4, dtype=torch.int8), torch.ones(1), 2)
+    leaf = dataclasses.replace(signature([q]).children[0], _leaf_types=None)
+    found = mismatches_of(ValueTreeSignature("list", children=(leaf,)), [q])
+    assert found == [Mismatch("value[0]", "type", "QuantizedTensor", "QuantizedTensor")]
+
+
+@dataclass
+class Tagged:
+    data: torch.Tensor
+    tag: object
+
+
+def test_a_leaf_whose_flatten_goes_bad_later_names_the_path():
+    # The signature was recorded from a good value; a later value's flatten returns
+    # unhashable metadata: the error names where that value sits.
+    leaf_types = LeafTypes()
+    leaf_types.register(
+        Tagged,
+        flatten=lambda v: ({"data": v.data}, {"tag": v.tag}),
+        unflatten=lambda t, m: Tagged(t["data"], m["tag"]),
+    )
+    sig = ValueTreeSignature.from_value({"k": Tagged(torch.zeros(2), "a")}, leaf_types=leaf_types)
+    with pytest.raises(cudagraphs.CudaGraphsTypeError, match=r"^value\['k'\]: metadata"):
+        sig.validate({"k": Tagged(torch.zeros(2), ["a"])})
+
+
+@pytest.mark.parametrize("method", ["validate", "flatten", "extract"])
+def test_mismatch_error_names_the_path_it_was_given(method):
+    q = QuantizedTensor(torch.zeros(4, dtype=torch.int8), torch.ones(1), 2)
+    # extract() of a signature with registered leaves falls back to flatten().
+    sig = signature([q] if method == "extract" else [torch.zeros(2)])
+    bad = [torch.zeros(3)]
+    with pytest.raises(SignatureMismatchError) as info:
+        getattr(sig, method)(bad, path="inputs")
+    assert info.value.what == "inputs"
+    assert str(info.value).startswith("inputs differs from the captured signature")
+    assert info.value.mismatches[0].path == "inputs[0]"
+    with pytest.raises(SignatureMismatchError) as info:
+        getattr(sig, method)(bad)
+    assert info.value.what == "value" and info.value.mismatches[0].path == "value[0]"
+
+
 def test_flatten_raises_the_same_error_as_validate():
     sig = signature([torch.zeros(2)])
     with pytest.raises(SignatureMismatchError) as info:
@@ -471,6 +672,44 @@ def test_fast_path_exists_only_without_registered_leaves():
     with_leaf = ValueTreeSignature.from_value({"q": q}, leaf_types=LEAF_TYPES)
     assert with_leaf._matcher() is None
     assert len(with_leaf.extract({"q": q})) == 2  # falls back to the full walk
+
+
+def test_flatten_of_a_match_takes_the_generated_path_compiled_once(monkeypatch):
+    # The replay path: no tree walk for a matching value, one generated function per
+    # signature and mode, kept on the signature.
+    from cudagraphs.program import signature as signature_module
+
+    compiled, compile_matcher = [], signature_module.compile_matcher
+
+    def counting(*args, **kwargs):
+        compiled.append(1)
+        return compile_matcher(*args, **kwargs)
+
+    monkeypatch.setattr(signature_module, "compile_matcher", counting)
+    value = _plain_tree()
+    sig = signature(value)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the full walk ran for a matching value")
+
+    monkeypatch.setattr(ValueTreeSignature, "_collect", refuse)
+    for _ in range(3):
+        assert len(sig.flatten(value)) == 5
+        assert len(sig.extract(value)) == 5
+    assert len(compiled) == 2  # one checking matcher, one extractor
+
+
+def test_extract_trusts_the_value_and_flatten_still_checks():
+    # extract() skips the metadata checks (replay(validate=False)); flatten() on the
+    # same signature must not pick up that trusting function, in either order.
+    good, other_shape = [torch.zeros(2, 3)], [torch.zeros(4)]
+    for first in ("flatten", "extract"):
+        sig = signature(good)
+        getattr(sig, first)(good)
+        for _ in range(2):
+            assert sig.extract(other_shape)[0] is other_shape[0]
+            with pytest.raises(SignatureMismatchError):
+                sig.flatten(other_shape)
 
 
 def test_fast_path_rejections_fall_back_to_the_full_report():

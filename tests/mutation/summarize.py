@@ -157,6 +157,11 @@ def summarize() -> dict:
             continue
         row["survived"] += 1
         row["survivors"].append(f"{name} ({status})")
+    stale = sorted(set(listed) - set(statuses))
+    if stale:
+        # A listed mutant that no longer exists: its function changed, so its number
+        # now names another mutation. Review the list.
+        print(f"listed as equivalent but not in this run: {stale}", file=sys.stderr)
     for row in by_module.values():
         scored = row["mutants"] - row["equivalent_prose"] - row["equivalent_listed"]
         row["score"] = round(row["killed"] / scored, 4) if scored else 1.0

@@ -107,10 +107,9 @@ def _kind(value: Any) -> str:
 
 
 def _leaf_kinds(call: tuple[tuple, dict]) -> tuple[tuple[str, str], ...]:
-    """``(path, kind)`` of every leaf of a flattened call, ``None`` included: pytree
-    treats ``None`` as an empty container, so a ``None`` that became a tensor would
-    otherwise have no path to report."""
-    flat, _ = pytree.tree_flatten_with_path(call, is_leaf=lambda x: x is None)
+    """``(path, kind)`` of every leaf of a flattened call; torch's pytree keeps ``None``
+    as a leaf, so a ``None`` that became a tensor has a path to report."""
+    flat, _ = pytree.tree_flatten_with_path(call)
     return tuple((_path(keys), _kind(value)) for keys, value in flat)
 
 
