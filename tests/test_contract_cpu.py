@@ -229,6 +229,26 @@ def test_lossless_conversion_rule(src, dst, ok):
     assert converts_losslessly(src, dst) is ok
 
 
+@pytest.mark.parametrize(
+    "dtype, plain",
+    [
+        (torch.float32, True),
+        (torch.float8_e5m2, True),
+        (torch.complex128, True),
+        (torch.bool, True),
+        (torch.uint32, True),
+        (torch.int8, True),
+        (torch.qint8, False),
+        (torch.uint2, False),
+        (torch.bits16, False),
+    ],
+)
+def test_plain_value_dtypes(dtype, plain):
+    from cudagraphs.dtypes import holds_plain_values
+
+    assert holds_plain_values(dtype) is plain
+
+
 # ---- the core's replay-side checks ------------------------------------------------------
 def _entry(fn, sample_args, sample_kwargs=None):
     from cudagraphs.core.canonicalize import canonicalize

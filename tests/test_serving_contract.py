@@ -527,7 +527,10 @@ def test_run_with_no_inputs_lists_the_missing_ones():
             {"x": torch.zeros(2, HIDDEN), "scale": 1.0},
             r"inputs\['scale'\]: type expected 'Tensor', received 'float'",
         ),
-        ([torch.zeros(2, HIDDEN), torch.ones(2, 1)], r"inputs: type expected 'Mapping"),
+        (
+            [torch.zeros(2, HIDDEN), torch.ones(2, 1)],
+            r"inputs: type expected 'Mapping\[str, Tensor\]', received 'list'",
+        ),
     ],
     ids=["list", "float", "not-a-mapping"],
 )
@@ -589,10 +592,18 @@ def test_lossy_dtypes_are_refused_naming_both(name, tensor, want, got, rows):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"batch_sizes": 8}, CudaGraphsTypeError, "batch_sizes must be a sequence of ints"),
+        (
+            {"batch_sizes": 8},
+            CudaGraphsTypeError,
+            r"batch_sizes must be a sequence of ints such as \(1, 2, 4\), got int 8",
+        ),
         ({"batch_sizes": (1, 2.0)}, CudaGraphsTypeError, r"batch_sizes\[1\] must be an int"),
         ({"max_pad_ratio": "0.5"}, CudaGraphsTypeError, "max_pad_ratio must be a number"),
-        ({"token_counts": [8]}, CudaGraphsTypeError, "token_counts must be a mapping"),
+        (
+            {"token_counts": [8]},
+            CudaGraphsTypeError,
+            r"token_counts must be a mapping .*, got list \[8\]",
+        ),
         ({"token_counts": {"4": [8]}}, CudaGraphsTypeError, "token_counts key '4' must be an int"),
         (
             {"batch_sizes": (4,), "token_counts": {4: [8.0]}},
@@ -622,15 +633,26 @@ def test_token_counts_none_or_empty_mean_one_token_per_sequence():
             ("x", (4,), "float32"),
             {},
             CudaGraphsTypeError,
-            r"'x': dtype must be a torch.dtype \(pass torch.float32\)",
+            r"'x': dtype must be a torch.dtype \(pass torch.float32\), got str 'float32'",
+        ),
+        (
+            ("x", (4,), None),
+            {},
+            CudaGraphsTypeError,
+            r"'x': dtype must be a torch.dtype \(pass torch.float32\), got NoneType None",
         ),
         (("x", (4,), "torch.int64"), {}, CudaGraphsTypeError, r"\(pass torch.int64\)"),
-        ((3, (4,), torch.float32), {}, CudaGraphsTypeError, "InputSpec name must be a str"),
+        (
+            (3, (4,), torch.float32),
+            {},
+            CudaGraphsTypeError,
+            "InputSpec name must be a str .*, got int 3",
+        ),
         (
             ("x", 4, torch.float32),
             {},
             CudaGraphsTypeError,
-            "'x': shape must be a tuple or list of ints",
+            "'x': shape must be a tuple or list of ints, got int 4",
         ),
         (("x", "64", torch.float32), {}, CudaGraphsTypeError, "'x': shape must be a tuple"),
         (("x", (4, 2.0), torch.float32), {}, CudaGraphsTypeError, "'x': shape must be a tuple"),

@@ -15,6 +15,8 @@ from cudagraphs.serving import (
     BucketConfig,
     BucketCost,
     InputSpec,
+    MemoryPlan,
+    MemoryUse,
     StaticInputs,
     check_dropped_buckets,
     infer_row_dim,
@@ -22,6 +24,7 @@ from cudagraphs.serving import (
     plan_buckets,
     select_bucket,
 )
+from cudagraphs.serving.memory import _size
 
 # --------------------------------------------------------------------------- config
 
@@ -301,6 +304,30 @@ def test_check_dropped_env_unset_allows_dropping(monkeypatch):
     check_dropped_buckets(DROPPED)
 
 
+def test_check_dropped_lists_buckets_in_capture_order_one_per_line():
+    # Whatever order they were dropped in: most rows first (a token bucket's rows are
+    # its tokens, not its batch size), equal rows by batch size, largest first.
+    dropped = {
+        Bucket(1, 1): "a",
+        Bucket(2, 16): "b",
+        Bucket(8, 16): "c",
+        Bucket(4, 32): "d",
+        Bucket(8, 64): "e",
+    }
+    with pytest.raises(CudaGraphCaptureError) as info:
+        check_dropped_buckets(dropped, require_all=True)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("5 bucket(s) were dropped")
+    assert lines[1:6] == [
+        "  bucket(bs=8, tokens=64): e",
+        "  bucket(bs=4, tokens=32): d",
+        "  bucket(bs=8, tokens=16): c",
+        "  bucket(bs=2, tokens=16): b",
+        "  bucket(bs=1, tokens=1): a",
+    ]
+    assert "require_all_buckets=False" in lines[6] and STRICT_BUCKETS_ENV in lines[6]
+
+
 # --------------------------------------------------------------------------- input specs
 
 
@@ -315,6 +342,55 @@ def test_input_spec_negative_row_dim_normalizes():
 def test_input_spec_row_dim_out_of_range(row_dim):
     with pytest.raises(ValueError, match="'x'.*row_dim"):
         InputSpec("x", (2, 64, 4), torch.float32, row_dim=row_dim)
+
+
+@pytest.mark.parametrize(("row_dim", "expected"), [(-3, 0), (-2, 1), (-1, 2), (0, 0), (2, 2)])
+def test_input_spec_row_dim_range_ends_are_in_range(row_dim, expected):
+    # [-rank, rank): -3 and 2 are the ends for a rank-3 shape.
+    assert InputSpec("x", (64, 2, 4), torch.float32, row_dim=row_dim).row_dim == expected
+
+
+@pytest.mark.parametrize(
+    ("dtype", "pad", "holds"),
+    [
+        (torch.int8, -128, True),  # the ends of an integer dtype's range are values of it
+        (torch.int8, 127, True),
+        (torch.int8, -129, False),
+        (torch.int8, 128, False),
+        (torch.uint8, 255, True),
+        (torch.uint8, -1, False),
+        (torch.int64, 3.0, True),
+        (torch.int64, 2.5, False),
+        (torch.float32, 0.5, True),  # floating and complex dtypes: any number
+        (torch.float16, -2.5, True),
+        (torch.complex64, 0.25, True),
+        (torch.bool, True, True),
+        (torch.bool, 0, True),
+        (torch.bool, -1, False),
+    ],
+)
+def test_input_spec_pad_value_must_be_a_value_of_its_dtype(dtype, pad, holds):
+    if holds:
+        assert InputSpec("x", (4,), dtype, pad_value=pad).pad_value == pad
+    else:
+        with pytest.raises(ValueError, match=rf"'x': pad_value {pad} is not a value of {dtype};"):
+            InputSpec("x", (4,), dtype, pad_value=pad)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint4, torch.bits8, torch.quint8])
+def test_input_spec_refuses_dtypes_a_buffer_cannot_hold(dtype):
+    # Sub-byte, bits and quantized dtypes cannot be filled with a pad value (torch
+    # raises untyped errors, or asserts): refused at the spec, naming the input.
+    with pytest.raises(CudaGraphsTypeError, match=rf"'x': dtype {dtype} cannot be a static input"):
+        InputSpec("x", (4,), dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.uint16, torch.complex64, torch.bool, torch.int64]
+)
+def test_input_spec_takes_every_plain_dtype(dtype):
+    spec = InputSpec("x", (4,), dtype)
+    assert StaticInputs([spec], 4, "cpu").views(Bucket(4))["x"].dtype == dtype
 
 
 def test_static_inputs_rejects_duplicate_names():
@@ -478,7 +554,15 @@ def test_stage_smaller_batch_resets_previous_rows():
             ["inputs['h']: dtype expected torch.float32, received torch.float64"],
             "dtype",
         ),
-        (lambda d: d.update(ids=d["ids"].to("meta")), ["inputs['ids']: device", "meta"], "device"),
+        (
+            lambda d: d.update(ids=d["ids"].to("meta")),
+            [
+                "inputs['ids']: device",
+                "meta",
+                "inputs['ids']: device expected device(type='cpu'), received device(type='meta')",
+            ],
+            "device",
+        ),
         (
             lambda d: d.update(h=torch.zeros(5, 4)),
             ["inputs['h']: shape expected (5, 3), received (5, 4)"],
@@ -591,6 +675,196 @@ def test_validate_accepts_tensors_on_the_buffers_device_with_index():
     s = StaticInputs([InputSpec("x", (4, 2), torch.float32)], 4, "cpu:0")
     assert s._storage["x"].device == torch.device("cpu")
     s.stage({"x": torch.ones(2, 2)}, Bucket(4), 2)
+
+
+def test_buffers_are_made_on_the_given_device():
+    # The meta device stands in for a GPU here: the buffers are made where asked, and
+    # batches are compared against that device.
+    s = StaticInputs([InputSpec("x", (4, 2), torch.float32)], 4, "meta")
+    assert s.device == torch.device("meta")
+    assert s._storage["x"].device == torch.device("meta")
+    assert s.view("x", 2).is_meta
+    s.validate({"x": torch.zeros(2, 2, device="meta")}, Bucket(4), 2)
+    with pytest.raises(
+        CudaGraphInputError,
+        match=r"inputs\['x'\]: device expected device\(type='meta'\), received device\(type='cpu'\)",
+    ):
+        s.validate({"x": torch.zeros(2, 2)}, Bucket(4), 2)
+
+
+def test_stage_pads_each_input_with_its_own_value():
+    specs = [
+        InputSpec("zero", (8,), torch.float32),
+        InputSpec("one", (8,), torch.int64, pad_value=1),
+        InputSpec("half", (8, 2), torch.float32, pad_value=0.5),
+        InputSpec("mask", (8,), torch.bool, pad_value=True),
+    ]
+    s = StaticInputs(specs, 8, "cpu")
+    full = {
+        "zero": torch.arange(8.0) + 10,
+        "one": torch.arange(8) + 10,
+        "half": torch.full((8, 2), 3.0),
+        "mask": torch.zeros(8, dtype=torch.bool),
+    }
+    s.stage(full, Bucket(8), 8)
+    s.stage({name: t[:3] for name, t in full.items()}, Bucket(8), 3)
+    for name, t in full.items():
+        assert torch.equal(s.view(name, 8)[:3], t[:3]), name
+    assert torch.equal(s.view("zero", 8)[3:], torch.zeros(5))
+    assert torch.equal(s.view("one", 8)[3:], torch.ones(5, dtype=torch.int64))
+    assert torch.equal(s.view("half", 8)[3:], torch.full((5, 2), 0.5))
+    assert s.view("mask", 8)[3:].all()
+
+
+def test_an_exact_batch_takes_the_per_call_fast_path(monkeypatch):
+    # The per-call check: an exact match (rows up to a bucket's, a bucket up to the
+    # buffers', every dtype, device and shape equal) never runs the full report.
+    s = make_inputs()
+    for rows, bucket in ((5, Bucket(8)), (8, Bucket(8)), (1, Bucket(2)), (64, Bucket(64))):
+        assert s._matches(batch(rows), bucket, rows), (rows, bucket)
+    assert s._matches(batch(7), None, 7)
+
+    def full_check(*args):
+        raise AssertionError("the full check ran for an exact batch")
+
+    monkeypatch.setattr(StaticInputs, "mismatches", full_check)
+    s.validate(batch(5), Bucket(8), 5)
+    s.stage(batch(8), Bucket(8), 8)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "bucket", "rows"),
+    [
+        (lambda d: d.update(ids=d["ids"].int()), Bucket(8), 5),  # lossless: full check passes
+        (lambda d: d.update(ids=d["ids"].to("meta")), Bucket(8), 5),
+        (lambda d: d.update(h=torch.zeros(5, 4)), Bucket(8), 5),
+        (lambda d: d.update(h=torch.zeros(4, 3)), Bucket(8), 5),
+        (lambda d: d.update(h=[[1.0] * 3] * 5), Bucket(8), 5),
+        (lambda d: d.update(extra=torch.zeros(5)), Bucket(8), 5),
+        (lambda d: d.pop("kv"), Bucket(8), 5),
+        (lambda d: None, Bucket(4), 5),  # more rows than the bucket
+        (lambda d: None, Bucket(128), 5),  # a bucket larger than the buffers
+    ],
+)
+def test_anything_but_an_exact_batch_takes_the_full_check(mutate, bucket, rows):
+    s = make_inputs()
+    inputs = batch(rows)
+    mutate(inputs)
+    assert not s._matches(inputs, bucket, rows)
+    assert not s._matches(list(inputs.values()), bucket, rows)
+
+
+@pytest.mark.parametrize(
+    ("x", "field"),
+    [
+        (torch.zeros(2, 2, dtype=torch.float64), "dtype"),
+        (torch.zeros(2, 2, device="meta"), "device"),
+        (torch.zeros(3, 2), "rows in dim 0"),
+        (torch.zeros(2, 3), "shape"),
+        ([[0.0, 0.0]] * 2, "type"),
+    ],
+)
+def test_a_single_input_that_differs_in_one_way_is_refused(x, field):
+    # With one input, nothing else in the batch can send it to the full check.
+    s = StaticInputs([InputSpec("x", (4, 2), torch.float32)], 4, "cpu")
+    before = snapshot(s)
+    with pytest.raises(CudaGraphInputError) as info:
+        s.stage({"x": x}, Bucket(4), 2)
+    assert [(m.path, m.field) for m in info.value.mismatches] == [("inputs['x']", field)]
+    assert_storage_equal(s, before)
+
+
+def test_inputs_named_by_keys_that_are_not_str_are_reported():
+    s = make_inputs()
+    inputs = batch(5)
+    del inputs["ids"]
+    inputs[0] = torch.zeros(5)
+    inputs["extra"] = torch.zeros(5)
+    with pytest.raises(CudaGraphInputError) as info:
+        s.validate(inputs, Bucket(8), 5)
+    assert [(m.path, m.field, m.expected, m.received) for m in info.value.mismatches] == [
+        ("inputs", "names", ["h", "ids", "kv"], [0, "extra", "h", "kv"])
+    ]
+    assert "Nothing was staged. Missing inputs: ['ids']. Unknown inputs: [0, 'extra']. Pass" in (
+        str(info.value)
+    )
+
+
+def test_a_batch_that_is_not_a_mapping_gets_the_whole_report():
+    s = make_inputs()
+    with pytest.raises(CudaGraphInputError) as info:
+        s.validate([torch.zeros(5)], Bucket(8), 5)
+    assert str(info.value) == (
+        "inputs for bucket(bs=8) (5 rows) differ from the runner's input specs in 1 place(s):\n"
+        "  inputs: type expected 'Mapping[str, Tensor]', received 'list'\n"
+        "Nothing was staged. Pass every input named in the specs, each a tensor on cpu with "
+        "its spec's dtype (or one that converts to it losslessly, such as int32 into int64) "
+        "and its spec's shape, with the batch's rows in its row_dim."
+    )
+    assert [(m.path, m.field, m.received) for m in info.value.mismatches] == [
+        ("inputs", "type", "list")
+    ]
+
+
+def test_a_one_dim_input_of_the_wrong_rank_shows_its_shape_as_a_tuple():
+    s = make_inputs()
+    inputs = batch(5)
+    inputs["ids"] = torch.zeros(5, 2, dtype=torch.int64)
+    with pytest.raises(
+        CudaGraphInputError, match=r"inputs\['ids'\]: shape expected \(5,\), received \(5, 2\)\n"
+    ):
+        s.validate(inputs, Bucket(8), 5)
+
+
+# --------------------------------------------------------------------------- batch rows
+
+
+def test_batch_rows_is_the_count_every_input_holds_in_its_row_dim():
+    s = make_inputs()
+    assert s.batch_rows(batch(5)) == 5
+    assert s.batch_rows(batch(64)) == 64
+    assert s.batch_rows(batch(70)) == 70  # too large for every bucket: still counted
+
+
+def test_batch_rows_that_disagree_are_one_mismatch_listing_every_count():
+    s = make_inputs()
+    inputs = batch(5)
+    inputs["h"] = torch.zeros(4, 3)
+    with pytest.raises(CudaGraphInputError) as info:
+        s.batch_rows(inputs)
+    assert [(m.path, m.field, m.received) for m in info.value.mismatches] == [
+        ("inputs", "row counts", {"ids": 5, "h": 4, "kv": 5})
+    ]
+    # No bucket and no rows yet: the headline says neither.
+    assert str(info.value).startswith(
+        "inputs differ from the runner's input specs in 1 place(s):\n"
+        "  inputs: row counts expected one count for all, received {'ids': 5, 'h': 4, 'kv': 5}\n"
+        "Nothing was staged. Pass every input named"
+    )
+
+
+def test_batch_rows_of_a_batch_missing_an_input_reports_the_names_only():
+    s = make_inputs()
+    inputs = batch(5)
+    del inputs["h"]
+    with pytest.raises(CudaGraphInputError, match=r"^inputs differ") as info:
+        s.batch_rows(inputs)
+    assert [(m.path, m.field) for m in info.value.mismatches] == [("inputs", "names")]
+
+
+def test_batch_rows_shape_report_says_rows_where_the_count_is_unknown():
+    s = make_inputs()
+    inputs = batch(5)
+    inputs["ids"] = torch.zeros(4, 2, dtype=torch.int64)
+    inputs["h"] = torch.zeros(4, 4)
+    inputs["kv"] = torch.zeros(3, 5, 4)
+    with pytest.raises(CudaGraphInputError) as info:
+        s.batch_rows(inputs)
+    assert [str(m) for m in info.value.mismatches] == [
+        "inputs['ids']: shape expected (rows,), received (4, 2)",
+        "inputs['h']: shape expected (rows, 3), received (4, 4)",
+        "inputs['kv']: shape expected (2, rows, 4), received (3, 5, 4)",
+    ]
 
 
 # --------------------------------------------------------------------------- infer_row_dim
@@ -755,6 +1029,107 @@ def test_plan_token_buckets():
     assert set(plan.dropped) == {Bucket(4, 64)}
 
 
+def test_plan_says_what_each_dropped_bucket_needed_and_what_was_free():
+    plan = plan_buckets(COSTS, 80 + 430)
+    assert plan.dropped == {
+        Bucket(8): "does not fit: the plan needed 840 B with it, 430 B are free beside the "
+        "eager reserve"
+    }
+    # Less than the eager reserve: nothing is free (not a negative size). Dropped in
+    # order, each with what the plan still needed with it.
+    plan = plan_buckets(COSTS, 50)
+    assert list(plan.dropped.items()) == [
+        (
+            Bucket(bs),
+            f"does not fit: the plan needed {need} B with it, 0 B are free beside the "
+            "eager reserve",
+        )
+        for bs, need in ((8, 840), (4, 430), (2, 220), (1, 110))
+    ]
+
+
+def costs_strategy():
+    one = st.tuples(
+        st.integers(0, 2_000),  # eager peak
+        st.integers(0, 5_000),  # pool
+        st.integers(0, 40),  # nodes
+        st.sampled_from([0.0, 0.5, 1.0, 16.0]),  # bytes per node
+    )
+    return st.lists(one, max_size=8).map(
+        lambda rows: [BucketCost(Bucket(i + 1), *row) for i, row in enumerate(rows)]
+    )
+
+
+def need(costs):
+    return max((c.pool_bytes for c in costs), default=0) + sum(c.exec_bytes for c in costs)
+
+
+@given(costs=costs_strategy(), free=st.integers(0, 20_000), headroom=st.integers(0, 500))
+def test_plan_property_fits_and_drops_the_most_expensive_only_as_needed(costs, free, headroom):
+    plan = plan_buckets(costs, free, headroom_bytes=headroom)
+    reserve = max((c.eager_peak_bytes for c in costs), default=0) + headroom
+    assert plan.eager_reserve_bytes == reserve
+    assert plan.budget_bytes == free
+    # Every bucket is either chosen (in capture order) or dropped with a reason.
+    assert set(plan.chosen) | set(plan.dropped) == {c.bucket for c in costs}
+    assert not set(plan.chosen) & set(plan.dropped)
+    assert list(plan.chosen) == sorted(plan.chosen, key=lambda b: (b.rows, b.batch_size))[::-1]
+    chosen = [c for c in costs if c.bucket in plan.chosen]
+    dropped = [c for c in costs if c.bucket in plan.dropped]
+    # The prediction: one shared pool (the largest), one executable per graph.
+    assert plan.predicted_pool_bytes == max((c.pool_bytes for c in chosen), default=0)
+    assert plan.predicted_exec_bytes == sum(c.exec_bytes for c in chosen)
+    assert plan.predicted_bytes == need(chosen)
+    # The chosen buckets fit beside the eager reserve.
+    assert not chosen or need(chosen) <= free - reserve
+    # Nothing is dropped when everything fits.
+    assert bool(dropped) == (bool(costs) and need(costs) > free - reserve)
+    if dropped:
+        # Each dropped bucket costs at least as much as any kept one (pool bytes, then
+        # executable bytes, then the bucket), and the cheapest dropped did not fit.
+        def key(c):
+            return (c.pool_bytes, c.exec_bytes, c.bucket)
+
+        assert all(key(d) >= key(c) for d in dropped for c in chosen)
+        cheapest = min(dropped, key=key)
+        assert list(plan.dropped)[-1] == cheapest.bucket
+        assert need([*chosen, cheapest]) > free - reserve
+
+
+def test_plan_describe_in_full():
+    mib = 1 << 20
+    plan = MemoryPlan(
+        chosen=(Bucket(8), Bucket(2)),
+        dropped={Bucket(16): "does not fit", Bucket(32): "capture failed"},
+        predicted_pool_bytes=3 * mib,
+        predicted_exec_bytes=mib // 2,
+        eager_reserve_bytes=2 * mib,
+        budget_bytes=10 * mib,
+    )
+    assert plan.describe() == (
+        "memory plan: 2 bucket(s) predicted to take 3.0 MiB of pool and 0.5 MiB of executable "
+        "graphs, beside 2.0 MiB kept for the largest eager step, within 10.0 MiB free; "
+        "dropped: bucket(bs=16) (does not fit), bucket(bs=32) (capture failed)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        ((1 << 20) - 1, "1024.0 KiB"),
+        (1 << 20, "1.0 MiB"),
+        (5 << 29, "2.5 GiB"),
+        (1 << 40, "1024.0 GiB"),
+    ],
+)
+def test_sizes_are_written_in_binary_units(n, text):
+    assert _size(n) == text
+
+
 def test_pad_ratio_of_a_token_bucket_needs_num_tokens():
     with pytest.raises(ValueError, match="token bucket: pass num_tokens"):
         pad_ratio(Bucket(4, 16), 4)
@@ -763,9 +1138,13 @@ def test_pad_ratio_of_a_token_bucket_needs_num_tokens():
 def test_staging_for_a_bucket_larger_than_the_buffers_is_rejected():
     si = StaticInputs([InputSpec("ids", (8,), torch.int64)], 8, "cpu")
     with pytest.raises(
-        CudaGraphInputError, match=r"bucket\(bs=16\): rows expected at most 8, the buffers' rows"
-    ):
+        CudaGraphInputError,
+        match=r"bucket\(bs=16\): rows expected at most 8, the buffers' rows, received 16",
+    ) as info:
         si.stage({"ids": torch.arange(4)}, Bucket(16), 4)
+    assert [(m.path, m.field, m.received) for m in info.value.mismatches] == [
+        ("bucket(bs=16)", "rows", 16)
+    ]
 
 
 def test_memory_use_reports_prediction_against_actual():
@@ -776,3 +1155,19 @@ def test_memory_use_reports_prediction_against_actual():
     line = MemoryUse(pool_bytes=90 * mib, device_bytes=120 * mib).against(plan)
     assert "pool predicted 100.0 MiB, reserved 90.0 MiB" in line
     assert "actual/predicted 1.20" in line
+
+
+def test_memory_use_line_in_full_and_without_a_prediction():
+    mib = 1 << 20
+    plan = MemoryPlan(
+        chosen=(Bucket(8),), predicted_pool_bytes=3 * mib // 2, predicted_exec_bytes=mib // 2
+    )
+    assert MemoryUse(pool_bytes=1000, device_bytes=3 * mib).against(plan) == (
+        "memory plan vs capture: pool predicted 1.5 MiB, reserved 1000 B; total predicted "
+        "2.0 MiB, device free memory dropped by 3.0 MiB (actual/predicted 1.50)"
+    )
+    # Nothing predicted (every bucket dropped): no ratio, and no ZeroDivisionError.
+    line = MemoryUse(pool_bytes=0, device_bytes=2048).against(MemoryPlan(chosen=()))
+    assert line.endswith(
+        "total predicted 0 B, device free memory dropped by 2.0 KiB (actual/predicted nan)"
+    )

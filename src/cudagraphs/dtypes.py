@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-__all__ = ["converts_losslessly"]
+__all__ = ["converts_losslessly", "holds_plain_values"]
 
 
 @functools.cache
@@ -72,3 +72,21 @@ _QUANTIZED = frozenset(
     for name in ("quint8", "qint8", "qint32", "quint4x2", "quint2x4")
     if hasattr(torch, name)
 )
+
+
+@functools.cache
+def holds_plain_values(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` hold plain values that torch can fill and copy:
+    floating (float8 included), complex, bool and the integer types. Quantized types
+    (their values carry a scale) and sub-byte and ``bits`` types (packed, no fill or
+    arithmetic) do not."""
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        return True
+    if dtype in _QUANTIZED:
+        return False
+    try:
+        torch.iinfo(dtype)
+    except TypeError:  # sub-byte and bits types have no integer range
+        return False
+    return True
+

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..checks import check_int, check_number
-from ..dtypes import converts_losslessly
+from ..dtypes import converts_losslessly, holds_plain_values
 from ..errors import (
     CudaGraphInputError,
     CudaGraphsTypeError,
@@ -87,6 +87,12 @@ class InputSpec:
                 f"{where}: dtype must be a torch.dtype (pass torch.{hint}), got "
                 f"{type(self.dtype).__name__} {self.dtype!r}"
             )
+        if not holds_plain_values(self.dtype):
+            raise CudaGraphsTypeError(
+                f"{where}: dtype {self.dtype} cannot be a static input: quantized, sub-byte "
+                "and bits dtypes cannot be filled with a pad value or copied into slices. "
+                "Pass the unpacked dtype (for example torch.uint8) and convert inside forward."
+            )
         check_int(f"{where}: row_dim", self.row_dim)
         if not -len(self.shape) <= self.row_dim < len(self.shape):
             raise CudaGraphsValueError(
@@ -133,10 +139,8 @@ def _holds(dtype: torch.dtype, value: float | int) -> bool:
         return value in (0, 1)
     if isinstance(value, float) and not value.is_integer():
         return False
-    try:
-        info = torch.iinfo(dtype)
-    except TypeError:  # quantized types: their values carry a scale; not ours to check
-        return True
+    # Every other dtype a spec accepts is an integer type (holds_plain_values).
+    info = torch.iinfo(dtype)
     return info.min <= value <= info.max
 
 
