@@ -1,7 +1,9 @@
 """Summarize a mutmut run of the policy modules: per module, mutants, killed,
 survived and equivalent, and the score over the non-equivalent ones.
 
-Run from the repository root after ``mutmut run`` (see docs/mutation-testing.md)::
+Run from the repository root after ``OMP_NUM_THREADS=1 mutmut run`` (see
+docs/mutation-testing.md; with torch's OpenMP pool running, mutmut's forked workers
+can hang, and a hang is reported as a "timeout", which counts as killed)::
 
     python tests/mutation/summarize.py            # print the table
     python tests/mutation/summarize.py --write    # also write docs/mutation-testing.json
@@ -182,6 +184,23 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _provenance() -> dict:
+    """What the run measured: the commit, whether src/ or tests/ differ from it (the
+    mutants and the tests that ran), and the tool."""
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
+
+    version = subprocess.run(["mutmut", "--version"], capture_output=True, text=True).stdout
+    return {
+        "target": TARGET,
+        "commit": git("rev-parse", "HEAD").strip(),
+        "src_or_tests_dirty": bool(git("status", "--porcelain", "--", "src", "tests").strip()),
+        "tool": version.strip(),
+        "command": "OMP_NUM_THREADS=1 mutmut run && python tests/mutation/summarize.py --write",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--write", action="store_true", help=f"write {OUT_JSON.relative_to(ROOT)}")
@@ -204,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         for entry in r["survivors"]:
             print(f"survived: {entry}")
     if args.write:
-        OUT_JSON.write_text(json.dumps({"target": TARGET, "modules": summary}, indent=2) + "\n")
+        OUT_JSON.write_text(json.dumps({**_provenance(), "modules": summary}, indent=2) + "\n")
     return 0 if all(r["meets_target"] for r in summary.values()) else 1
 
 
