@@ -289,7 +289,7 @@ def test_check_dropped_env_enables(monkeypatch, value):
     monkeypatch.setenv(STRICT_BUCKETS_ENV, value)
     with pytest.raises(CudaGraphCaptureError, match="bucket"):
         check_dropped_buckets(DROPPED)
-    with pytest.raises(CudaGraphCaptureError):
+    with pytest.raises(CudaGraphCaptureError, match="were dropped at startup"):
         check_dropped_buckets(DROPPED, require_all=None)
 
 
@@ -621,7 +621,7 @@ def test_validate_and_stage_reject_naming_input_and_bucket(mutate, expected, fie
     for part in expected:
         assert part in msg
     assert [m.field for m in info.value.mismatches] == [field]
-    with pytest.raises(CudaGraphInputError):
+    with pytest.raises(CudaGraphInputError, match="Nothing was staged"):
         s.stage(inputs, Bucket(8), 5)
     assert_storage_equal(s, before)
 
@@ -660,7 +660,7 @@ def test_validate_reports_every_problem_at_once():
 
 def test_input_error_is_a_value_error():
     s = make_inputs()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="differ from the runner's input specs"):
         s.validate({}, Bucket(8), 1)
 
 
