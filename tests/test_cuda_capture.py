@@ -355,4 +355,3 @@ def test_a_graph_of_thousands_of_kernels_takes_executable_memory():
     assert memory.bytes_per_node < 1 << 20, f"implausible executable memory: {memory}"
     graph.replay()
     assert x.item() == 4000
-

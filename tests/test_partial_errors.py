@@ -61,7 +61,9 @@ def recorded_manager(model=None):
     ],
     # Plain ids: a backslash from a match pattern in a test id stops pytest (and the
     # mutation runs that select tests by id) from finding the test again.
-    ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else getattr(v, "__name__", "message"),
+    ids=lambda v: (
+        "-".join(map(str, v)) if isinstance(v, dict) else getattr(v, "__name__", "message")
+    ),
 )
 def test_from_model_parts_argument_errors(kwargs, error, named):
     with pytest.raises(error, match=named):

@@ -89,4 +89,3 @@ def holds_plain_values(dtype: torch.dtype) -> bool:
     except TypeError:  # sub-byte and bits types have no integer range
         return False
     return True
-
