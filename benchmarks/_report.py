@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import re
 import subprocess
@@ -19,42 +20,126 @@ import cudagraphs
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _git(*args: str) -> str | None:
+# The files whose content decides what a benchmark measures.
+SOURCE_GLOBS = ("src/cudagraphs/**/*.py", "benchmarks/*.py")
+
+
+def _git(*args: str, root: Path = REPO) -> str | None:
     try:
         done = subprocess.run(
-            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout.strip()
+    return done.stdout
 
 
-def environment(benchmark: str, commit: str | None = None) -> dict:
-    """The run's identity: benchmark, commit (``commit`` overrides git, for checkouts
-    without ``.git`` such as the GPU machine's), device and versions, UTC time."""
-    porcelain = None if commit else _git("status", "--porcelain")
-    return {
+def _digest(files: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(files):
+        h.update(path.encode() + b"\0" + hashlib.sha256(files[path]).digest())
+    return h.hexdigest()
+
+
+def source_sha256(root: Path = REPO) -> str:
+    """A hash of the measured sources as they are on disk (paths and contents of
+    :data:`SOURCE_GLOBS`), computable without git, so a run on a machine that has no
+    ``.git`` still says exactly what it ran."""
+    files = {}
+    for pattern in SOURCE_GLOBS:
+        for path in root.glob(pattern):
+            if path.is_file() and "__pycache__" not in path.parts:
+                files[path.relative_to(root).as_posix()] = path.read_bytes()
+    return _digest(files)
+
+
+def commit_source_sha256(commit: str, root: Path = REPO) -> str | None:
+    """:func:`source_sha256` of ``commit``'s tree, read from git (``None`` without git
+    or without that commit)."""
+    listing = _git(
+        "ls-tree", "-r", "--name-only", commit, "--", "src/cudagraphs", "benchmarks", root=root
+    )
+    if listing is None:
+        return None
+    files = {}
+    for path in listing.splitlines():
+        inside_src = path.startswith("src/cudagraphs/") and path.endswith(".py")
+        inside_bench = path.startswith("benchmarks/") and path.count("/") == 1
+        if (inside_src or inside_bench) and path.endswith(".py"):
+            done = subprocess.run(
+                ["git", "show", f"{commit}:{path}"], cwd=root, capture_output=True, check=True
+            )
+            files[path] = done.stdout
+    return _digest(files)
+
+
+def environment(benchmark: str, commit: str | None = None, run_label: str | None = None) -> dict:
+    """The run's identity: benchmark, device and versions, UTC time, and the tree.
+
+    The tree is recorded as it is, never as it is hoped to be: with git, the commit
+    and whether the tree differs from it (and then a hash of ``git diff HEAD``);
+    without git (the GPU machine's checkout), ``commit`` as given by ``--commit`` and
+    ``dirty: None`` (unknown). Either way ``source_sha256`` hashes the measured
+    sources on disk; ``python benchmarks/_report.py verify FILE`` checks it against
+    the recorded commit.
+    """
+    head = _git("rev-parse", "HEAD")
+    porcelain = _git("status", "--porcelain", "--untracked-files=no")
+    record = {
         "benchmark": benchmark,
-        "commit": commit or _git("rev-parse", "HEAD") or "unknown",
-        "dirty": False if commit else (None if porcelain is None else bool(porcelain)),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudagraphs": cudagraphs.__version__,
-        "python": sys.version.split()[0],
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": (head or "").strip() or commit or "unknown",
+        "commit_from": "git" if head else ("--commit" if commit else "unknown"),
+        "dirty": None if porcelain is None else bool(porcelain.strip()),
+        "source_sha256": source_sha256(),
     }
+    if head and commit and not head.strip().startswith(commit):
+        record["commit_argument"] = commit  # given, but git says otherwise
+    if record["dirty"]:
+        diff = _git("diff", "HEAD") or ""
+        record["diff_sha256"] = hashlib.sha256(diff.encode()).hexdigest()
+    if run_label:
+        record["run_label"] = run_label
+    record.update(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        cudagraphs=cudagraphs.__version__,
+        python=sys.version.split()[0],
+        timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+    return record
+
+
+def verify(path: Path) -> str | None:
+    """``None`` when the report's ``source_sha256`` equals that of its commit's
+    tree; else what does not hold."""
+    report = json.loads(path.read_text())
+    recorded = report.get("source_sha256")
+    if recorded is None:
+        return "no source_sha256 recorded"
+    if report.get("dirty"):
+        return f"recorded from a dirty tree (diff_sha256 {report.get('diff_sha256')})"
+    expected = commit_source_sha256(report["commit"])
+    if expected is None:
+        return f"commit {report['commit']} is not in this repository"
+    if expected != recorded:
+        return f"sources differ from commit {report['commit'][:12]}"
+    return None
 
 
 def result_path(out: str, report: dict) -> Path:
     """``out`` itself, or inside a directory (existing, or ``out`` ends with ``/``) the
-    standard name ``<benchmark>-<device>-<commit12>[-dirty].json``."""
+    standard name ``<benchmark>-<device>-<commit12>[-dirty-<diff8>].json``."""
     path = Path(out)
     if not (out.endswith("/") or path.is_dir()):
         return path
     device = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
-    commit = report["commit"][:12] + ("-dirty" if report["dirty"] else "")
-    return path / f"{report['benchmark']}-{device}-{commit}.json"
+    commit = report["commit"][:12]
+    if report.get("dirty"):
+        commit += f"-dirty-{report.get('diff_sha256', 'unknown')[:8]}"
+    name = f"{report['benchmark']}-{device}-{commit}"
+    run = report.get("run_label")
+    return path / (f"{name}-{run}.json" if run else f"{name}.json")
 
 
 def free_memory() -> None:
@@ -86,10 +171,16 @@ def write_report(name: str, report: dict, out: str | None, *, final: bool) -> No
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options every benchmark takes: --out, --require-gpu, --commit."""
+    """The options every benchmark takes: --out, --require-gpu, --commit, --run-label."""
     parser.add_argument("--out", help="also write the JSON here (a directory: standard name)")
     parser.add_argument("--require-gpu", action="store_true", help="exit 2 without a CUDA device")
-    parser.add_argument("--commit", help="commit to record (where the checkout has no .git)")
+    parser.add_argument(
+        "--commit", help="commit to record where the checkout has no .git (verify it later)"
+    )
+    parser.add_argument(
+        "--run-label",
+        help="suffix of the standard file name, for repeated runs of one commit (run1, ...)",
+    )
 
 
 def exit_code_without_gpu(name: str, require_gpu: bool) -> int | None:
@@ -102,3 +193,22 @@ def exit_code_without_gpu(name: str, require_gpu: bool) -> int | None:
         file=sys.stderr,
     )
     return 2 if require_gpu else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/_report.py verify FILE...``: check that each report's
+    sources are those of its recorded commit."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("command", choices=["verify"])
+    parser.add_argument("files", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    bad = 0
+    for path in args.files:
+        problem = verify(path)
+        print(f"{path}: {'ok' if problem is None else problem}")
+        bad += problem is not None
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

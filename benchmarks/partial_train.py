@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {k: v for k, v in {"iters": args.iters, "repeats": args.repeats}.items() if v}
     shapes = [replace(CONFIGS[name], **overrides) for name in args.configs]
     variants = ["eager", *(v for v in VARIANTS if v in args.variants and v != "eager")]
-    report = environment(NAME, args.commit)
+    report = environment(NAME, args.commit, args.run_label)
     report["transformers"] = transformers.__version__
     report["settings"] = {
         "models": args.models,

@@ -669,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     started = time.perf_counter()
     variants = [v for v in VARIANTS if not (args.skip_compile and v == COMPILE_VARIANT)]
-    report = environment("program_replay", args.commit)
+    report = environment("program_replay", args.commit, args.run_label)
     report["settings"] = {
         "variants": variants,
         "step_time": "median over repeats of the mean wall time of iters back-to-back "

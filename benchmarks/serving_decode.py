@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     if code is not None:
         return code
     started = time.perf_counter()
-    report = environment(NAME, args.commit)
+    report = environment(NAME, args.commit, args.run_label)
     cfg = model_config(args)
     report["settings"] = {
         "model": dataclasses.asdict(cfg),

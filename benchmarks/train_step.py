@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     overrides = {k: v for k, v in {"iters": args.iters, "repeats": args.repeats}.items() if v}
     configs = [replace(CONFIGS[name], **overrides) for name in args.configs]
-    report = environment("train_step", args.commit)
+    report = environment("train_step", args.commit, args.run_label)
     report["settings"] = {
         "variants": args.variants,
         "warmup": WARMUP_STEPS,

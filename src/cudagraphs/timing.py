@@ -4,20 +4,53 @@
   so launch overhead (the thing CUDA graphs remove) is counted.
 * :func:`interleaved_step_times_ms`: the same for several steps, timed in turns, so
   that a host that slows down or speeds up part way affects every variant alike.
+* :func:`interleaved_samples_ms`: the per-round samples behind that, for reports that
+  give a range (:func:`summarize`: median, min, max over rounds).
 * :func:`kernel_busy_ms`: the union of the GPU's kernel/copy intervals per step, from
   the profiler: the physical floor a perfectly launched step could reach.
+* :func:`quiet_gc`: no garbage collection inside a timed window.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["interleaved_step_times_ms", "kernel_busy_ms", "step_time_ms"]
+__all__ = [
+    "interleaved_samples_ms",
+    "interleaved_step_times_ms",
+    "kernel_busy_ms",
+    "quiet_gc",
+    "step_time_ms",
+    "summarize",
+]
+
+
+@contextlib.contextmanager
+def quiet_gc() -> Iterator[None]:
+    """Collect once, then keep the cyclic garbage collector out of the window.
+
+    A collection in the middle of a timed loop costs milliseconds on a process that
+    holds a model, and lands on whichever variant happens to be running. Everything
+    alive at entry is frozen (moved out of the collector's generations, so a later
+    collection does not walk it), and collection is off until exit.
+    """
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
 
 
 def step_time_ms(
@@ -28,13 +61,55 @@ def step_time_ms(
         step()
     torch.cuda.synchronize()
     samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e3 / iters)
+    with quiet_gc():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - t0) * 1e3 / iters)
     return statistics.median(samples)
+
+
+def interleaved_samples_ms(
+    steps: dict[str, Callable[[], object]],
+    *,
+    iters: int = 50,
+    warmup: int = 10,
+    repeats: int = 5,
+    synchronize: Callable[[], None] | None = None,
+    shuffle_seed: int | None = None,
+) -> dict[str, list[float]]:
+    """Per step, ``repeats`` samples (one per round) of the mean wall time of ``iters``
+    back-to-back calls; each round times every step once, in turn.
+
+    Host speed on shared machines drifts by tens of percent over a minute; timing
+    variants one after another turns that drift into false differences between them.
+    With ``shuffle_seed`` each round takes the steps in a new order (seeded), so that
+    no step always follows the same neighbour (a step that leaves the GPU queue or
+    the caches in some state would otherwise bias the one after it every round).
+    The garbage collector is kept out of the timed rounds (:func:`quiet_gc`).
+    """
+    sync = torch.cuda.synchronize if synchronize is None else synchronize
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    sync()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    rng = random.Random(shuffle_seed)
+    with quiet_gc():
+        for _ in range(repeats):
+            if shuffle_seed is not None:
+                rng.shuffle(names)
+            for name in names:
+                step = steps[name]
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    step()
+                sync()
+                samples[name].append((time.perf_counter() - t0) * 1e3 / iters)
+    return samples
 
 
 def interleaved_step_times_ms(
@@ -46,34 +121,28 @@ def interleaved_step_times_ms(
     synchronize: Callable[[], None] | None = None,
     shuffle_seed: int | None = None,
 ) -> dict[str, float]:
-    """Median over ``repeats`` rounds of the mean wall time of ``iters`` back-to-back
-    calls of each step; each round times every step once, in turn.
-
-    Host speed on shared machines drifts by tens of percent over a minute; timing
-    variants one after another turns that drift into false differences between them.
-    With ``shuffle_seed`` each round takes the steps in a new order (seeded), so that
-    no step always follows the same neighbour (a step that leaves the GPU queue or
-    the caches in some state would otherwise bias the one after it every round).
-    """
-    sync = torch.cuda.synchronize if synchronize is None else synchronize
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    sync()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    names = list(steps)
-    rng = random.Random(shuffle_seed)
-    for _ in range(repeats):
-        if shuffle_seed is not None:
-            rng.shuffle(names)
-        for name in names:
-            step = steps[name]
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                step()
-            sync()
-            samples[name].append((time.perf_counter() - t0) * 1e3 / iters)
+    """The median over rounds of :func:`interleaved_samples_ms`, per step."""
+    samples = interleaved_samples_ms(
+        steps,
+        iters=iters,
+        warmup=warmup,
+        repeats=repeats,
+        synchronize=synchronize,
+        shuffle_seed=shuffle_seed,
+    )
     return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def summarize(samples: list[float], digits: int = 4) -> dict[str, float | int]:
+    """``{"median", "min", "max", "rounds"}`` of one step's samples, rounded."""
+    if not samples:
+        raise ValueError("summarize() needs at least one sample")
+    return {
+        "median": round(statistics.median(samples), digits),
+        "min": round(min(samples), digits),
+        "max": round(max(samples), digits),
+        "rounds": len(samples),
+    }
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -99,8 +168,17 @@ def kernel_busy_ms(step: Callable[[], object], *, iters: int = 20, warmup: int =
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    intervals = []
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.time_range.elapsed_us() > 0:
-            intervals.append((evt.time_range.start, evt.time_range.end))
-    return _union_length(intervals) / 1e3 / iters
+    intervals = [
+        (evt.time_range.start, evt.time_range.end)
+        for evt in prof.events()
+        if evt.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return _union_length(_usable_intervals(intervals)) / 1e3 / iters
+
+
+def _usable_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Drop intervals that cannot be real: empty or reversed ones, and those starting
+    at timestamp 0, which the CUDA 13.0 profiler reports for some activities whose
+    start it did not record. Merged with the others, such an interval would count
+    everything from the epoch to its end as busy."""
+    return [(a, b) for a, b in intervals if a > 0 and b > a]

@@ -1,0 +1,79 @@
+"""CPU tests of the timing helpers the benchmarks share (no GPU: synchronize is a
+stub, and the profiler's intervals are given directly)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from cudagraphs.timing import (
+    _union_length,
+    _usable_intervals,
+    interleaved_samples_ms,
+    quiet_gc,
+    summarize,
+)
+
+
+def test_interleaved_samples_give_one_sample_per_round_per_step():
+    calls: list[str] = []
+    steps = {n: (lambda n=n: calls.append(n)) for n in "xyz"}
+    samples = interleaved_samples_ms(
+        steps, iters=2, warmup=0, repeats=4, synchronize=lambda: None, shuffle_seed=3
+    )
+    assert set(samples) == set("xyz")
+    assert all(len(v) == 4 and all(t >= 0 for t in v) for v in samples.values())
+    assert sorted(calls) == sorted("xyz" * 8)
+
+
+def test_garbage_collection_is_off_inside_the_timed_rounds_only():
+    seen: list[bool] = []
+    samples = interleaved_samples_ms(
+        {"a": lambda: seen.append(gc.isenabled())},
+        iters=1,
+        warmup=1,
+        repeats=2,
+        synchronize=lambda: None,
+    )
+    assert seen == [True, False, False]  # warmup with gc, then the timed rounds without
+    assert gc.isenabled() and len(samples["a"]) == 2
+
+
+def test_quiet_gc_restores_the_collector_after_an_error_and_keeps_it_off_if_it_was():
+    with pytest.raises(RuntimeError), quiet_gc():
+        assert not gc.isenabled()
+        raise RuntimeError("boom")
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        with quiet_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_summarize_reports_median_and_range():
+    assert summarize([3.0, 1.0, 2.0, 10.0]) == {
+        "median": 2.5,
+        "min": 1.0,
+        "max": 10.0,
+        "rounds": 4,
+    }
+    assert summarize([1.23456789], digits=3)["median"] == 1.235
+    with pytest.raises(ValueError, match="at least one sample"):
+        summarize([])
+
+
+def test_zero_start_and_empty_profiler_intervals_are_dropped_before_merging():
+    # CUDA 13.0's profiler reports some activities starting at timestamp 0; merged,
+    # one of them would count the time from the epoch as busy.
+    raw = [(0.0, 1_000_050.0), (1_000_000.0, 1_000_010.0), (5.0, 5.0), (9.0, 7.0), (20.0, 30.0)]
+    usable = _usable_intervals(raw)
+    assert usable == [(1_000_000.0, 1_000_010.0), (20.0, 30.0)]
+    assert _union_length(usable) == 20.0
+
+
+def test_union_of_overlapping_intervals_counts_each_instant_once():
+    assert _union_length([(0.5, 3.0), (1.0, 2.0), (2.5, 4.0), (10.0, 11.0)]) == 4.5
