@@ -451,22 +451,71 @@ def _static_grad_ptrs(module):
     return {t.data_ptr() for t in module.cuda_graph.graphs.static_grad_inputs if t is not None}
 
 
-def test_param_grads_are_owned_and_accumulate_like_eager():
+def test_param_grads_are_handed_over_as_is_and_accumulate_like_eager():
+    # The first backward hands the static buffers out as .grad (no copy); the next
+    # replay would overwrite them, so it moves them to owned copies first, and the
+    # accumulated sum is eager's bit for bit.
     module = _mlp()
     eager = copy.deepcopy(module)
     make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
     static = _static_grad_ptrs(module)
     assert static, "the backward graph should produce parameter gradients"
-    for it in range(2):  # no zeroing in between: gradients accumulate
+    for it in range(3):  # no zeroing in between: gradients accumulate
         x = _randn(BATCH, HIDDEN, seed=10 + it)
         grad = _randn(BATCH, HIDDEN, seed=20 + it)
         module(x).backward(grad)
         eager(x).backward(grad)
         for name, p in module.named_parameters():
-            assert p.grad.data_ptr() not in static, (
-                f"iteration {it}: {name}.grad aliases a static gradient buffer"
+            aliased = p.grad.data_ptr() in static
+            assert aliased == (it == 0), (
+                f"iteration {it}: {name}.grad {'aliases' if aliased else 'does not alias'} "
+                "its static gradient buffer"
             )
-    _assert_param_grads_equal(module, eager, "sum of two replays")
+        _assert_param_grads_equal(module, eager, f"sum of {it + 1} replays")
+
+
+def test_param_grads_with_set_to_none_and_an_optimizer_match_eager_without_copies():
+    # torch's default regime: zero_grad(set_to_none=True) after every optimizer step,
+    # so each backward's gradients become .grad as views of the buffers, never copied.
+    module = _mlp()
+    eager = copy.deepcopy(module)
+    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
+    static = _static_grad_ptrs(module)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, foreach=True)
+    opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
+    for it in range(4):
+        x = _randn(BATCH, HIDDEN, seed=30 + it)
+        grad = _randn(BATCH, HIDDEN, seed=40 + it)
+        module(x).backward(grad)
+        eager(x).backward(grad)
+        assert all(p.grad.data_ptr() in static for p in module.parameters())
+        _assert_param_grads_equal(module, eager, f"step {it}")
+        opt.step()
+        opt_eager.step()
+        opt.zero_grad(set_to_none=True)
+        opt_eager.zero_grad(set_to_none=True)
+    for (name, p), q in zip(module.named_parameters(), eager.parameters()):
+        _assert_equal(p.detach(), q.detach(), f"{name} after 4 AdamW steps")
+
+
+def test_autograd_grad_returns_owned_param_grads():
+    module = _mlp()
+    eager = copy.deepcopy(module)
+    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
+    static = _static_grad_ptrs(module)
+    params, eager_params = list(module.parameters()), list(eager.parameters())
+    kept = []
+    for it in range(2):
+        x = _randn(BATCH, HIDDEN, seed=50 + it)
+        grad = _randn(BATCH, HIDDEN, seed=60 + it)
+        got = torch.autograd.grad(module(x), params, grad)
+        want = torch.autograd.grad(eager(x), eager_params, grad)
+        assert all(g.data_ptr() not in static for g in got), "autograd.grad returned a buffer"
+        kept.append((got, want))
+    for it, (got, want) in enumerate(kept):  # the second replay left the first's alone
+        for k, (g, w) in enumerate(zip(got, want)):
+            _assert_equal(g, w, f"autograd.grad call {it}, parameter {k}")
+    assert all(p.grad is None for p in params)
 
 
 def test_leaf_input_grads_are_owned_when_fresh_and_accumulate_like_eager():

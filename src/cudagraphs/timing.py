@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from .errors import CudaGraphsValueError
+
 __all__ = [
     "interleaved_samples_ms",
     "interleaved_step_times_ms",
@@ -136,7 +138,7 @@ def interleaved_step_times_ms(
 def summarize(samples: list[float], digits: int = 4) -> dict[str, float | int]:
     """``{"median", "min", "max", "rounds"}`` of one step's samples, rounded."""
     if not samples:
-        raise ValueError("summarize() needs at least one sample")
+        raise CudaGraphsValueError("summarize() needs at least one sample")
     return {
         "median": round(statistics.median(samples), digits),
         "min": round(min(samples), digits),

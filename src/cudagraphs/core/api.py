@@ -180,17 +180,21 @@ def make_graphed_callables(
         _reuse_graph_input_output_buffers: under ``_order`` in training, microbatches
             of a layer whose forward-to-backward lifetimes do not overlap share static
             input and incoming-gradient buffers.
-        clone_param_grads_on_return: a parameter gradient that becomes ``.grad``
-            (the parameter's ``.grad`` is ``None`` at backward) is an owned copy
-            (default), so it never aliases a static buffer and accumulation across
-            replays equals the eager sum exactly; gradients added into an existing
-            ``.grad`` are passed as views, since autograd adds them in place and drops
-            them (a tensor hook on the parameter sees that view: clone it if you keep
-            it). With ``False`` every gradient is a view: a ``.grad`` that was ``None``
-            then aliases the buffer and the next backward replay overwrites it, so
-            zero with ``zero_grad(set_to_none=False)``. Leaf tensors passed as
-            arguments (parameters among them) always follow the default rule: an
-            owned copy when their ``.grad`` is ``None``, a view otherwise.
+        clone_param_grads_on_return: keep every ``.grad`` exact however it is
+            used (default): a parameter gradient goes out as a view of its static
+            buffer, without a copy, and when the next backward replay of that graph
+            finds a ``.grad`` that still is the buffer (gradients accumulating across
+            backward passes), it moves it to an owned copy first (one fused copy per
+            accumulation window). Under ``zero_grad(set_to_none=True)`` nothing is
+            ever copied. ``torch.autograd.grad()`` gets owned copies at once. What is
+            not covered: a reference to ``.grad`` kept elsewhere (a variable, a
+            tensor hook's argument) past the next backward replay sees that replay's
+            values: clone what you keep. With ``False`` nothing is moved or copied: a
+            ``.grad`` that was ``None`` aliases the buffer and the next backward
+            replay overwrites it, so zero with ``zero_grad(set_to_none=False)`` or
+            set to ``None`` before every backward. Leaf tensors passed as arguments
+            (parameters among them) get an owned copy when their ``.grad`` is
+            ``None``, a view otherwise.
         pre_warmup_hook, post_warmup_hook: called with no arguments once before and
             once after the whole warmup phase.
         capture_time_hooks: one entry per callable, ``None`` or a dict with any of

@@ -212,6 +212,13 @@ class EntryGraphs:
         )
         self._param_grad_buffers = [g for g in grads[n_diff:] if g is not None]
         self._param_grad_params = [p for p, g in zip(self.params, grads[n_diff:]) if g is not None]
+        self._param_grad_ptrs = [g.data_ptr() for g in self._param_grad_buffers]
+        # One parameter's gradient accumulator (held, so that autograd hands out this
+        # very node every time) tells whether a backward accumulates into .grad
+        # (backward()) or returns the gradients to the caller (autograd.grad()).
+        self._probe_accumulator = (
+            _grad_accumulator(self._param_grad_params[0]) if self._param_grad_params else None
+        )
         # The parameters the autograd node takes as inputs. With in-graph accumulation
         # autograd gets no parameter gradient, so one parameter is enough: it keeps the
         # outputs differentiable when no user input requires grad, and the engine
@@ -236,6 +243,8 @@ class EntryGraphs:
         copy_into(
             self._grad_output_buffers, [g for g, m in zip(grads, self._grad_output_mask) if m]
         )
+        if self.clone_param_grads and self._param_grad_buffers:
+            self._move_grads_off_buffers()
         self.bwd_graph.replay()
         fresh = []
         for pos, g in self._input_grads:
@@ -255,19 +264,34 @@ class EntryGraphs:
             self._hand_out_param_grads(result)
         return result
 
+    def _move_grads_off_buffers(self) -> None:
+        """Give every ``.grad`` that still is one of this entry's static gradient
+        buffers an owned copy, before the replay overwrites the buffer.
+
+        The previous backward handed the buffers out as they are (no copy). Under
+        ``zero_grad(set_to_none=True)``, torch's default, ``.grad`` is ``None`` again
+        by now and nothing is copied; when gradients accumulate over backward passes,
+        ``.grad`` still is the buffer here, and this copy (one fused launch, once per
+        accumulation window) keeps the sum exact.
+        """
+        moved = [
+            (p, g)
+            for p, ptr in zip(self._param_grad_params, self._param_grad_ptrs)
+            if (g := p.grad) is not None and g.data_ptr() == ptr
+        ]
+        if moved:
+            copies = torch._foreach_mul([g for _, g in moved], 1.0)  # exact copies
+            for (p, _), c in zip(moved, copies):
+                p.grad = c
+
     def _hand_out_param_grads(self, result: list[torch.Tensor | None]) -> None:
         views = [g.detach() for g in self._param_grad_buffers]
-        if self.clone_param_grads:
-            # AccumulateGrad adopts an incoming gradient as .grad only when .grad is
-            # None; otherwise it adds it in place and drops it. So only those gradients
-            # must be owned copies, or the next replay would overwrite .grad. One fused
-            # multi-tensor kernel makes them (x * 1.0 reproduces every value exactly).
-            params = self._param_grad_params
-            fresh = [i for i, p in enumerate(params) if p.grad is None]
-            if fresh:
-                copies = torch._foreach_mul([views[i] for i in fresh], 1.0)
-                for i, c in zip(fresh, copies):
-                    views[i] = c
+        if self.clone_param_grads and not _engine_accumulates(self._probe_accumulator):
+            # autograd.grad() returns these gradients to its caller instead of adding
+            # them into .grad, so no later replay can move them out of the way: they
+            # must be owned copies now. One fused kernel makes them (x * 1.0
+            # reproduces every value exactly).
+            views = list(torch._foreach_mul(views, 1.0))
         for pos, g in zip(self._param_grad_slots, views):
             result[pos] = g
 
@@ -287,6 +311,22 @@ class EntryGraphs:
         self.static_grad_inputs = ()
         self.finalize()  # drops the precomputed references to the buffers
         self.released = True
+
+
+def _grad_accumulator(param: torch.nn.Parameter) -> Any:
+    """The autograd node that adds into ``param.grad`` (a view's first edge)."""
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def _engine_accumulates(accumulator: Any) -> bool:
+    """Whether the running backward pass adds into ``.grad`` (``backward()``), as
+    opposed to returning gradients to its caller (``autograd.grad()``)."""
+    try:
+        return torch._C._will_engine_execute_node(accumulator)
+    except RuntimeError:
+        # torch refuses the question for an accumulator under autograd.grad().
+        return False
 
 
 def _describe(value: Any) -> str:

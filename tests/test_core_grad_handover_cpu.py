@@ -1,0 +1,159 @@
+"""How the replay path hands parameter gradients to autograd, on the CPU: the graphs
+are stand-ins that write what a captured backward would, into the same static
+buffers, so the handover logic runs exactly as on the GPU.
+
+The rule under test: a gradient goes out as a view of its static buffer (no copy),
+and a ``.grad`` that still is that buffer when the next backward replay comes is
+moved to an owned copy first. ``autograd.grad()`` gets owned copies at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cudagraphs.core.runtime import EntryGraphs, GraphedCallable
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class _Forward:
+    """out = w * x, into the static output, as a replay would."""
+
+    def __init__(self, w, x, out):
+        self.w, self.x, self.out = w, x, out
+
+    def replay(self):
+        self.out.copy_(self.w.detach() * self.x)
+
+    def reset(self):
+        pass
+
+
+class _Backward:
+    """d(out)/dw = x, times the incoming gradient, into the static gradient buffer."""
+
+    def __init__(self, x, grad_out, grad_w):
+        self.x, self.grad_out, self.grad_w = x, grad_out, grad_w
+
+    def replay(self):
+        self.grad_w.copy_(self.grad_out * self.x)
+
+    def reset(self):
+        pass
+
+
+def _graphed(clone: bool = True):
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    x = torch.zeros(3)
+    out, grad_out, grad_w = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    leaves, in_spec = pytree.tree_flatten(((x,), {}))
+    _, out_spec = pytree.tree_flatten(out)
+    graphs = EntryGraphs(
+        name="callables[0] (scale)",
+        in_spec=in_spec,
+        leaves=leaves,
+        tensor_positions=(0,),
+        paths=("args[0]",),
+        input_meta=((x.shape, x.dtype, False),),
+        static_inputs=[x],
+        params=(w,),
+        fwd_graph=_Forward(w, x, out),
+        bwd_graph=_Backward(x, grad_out, grad_w),
+        out_spec=out_spec,
+        out_leaves=[out],
+        out_tensor_positions=(0,),
+        out_differentiable=(True,),
+        static_grad_outputs=[grad_out],
+        static_grad_inputs=(grad_w,),
+        clone_param_grads=clone,
+        positional_only=True,
+    )
+    graphs.finalize()
+    return GraphedCallable(graphs, eager=lambda t: w * t, module=None, captured_training=None), w
+
+
+def _step(fn, x):
+    fn(x).sum().backward()
+
+
+def test_a_fresh_gradient_is_handed_over_without_a_copy():
+    fn, w = _graphed()
+    buffer = fn.graphs.static_grad_inputs[0]
+    with _Ops() as ops:
+        _step(fn, torch.tensor([4.0, 5.0, 6.0]))
+    assert w.grad.data_ptr() == buffer.data_ptr()  # the buffer itself, no copy made
+    assert w.grad.tolist() == [4.0, 5.0, 6.0]
+    assert "_foreach_mul" not in ops.names and "clone" not in ops.names
+
+
+def test_set_to_none_steps_never_copy_and_stay_exact():
+    fn, w = _graphed()
+    for k in range(3):
+        x = torch.full((3,), float(k + 1))
+        with _Ops() as ops:
+            _step(fn, x)
+        assert w.grad.tolist() == x.tolist()
+        assert "_foreach_mul" not in ops.names
+        w.grad = None  # zero_grad(set_to_none=True)
+
+
+def test_accumulation_moves_the_grad_off_the_buffer_once_and_sums_exactly():
+    fn, w = _graphed()
+    buffer = fn.graphs.static_grad_inputs[0]
+    xs = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0]), torch.ones(3)]
+    _step(fn, xs[0])
+    with _Ops() as ops:
+        _step(fn, xs[1])  # .grad is the buffer: moved before the replay overwrites it
+    assert ops.names.count("_foreach_mul") == 1
+    assert w.grad.data_ptr() != buffer.data_ptr()
+    with _Ops() as ops:
+        _step(fn, xs[2])  # .grad is owned now: nothing to move
+    assert "_foreach_mul" not in ops.names
+    assert w.grad.tolist() == (xs[0] + xs[1] + xs[2]).tolist()
+
+
+def test_zeroing_in_place_keeps_the_sum_right_too():
+    fn, w = _graphed()
+    _step(fn, torch.ones(3))
+    w.grad.zero_()  # zero_grad(set_to_none=False): .grad is still the buffer
+    _step(fn, torch.full((3,), 2.0))
+    _step(fn, torch.full((3,), 3.0))
+    assert w.grad.tolist() == [5.0, 5.0, 5.0]
+
+
+def test_autograd_grad_returns_owned_copies():
+    fn, w = _graphed()
+    buffer = fn.graphs.static_grad_inputs[0]
+    (g1,) = torch.autograd.grad(fn(torch.ones(3)).sum(), (w,))
+    (g2,) = torch.autograd.grad(fn(torch.full((3,), 7.0)).sum(), (w,))
+    assert g1.data_ptr() != buffer.data_ptr() and g2.data_ptr() != buffer.data_ptr()
+    assert g1.tolist() == [1.0, 1.0, 1.0] and g2.tolist() == [7.0, 7.0, 7.0]
+    assert w.grad is None
+
+
+def test_without_cloning_the_grad_stays_the_buffer_as_documented():
+    fn, w = _graphed(clone=False)
+    buffer = fn.graphs.static_grad_inputs[0]
+    _step(fn, torch.ones(3))
+    with _Ops() as ops:
+        _step(fn, torch.full((3,), 2.0))
+    assert "_foreach_mul" not in ops.names
+    assert w.grad.data_ptr() == buffer.data_ptr()
+
+
+@pytest.mark.parametrize("clone", [True, False])
+def test_a_released_entry_hands_out_nothing(clone):
+    fn, w = _graphed(clone)
+    fn.reset()
+    assert fn.graphs._probe_accumulator is None and fn.graphs._param_grad_ptrs == []
