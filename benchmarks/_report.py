@@ -78,22 +78,28 @@ def environment(benchmark: str, commit: str | None = None, run_label: str | None
 
     The tree is recorded as it is, never as it is hoped to be: with git, the commit
     and whether the tree differs from it (and then a hash of ``git diff HEAD``);
-    without git (the GPU machine's checkout), ``commit`` as given by ``--commit`` and
-    ``dirty: None`` (unknown). Either way ``source_sha256`` hashes the measured
-    sources on disk; ``python benchmarks/_report.py verify FILE`` checks it against
-    the recorded commit.
+    with ``commit`` (``--commit``, for a checkout whose ``.git`` is missing or stale,
+    as on the GPU machine) that commit and ``dirty: None`` (unknown) unless git's
+    HEAD is that commit. Either way ``source_sha256`` hashes the measured sources on
+    disk, and ``python benchmarks/_report.py verify FILE`` checks it against the
+    recorded commit.
     """
-    head = _git("rev-parse", "HEAD")
-    porcelain = _git("status", "--porcelain", "--untracked-files=no")
-    record = {
-        "benchmark": benchmark,
-        "commit": (head or "").strip() or commit or "unknown",
-        "commit_from": "git" if head else ("--commit" if commit else "unknown"),
-        "dirty": None if porcelain is None else bool(porcelain.strip()),
-        "source_sha256": source_sha256(),
-    }
-    if head and commit and not head.strip().startswith(commit):
-        record["commit_argument"] = commit  # given, but git says otherwise
+    head = (_git("rev-parse", "HEAD") or "").strip() or None
+    if commit:
+        # Given by the caller: the machine's checkout may carry a stale .git (the GPU
+        # machine's copy does), so git's view counts only when it names that commit.
+        trusted_git = head is not None and head.startswith(commit)
+        record = {"benchmark": benchmark, "commit": head if trusted_git else commit}
+        record["commit_from"] = "git" if trusted_git else "--commit"
+        if head and not trusted_git:
+            record["git_head_ignored"] = head
+    else:
+        trusted_git = head is not None
+        record = {"benchmark": benchmark, "commit": head or "unknown"}
+        record["commit_from"] = "git" if head else "unknown"
+    porcelain = _git("status", "--porcelain", "--untracked-files=no") if trusted_git else None
+    record["dirty"] = None if porcelain is None else bool(porcelain.strip())
+    record["source_sha256"] = source_sha256()
     if record["dirty"]:
         diff = _git("diff", "HEAD") or ""
         record["diff_sha256"] = hashlib.sha256(diff.encode()).hexdigest()

@@ -221,6 +221,7 @@ class Built:
     release: Callable[[], None] = field(default=lambda: None)
     check: Callable[[], dict] | None = None
     extra: dict = field(default_factory=dict)
+    keep: object = None  # what the graph reads and no closure holds (its static input)
 
 
 # ---- helpers -----------------------------------------------------------------------
@@ -297,7 +298,7 @@ def _build_raw(case: Case, copy: str | None, rotate: int = 1) -> Built:
     if copy is None:
         step = graph.replay
         check = _checked(step, lambda: out, case.fn(*static), rtol)
-        return Built(step, setup_s, graph.reset, check)
+        return Built(step, setup_s, graph.reset, check, keep=static)
     if copy == "fused" and len(static_leaves) == 1:
         dst = static_leaves[0]
 
@@ -340,7 +341,7 @@ def _build_raw(case: Case, copy: str | None, rotate: int = 1) -> Built:
             results.append(compare(out, case.fn(*sources[k]), rtol))
         return max(results, key=lambda r: r.get("max_abs_diff", float("inf")))
 
-    return Built(step, setup_s, graph.reset, check)
+    return Built(step, setup_s, graph.reset, check, keep=static)
 
 
 def build_ours(case: Case, validate: bool = True, staging: str = "auto", rotate: int = 1) -> Built:

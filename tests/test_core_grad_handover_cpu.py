@@ -14,6 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cudagraphs.core.lent_grads import LentGrads
 from cudagraphs.core.runtime import EntryGraphs, GraphedCallable
 
 
@@ -28,12 +29,16 @@ class _Ops(TorchDispatchMode):
 
 
 class _Forward:
-    """out = w * x, into the static output, as a replay would."""
+    """out = w * x, into the static output, as a replay would. ``scratch``: memory
+    the forward uses for temporaries, which a graph captured later into the same pool
+    may have been given for its outputs; the replay scribbles over it."""
 
-    def __init__(self, w, x, out):
-        self.w, self.x, self.out = w, x, out
+    def __init__(self, w, x, out, scratch=None):
+        self.w, self.x, self.out, self.scratch = w, x, out, scratch
 
     def replay(self):
+        if self.scratch is not None:
+            self.scratch.fill_(-1234.0)
         self.out.copy_(self.w.detach() * self.x)
 
     def reset(self):
@@ -53,10 +58,11 @@ class _Backward:
         pass
 
 
-def _graphed(clone: bool = True):
+def _graphed(clone: bool = True, forward_overwrites_grad: bool = False):
     w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
     x = torch.zeros(3)
     out, grad_out, grad_w = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    scratch = grad_w if forward_overwrites_grad else None
     leaves, in_spec = pytree.tree_flatten(((x,), {}))
     _, out_spec = pytree.tree_flatten(out)
     graphs = EntryGraphs(
@@ -68,7 +74,7 @@ def _graphed(clone: bool = True):
         input_meta=((x.shape, x.dtype, False),),
         static_inputs=[x],
         params=(w,),
-        fwd_graph=_Forward(w, x, out),
+        fwd_graph=_Forward(w, x, out, scratch),
         bwd_graph=_Backward(x, grad_out, grad_w),
         out_spec=out_spec,
         out_leaves=[out],
@@ -78,6 +84,7 @@ def _graphed(clone: bool = True):
         static_grad_inputs=(grad_w,),
         clone_param_grads=clone,
         positional_only=True,
+        lent=LentGrads(),
     )
     graphs.finalize()
     return GraphedCallable(graphs, eager=lambda t: w * t, module=None, captured_training=None), w
@@ -123,6 +130,28 @@ def test_accumulation_moves_the_grad_off_the_buffer_once_and_sums_exactly():
     assert w.grad.tolist() == (xs[0] + xs[1] + xs[2]).tolist()
 
 
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_forward_that_reuses_the_buffer_memory_never_corrupts_grad(set_to_none):
+    # A graph captured earlier into the pool may use the gradient buffer's memory for
+    # temporaries: the next forward replay overwrites it, before any backward.
+    fn, w = _graphed(forward_overwrites_grad=True)
+    buffer = fn.graphs.static_grad_inputs[0]
+    total = torch.zeros(3)
+    for k in range(4):
+        x = torch.full((3,), float(k + 1))
+        with _Ops() as ops:
+            out = fn(x)  # settles: moves a .grad that still is the buffer
+        moved = not set_to_none and k > 0
+        assert ops.names.count("_foreach_mul") == (1 if k == 1 and moved else 0)
+        out.sum().backward()
+        total = x if set_to_none else total + x
+        assert w.grad.tolist() == total.tolist(), f"step {k}"
+        if set_to_none:
+            assert w.grad.data_ptr() == buffer.data_ptr()  # lent as is, never copied
+            w.grad = None
+    assert fn.graphs.lent.params == [w]  # lent again by the last backward
+
+
 def test_zeroing_in_place_keeps_the_sum_right_too():
     fn, w = _graphed()
     _step(fn, torch.ones(3))
@@ -139,7 +168,7 @@ def test_autograd_grad_returns_owned_copies():
     (g2,) = torch.autograd.grad(fn(torch.full((3,), 7.0)).sum(), (w,))
     assert g1.data_ptr() != buffer.data_ptr() and g2.data_ptr() != buffer.data_ptr()
     assert g1.tolist() == [1.0, 1.0, 1.0] and g2.tolist() == [7.0, 7.0, 7.0]
-    assert w.grad is None
+    assert w.grad is None and fn.graphs.lent.params == []  # nothing lent
 
 
 def test_without_cloning_the_grad_stays_the_buffer_as_documented():
@@ -157,3 +186,28 @@ def test_a_released_entry_hands_out_nothing(clone):
     fn, w = _graphed(clone)
     fn.reset()
     assert fn.graphs._probe_accumulator is None and fn.graphs._param_grad_ptrs == []
+
+
+def test_graphs_of_one_pool_object_share_one_registry():
+    from cudagraphs import GraphPool
+    from cudagraphs.core.lent_grads import lent_grads_of
+
+    pool, other = GraphPool(), GraphPool()
+    assert lent_grads_of(pool) is lent_grads_of(pool)
+    assert lent_grads_of(pool) is not lent_grads_of(other)
+
+
+def test_settling_moves_only_what_still_aliases_and_forgets_everything():
+    from cudagraphs.core.lent_grads import LentGrads
+
+    a, b, c = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    buffers = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([5.0, 6.0])]
+    a.grad, b.grad, c.grad = buffers[0], None, buffers[2].clone()
+    registry = LentGrads()
+    registry.lend([a, b, c], [t.data_ptr() for t in buffers])
+    with _Ops() as ops:
+        registry.settle()
+    assert ops.names.count("_foreach_mul") == 1
+    assert a.grad.data_ptr() != buffers[0].data_ptr() and a.grad.tolist() == [1.0, 2.0]
+    assert b.grad is None and c.grad.tolist() == [5.0, 6.0]
+    assert registry.params == [] and registry.ptrs == []

@@ -61,6 +61,9 @@ class GraphPool:
         self._anchor_buffer: torch.Tensor | None = None
         self.retired: list[PoolHandle] = []  # handles given up after failed captures
         self._streams: dict[int, torch.cuda.Stream] = {}
+        # Gradients the core lent to autograd out of this pool's memory, to be moved
+        # before a replay overwrites them (cudagraphs.core.lent_grads).
+        self.lent_grads: Any = None
 
     @property
     def handle(self) -> PoolHandle:

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from ..capture import GraphPool, capture_into_graph
 from .canonicalize import EntrySpec, GraphPlan
 from .grad_targets import GradTargets
+from .lent_grads import lent_grads_of
 from .runtime import EntryGraphs
 from .warmup import differentiable_inputs
 
@@ -92,6 +93,7 @@ def _entry_graphs(
         clone_param_grads=opts.clone_param_grads_on_return if opts is not None else True,
         positional_only=positional_only,
         eager_only=opts is None,
+        lent=lent_grads_of(opts.pool) if opts is not None else None,
     )
 
 

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from ..dtypes import converts_losslessly
 from ..errors import CudaGraphInputError, GraphReleasedError, Mismatch, describe_mismatches
 from .grad_targets import GradTargets
+from .lent_grads import LentGrads, move_aliased_grads
 
 __all__ = ["EntryGraphs", "GraphedCallable"]
 
@@ -81,6 +82,7 @@ class EntryGraphs:
     positional_only: bool = False  # captured call was f(t0, t1, ...) with tensors only
     grad_targets: GradTargets | None = None  # in-graph accumulation of param grads
     autograd_params: tuple[torch.nn.Parameter, ...] = ()  # set by finalize()
+    lent: LentGrads | None = None  # the pool's registry of gradients lent to autograd
     released: bool = False
     eager_only: bool = False  # CUDAGRAPHS_DISABLE: validate calls, run them eagerly
 
@@ -182,6 +184,9 @@ class EntryGraphs:
 
     def replay_forward(self, tensors: Any) -> None:
         self._live()
+        lent = self.lent
+        if lent is not None and lent.params:
+            lent.settle()  # this replay may overwrite pool memory lent as .grad
         copy_into(self.static_inputs, tensors)
         self.fwd_graph.replay()
 
@@ -244,7 +249,8 @@ class EntryGraphs:
             self._grad_output_buffers, [g for g, m in zip(grads, self._grad_output_mask) if m]
         )
         if self.clone_param_grads and self._param_grad_buffers:
-            self._move_grads_off_buffers()
+            # Its own buffers: a .grad the last backward lent that still is one.
+            move_aliased_grads(self._param_grad_params, self._param_grad_ptrs)
         self.bwd_graph.replay()
         fresh = []
         for pos, g in self._input_grads:
@@ -264,34 +270,19 @@ class EntryGraphs:
             self._hand_out_param_grads(result)
         return result
 
-    def _move_grads_off_buffers(self) -> None:
-        """Give every ``.grad`` that still is one of this entry's static gradient
-        buffers an owned copy, before the replay overwrites the buffer.
-
-        The previous backward handed the buffers out as they are (no copy). Under
-        ``zero_grad(set_to_none=True)``, torch's default, ``.grad`` is ``None`` again
-        by now and nothing is copied; when gradients accumulate over backward passes,
-        ``.grad`` still is the buffer here, and this copy (one fused launch, once per
-        accumulation window) keeps the sum exact.
-        """
-        moved = [
-            (p, g)
-            for p, ptr in zip(self._param_grad_params, self._param_grad_ptrs)
-            if (g := p.grad) is not None and g.data_ptr() == ptr
-        ]
-        if moved:
-            copies = torch._foreach_mul([g for _, g in moved], 1.0)  # exact copies
-            for (p, _), c in zip(moved, copies):
-                p.grad = c
-
     def _hand_out_param_grads(self, result: list[torch.Tensor | None]) -> None:
+        """Lend the gradient buffers to autograd as they are (see ``lent_grads``);
+        under ``autograd.grad()`` give owned copies instead."""
         views = [g.detach() for g in self._param_grad_buffers]
-        if self.clone_param_grads and not _engine_accumulates(self._probe_accumulator):
-            # autograd.grad() returns these gradients to its caller instead of adding
-            # them into .grad, so no later replay can move them out of the way: they
-            # must be owned copies now. One fused kernel makes them (x * 1.0
-            # reproduces every value exactly).
-            views = list(torch._foreach_mul(views, 1.0))
+        if self.clone_param_grads:
+            if _engine_accumulates(self._probe_accumulator):
+                if self.lent is not None:
+                    self.lent.lend(self._param_grad_params, self._param_grad_ptrs)
+            else:
+                # autograd.grad() returns these gradients to its caller instead of
+                # adding them into .grad, so no later replay can move them out of
+                # the way: they must be owned copies now, made by one fused kernel.
+                views = list(torch._foreach_mul(views, 1.0))
         for pos, g in zip(self._param_grad_slots, views):
             result[pos] = g
 
