@@ -13,12 +13,13 @@ import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
-import cudagraphs
-
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "src") not in sys.path:
+    sys.path.insert(0, str(REPO / "src"))  # this checkout's sources, as the scripts do
 
+import torch  # noqa: E402
+
+import cudagraphs  # noqa: E402
 
 # The files whose content decides what a benchmark measures.
 SOURCE_GLOBS = ("src/cudagraphs/**/*.py", "benchmarks/*.py")
