@@ -93,8 +93,8 @@ class CudaGraphProgram(Generic[OutputT]):
             staging: how :meth:`replay` gets inputs into the graph. ``"copy"``: one
                 fused copy into the fixed buffer per call. ``"graph"``: the graph
                 itself copies each contiguous input from the caller's tensor, whose
-                address is updated per call only when it changes (about 3.5 us a
-                change on an H200 host, against 8 to 9 us for a copy launch).
+                address is updated per call only when it changes (cheaper than a
+                copy launch: ``docs/program-replay.md``).
                 ``"auto"`` (default): ``"graph"`` for programs of at most
                 ``AUTO_GRAPH_STAGING_MAX_TENSORS`` input tensors when the CUDA runtime
                 can be reached, else ``"copy"``. See :attr:`staging`.
@@ -167,7 +167,7 @@ class CudaGraphProgram(Generic[OutputT]):
         self._generation, self._token = 0, object()
         # Overwrite protection. A buffer writer on another stream than the last replay
         # must wait for that replay. On the plain replay() path everything runs on one
-        # stream, so no event is recorded per launch (about 2 us); once the program
+        # stream, so no event is recorded per launch (a host call each); once the program
         # prefetches (copy_inputs_from), every launch records ``_launched``. Before
         # that, a cross-stream writer records it late, on the replay's stream, which
         # orders after the replay and whatever followed it (conservative, correct).
@@ -364,8 +364,8 @@ class CudaGraphProgram(Generic[OutputT]):
 
         ``validate=False`` skips the per-leaf checks for callers that guarantee the
         captured structure and metadata (a mismatch then fails inside the copy, or
-        broadcasts silently); it saves about 0.1 us per input tensor (8 to 9 us for
-        64 on an H200 host).
+        broadcasts silently); it saves about 0.1 us per input tensor (6.1 to 6.7 us
+        for 64 on an H200 host, ``docs/program-replay.md``).
 
         Raises:
             SignatureMismatchError (a CudaGraphInputError): naming every path that
