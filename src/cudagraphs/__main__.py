@@ -22,7 +22,7 @@ import torch
 from . import CudaGraphProgram, make_graphed_callables
 from .models import BlockConfig, DecoderConfig, TinyDecoder, greedy_decode, make_block_stack
 from .serving import GraphRunner, InputSpec
-from .timing import kernel_busy_ms, step_time_ms
+from .timing import interleaved_step_times_ms, kernel_busy_ms
 
 
 def _positive_int(text: str) -> int:
@@ -85,9 +85,6 @@ def run_demo(args: argparse.Namespace) -> dict:
 
     eager = make_block_stack(args.layers, cfg)
     eager_step = _training_step(list(eager), x)
-    eager_ms = step_time_ms(eager_step, iters=args.iters)
-    busy_ms = kernel_busy_ms(eager_step)
-
     graphed = make_block_stack(args.layers, cfg)
     samples = tuple(
         (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=i > 0),)
@@ -104,7 +101,12 @@ def run_demo(args: argparse.Namespace) -> dict:
     grads_equal = all(
         torch.equal(p.grad, q.grad) for p, q in zip(graphed.parameters(), eager.parameters())
     )
-    graphed_ms = step_time_ms(graphed_step, iters=args.iters)
+    # Both built first, then timed in turns, so host drift hits both; profiler last.
+    ms = interleaved_step_times_ms(
+        {"eager": eager_step, "graphed": graphed_step}, iters=args.iters, shuffle_seed=0
+    )
+    eager_ms, graphed_ms = ms["eager"], ms["graphed"]
+    busy_ms = kernel_busy_ms(eager_step)
     return {
         "device": torch.cuda.get_device_name(),
         "model": f"{args.layers} pre-norm blocks, hidden {args.hidden}, batch {args.batch}, seq {args.seq}, bf16",
@@ -135,8 +137,12 @@ def run_program_demo(iters: int) -> dict:
     program = CudaGraphProgram.capture(_small_ops, example_inputs=(tree,))
     try:
         same = torch.equal(program.replay(tree)["out"], _small_ops(tree)["out"])
-        eager_ms = step_time_ms(lambda: _small_ops(tree), iters=iters)
-        program_ms = step_time_ms(lambda: program.replay(tree), iters=iters)
+        ms = interleaved_step_times_ms(
+            {"eager": lambda: _small_ops(tree), "program": lambda: program.replay(tree)},
+            iters=iters,
+            shuffle_seed=0,
+        )
+        eager_ms, program_ms = ms["eager"], ms["program"]
     finally:
         program.close()
     return {
@@ -178,8 +184,13 @@ def run_serving_demo(batch: int = 5, prompt_len: int = 8, new_tokens: int = 24) 
         runner.capture(dummy)
         graphed = lambda t, p: runner.run({"tokens": t, "positions": p})  # noqa: E731
         same = torch.equal(decode(model), decode(graphed))
-        eager_ms = step_time_ms(lambda: decode(model), iters=3) / steps
-        runner_ms = step_time_ms(lambda: decode(graphed), iters=3) / steps
+        ms = interleaved_step_times_ms(
+            {"eager": lambda: decode(model), "runner": lambda: decode(graphed)},
+            iters=3,
+            warmup=1,
+            shuffle_seed=0,
+        )
+        eager_ms, runner_ms = ms["eager"] / steps, ms["runner"] / steps
         bucket = runner.select(batch)
     finally:
         runner.close()
@@ -212,27 +223,38 @@ def run_partial_demo(iters: int) -> dict:
         num_key_value_heads=2,
         vocab_size=1024,
     )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model = model.cuda().train()
+
+    def make_model():  # noqa: ANN202 - the same random-init model every call
+        torch.manual_seed(0)
+        made = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        return made.cuda().train()
+
     ids = torch.randint(0, config.vocab_size, (1, 128), device="cuda")
 
-    def step() -> torch.Tensor:
-        loss = model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
-        loss.backward()
-        return loss.detach()
+    def step_of(model):  # noqa: ANN001, ANN202 - a model -> its training step
+        def step() -> torch.Tensor:
+            loss = model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
+            loss.backward()
+            return loss.detach()
 
-    eager_loss = step()
-    eager_ms = step_time_ms(step, iters=iters)
-    mgr = PartialCudaGraphManager.from_model_parts([model])
+        return step
+
+    eager_step = step_of(make_model())
+    graphed_model = make_model()
+    graphed_step = step_of(graphed_model)
+    mgr = PartialCudaGraphManager.from_model_parts([graphed_model])
     if mgr is None:
         return {"partial": "skipped: no graphable attention found"}
     try:
         mgr.start_recording()
-        step()
+        graphed_step()
         mgr.capture()
-        same = torch.equal(step(), eager_loss)
-        partial_ms = step_time_ms(step, iters=iters)
+        same = torch.equal(graphed_step(), eager_step())
+        # Both built first, then timed in turns, so host drift hits both.
+        ms = interleaved_step_times_ms(
+            {"eager": eager_step, "partial": graphed_step}, iters=iters, shuffle_seed=0
+        )
+        eager_ms, partial_ms = ms["eager"], ms["partial"]
         stats = mgr.stats()
     finally:
         mgr.close()
