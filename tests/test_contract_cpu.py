@@ -431,6 +431,29 @@ def test_main_job_refuses_bad_arguments(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_env_command_prints_what_a_bug_report_needs(capsys, monkeypatch):
+    import json
+
+    import torch
+
+    import cudagraphs
+    from cudagraphs.__main__ import main
+
+    monkeypatch.setenv(DISABLE_ENV, "maybe")  # a malformed value is reported, not raised
+    assert main(["env", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cudagraphs"] == cudagraphs.__version__
+    assert report["torch"] == torch.__version__
+    assert report[DISABLE_ENV].startswith("invalid") and "maybe" in report[DISABLE_ENV]
+    for key in ("python", "cuda_device", "cuda-bindings", "transformers", "torch_cuda"):
+        assert key in report
+    if not torch.cuda.is_available():
+        assert report["cuda_device"].startswith("none")
+    assert main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].split() == ["cudagraphs", cudagraphs.__version__]
+
+
 @no_cuda
 def test_main_job_without_a_gpu_says_so(capsys, caplog):
     from cudagraphs.__main__ import main

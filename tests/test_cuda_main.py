@@ -21,3 +21,16 @@ def test_main_job_runs_and_every_demo_equals_eager(capsys):
     for key in ("eager_ms", "graphed_ms", "kernel_busy_ms", "program_replay_ms"):
         assert result[key] > 0, (key, result)
     assert rc == 0
+
+
+def test_env_command_names_the_gpu_driver_and_staging(capsys):
+    import torch
+
+    from cudagraphs.__main__ import main
+
+    assert main(["env", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert torch.cuda.get_device_name() in report["cuda_device"]
+    assert report["cuda_driver"].startswith("CUDA "), report
+    assert report["program_staging_auto"] in ("graph", "copy")
+    assert report["torch_cuda"] == torch.version.cuda

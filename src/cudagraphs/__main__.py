@@ -20,6 +20,7 @@ import sys
 import torch
 
 from . import CudaGraphProgram, make_graphed_callables
+from .envinfo import collect, format_report
 from .models import BlockConfig, DecoderConfig, TinyDecoder, greedy_decode, make_block_stack
 from .serving import GraphRunner, InputSpec
 from .timing import interleaved_step_times_ms, kernel_busy_ms
@@ -49,6 +50,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m cudagraphs",
         description=_DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "command",
+        nargs="?",
+        choices=["demo", "env"],
+        default="demo",
+        help="demo: the measurements below; env: print what a bug report needs "
+        "(versions, GPU, driver, optional packages, settings) and exit",
     )
     p.add_argument(
         "--require-gpu", action="store_true", help="exit 2 when no CUDA device is present"
@@ -271,6 +280,10 @@ def run_partial_demo(iters: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.command == "env":
+        report = collect()
+        print(json.dumps(report, indent=2) if args.json else format_report(report))
+        return 0
     if not torch.cuda.is_available():
         print(
             "cudagraphs: no CUDA device is present, so there is nothing to graph here. "

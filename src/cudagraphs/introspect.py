@@ -40,6 +40,13 @@ class _CtypesDriver:
             raise CudaCallError(f"cuGraphGetNodes returned CUresult {status}")
         return int(count.value)
 
+    def driver_version(self) -> int:
+        version = ctypes.c_int(0)
+        status = self._lib.cuDriverGetVersion(ctypes.byref(version))
+        if status != 0:
+            raise CudaCallError(f"cuDriverGetVersion returned CUresult {status}")
+        return int(version.value)
+
     def free_memory(self) -> int:
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         status = self._lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
@@ -66,6 +73,10 @@ class _BindingsDriver:
         graph = self._driver.CUgraph(handle)
         _, count = self._check(self._driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
         return int(count)
+
+    def driver_version(self) -> int:
+        (version,) = self._check(self._driver.cuDriverGetVersion(), "cuDriverGetVersion")
+        return int(version)
 
     def free_memory(self) -> int:
         free, _total = self._check(self._driver.cuMemGetInfo(), "cuMemGetInfo")
