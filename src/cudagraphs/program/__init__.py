@@ -1,5 +1,6 @@
 """Graph programs: a fixed function captured once and replayed on reusable,
-fixed-address inputs (issue: CudaGraphProgram / CudaGraphPool).
+fixed-address inputs (:class:`CudaGraphProgram`), and pools of programs that share
+scratch memory (:class:`CudaGraphPool`).
 
 Threading contract: one host thread drives a program (and a pool) at a time; give
 concurrent workers their own programs.
