@@ -1,8 +1,9 @@
 """Partial-graph training benchmark: ``PartialCudaGraphManager`` on Hugging Face Llama
 and Qwen3-MoE training steps, against eager and (Llama) whole decoder-layer graphs.
 
-Models are built from config with random weights, in bf16, training mode, SDPA. A step
-is forward + backward, no optimizer: ``model(input_ids=ids, use_cache=False)``, then
+Models are built from config with random weights, in bf16, training mode, SDPA.
+Regime ``accumulate`` (the only one; stated in the report): a step is forward +
+backward, no optimizer: ``model(input_ids=ids, use_cache=False)``, then
 ``logits.float().pow(2).mean().backward()``. Every ``.grad`` starts at zero and steps
 add into it. Per config and model, each variant builds its own model and input (same
 seeds), in one process:
@@ -16,23 +17,33 @@ seeds), in one process:
   arguments are those of a recorded eager call (no mask, fixed position ids), and
   each layer's ``forward`` is swapped for a call of it. MoE expert dispatch has
   data-dependent shapes, so Qwen3-MoE has no such variant.
-* ``kernel_busy``: profiler kernel-busy time of the eager step, after every wall-clock
-  timing of the run (CUPTI can slow later launches, pytorch/pytorch#144455).
 
-Before timing, each variant's loss and probe gradients after one step from zeroed
-gradients are compared with eager's. Prints one JSON object; ``--out`` also writes it.
+Method. Per config and model all variants are built first and checked: the loss and
+EVERY parameter's gradient after one step from zeroed gradients against eager's (worst
+relative error ``max|x - eager| / max|eager|`` per tensor, and the worst tensor's
+name). Then they are timed together with ``cudagraphs.timing.interleaved_samples_ms``
+(rounds in a seeded shuffled order, GC off and frozen inside rounds) and reported as
+``summarize`` (median, min, max, rounds); ratios use medians. Defaults:
+``launch_bound`` 20 iters x 7 rounds, ``larger`` 10 iters x 7 rounds, 10 warmup steps
+per variant. After every wall-clock timing of the run, each variant is built again and
+its OWN kernel-busy time is profiled (CUPTI can slow later launches,
+pytorch/pytorch#144455); ratios name their floor (``X/kernel_busy_eager``,
+``X/kernel_busy_own``).
+
+Prints one JSON object; ``--out`` also writes it (once more before the profiler runs).
 Without a CUDA device it says so on stderr and exits 0 (2 with ``--require-gpu``).
-Exits 1 after printing when a variant other than ``kernel_busy`` failed or a check
-was off by more than the tolerance.
+Exits 1 after printing when a variant failed to build, check or time, or a check was
+off by more than the tolerance (a failed kernel-busy measurement is recorded only).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -54,21 +65,28 @@ from _report import (  # noqa: E402
     write_report,
 )
 from cudagraphs.partial import PartialCudaGraphManager  # noqa: E402
-from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
+from cudagraphs.timing import interleaved_samples_ms, kernel_busy_ms, summarize  # noqa: E402
+
+# The training benchmarks share their check and timing helpers (one definition of
+# "compare every gradient" and of a guarded interleaved step).
+from train_step import compare_tensors, guard_steps, ratio, relative_error  # noqa: E402
 
 NAME = "partial_train"
+REGIME = "accumulate"
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 ATTN = "sdpa"
 MODEL_SEED = 0
 INPUT_SEED = 1234
-WARMUP_STEPS = 10  # per step_time_ms call
+SHUFFLE_SEED = 0
+WARMUP_STEPS = 10  # per variant before the timed rounds
+CHECK_STEPS = 1  # the check's steps from zeroed gradients (they count as replays too)
+KERNEL_BUSY_ITERS, KERNEL_BUSY_WARMUP = 10, 3
 LOSS_REL_TOL = 1e-3  # of eager's loss
-GRAD_REL_TOL = 2e-2  # of eager's gradient max |value|: bf16 rounding, not a bug
+GRAD_REL_TOL = 2e-2  # of eager's gradient max |value| per tensor: bf16 rounding, not a bug
 TARGET_SPEEDUP = 1.3  # eager / partial on launch_bound
 MODELS = ("llama", "qwen3_moe")
 VARIANTS = ("eager", "partial", "whole_layer")
-NOT_FATAL = ("kernel_busy",)
 
 
 @dataclass(frozen=True)
@@ -89,9 +107,10 @@ class Shape:
     vocab: int = 1024  # small, so the LM head does not dominate
 
 
+# iters: each sample >= ~20 ms even for whole_layer (~5 ms launch-bound, ~8 ms larger).
 CONFIGS = {
-    "launch_bound": Shape("launch_bound", 1, 128, 512, 8, 2, 1408, 256, iters=50, repeats=5),
-    "larger": Shape("larger", 4, 512, 1024, 16, 4, 2816, 512, iters=20, repeats=5),
+    "launch_bound": Shape("launch_bound", 1, 128, 512, 8, 2, 1408, 256, iters=20, repeats=7),
+    "larger": Shape("larger", 4, 512, 1024, 16, 4, 2816, 512, iters=10, repeats=7),
 }
 
 
@@ -156,16 +175,6 @@ def train_step(net: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     loss = net(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
     loss.backward()
     return loss.detach()
-
-
-def probes(net: nn.Module) -> dict[str, nn.Parameter]:
-    """Gradients compared with eager: layer 0's query projection, and the router."""
-    layer = net.model.layers[0]
-    out = {"model.layers.0.self_attn.q_proj.weight": layer.self_attn.q_proj.weight}
-    gate = getattr(layer.mlp, "gate", None)
-    if isinstance(getattr(gate, "weight", None), nn.Parameter):
-        out["model.layers.0.mlp.gate.weight"] = gate.weight
-    return out
 
 
 # ---- variants ----------------------------------------------------------------------
@@ -278,89 +287,49 @@ BUILDERS: dict[str, Callable[[str, Shape], Built]] = {
 }
 
 
-# ---- measurement -------------------------------------------------------------------
+# ---- pure logic (tested on the CPU) --------------------------------------------------
 
 
-def one_step(built: Built) -> dict[str, torch.Tensor]:
-    """Loss and probe gradients of one step from zeroed gradients (owned copies)."""
-    for p in built.model.parameters():
-        p.grad.zero_()  # in place: graphs may add into these very tensors
-    out = {"loss": built.step().float().clone()}
-    out.update({n: p.grad.detach().float().clone() for n, p in probes(built.model).items()})
-    torch.cuda.synchronize()
-    return out
-
-
-def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict:
-    out: dict = {"equal": all(torch.equal(got[k], want[k]) for k in want), "max_abs_diff": {}}
-    ok = True
-    for key, ref in want.items():
-        diff = (got[key] - ref).abs().max().item()
-        tol = (LOSS_REL_TOL if key == "loss" else GRAD_REL_TOL) * ref.abs().max().item()
-        out["max_abs_diff"][key] = diff
-        ok = ok and diff <= tol
-    out["loss"], out["eager_loss"] = got["loss"].item(), want["loss"].item()
-    out["within_tol"] = ok
-    return out
-
-
-def measure(
-    variant: str, model: str, shape: Shape, ref: dict | None
-) -> tuple[dict, dict | None, dict | None]:
-    """Build, check against ``ref`` (eager's step), time and release one variant:
-    ``(result, its step values, check)``. Errors are returned, never raised."""
-    print(f"{NAME}: {shape.name}/{model}: {variant}", file=sys.stderr, flush=True)
-    try:
-        built = BUILDERS[variant](model, shape)
-    except Exception as exc:
-        return describe_error(exc), None, None
-    values = check = None
-    try:
-        values = one_step(built)
-        if variant != "eager":
-            check = compare(values, ref) if ref else {"error": "no eager step to compare with"}
-        ms = step_time_ms(built.step, iters=shape.iters, warmup=WARMUP_STEPS, repeats=shape.repeats)
-        result = {"ms": ms, "setup_s": round(built.setup_s, 3), **built.info}
-        if built.stats is not None:  # every step so far ran after capture
-            steps = 1 + WARMUP_STEPS + shape.iters * shape.repeats
-            result["stats"] = stats = built.stats()
-            result["replays_per_step"] = round(stats["replayed"] / steps, 3)
-        return result, values, check
-    except Exception as exc:
-        return describe_error(exc), values, check
-    finally:
-        try:
-            built.release()
-        except Exception as exc:
-            describe_error(exc)
-
-
-def measure_kernel_busy(model: str, shape: Shape) -> dict:
-    print(f"{NAME}: {shape.name}/{model}: kernel_busy", file=sys.stderr, flush=True)
-    try:
-        step = build_eager(model, shape).step
-        return {"ms": kernel_busy_ms(step)}
-    except Exception as exc:
-        return describe_error(exc)
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 4) if a is not None and b else None
+def compare_step(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> dict:
+    """A variant's step values (``loss`` and every gradient, by name) against eager's:
+    the loss within ``LOSS_REL_TOL`` of eager's, every gradient within
+    ``GRAD_REL_TOL`` of eager's max |value| (see ``train_step.compare_tensors``)."""
+    loss_err = relative_error(got["loss"], want["loss"])
+    grads = compare_tensors(
+        {k: v for k, v in got.items() if k != "loss"},
+        {k: v for k, v in want.items() if k != "loss"},
+        GRAD_REL_TOL,
+    )
+    return {
+        "loss": got["loss"].item(),
+        "eager_loss": want["loss"].item(),
+        "loss_rel_err": loss_err if math.isfinite(loss_err) else None,
+        "grads": grads,
+        "equal": grads["equal"] and torch.equal(got["loss"], want["loss"]),
+        "within_tol": loss_err <= LOSS_REL_TOL and grads["within_tol"],
+    }
 
 
 RATIOS = [("eager", "partial"), ("eager", "whole_layer"), ("partial", "whole_layer")]
-RATIOS += [(v, "kernel_busy") for v in ("partial", "whole_layer", "eager")]
 
 
-def summarize(result: dict, shape: Shape) -> None:
-    """Fill ``ms``, ``ratios`` and ``targets`` of one (config, model) result."""
-    ms = {v: r["ms"] for v, r in result["variants"].items() if "ms" in r}
-    result["ms"] = ms
-    result["ratios"] = {f"{a}/{b}": ratio(ms.get(a), ms.get(b)) for a, b in RATIOS}
-    stats = result["variants"].get("partial", {}).get("stats")
+def summarize_model(result: dict, shape: Shape) -> None:
+    """Fill ``ms``, ``kernel_busy_ms``, ``ratios`` and ``targets`` of one (config,
+    model) result from its variants' entries; ratios of medians, and each
+    kernel-busy ratio names its floor (eager's, or the variant's own)."""
+    variants = result["variants"]
+    ms = {v: r["ms"]["median"] for v, r in variants.items() if "ms" in r}
+    busy = {v: r["kernel_busy_ms"] for v, r in variants.items() if "kernel_busy_ms" in r}
+    result["ms"], result["kernel_busy_ms"] = ms, busy
+    ratios = {f"{a}/{b}": ratio(ms.get(a), ms.get(b)) for a, b in RATIOS}
+    for v in variants:
+        ratios[f"{v}/kernel_busy_eager"] = ratio(ms.get(v), busy.get("eager"))
+        ratios[f"{v}/kernel_busy_own"] = ratio(ms.get(v), busy.get(v))
+    result["ratios"] = ratios
+    stats = variants.get("partial", {}).get("stats")
     targets: dict[str, bool | None] = {}
     if shape.name == "launch_bound":
-        speedup = result["ratios"]["eager/partial"]
+        speedup = ratios["eager/partial"]
         key = f"partial_speedup_ge_{TARGET_SPEEDUP}x_launch_bound"
         targets[key] = None if speedup is None else speedup >= TARGET_SPEEDUP
     targets["zero_fallbacks_steady_state"] = (
@@ -369,50 +338,195 @@ def summarize(result: dict, shape: Shape) -> None:
     result["targets"] = targets
 
 
-def run_model(model: str, shape: Shape, variants: list[str]) -> dict:
-    result: dict = {"variants": {}, "check": {}}
-    ref = None
-    for variant in variants:
-        if variant == "whole_layer" and model != "llama":
-            continue
-        out, values, check = measure(variant, model, shape, ref)
-        result["variants"][variant] = out
-        if variant == "eager":
-            ref = values
-        elif check is not None:
-            result["check"][variant] = check
-        del values
-        free_memory()
-    summarize(result, shape)
-    return result
-
-
-# ---- report and CLI ----------------------------------------------------------------
-
-
 def failures(report: dict) -> list[str]:
+    """Every failed variant (build, check or timing) and every check beyond tolerance;
+    a failed kernel-busy measurement is not one."""
     failed = []
     for cname, cres in report["configs"].items():
         for model, res in cres["models"].items():
             where = f"{cname}/{model}"
-            errors = [v for v, r in res["variants"].items() if "error" in r]
-            failed += [f"{where}/{v}" for v in errors if v not in NOT_FATAL]
+            failed += [f"{where}/{v}" for v, r in res["variants"].items() if "error" in r]
             for v, check in res["check"].items():
                 if not check.get("within_tol", False):
                     failed.append(f"{where}/{v}: check " + check.get("error", "beyond tolerance"))
     return failed
 
 
+# ---- measurement ---------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    print(f"{NAME}: {msg}", file=sys.stderr, flush=True)
+
+
+def one_step(built: Built) -> dict[str, torch.Tensor]:
+    """Loss and every gradient (by parameter name) of one step from zeroed gradients,
+    as owned copies."""
+    for p in built.model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()  # in place: graphs may add into these very tensors
+    out = {"loss": built.step().float().clone()}
+    for name, p in built.model.named_parameters():
+        if p.grad is not None:
+            out[name] = p.grad.detach().clone()
+    torch.cuda.synchronize()
+    return out
+
+
+def release(built: Built) -> None:
+    """Release one variant's graphs; an error is printed, never raised."""
+    try:
+        built.release()
+    except Exception as exc:
+        describe_error(exc)
+
+
+def build_and_check(model: str, shape: Shape, names: list[str]) -> tuple[dict, dict, dict]:
+    """Build every variant, then check each against eager's step: ``(built, results,
+    checks)``. A variant that fails is recorded in ``results`` and not kept."""
+    built: dict[str, Built] = {}
+    results: dict[str, dict] = {}
+    for name in names:
+        log(f"{shape.name}/{model}: build {name}")
+        try:
+            built[name] = b = BUILDERS[name](model, shape)
+        except Exception as exc:
+            results[name] = describe_error(exc)
+            continue
+        results[name] = {"setup_s": round(b.setup_s, 3), **b.info}
+    checks: dict[str, dict] = {}
+    ref = None
+    for name in list(built):
+        try:
+            values = one_step(built[name])
+        except Exception as exc:
+            results[name].update(describe_error(exc))
+            release(built.pop(name))
+            continue
+        if name == "eager":
+            ref = values
+        elif ref is None:
+            checks[name] = {"error": "no eager step to compare with"}
+        else:
+            checks[name] = compare_step(values, ref)
+        del values
+    return built, results, checks
+
+
+def time_all(built: dict[str, Built], shape: Shape, results: dict) -> None:
+    errors: dict[str, dict] = {}
+    steps = guard_steps({name: b.step for name, b in built.items()}, errors)
+    try:
+        samples = interleaved_samples_ms(
+            steps,
+            iters=shape.iters,
+            warmup=WARMUP_STEPS,
+            repeats=shape.repeats,
+            shuffle_seed=SHUFFLE_SEED,
+        )
+    except Exception as exc:  # a sticky CUDA error surfaces at the round's synchronize
+        error = describe_error(exc)
+        for name in steps:
+            results[name].update(error)
+        return
+    steps_run = CHECK_STEPS + WARMUP_STEPS + shape.iters * shape.repeats
+    for name, times in samples.items():
+        if name in errors:
+            results[name].update(errors[name])
+            continue
+        results[name]["ms"] = summarize(times)
+        if built[name].stats is not None:  # every step so far ran after capture
+            results[name]["stats"] = stats = built[name].stats()
+            results[name]["replays_per_step"] = round(stats["replayed"] / steps_run, 3)
+
+
+def run_model(model: str, shape: Shape, variants: list[str]) -> dict:
+    started = time.perf_counter()
+    names = [v for v in variants if v != "whole_layer" or model == "llama"]
+    built, results, checks = build_and_check(model, shape, names)
+    try:
+        log(f"{shape.name}/{model}: timing {len(built)} variants")
+        time_all(built, shape, results)
+    finally:
+        for b in built.values():
+            release(b)
+        built.clear()
+        free_memory()
+    result = {"regime": REGIME, "variants": results, "check": checks}
+    result["elapsed_s"] = round(time.perf_counter() - started, 1)
+    summarize_model(result, shape)
+    return result
+
+
+def profile_variant(variant: str, model: str, shape: Shape) -> dict:
+    """The variant's own kernel-busy time, on a fresh build: ``{"kernel_busy_ms"}``
+    or ``{"kernel_busy_error", ...}``."""
+    log(f"{shape.name}/{model}: kernel busy of {variant}")
+    try:
+        built = BUILDERS[variant](model, shape)
+    except Exception as exc:
+        return {"kernel_busy_error": describe_error(exc)}
+    try:
+        busy = kernel_busy_ms(built.step, iters=KERNEL_BUSY_ITERS, warmup=KERNEL_BUSY_WARMUP)
+        return {"kernel_busy_ms": round(busy, 4)}
+    except Exception as exc:
+        return {"kernel_busy_error": describe_error(exc)}
+    finally:
+        release(built)
+        del built
+        free_memory()
+
+
+def profile_all(shapes: list[Shape], report: dict) -> None:
+    for shape in shapes:
+        for model, res in report["configs"][shape.name]["models"].items():
+            for variant, entry in res["variants"].items():
+                if "ms" in entry:
+                    entry.update(profile_variant(variant, model, shape))
+            summarize_model(res, shape)
+
+
+# ---- report and CLI ------------------------------------------------------------------
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    p.add_argument("--iters", type=int, help="timed steps per repeat (default: per config)")
-    p.add_argument("--repeats", type=int, help="repeats, median taken (default: per config)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="eager always runs (the reference)",
+    )
+    p.add_argument("--iters", type=int, help="steps per sample (default: per config)")
+    p.add_argument("--repeats", type=int, help="interleaved rounds (default: per config)")
     p.add_argument("--skip-kernel-busy", action="store_true")
     add_common_arguments(p)
     return p.parse_args(argv)
+
+
+def settings(models: list[str], variants: list[str]) -> dict:
+    return {
+        "models": models,
+        "variants": variants,
+        "regime": f"{REGIME}: forward + backward, no optimizer; every .grad zeroed once, "
+        "every step adds into it",
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "attn_implementation": ATTN,
+        "warmup": WARMUP_STEPS,
+        "step_time": "interleaved_samples_ms: per round each variant once, in a shuffled "
+        f"order (seed {SHUFFLE_SEED}); a sample is the mean wall time of iters steps; "
+        "GC off and frozen in rounds; summarize: median, min, max over rounds; ratios "
+        "of medians",
+        "kernel_busy": f"each variant's own: kernel_busy_ms(iters={KERNEL_BUSY_ITERS}, "
+        f"warmup={KERNEL_BUSY_WARMUP}) on a fresh build, after every wall-clock timing of "
+        "the run",
+        "check": f"{CHECK_STEPS} step from zeroed grads: loss and every gradient vs eager",
+        "loss_rel_tol": LOSS_REL_TOL,
+        "grad_rel_tol": GRAD_REL_TOL,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,17 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = ["eager", *(v for v in VARIANTS if v in args.variants and v != "eager")]
     report = environment(NAME, args.commit, args.run_label)
     report["transformers"] = transformers.__version__
-    report["settings"] = {
-        "models": args.models,
-        "variants": variants,
-        "dtype": str(DTYPE).removeprefix("torch."),
-        "attn_implementation": ATTN,
-        "warmup": WARMUP_STEPS,
-        "step_time": "median over repeats of the mean wall time of iters steps",
-        "kernel_busy": "kernel_busy_ms defaults of the eager step, after all timings",
-        "loss_rel_tol": LOSS_REL_TOL,
-        "grad_rel_tol": GRAD_REL_TOL,
-    }
+    report["settings"] = settings(args.models, variants)
     report["configs"] = {
         s.name: {
             "settings": asdict(s),
@@ -452,11 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     # Written once before the profiler too, so a crash there keeps the timings.
     write_report(NAME, report, args.out, final=False)
     if not args.skip_kernel_busy:
-        for shape in shapes:
-            for model, res in report["configs"][shape.name]["models"].items():
-                res["variants"]["kernel_busy"] = measure_kernel_busy(model, shape)
-                summarize(res, shape)
-                free_memory()
+        profiling = time.perf_counter()
+        profile_all(shapes, report)
+        report["kernel_busy_elapsed_s"] = round(time.perf_counter() - profiling, 1)
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     write_report(NAME, report, args.out, final=True)
     failed = failures(report)

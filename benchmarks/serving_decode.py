@@ -1,50 +1,91 @@
-"""Serving decode benchmark: one decode step of a 16-layer Llama-like decoder, eager vs
-a raw CUDA graph per batch size vs ``GraphRunner`` (one graph per bucket, shared pool).
+"""Serving decode benchmark: one decode step of a Llama-like decoder through
+``GraphRunner``, against eager and hand-captured CUDA graphs, in two regimes and two
+ways of driving the steps.
 
-The model is ``cudagraphs.models.TinyDecoder`` (vocab 32000, hidden 2048, 16 heads, 4
-KV heads, FFN 5632, 16 layers, static KV cache of 64 slots x ``max_seq`` positions) in
-bf16, eval mode, everything under ``torch.no_grad()``. A decode step is one forward
-of random tokens with every row at the same position (128 by default):
-``model(tokens[b], positions[b]) -> logits[b, 32000]``.
+Configs (``cudagraphs.models.TinyDecoder`` in bf16, eval mode, under
+``torch.no_grad()``, a static KV cache of 64 slots x 256 positions; every row decodes
+random tokens at position 128):
 
-For every batch size (1, 8, 32, and the padded sizes 5 and 20, which replay on the
-runner's buckets 8 and 32), in one process:
+* ``launch_bound``: vocab 4096 (small on purpose: the head matmul stays tiny), hidden
+  256, 4 heads, 2 KV heads, FFN 704, 2 layers. A step is a few dozen tiny kernels, so
+  the host work around the replay is what differs between variants.
+* ``default``: vocab 32000, hidden 2048, 16 heads, 4 KV heads, FFN 5632, 16 layers.
+
+Modes:
+
+* ``throughput``: ``iters`` steps back to back, one sync at the end (host work can
+  hide behind the GPU queue).
+* ``latency``: every step reads its result back, ``logits.argmax(-1).cpu()``, as a
+  decode loop does before the next step: nothing hides the host work. Every variant
+  does the same read-back.
+
+Batch sizes 1, 8, 32 and the padded sizes 5 and 20 (the runner's buckets 8 and 32).
+Variants per batch size ``b`` (all built first, then timed in shuffled interleaved
+rounds per mode, :func:`cudagraphs.timing.interleaved_samples_ms`, no GC inside a round):
 
 * ``eager``: ``model(tokens, positions)``.
-* ``raw_cuda_graph``: a hand-captured ``torch.cuda.CUDAGraph`` over static
-  tokens/positions of exactly that batch size (warmup on a side stream, capture in its
-  own pool); a step is two ``copy_`` and ``graph.replay()``. The launch-free reference.
-* ``runner``: ``GraphRunner`` with the default buckets (1, 2, 4, 8, 16, 32, 64),
-  captured once; a step is ``runner.run({"tokens": t, "positions": p})`` (validation,
-  one fused copy, padding fill, replay, borrowed views of the real rows).
-* ``kernel_busy``: profiler kernel-busy time of the eager step (the physical floor),
-  measured after every wall-clock timing, because CUPTI can stay attached after
-  profiling and slow later launches (pytorch/pytorch#144455).
-* ``torch_compile_reduce_overhead`` (``--with-compile`` only, batch 1):
-  ``torch.compile(model, mode="reduce-overhead")``.
+* ``raw_cuda_graph``: a hand-captured ``torch.cuda.CUDAGraph`` at exactly ``b`` rows
+  (side-stream warmup, own pool); a step is two ``copy_`` and ``replay()``.
+* ``raw_cuda_graph_at_bucket`` (padded sizes only): a hand-captured graph at the
+  runner's bucket; a step copies the ``b`` rows, zeroes the padding rows (one
+  ``_foreach_zero_``), replays and slices the logits: the runner's GPU work without
+  the runner.
+* ``runner``: ``GraphRunner.run({"tokens": t, "positions": p})``, default buckets 1, 2,
+  4, ..., 64 captured once per config into one pool.
+* ``torch_compile_reduce_overhead`` (``--with-compile``, batch 1 only).
 
-Eager, raw graph and runner of one batch size are timed in alternating rounds, so a
-drift of the GPU clock hits them alike. The runner's capture time (all 7 buckets) and
-pool (``torch.cuda.memory_reserved`` delta across ``capture``, with ``empty_cache``
-before and after) are compared with a runner of the largest bucket (64) alone.
+Also recorded, after the wall-clock rounds: host time per call (µs, median over
+``--host-calls`` latency-mode calls, variants interleaved per call; ``perf_counter``
+around ``runner.run()`` or the raw step alone, the read-back outside it); and, after
+everything else (CUPTI may stay attached and slow later launches,
+pytorch/pytorch#144455), each variant's own kernel-busy time per latency-mode step
+(:func:`cudagraphs.timing.kernel_busy_ms`; the runner at 20 rows runs the bucket-32
+graph, so its floor is not raw-at-20's).
 
-Before timing, each batch size is checked once: with the KV cache zeroed before each
-run, the runner's logits rows (and the raw graph's) are compared with eager's.
+Targets (``None`` when not measured; a failing target stays false):
 
-Prints one JSON object; ``--out`` also writes it. Without a CUDA device it says so on
-stderr and exits 0 (2 with ``--require-gpu``). Exits 1 after printing when eager, the
-raw graph or the runner failed, or when the runner's logits were off by more than the
-tolerance.
+* ``runner_latency_overhead_le_15us`` (``_bs1``, ``_bs8``): launch_bound, latency mode:
+  runner median minus raw graph median at the same batch size <= 15 µs. 15 µs is
+  what a step's validation, staging, padding, bucket choice and output views may cost
+  on the host (single digits) plus the one fused copy launch.
+* ``runner_padded_{5,20}_le_1.10x_raw_{5,20}``: default config, latency mode: the
+  runner at the padded size (it replays bucket 8 or 32) over the raw graph at exactly
+  that size. At 16 layers x hidden 2048 a step streams ~1.7 GB of weights; GEMMs of 20
+  and 32 rows are both weight-bandwidth bound, so the bigger bucket costs a few percent
+  of GPU time at most, and the runner's host work (<= 15 µs) is ~1% of a step. 10%
+  leaves room for that, for a different GEMM tile choice, and for the padding fill.
+* ``launch_bound_runner_padded_{5,20}_overhead_le_15us_raw_at_bucket``: launch_bound,
+  latency mode: the runner at the padded size minus the raw graph at its bucket
+  serving the same rows (same GPU program, same copies) <= 15 µs, the host budget of
+  the first target. Against raw at the exact size the launch-bound step's GPU work
+  changes too, so that ratio is reported, not targeted.
+* ``pool_all_buckets_le_1.3x_largest_alone``: default config: the 7-bucket pool over
+  the pool of a runner of bucket 64 alone.
+
+Correctness, before timing, per config and batch size, each from a zeroed KV cache:
+the runner's, the raw graph's and the raw-at-bucket graph's logits against eager's
+(``within_tol``: max abs diff <= 5e-2 x eager's max |logit|); padded sizes also against
+eager on the batch padded as the runner pads it.
+
+Defaults: 7 rounds; 200 steps per round in launch_bound, 50 in default; 10 warmup steps
+per variant and mode; 100 host-time calls per variant. About 100 s on an H200.
+
+Prints one JSON object; ``--out`` also writes it (once more before the profiler runs).
+Without a CUDA device it says so on stderr and exits 0 (2 with ``--require-gpu``).
+Exits 1 after printing when a variant other than torch.compile failed, or a check was
+outside the tolerance.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +105,12 @@ from _report import (  # noqa: E402
 )
 from cudagraphs.models import DecoderConfig, TinyDecoder  # noqa: E402
 from cudagraphs.serving import BucketConfig, GraphRunner, InputSpec  # noqa: E402
-from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
+from cudagraphs.timing import (  # noqa: E402
+    interleaved_samples_ms,
+    kernel_busy_ms,
+    quiet_gc,
+    summarize,
+)
 
 NAME = "serving_decode"
 DEVICE = "cuda"
@@ -72,46 +118,41 @@ DTYPE = torch.bfloat16
 MODEL_SEED = 0
 INPUT_SEED = 1234
 MAX_BATCH = 64
+MAX_SEQ = 256
+POSITION = 128
 BATCH_SIZES = (1, 8, 32)
 PADDED = (5, 20)
-POSITION = 128
-MAX_SEQ = 256
-LAYERS = 16
-ITERS, REPEATS, ROUNDS = 100, 5, 3
-WARMUP_STEPS = 10  # per step_time_ms call
-RAW_WARMUP = 3  # side-stream warmup runs before the raw capture
+CONFIGS = {
+    "launch_bound": DecoderConfig(
+        vocab=4096, hidden=256, heads=4, kv_heads=2, ffn=704, layers=2, max_seq=MAX_SEQ
+    ),
+    "default": DecoderConfig(
+        vocab=32000, hidden=2048, heads=16, kv_heads=4, ffn=5632, layers=16, max_seq=MAX_SEQ
+    ),
+}
+ITERS = {"launch_bound": 200, "default": 50}
+ROUNDS, WARMUP_STEPS, HOST_CALLS = 7, 10, 100
+RAW_WARMUP = 3  # side-stream warmup runs before a raw capture
 CHECK_REL_TOL = 5e-2  # of eager's max |logit|: other kernels at another shape (padding)
-TARGET_RATIO = 1.05  # runner <= 1.05 x raw graph; padded <= 1.05 x its bucket
-TARGET_POOL_RATIO = 1.3  # all-bucket pool <= 1.3 x the largest bucket's alone
+LATENCY_OVERHEAD_US = 15.0
+PADDED_RATIO = 1.10
+POOL_RATIO = 1.3
 
-EAGER, RAW, RUNNER = "eager", "raw_cuda_graph", "runner"
-COMPILE_VARIANT = "torch_compile_reduce_overhead"
-TIMED = (EAGER, RAW, RUNNER)
-
-
-def model_config(args: argparse.Namespace) -> DecoderConfig:
-    return DecoderConfig(
-        vocab=32000,
-        hidden=2048,
-        heads=16,
-        kv_heads=4,
-        ffn=5632,
-        layers=args.layers,
-        max_seq=args.max_seq,
-        max_batch=MAX_BATCH,
-    )
-
-
-# ---- helpers -----------------------------------------------------------------------
+EAGER, RAW, RAW_BUCKET, RUNNER = "eager", "raw_cuda_graph", "raw_cuda_graph_at_bucket", "runner"
+COMPILE = "torch_compile_reduce_overhead"
+MODES = ("throughput", "latency")
+HOST_TIMED = (RAW, RAW_BUCKET, RUNNER)
 
 
 def log(msg: str) -> None:
     print(f"{NAME}: {msg}", file=sys.stderr, flush=True)
 
 
+# ---- model and inputs ----------------------------------------------------------------
+
+
 def build_model(cfg: DecoderConfig) -> TinyDecoder:
-    """Random weights from ``MODEL_SEED``, made on the GPU (a CPU init of ~850M
-    parameters takes long), then cast to bf16 (KV cache included)."""
+    """Random weights from ``MODEL_SEED``, made on the GPU, cast to bf16 (KV cache too)."""
     with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
         torch.manual_seed(MODEL_SEED)
         with torch.device(DEVICE):
@@ -124,10 +165,10 @@ def reset_cache(model: TinyDecoder) -> None:
     model.v_cache.zero_()
 
 
-def make_inputs(cfg: DecoderConfig, batch: int, position: int, seed: int) -> dict:
+def make_inputs(cfg: DecoderConfig, batch: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab, (batch,), generator=gen, device=DEVICE)
-    positions = torch.full((batch,), position, dtype=torch.long, device=DEVICE)
+    positions = torch.full((batch,), POSITION, dtype=torch.long, device=DEVICE)
     return {"tokens": tokens, "positions": positions}
 
 
@@ -143,56 +184,53 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
     }
 
 
-def reference_logits(model: TinyDecoder, step: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``step()``'s logits from a zeroed KV cache (owned copy)."""
+def logits_from_zero_cache(model: TinyDecoder, step: Callable[[], torch.Tensor]) -> torch.Tensor:
     reset_cache(model)
     out = step().clone()
     torch.cuda.synchronize()
     return out
 
 
-# ---- variants ----------------------------------------------------------------------
+def read_back(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """The latency-mode step: the next tokens reach the host before the step returns."""
+    return lambda: step().argmax(-1).cpu()
 
 
-def decode_runner(
-    model: TinyDecoder, cfg: DecoderConfig, config: BucketConfig, position: int
-) -> tuple[GraphRunner, dict]:
-    """A captured ``GraphRunner`` over the model, and its capture time and pool bytes."""
+# ---- variants ------------------------------------------------------------------------
+
+
+def capture_runner(model: TinyDecoder, cfg: DecoderConfig, config: BucketConfig) -> tuple:
+    """A captured runner over the model, with its capture time and pool bytes."""
 
     def forward(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return model(tokens, positions)
 
-    largest = config.largest.rows
+    rows = config.largest.rows
     specs = [
-        InputSpec("tokens", (largest,), torch.long),
+        InputSpec("tokens", (rows,), torch.long),
         # Padding rows decode token 0 at position 0 in their own cache slots.
-        InputSpec("positions", (largest,), torch.long, pad_value=0),
+        InputSpec("positions", (rows,), torch.long, pad_value=0),
     ]
     runner = GraphRunner(forward, specs, config, device=DEVICE)
     free_memory()
     reserved0 = torch.cuda.memory_reserved()
-    allocated0 = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
-    runner.capture(lambda b: make_inputs(cfg, b.rows, position, INPUT_SEED + b.rows))
+    runner.capture(lambda b: make_inputs(cfg, b.rows, INPUT_SEED + b.rows))
     torch.cuda.synchronize()
     capture_s = time.perf_counter() - t0
     free_memory()
-    info = {
+    stats = runner.stats()
+    return runner, {
         "buckets": [b.batch_size for b in config.buckets()],
         "capture_s": round(capture_s, 3),
         "pool_bytes": torch.cuda.memory_reserved() - reserved0,
-        "allocated_delta_bytes": torch.cuda.memory_allocated() - allocated0,
-        "static_input_bytes": runner.static.nbytes if runner.static is not None else None,
-        "captured": runner.stats()["captured"],
-        "dropped": runner.stats()["dropped"],
+        "captured": stats["captured"],
+        "dropped": stats["dropped"],
     }
-    return runner, info
 
 
-def raw_graph(model: TinyDecoder, inputs: dict) -> tuple[Callable[[], torch.Tensor], Callable]:
-    """A hand-captured graph of exactly this batch size (the PyTorch notes' recipe):
-    returns the step (copy inputs, replay, the static logits) and the release."""
-    static = {k: v.clone() for k, v in inputs.items()}
+def capture_raw(model: TinyDecoder, static: dict) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """The PyTorch notes' recipe: warm up on a side stream, then capture (own pool)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -203,307 +241,460 @@ def raw_graph(model: TinyDecoder, inputs: dict) -> tuple[Callable[[], torch.Tens
     with torch.cuda.graph(graph):
         logits = model(static["tokens"], static["positions"])
     torch.cuda.synchronize()
-    tokens, positions = inputs["tokens"], inputs["positions"]
+    return graph, logits
+
+
+def raw_exact(model: TinyDecoder, inputs: dict) -> tuple[Callable[[], torch.Tensor], Callable]:
+    """A graph of exactly the batch's rows; the step copies the inputs and replays."""
+    static = {k: v.clone() for k, v in inputs.items()}
+    graph, logits = capture_raw(model, static)
+    pairs = [(static[k], v) for k, v in inputs.items()]
 
     def step() -> torch.Tensor:
-        static["tokens"].copy_(tokens)
-        static["positions"].copy_(positions)
+        for dst, src in pairs:
+            dst.copy_(src)
         graph.replay()
         return logits
 
     return step, graph.reset
 
 
-# ---- per batch size ----------------------------------------------------------------
+def raw_at_bucket(
+    model: TinyDecoder, inputs: dict, bucket_rows: int
+) -> tuple[Callable[[], torch.Tensor], Callable]:
+    """A graph at the runner's bucket serving the batch's rows: copy them, zero the
+    padding rows (token 0 at position 0, as the runner pads), replay, slice."""
+    rows = next(iter(inputs.values())).shape[0]
+    static = {k: torch.zeros(bucket_rows, dtype=v.dtype, device=DEVICE) for k, v in inputs.items()}
+    for k, v in inputs.items():
+        static[k][:rows].copy_(v)
+    graph, logits = capture_raw(model, static)
+    pairs = [(static[k][:rows], v) for k, v in inputs.items()]
+    pads = [s[rows:] for s in static.values()]
+
+    def step() -> torch.Tensor:
+        for dst, src in pairs:
+            dst.copy_(src)
+        torch._foreach_zero_(pads)
+        graph.replay()
+        return logits[:rows]
+
+    return step, graph.reset
 
 
-def check_batch(
-    model: TinyDecoder,
-    runner: GraphRunner,
-    raw_step: Callable[[], torch.Tensor] | None,
-    inputs: dict,
-    batch: int,
-    bucket_rows: int | None,
-) -> dict:
-    """Runner (and raw graph) logits vs eager's, each from a zeroed KV cache. A padded
-    batch is also compared with eager on the batch padded as the runner pads it."""
-    tokens, positions = inputs["tokens"], inputs["positions"]
-    want = reference_logits(model, lambda: model(tokens, positions))
-    got = reference_logits(model, lambda: runner.run(inputs))
-    out = {"runner_vs_eager": compare(got, want)}
-    if raw_step is not None:
-        out["raw_vs_eager"] = compare(reference_logits(model, raw_step), want)
-    if bucket_rows is not None and bucket_rows > batch:
-        pad = bucket_rows - batch
-        padded_t = torch.cat([tokens, tokens.new_zeros(pad)])
-        padded_p = torch.cat([positions, positions.new_zeros(pad)])
-        want_padded = reference_logits(model, lambda: model(padded_t, padded_p)[:batch])
-        out["runner_vs_eager_padded_to_bucket"] = compare(got, want_padded)
-    reset_cache(model)
-    return out
-
-
-def measure_batch(
-    model: TinyDecoder,
-    cfg: DecoderConfig,
-    runner: GraphRunner,
-    batch: int,
-    args: argparse.Namespace,
-) -> dict:
-    """Check, then time eager / raw graph / runner of one batch size in rounds."""
-    log(f"batch {batch}")
-    inputs = make_inputs(cfg, batch, args.position, INPUT_SEED + 1000 + batch)
-    bucket = runner.select(batch)
-    result: dict = {"bucket": bucket.batch_size if bucket is not None else None}
-    steps: dict[str, Callable[[], object]] = {
-        EAGER: lambda: model(inputs["tokens"], inputs["positions"]),
-        RUNNER: lambda: runner.run(inputs),
-    }
-    release = None
-    try:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        raw_step, release = raw_graph(model, inputs)
-        result["raw_setup_s"] = round(time.perf_counter() - t0, 3)
-        steps[RAW] = raw_step
-    except Exception as exc:
-        result[RAW] = describe_error(exc)
-        raw_step = None
-    try:
-        result["check"] = check_batch(
-            model, runner, raw_step, inputs, batch, bucket.rows if bucket else None
-        )
-    except Exception as exc:
-        result["check"] = describe_error(exc)
-    rounds: dict[str, list[float]] = {name: [] for name in steps}
-    errors: dict[str, dict] = {}
-    for _ in range(args.rounds):
-        for name in TIMED:
-            if name not in steps or name in errors:
-                continue
-            try:
-                ms = step_time_ms(
-                    steps[name], iters=args.iters, warmup=WARMUP_STEPS, repeats=args.repeats
-                )
-                rounds[name].append(ms)
-            except Exception as exc:
-                errors[name] = describe_error(exc)
-    if release is not None:
-        release()
-    reset_cache(model)
-    result["ms"] = {
-        n: statistics.median(rounds[n]) for n in TIMED if rounds.get(n) and n not in errors
-    }
-    result["rounds_ms"] = {n: rounds[n] for n in TIMED if rounds.get(n)}
-    result.update(errors)
-    return result
-
-
-# ---- optional torch.compile --------------------------------------------------------
-
-
-def measure_compile(model: TinyDecoder, cfg: DecoderConfig, args: argparse.Namespace) -> dict:
-    """``torch.compile(mode="reduce-overhead")`` at batch 1: setup, check, time."""
-    log(f"{COMPILE_VARIANT} (batch 1)")
-    inputs = make_inputs(cfg, 1, args.position, INPUT_SEED + 1000 + 1)
+def compiled_step(model: TinyDecoder, inputs: dict) -> Callable[[], torch.Tensor]:
     compiled = torch.compile(model, mode="reduce-overhead")
 
     def step() -> torch.Tensor:
         torch.compiler.cudagraph_mark_step_begin()
         return compiled(inputs["tokens"], inputs["positions"])
 
+    for _ in range(3):  # compile, cudagraph-tree warmup, recording
+        step()
+    torch.cuda.synchronize()
+    return step
+
+
+# ---- one batch size ------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """Every variant of one (config, batch size), built before any timing."""
+
+    size: int
+    inputs: dict
+    bucket_rows: int | None
+    steps: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    releases: list[Callable[[], None]] = field(default_factory=list)
+    result: dict = field(default_factory=dict)
+
+
+def build_batch(
+    model: TinyDecoder, cfg: DecoderConfig, runner: GraphRunner, b: int, with_compile: bool
+) -> Batch:
+    inputs = make_inputs(cfg, b, INPUT_SEED + 1000 + b)
+    bucket = runner.select(b)
+    built = Batch(b, inputs, None if bucket is None else bucket.rows)
+    built.result = {"bucket": built.bucket_rows, "setup_s": {}, "errors": {}}
+    built.steps[EAGER] = lambda: model(inputs["tokens"], inputs["positions"])
+    built.steps[RUNNER] = lambda: runner.run(inputs)
+    makers: dict[str, Callable[[], object]] = {RAW: lambda: raw_exact(model, inputs)}
+    if built.bucket_rows is not None and built.bucket_rows > b:
+        makers[RAW_BUCKET] = lambda: raw_at_bucket(model, inputs, built.bucket_rows)
+    if with_compile and b == 1:
+        makers[COMPILE] = lambda: (compiled_step(model, inputs), None)
+    for name, make in makers.items():
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step, release = make()
+            built.result["setup_s"][name] = round(time.perf_counter() - t0, 3)
+            built.steps[name] = step
+            if release is not None:
+                built.releases.append(release)
+        except Exception as exc:
+            built.result["errors"][name] = describe_error(exc)
+    return built
+
+
+def check_batch(model: TinyDecoder, built: Batch) -> dict:
+    """Every graphed variant's logits against eager's, each from a zeroed KV cache."""
+    tokens, positions = built.inputs["tokens"], built.inputs["positions"]
+    want = logits_from_zero_cache(model, lambda: model(tokens, positions))
+    out = {}
+    for name, step in built.steps.items():
+        if name != EAGER:
+            out[f"{name}_vs_eager"] = compare(logits_from_zero_cache(model, step), want)
+    if built.bucket_rows is not None and built.bucket_rows > built.size:
+        pad = built.bucket_rows - built.size
+        padded_t = torch.cat([tokens, tokens.new_zeros(pad)])
+        padded_p = torch.cat([positions, positions.new_zeros(pad)])
+        want_padded = logits_from_zero_cache(model, lambda: model(padded_t, padded_p)[: built.size])
+        got = logits_from_zero_cache(model, built.steps[RUNNER])
+        out["runner_vs_eager_padded_to_bucket"] = compare(got, want_padded)
+    reset_cache(model)
+    return out
+
+
+def time_batch(built: Batch, iters: int, rounds: int) -> None:
+    """Wall-clock time of every variant, per mode, in shuffled interleaved rounds."""
+    built.result["modes"] = {}
+    for mode in MODES:
+        steps = (
+            built.steps
+            if mode == "throughput"
+            else {name: read_back(step) for name, step in built.steps.items()}
+        )
+        try:
+            samples = interleaved_samples_ms(
+                steps,
+                iters=iters,
+                warmup=WARMUP_STEPS,
+                repeats=rounds,
+                shuffle_seed=built.size * 10 + len(mode),
+            )
+            built.result["modes"][mode] = {n: summarize(s, digits=5) for n, s in samples.items()}
+        except Exception as exc:
+            built.result["errors"][f"timing_{mode}"] = describe_error(exc)
+
+
+def host_times(built: Batch, calls: int) -> None:
+    """Host µs per call of the runner and the raw steps, latency mode: the GPU is idle
+    when each call starts, the read-back (a sync) follows outside the timed span."""
+    names = [n for n in HOST_TIMED if n in built.steps]
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    rng = random.Random(built.size)
+    with quiet_gc():
+        for _ in range(calls):
+            rng.shuffle(names)
+            for name in names:
+                step = built.steps[name]
+                t0 = time.perf_counter_ns()
+                out = step()
+                t1 = time.perf_counter_ns()
+                out.argmax(-1).cpu()
+                samples[name].append((t1 - t0) / 1e3)
+    built.result["host_us_per_call"] = {
+        n: {
+            "median": round(statistics.median(s), 2),
+            "min": round(min(s), 2),
+            "max": round(max(s), 2),
+            "calls": len(s),
+        }
+        for n, s in samples.items()
+        if s
+    }
+
+
+def kernel_busy(built: Batch) -> None:
+    """Each variant's own kernel-busy time per latency-mode step (the profiler, last)."""
+    busy: dict[str, float | dict] = {}
+    for name, step in built.steps.items():
+        try:
+            busy[name] = round(kernel_busy_ms(read_back(step)), 5)
+        except Exception as exc:
+            busy[name] = describe_error(exc)
+    built.result["kernel_busy_ms"] = busy
+
+
+# ---- one config ----------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    """A config's model, runner and batches, kept alive until the profiler is done."""
+
+    name: str
+    model: TinyDecoder
+    runner: GraphRunner | None
+    batches: list[Batch]
+    result: dict
+
+    def release(self) -> None:
+        for built in self.batches:
+            for release in built.releases:
+                release()
+        if self.runner is not None:
+            self.runner.close()
+
+
+def setup_config(name: str, args: argparse.Namespace, sizes: list[int]) -> Config:
+    """Model, runner (and, for ``default``, a runner of the largest bucket alone for
+    the pool comparison), then every variant of every batch size, checked."""
+    cfg = CONFIGS[name]
+    log(f"{name}: build")
+    t0 = time.perf_counter()
+    model = build_model(cfg)
+    # One eager step at the largest batch first: one-time costs (cuBLAS handles and
+    # workspace, lazy inits) then fall on no capture.
+    model(**make_inputs(cfg, MAX_BATCH, INPUT_SEED))
+    reset_cache(model)
+    result: dict = {
+        "model": {
+            **dataclasses.asdict(cfg),
+            "build_s": round(time.perf_counter() - t0, 3),
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        },
+        "iters": args.iters or ITERS[name],
+        "batches": {},
+    }
+    config = Config(name, model, None, [], result)
     try:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(3):  # compile, cudagraph-tree warmup, recording
-            step()
-        torch.cuda.synchronize()
-        out: dict = {"setup_s": round(time.perf_counter() - t0, 3)}
-        want = reference_logits(model, lambda: model(inputs["tokens"], inputs["positions"]))
-        out["check_vs_eager"] = compare(reference_logits(model, step), want)
-        out["ms"] = step_time_ms(step, iters=args.iters, warmup=WARMUP_STEPS, repeats=args.repeats)
-        return out
+        config.runner, result["runner"] = capture_runner(model, cfg, BucketConfig())
     except Exception as exc:
-        return describe_error(exc)
-    finally:
-        reset_cache(model)
-        torch.compiler.reset()
+        result["runner"] = describe_error(exc)
+        return config
+    if name == "default":
+        try:
+            alone, result["runner_largest_alone"] = capture_runner(
+                model, cfg, BucketConfig(batch_sizes=(MAX_BATCH,))
+            )
+            alone.close()
+        except Exception as exc:
+            result["runner_largest_alone"] = describe_error(exc)
+        free_memory()
+    for b in sizes:
+        log(f"{name}: batch {b}: build and check")
+        built = build_batch(model, cfg, config.runner, b, args.with_compile)
+        try:
+            built.result["check"] = check_batch(model, built)
+        except Exception as exc:
+            built.result["check"] = describe_error(exc)
+        result["batches"][str(b)] = built.result
+        config.batches.append(built)
+    return config
 
 
-# ---- report ------------------------------------------------------------------------
+def time_config(config: Config, args: argparse.Namespace) -> None:
+    for built in config.batches:
+        log(f"{config.name}: batch {built.size}: timing")
+        time_batch(built, config.result["iters"], args.rounds)
+        try:
+            host_times(built, args.host_calls)
+        except Exception as exc:
+            built.result["errors"]["host_times"] = describe_error(exc)
+        reset_cache(config.model)
+    if config.runner is not None:
+        config.result["runner"]["stats_after_timing"] = config.runner.stats()
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
+# ---- ratios and targets (pure: tested on the CPU) ------------------------------------
+
+
+def _median(batch: dict, mode: str, variant: str) -> float | None:
+    return batch.get("modes", {}).get(mode, {}).get(variant, {}).get("median")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
 
-def summarize(report: dict, batch_sizes: list[int], padded: list[int]) -> None:
-    batches = report.get("batches", {})
+def _minus_us(a: float | None, b: float | None) -> float | None:
+    return round((a - b) * 1e3, 2) if a is not None and b is not None else None
 
-    def ms(variant: str, b: int | None) -> float | None:
-        return batches.get(str(b), {}).get("ms", {}).get(variant)
 
-    report["ms"] = {
-        v: {b: r["ms"][v] for b, r in batches.items() if v in r.get("ms", {})} for v in TIMED
-    }
-    ratios: dict[str, dict] = {
-        f"{RUNNER}/{RAW}": {},
-        f"{RUNNER}/{EAGER}": {},
-        f"{RAW}/{EAGER}": {},
-        "padded_runner/bucket_runner": {},
-    }
-    for b in batches:
-        bi = int(b)
-        ratios[f"{RUNNER}/{RAW}"][b] = ratio(ms(RUNNER, bi), ms(RAW, bi))
-        ratios[f"{RUNNER}/{EAGER}"][b] = ratio(ms(RUNNER, bi), ms(EAGER, bi))
-        ratios[f"{RAW}/{EAGER}"][b] = ratio(ms(RAW, bi), ms(EAGER, bi))
-    targets: dict[str, bool | None] = {}
-    for b in batch_sizes:
-        r = ratios[f"{RUNNER}/{RAW}"].get(str(b))
-        targets[f"runner_le_{TARGET_RATIO}x_raw_bs{b}"] = None if r is None else r <= TARGET_RATIO
-    for p in padded:
-        bucket = batches.get(str(p), {}).get("bucket")
-        r = ratio(ms(RUNNER, p), ms(RUNNER, bucket))
-        ratios["padded_runner/bucket_runner"][f"{p}->{bucket}"] = r
-        key = f"padded_bs{p}_le_{TARGET_RATIO}x_bucket_bs{bucket}"
-        targets[key] = None if r is None else r <= TARGET_RATIO
-    setup = report.get("setup", {})
-    all_pool = setup.get("runner", {}).get("pool_bytes")
-    alone_pool = setup.get("runner_largest_alone", {}).get("pool_bytes")
-    pool_ratio = ratio(all_pool, alone_pool)
-    ratios["pool_all_buckets/pool_largest_alone"] = pool_ratio
-    ratios["capture_s_all_buckets/capture_s_largest_alone"] = ratio(
-        setup.get("runner", {}).get("capture_s"),
-        setup.get("runner_largest_alone", {}).get("capture_s"),
-    )
-    targets[f"pool_all_buckets_le_{TARGET_POOL_RATIO}x_largest_alone"] = (
-        None if pool_ratio is None else pool_ratio <= TARGET_POOL_RATIO
-    )
-    busy = report.get("kernel_busy", {})
-    for variant in TIMED:
-        ratios[f"{variant}/kernel_busy"] = {
-            b: ratio(ms(variant, int(b)), busy.get(b, {}).get("ms")) for b in batches
+def batch_ratios(batch: dict) -> dict:
+    """Per mode: the runner against each baseline (same batch size, same mode, timed in
+    the same interleaved rounds), and each variant over its own kernel-busy floor."""
+    busy = batch.get("kernel_busy_ms", {})
+    out: dict = {}
+    for mode in MODES:
+        runner, raw = _median(batch, mode, RUNNER), _median(batch, mode, RAW)
+        at_bucket, eager = _median(batch, mode, RAW_BUCKET), _median(batch, mode, EAGER)
+        r = {
+            "runner_minus_raw_us": _minus_us(runner, raw),
+            f"{RUNNER}/{RAW}": _ratio(runner, raw),
+            f"{RUNNER}/{EAGER}": _ratio(runner, eager),
+            f"{RAW}/{EAGER}": _ratio(raw, eager),
         }
-    report["ratios"] = ratios
-    report["targets"] = targets
+        if at_bucket is not None:
+            r["runner_minus_raw_at_bucket_us"] = _minus_us(runner, at_bucket)
+            r[f"{RUNNER}/{RAW_BUCKET}"] = _ratio(runner, at_bucket)
+            r[f"{RAW_BUCKET}/{RAW}"] = _ratio(at_bucket, raw)
+        for variant in batch.get("modes", {}).get(mode, {}):
+            floor = busy.get(variant)
+            if isinstance(floor, (int, float)):
+                r[f"{variant}/kernel_busy({variant})"] = _ratio(
+                    _median(batch, mode, variant), floor
+                )
+        out[mode] = r
+    return out
+
+
+def compute_targets(configs: dict, latency_batches=(1, 8), padded=PADDED) -> dict:
+    """The targets from the configs' results (``None``: not measured)."""
+
+    def batch(config: str, b: int) -> dict:
+        return configs.get(config, {}).get("batches", {}).get(str(b), {})
+
+    def at_most(value: float | None, limit: float) -> bool | None:
+        return None if value is None else value <= limit
+
+    targets: dict[str, bool | None] = {}
+    name = f"runner_latency_overhead_le_{LATENCY_OVERHEAD_US:g}us"
+    for b in latency_batches:
+        bb = batch("launch_bound", b)
+        over = _minus_us(_median(bb, "latency", RUNNER), _median(bb, "latency", RAW))
+        targets[f"{name}_bs{b}"] = at_most(over, LATENCY_OVERHEAD_US)
+    each = [targets[f"{name}_bs{b}"] for b in latency_batches]
+    targets[name] = None if None in each else all(each)
+    for p in padded:
+        bb = batch("default", p)
+        r = _ratio(_median(bb, "latency", RUNNER), _median(bb, "latency", RAW))
+        targets[f"runner_padded_{p}_le_{PADDED_RATIO:.2f}x_raw_{p}"] = at_most(r, PADDED_RATIO)
+        bb = batch("launch_bound", p)
+        over = _minus_us(_median(bb, "latency", RUNNER), _median(bb, "latency", RAW_BUCKET))
+        key = f"launch_bound_runner_padded_{p}_overhead_le_{LATENCY_OVERHEAD_US:g}us_raw_at_bucket"
+        targets[key] = at_most(over, LATENCY_OVERHEAD_US)
+    default = configs.get("default", {})
+    pool = _ratio(
+        default.get("runner", {}).get("pool_bytes"),
+        default.get("runner_largest_alone", {}).get("pool_bytes"),
+    )
+    targets[f"pool_all_buckets_le_{POOL_RATIO}x_largest_alone"] = at_most(pool, POOL_RATIO)
+    return targets
+
+
+def derive(report: dict, padded=PADDED) -> None:
+    """``ratios`` (config -> batch size -> mode -> name -> value) and ``targets``."""
+    configs = report.get("configs", {})
+    report["ratios"] = {
+        name: {b: batch_ratios(r) for b, r in config.get("batches", {}).items()}
+        for name, config in configs.items()
+    }
+    default = configs.get("default", {})
+    report["ratios"]["pool_all_buckets/pool_largest_alone"] = _ratio(
+        default.get("runner", {}).get("pool_bytes"),
+        default.get("runner_largest_alone", {}).get("pool_bytes"),
+    )
+    report["targets"] = compute_targets(configs, padded=padded)
 
 
 def failures(report: dict) -> list[str]:
-    failed = [f"setup/{k}" for k, v in report.get("setup", {}).items() if "error" in v]
-    for b, r in report.get("batches", {}).items():
-        failed += [f"bs{b}/{v}" for v in TIMED if v in r and "error" in r[v]]
-        check = r.get("check", {})
-        if "error" in check:
-            failed.append(f"bs{b}/check")
-        elif not check.get("runner_vs_eager", {}).get("within_tol", True):
-            failed.append(f"bs{b}: runner logits differ from eager beyond tolerance")
+    """What makes the script exit 1: a failed setup, variant, timing or check (the
+    optional torch.compile variant excepted)."""
+    failed = []
+    for name, config in report.get("configs", {}).items():
+        failed += [
+            f"{name}/{k}"
+            for k in ("runner", "runner_largest_alone")
+            if "error" in config.get(k, {})
+        ]
+        for b, r in config.get("batches", {}).items():
+            failed += [f"{name}/bs{b}/{k}" for k in r.get("errors", {}) if k != COMPILE]
+            check = r.get("check", {})
+            if "error" in check:
+                failed.append(f"{name}/bs{b}/check")
+                continue
+            for k, v in check.items():
+                if not k.startswith(COMPILE) and not v.get("within_tol", True):
+                    failed.append(f"{name}/bs{b}: {k} beyond tolerance")
     return failed
 
 
-# ---- CLI ---------------------------------------------------------------------------
+# ---- CLI -----------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--batch-sizes", nargs="+", type=int, default=list(BATCH_SIZES))
     p.add_argument(
-        "--padded",
-        nargs="+",
-        type=int,
-        default=list(PADDED),
-        help="batch sizes that replay on a larger bucket",
+        "--padded", nargs="+", type=int, default=list(PADDED), help="sizes that pad a bucket"
     )
-    p.add_argument("--iters", type=int, default=ITERS, help="steps per timed window")
-    p.add_argument("--repeats", type=int, default=REPEATS, help="windows per round (median)")
     p.add_argument(
-        "--rounds", type=int, default=ROUNDS, help="alternating rounds of eager/raw/runner (median)"
+        "--iters", type=int, default=None, help=f"steps per round (default per config: {ITERS})"
     )
-    p.add_argument("--layers", type=int, default=LAYERS)
-    p.add_argument("--max-seq", type=int, default=MAX_SEQ)
-    p.add_argument("--position", type=int, default=POSITION, help="decode position of every row")
-    p.add_argument(
-        "--with-compile", action="store_true", help=f"also time {COMPILE_VARIANT} at batch 1 (slow)"
-    )
+    p.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds per mode")
+    p.add_argument("--host-calls", type=int, default=HOST_CALLS, help="host-timed calls")
+    p.add_argument("--with-compile", action="store_true", help=f"also time {COMPILE} at batch 1")
     p.add_argument("--skip-kernel-busy", action="store_true")
     add_common_arguments(p)
     args = p.parse_args(argv)
     sizes = [*args.batch_sizes, *args.padded]
     if any(not 1 <= b <= MAX_BATCH for b in sizes):
         p.error(f"batch sizes must be in 1..{MAX_BATCH}, got {sizes}")
-    if not 0 <= args.position < args.max_seq:
-        p.error(f"--position {args.position} must be in [0, --max-seq {args.max_seq})")
+    if min(args.rounds, args.host_calls, args.iters or 1) < 1:
+        p.error("--iters, --rounds and --host-calls must be >= 1")
     return args
 
 
+def settings(args: argparse.Namespace) -> dict:
+    return {
+        "configs": args.configs,
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "position": POSITION,
+        "batch_sizes": args.batch_sizes,
+        "padded": args.padded,
+        "runner_buckets": list(BucketConfig().batch_sizes),
+        "iters": {name: args.iters or ITERS[name] for name in args.configs},
+        "rounds": args.rounds,
+        "warmup": WARMUP_STEPS,
+        "host_calls": args.host_calls,
+        "modes": {
+            "throughput": "iters steps back to back, one sync at the end",
+            "latency": "every step ends with logits.argmax(-1).cpu() (all variants)",
+        },
+        "step_time": "ms per step; per mode, median and min-max over rounds of "
+        "interleaved_samples_ms (each round: every variant once, shuffled order, "
+        "iters steps, GC off)",
+        "host_us_per_call": "perf_counter_ns around runner.run() or the raw step alone, "
+        "latency mode (GPU idle at the call), variants interleaved per call",
+        "kernel_busy": "kernel_busy_ms (iters=20, warmup=5) of each variant's own "
+        "latency-mode step, after all wall-clock timing; ratios 'X/kernel_busy(X)' use "
+        "X's own floor",
+        "pool_bytes": "torch.cuda.memory_reserved delta across runner.capture, "
+        "empty_cache before and after (default config: all buckets first, then 64 alone)",
+        "check_rel_tol": CHECK_REL_TOL,
+        "with_compile": args.with_compile,
+    }
+
+
 def run_all(report: dict, args: argparse.Namespace) -> None:
-    cfg = model_config(args)
-    setup: dict = {}
-    report["setup"] = setup
-    t0 = time.perf_counter()
-    model = build_model(cfg)
-    with torch.no_grad():
-        # One eager step at the largest batch first: one-time costs (cuBLAS handles
-        # and workspace, lazy inits) then fall on neither runner's capture.
-        model(**make_inputs(cfg, MAX_BATCH, args.position, INPUT_SEED))
-        reset_cache(model)
-        free_memory()
-        setup["model"] = {
-            "build_s": round(time.perf_counter() - t0, 3),
-            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "kv_cache_bytes": 2 * model.k_cache.numel() * model.k_cache.element_size(),
-        }
-
-        log("runner capture, default buckets")
-        try:
-            runner, setup["runner"] = decode_runner(model, cfg, BucketConfig(), args.position)
-        except Exception as exc:
-            setup["runner"] = describe_error(exc)
-            return
-        sizes = set(args.batch_sizes) | set(args.padded)
-        for p in args.padded:  # the bucket a padded batch lands on is timed as well
-            bucket = runner.select(p)
-            if bucket is not None:
-                sizes.add(bucket.batch_size)
-        report["batches"] = {
-            str(b): measure_batch(model, cfg, runner, b, args) for b in sorted(sizes)
-        }
-        setup["runner"]["stats_after_timing"] = runner.stats()
-        runner.close()
-        del runner
-        free_memory()
-
-        log("runner capture, largest bucket alone")
-        try:
-            alone, setup["runner_largest_alone"] = decode_runner(
-                model, cfg, BucketConfig(batch_sizes=(MAX_BATCH,)), args.position
-            )
-            alone.close()
-            del alone
-        except Exception as exc:
-            setup["runner_largest_alone"] = describe_error(exc)
-        reset_cache(model)
-        free_memory()
-
-        if args.with_compile:
-            report["compile"] = {"1": measure_compile(model, cfg, args)}
-            free_memory()
-
-        # Written once before the profiler too, so a crash there keeps the timings.
-        summarize(report, args.batch_sizes, args.padded)
-        write_report(NAME, report, args.out, final=False)
-
-        if not args.skip_kernel_busy:
-            busy: dict[str, dict] = {}
-            for b in sorted(int(k) for k in report["batches"]):
-                log(f"kernel_busy batch {b}")
-                inputs = make_inputs(cfg, b, args.position, INPUT_SEED + 1000 + b)
-                try:
-                    busy[str(b)] = {
-                        "ms": kernel_busy_ms(lambda i=inputs: model(i["tokens"], i["positions"]))
-                    }
-                except Exception as exc:
-                    busy[str(b)] = describe_error(exc)
-            report["kernel_busy"] = busy
+    sizes = sorted(set(args.batch_sizes) | set(args.padded))
+    report["configs"] = {}
+    configs: list[Config] = []
+    try:
+        with torch.no_grad():
+            for name in args.configs:
+                config = setup_config(name, args, sizes)
+                report["configs"][name] = config.result
+                configs.append(config)
+            for config in configs:
+                time_config(config, args)
+            # Written once before the profiler too, so a crash there keeps the timings.
+            derive(report, args.padded)
+            write_report(NAME, report, args.out, final=False)
+            if not args.skip_kernel_busy:
+                for config in configs:
+                    for built in config.batches:
+                        log(f"{config.name}: batch {built.size}: kernel busy")
+                        kernel_busy(built)
+    finally:
+        for config in configs:
+            config.release()
+        torch.compiler.reset()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -513,30 +704,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     started = time.perf_counter()
     report = environment(NAME, args.commit, args.run_label)
-    cfg = model_config(args)
-    report["settings"] = {
-        "model": dataclasses.asdict(cfg),
-        "dtype": str(DTYPE).removeprefix("torch."),
-        "position": args.position,
-        "batch_sizes": args.batch_sizes,
-        "padded": args.padded,
-        "runner_buckets": list(BucketConfig().batch_sizes),
-        "iters": args.iters,
-        "repeats": args.repeats,
-        "rounds": args.rounds,
-        "warmup": WARMUP_STEPS,
-        "step_time": "median over rounds of step_time_ms (median over repeats of the mean "
-        "wall time of iters back-to-back steps); eager, raw graph and runner alternate "
-        "within each round",
-        "kernel_busy": "cudagraphs.timing.kernel_busy_ms defaults (iters=20, warmup=5) of "
-        "the eager step, after all wall-clock timings",
-        "pool_bytes": "torch.cuda.memory_reserved delta across runner.capture, "
-        "empty_cache before and after; the all-bucket runner is captured first",
-        "check_rel_tol": CHECK_REL_TOL,
-        "with_compile": args.with_compile,
-    }
+    report["settings"] = settings(args)
     run_all(report, args)
-    summarize(report, args.batch_sizes, args.padded)
+    derive(report, args.padded)
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     write_report(NAME, report, args.out, final=True)
     failed = failures(report)

@@ -1,47 +1,74 @@
-"""Training-step benchmark: a stack of pre-norm transformer blocks, forward + backward.
+"""Training-step benchmark: a stack of pre-norm transformer blocks, in two regimes.
 
-For each config, in one process, every variant gets its own freshly made stack (same
-seed) and its own input (same seed), and runs the same per-step Python:
+Eight blocks in bf16; the loss is ``out.float().pow(2).mean()``. Two regimes, each
+stated beside every figure (``configs[cfg]["regimes"][regime]``):
 
-    out = forward(x); out.float().pow(2).mean().backward()
+* ``accumulate``: forward + backward, no optimizer. Every ``.grad`` is zeroed once
+  before graphing and each step adds into it: an in-place add per parameter outside
+  the graphs unless a variant accumulates inside its graph. Today's regime, kept so
+  its numbers stay comparable.
+* ``set_to_none``: the step users run: forward, backward, ``optimizer.step()`` of
+  ``torch.optim.AdamW(foreach=True, lr=1e-3)``, ``optimizer.zero_grad(set_to_none=True)``.
+  No add kernel per parameter; a ``.grad`` handed out by a graph is the step's own.
 
-Variants:
+Variants (each gets its own stack, input and optimizer from the same seeds):
 
-* ``eager``: the blocks one after another.
+* ``eager``: the blocks one after another (the reference of every check and ratio).
+* ``eager_repeat``: a second eager stack, always run: its check is the kernels'
+  run-to-run noise, ``eager_repeat/eager`` the timing noise.
 * ``torch_make_graphed_callables``: ``torch.cuda.make_graphed_callables`` per block.
 * ``cudagraphs``: ``cudagraphs.make_graphed_callables``, same arguments (defaults).
-* ``cudagraphs_no_clone``: the same with ``clone_param_grads_on_return=False``, which
-  is what the torch helper does (it hands out views of its static gradient buffers).
-* ``cudagraphs_in_graph``: per block, with ``accumulate_grads_in_graph=True``: the
-  backward graphs add the parameter gradients into ``.grad`` themselves.
-* ``cudagraphs_stack``: ``cudagraphs.graph_stack`` over all blocks: one forward and
-  one backward graph behind one autograd node (gradients handed to autograd).
-* ``cudagraphs_stack_in_graph``: the whole stack with in-graph accumulation: a step
-  runs no per-parameter kernel outside the graphs.
-* ``raw_cuda_graph``: one ``torch.cuda.CUDAGraph`` holding forward, loss and backward
-  (gradient accumulation included); a step is one input copy and one replay. The
-  launch-free reference.
+* ``cudagraphs_no_clone``: the same with ``clone_param_grads_on_return=False`` (what
+  the torch helper does: views of its static gradient buffers).
+* ``cudagraphs_in_graph``: per block, ``accumulate_grads_in_graph=True``: the backward
+  graphs add the parameter gradients into ``.grad``. Under ``set_to_none`` the
+  ``.grad`` set to ``None`` is bound again to its zeroed target at the next backward
+  replay (one fused zero kernel per graphed callable), as the library documents.
+* ``cudagraphs_stack`` / ``cudagraphs_stack_in_graph``: ``cudagraphs.graph_stack``
+  over all blocks (one forward and one backward graph), without / with in-graph
+  accumulation.
+* ``raw_cuda_graph``: one ``torch.cuda.CUDAGraph`` per the PyTorch CUDA-graphs notes
+  (whole-network capture, side-stream warmup first). ``accumulate``: forward, loss,
+  backward and gradient accumulation. ``set_to_none``: the whole step: forward, loss,
+  backward and ``AdamW(capturable=True, foreach=True)``, with the gradients created
+  inside the capture (set to ``None`` before it), so each replay writes them afresh.
+  A step is one input copy and one replay: the launch-free reference.
 * ``torch_compile_reduce_overhead``: ``torch.compile(mode="reduce-overhead")`` of the
-  forward over the stack (AOTAutograd graphs the backward too). A failure here
-  (no Triton, ...) is recorded, not raised.
-* ``kernel_busy``: profiler kernel-busy time of the eager step, the physical floor.
+  forward (AOTAutograd graphs the backward too); the optimizer runs eagerly. Its
+  failure (no Triton, ...) is recorded, not raised.
 
-There is no optimizer: every parameter gets a zero ``.grad`` before graphing and the
-step only accumulates into it, so every variant does the same work (an in-place add
-per parameter) and no variant's ``.grad`` can alias a graph's static buffer.
+Method. Per config and regime all variants are built first, each is checked against
+eager, then all are timed together with
+``cudagraphs.timing.interleaved_samples_ms`` (rounds in a seeded shuffled order; the
+GC is off and frozen inside rounds) and reported as ``summarize`` (median, min, max,
+rounds); ratios use medians. Defaults: ``launch_bound`` 30 iters x 7 rounds,
+``compute_bound`` 10 iters x 7 rounds, 10 warmup steps per variant. Everything is
+released before the next config/regime. After every wall-clock timing of the run, each
+variant is built again and its OWN profiler kernel-busy time is measured (CUPTI can
+slow later launches, pytorch/pytorch#144455); ratios name their floor
+(``X/kernel_busy_eager``, ``X/kernel_busy_own``).
 
-Prints one JSON object; ``--out`` also writes it. Without a CUDA device it says so on
-stderr and exits 0 (2 with ``--require-gpu``). Exits 1 after printing when a variant
-other than torch.compile failed.
+Check: from a reset state (initial weights copied in, optimizer state zeroed,
+gradients zeroed or dropped), ``CHECK_STEPS`` steps; then every parameter's gradient
+(of the last step) and, under ``set_to_none``, every parameter are compared with
+eager's: worst relative error (``max|x - eager| / max|eager|`` per tensor) and the
+worst tensor's name. The check never fails the run.
+
+Prints one JSON object; ``--out`` also writes it (once more before the profiler runs).
+Without a CUDA device it says so on stderr and exits 0 (2 with ``--require-gpu``).
+Exits 1 after printing when a variant other than torch.compile failed to build, check
+or time (a failed kernel-busy measurement is recorded only).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -62,19 +89,32 @@ from _report import (  # noqa: E402
     write_report,
 )
 from cudagraphs.models import BlockConfig, make_block_stack  # noqa: E402
-from cudagraphs.timing import kernel_busy_ms, step_time_ms  # noqa: E402
+from cudagraphs.timing import interleaved_samples_ms, kernel_busy_ms, summarize  # noqa: E402
 
+NAME = "train_step"
 DEVICE = "cuda"
 NUM_LAYERS = 8
 DTYPE = torch.bfloat16
 STACK_SEED = 0
 INPUT_SEED = 1234
-WARMUP_STEPS = 10  # before timing; also records torch.compile's cudagraph trees
-CHECK_STEPS = 3  # steps from zeroed grads before comparing layer-0 grads with eager
-GRAD_REL_TOL = 2e-2  # of the eager gradient's max |value|: bf16 rounding, not a bug
+SHUFFLE_SEED = 0
+WARMUP_STEPS = 10  # per variant before the timed rounds; torch.compile records here too
+CHECK_STEPS = 3  # steps from the reset state before comparing with eager
+GRAD_REL_TOL = 2e-2  # of eager's max |value| per tensor: bf16 rounding, not a bug
+PARAM_REL_TOL = 2e-2  # the same rule for the parameters after CHECK_STEPS AdamW steps
+LR = 1e-3  # an update of a few bf16 ulps of a 0.02-sized weight: visible in the check
+RAW_WARMUP_STEPS = 3  # side-stream steps before the raw capture, as in the notes
+# Per variant and regime, on a fresh build; 10 steps keep the profiler's event
+# processing short (36 profiles a run), and a step's GPU time hardly varies.
+KERNEL_BUSY_ITERS, KERNEL_BUSY_WARMUP = 10, 3
+REGIMES = ("accumulate", "set_to_none")
+EAGER, NOISE = "eager", "eager_repeat"
+HELPER = "torch_make_graphed_callables"
+DEFAULT = "cudagraphs"
+FAST = "cudagraphs_stack_in_graph"
+RAW = "raw_cuda_graph"
 COMPILE_VARIANT = "torch_compile_reduce_overhead"
-# Failures of these are recorded and do not change the exit status: neither is ours.
-NOT_FATAL = (COMPILE_VARIANT, "kernel_busy")
+NOT_FATAL = (COMPILE_VARIANT,)  # not ours; its failure is recorded only
 
 
 @dataclass(frozen=True)
@@ -102,31 +142,208 @@ class BenchConfig:
         }
 
 
+# iters: each sample >= ~20 ms even for the fastest variant (~1 ms launch-bound).
 CONFIGS = {
-    "launch_bound": BenchConfig("launch_bound", BlockConfig(512, 8, 2048), 1, 64, 50, 5),
-    "compute_bound": BenchConfig("compute_bound", BlockConfig(2048, 16, 8192), 2, 512, 20, 5),
+    "launch_bound": BenchConfig("launch_bound", BlockConfig(512, 8, 2048), 1, 64, 30, 7),
+    "compute_bound": BenchConfig("compute_bound", BlockConfig(2048, 16, 8192), 2, 512, 10, 7),
 }
 
 
-@dataclass
-class Built:
-    """One variant, ready to time: its step, its stack, and how to release it."""
-
-    step: Callable[[], None]
-    blocks: nn.ModuleList
-    setup_s: float
-    release: Callable[[], None] = field(default=lambda: None)
+# ---- pure logic (tested on the CPU) --------------------------------------------------
 
 
-# ---- model, input, step ------------------------------------------------------------
+def compare_tensors(
+    got: Mapping[str, torch.Tensor | None], want: Mapping[str, torch.Tensor], rel_tol: float
+) -> dict:
+    """Every tensor of ``got`` against ``want`` (same names), all differences at once.
+
+    Per tensor the relative error is ``max|got - want| / max|want|`` (computed in
+    float32; 0 when they are equal, infinite when only ``want`` is all zeros or a
+    value is NaN).
+
+    Returns:
+        ``tensors`` (how many compared), ``max_rel_err`` (over the finite errors) and
+        ``worst`` (the tensor with the largest error, an infinite one first),
+        ``beyond_tol`` (names over ``rel_tol``), ``non_finite`` (names whose error is
+        infinite), ``missing`` (in ``want``, absent or ``None`` in ``got``),
+        ``unexpected`` (only in ``got``), ``shape_mismatch`` (``name: expected vs
+        received``), ``equal`` (bitwise, all) and ``within_tol`` (nothing missing,
+        unexpected, mismatched or beyond the tolerance).
+    """
+    errors: dict[str, float] = {}
+    missing, mismatch, equal = [], [], True
+    for name, ref in want.items():
+        cur = got.get(name)
+        if cur is None:
+            missing.append(name)
+        elif cur.shape != ref.shape:
+            mismatch.append(f"{name}: {tuple(ref.shape)} vs {tuple(cur.shape)}")
+        else:
+            errors[name] = relative_error(cur, ref)
+            equal = equal and torch.equal(cur, ref)
+    unexpected = sorted(set(got) - set(want))
+    beyond = [n for n, e in errors.items() if not e <= rel_tol]
+    finite = [e for e in errors.values() if math.isfinite(e)]
+    return {
+        "tensors": len(errors),
+        "max_rel_err": max(finite, default=None),
+        "worst": max(errors, key=errors.__getitem__, default=None),
+        "rel_tol": rel_tol,
+        "beyond_tol": beyond,
+        "non_finite": [n for n, e in errors.items() if not math.isfinite(e)],
+        "missing": missing,
+        "unexpected": unexpected,
+        "shape_mismatch": mismatch,
+        "equal": equal and not (missing or mismatch or unexpected),
+        "within_tol": not (beyond or missing or mismatch or unexpected),
+    }
 
 
-def make_stack(cfg: BenchConfig) -> nn.ModuleList:
-    """A fresh stack in training mode, every parameter with a zero ``.grad``."""
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max|got - want| / max|want|`` in float32; a NaN anywhere counts as infinite."""
+    got, want = got.detach().float(), want.detach().float()
+    if got.numel() == 0:
+        return 0.0
+    diff = (got - want).abs().max().item()
+    scale = want.abs().max().item()
+    if math.isnan(diff) or math.isnan(scale):
+        return math.inf
+    if diff == 0.0:
+        return 0.0
+    return math.inf if scale == 0.0 else diff / scale
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def compute_ratios(
+    names: list[str], ms: Mapping[str, float], busy: Mapping[str, float]
+) -> dict[str, float | None]:
+    """Median step time ratios; the floor each uses is in the key:
+    ``X/kernel_busy_eager`` (eager's kernel-busy time of this regime) and
+    ``X/kernel_busy_own`` (X's own, which runs a different program)."""
+    out: dict[str, float | None] = {}
+    for x in names:
+        if x != EAGER:
+            out[f"{x}/{EAGER}"] = ratio(ms.get(x), ms.get(EAGER))
+        if x not in (EAGER, NOISE, HELPER):
+            out[f"{x}/{HELPER}"] = ratio(ms.get(x), ms.get(HELPER))
+        if x != NOISE:
+            out[f"{x}/kernel_busy_eager"] = ratio(ms.get(x), busy.get(EAGER))
+            out[f"{x}/kernel_busy_own"] = ratio(ms.get(x), busy.get(x))
+    out[f"{FAST}/{RAW}"] = ratio(ms.get(FAST), ms.get(RAW))
+    return out
+
+
+def compute_targets(
+    config: str, regime: str, ms: Mapping[str, float], busy: Mapping[str, float]
+) -> dict[str, bool | None]:
+    """Targets of one config and regime, on median step times; ``None`` when a number
+    is missing. The names end with the regime.
+
+    ``accumulate`` (today's): ``cudagraphs`` <= torch's helper; on ``launch_bound``
+    ``cudagraphs_stack_in_graph`` <= 1.5x eager's kernel-busy time and <= 0.35x the
+    helper; on other configs ``cudagraphs_stack_in_graph`` <= the helper.
+    ``set_to_none``: ``default_le_torch_helper_set_to_none``: ``cudagraphs`` (the
+    defaults) <= torch's helper.
+    """
+
+    def at_most(a: float | None, b: float | None, factor: float = 1.0) -> bool | None:
+        return None if a is None or b is None else a <= factor * b
+
+    out: dict[str, bool | None] = {}
+    if regime == "accumulate":
+        out[f"{DEFAULT}_le_{HELPER}_accumulate"] = at_most(ms.get(DEFAULT), ms.get(HELPER))
+        if config == "launch_bound":
+            key = f"{FAST}_le_1.5x_kernel_busy_eager_accumulate"
+            out[key] = at_most(ms.get(FAST), busy.get(EAGER), 1.5)
+            out[f"{FAST}_le_0.35x_{HELPER}_accumulate"] = at_most(
+                ms.get(FAST), ms.get(HELPER), 0.35
+            )
+        else:
+            out[f"{FAST}_le_{HELPER}_accumulate"] = at_most(ms.get(FAST), ms.get(HELPER))
+    elif regime == "set_to_none":
+        out["default_le_torch_helper_set_to_none"] = at_most(ms.get(DEFAULT), ms.get(HELPER))
+    return out
+
+
+def finish_regime(config: str, regime: str, res: dict) -> None:
+    """Fill ``ms``, ``kernel_busy_ms``, ``ratios`` and ``targets`` of one regime's
+    result from its variants' entries."""
+    variants = res["variants"]
+    ms = {v: r["ms"]["median"] for v, r in variants.items() if "ms" in r}
+    busy = {v: r["kernel_busy_ms"] for v, r in variants.items() if "kernel_busy_ms" in r}
+    res["ms"], res["kernel_busy_ms"] = ms, busy
+    res["ratios"] = compute_ratios(list(variants), ms, busy)
+    res["targets"] = compute_targets(config, regime, ms, busy)
+
+
+def all_targets(configs: Mapping[str, dict]) -> dict[str, bool | None]:
+    """Every regime's targets in one flat dict, keyed ``config:target``."""
+    return {
+        f"{cname}:{key}": value
+        for cname, cres in configs.items()
+        for res in cres["regimes"].values()
+        for key, value in res["targets"].items()
+    }
+
+
+def guard_steps(
+    steps: Mapping[str, Callable[[], object]], errors: dict[str, dict]
+) -> dict[str, Callable[[], None]]:
+    """Steps that record their first exception in ``errors`` (by name) and do
+    nothing from then on, so one failing variant does not end the others' rounds.
+    Every step pays the same wrapper; the failed one's samples are dropped."""
+
+    def guarded(name: str, step: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            if name in errors:
+                return
+            try:
+                step()
+            except Exception as exc:
+                errors[name] = describe_error(exc)
+
+        return run
+
+    return {name: guarded(name, step) for name, step in steps.items()}
+
+
+def failures(report: dict) -> list[str]:
+    """``config/regime/variant`` of every failed variant other than torch.compile, and
+    of every variant whose gradients (or, under ``set_to_none``, parameters) are off
+    eager's by more than the tolerance. torch.compile's parameter check is exempt:
+    AdamW's first steps move a weight by about ``lr * sign(g)``, so gradients that
+    differ by rounding near zero flip it without a bug (see the README)."""
+    failed = []
+    for cname, cres in report["configs"].items():
+        for regime, res in cres["regimes"].items():
+            where = f"{cname}/{regime}"
+            for v, r in res["variants"].items():
+                if "error" in r and v not in NOT_FATAL:
+                    failed.append(f"{where}/{v}")
+            check = res.get("check", {})
+            for kind in ("grads", "params"):
+                for v, c in check.get(kind, {}).items():
+                    if kind == "params" and v == COMPILE_VARIANT:
+                        continue
+                    if not c.get("within_tol", True):
+                        failed.append(f"{where}/{v}: {kind} off eager's beyond tolerance")
+    return failed
+
+
+# ---- model, input, step --------------------------------------------------------------
+
+
+def make_stack(cfg: BenchConfig, regime: str) -> nn.ModuleList:
+    """A fresh stack in training mode; under ``accumulate`` every ``.grad`` is zeros,
+    under ``set_to_none`` it is ``None`` (as after ``zero_grad(set_to_none=True)``)."""
     blocks = make_block_stack(NUM_LAYERS, cfg.block, device=DEVICE, dtype=DTYPE, seed=STACK_SEED)
     blocks.train()
-    for p in blocks.parameters():
-        p.grad = torch.zeros_like(p)
+    if regime == "accumulate":
+        for p in blocks.parameters():
+            p.grad = torch.zeros_like(p)
     return blocks
 
 
@@ -142,49 +359,90 @@ def sample_args(cfg: BenchConfig) -> tuple[tuple[torch.Tensor], ...]:
     return tuple((make_input(cfg, requires_grad=i > 0, seed=i),) for i in range(NUM_LAYERS))
 
 
+def make_optimizer(blocks: nn.Module, *, capturable: bool = False) -> torch.optim.AdamW:
+    return torch.optim.AdamW(blocks.parameters(), lr=LR, foreach=True, capturable=capturable)
+
+
 def run_stack(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     for block in blocks:
         x = block(x)
     return x
 
 
-def train_step(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+def loss_backward(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
     out = forward(x)
     out.float().pow(2).mean().backward()
 
 
-def zero_grads(blocks: nn.ModuleList) -> None:
-    # In place: the raw graph accumulates into these very tensors.
-    for p in blocks.parameters():
-        p.grad.zero_()
+@dataclass
+class TrainStep:
+    """``compute()`` (forward, loss, backward; the whole step for the raw graph), then
+    the eager ``optimizer.step()`` and ``zero_grad()`` where the regime has them."""
+
+    compute: Callable[[], None]
+    optimizer: torch.optim.Optimizer | None = None
+    zero_grad: Callable[[], None] | None = None
+
+    def __call__(self) -> None:
+        self.compute()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        if self.zero_grad is not None:
+            self.zero_grad()
+
+    def keeping_grads(self) -> None:
+        """The step up to its ``zero_grad``: the check reads this step's gradients."""
+        self.compute()
+        if self.optimizer is not None:
+            self.optimizer.step()
 
 
-# ---- variants ----------------------------------------------------------------------
+def regime_step(regime: str, blocks: nn.Module, compute: Callable[[], None]) -> TrainStep:
+    """``compute`` alone (``accumulate``), or with an eager foreach AdamW and
+    ``zero_grad(set_to_none=True)`` (``set_to_none``)."""
+    if regime == "accumulate":
+        return TrainStep(compute)
+    opt = make_optimizer(blocks)
+    return TrainStep(compute, opt, partial(opt.zero_grad, set_to_none=True))
 
 
-def build_eager(cfg: BenchConfig) -> Built:
-    blocks, x = make_stack(cfg), make_input(cfg)
+@dataclass
+class Built:
+    """One variant, ready to check and time; ``optimizer`` is the one whose state a
+    check resets (the eager one, or the one captured in the raw graph)."""
 
-    def forward(inp: torch.Tensor) -> torch.Tensor:
-        return run_stack(blocks, inp)
+    blocks: nn.ModuleList
+    step: TrainStep
+    setup_s: float
+    release: Callable[[], None] = field(default=lambda: None)
+    optimizer: torch.optim.Optimizer | None = None
+    notes: dict = field(default_factory=dict)
 
-    return Built(lambda: train_step(forward, x), blocks, 0.0)
+
+# ---- variants ------------------------------------------------------------------------
 
 
-def _build_per_layer(cfg: BenchConfig, graph_fn: Callable[..., object], **kwargs) -> Built:
-    blocks, x = make_stack(cfg), make_input(cfg)
-    samples = sample_args(cfg)
+def build_eager(cfg: BenchConfig, regime: str) -> Built:
+    blocks, x = make_stack(cfg, regime), make_input(cfg)
+    step = regime_step(regime, blocks, partial(loss_backward, partial(run_stack, blocks), x))
+    return Built(blocks, step, 0.0, optimizer=step.optimizer)
+
+
+def _timed_setup(make: Callable[[], object]) -> tuple[object, float]:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    out = make()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def _build_per_layer(cfg: BenchConfig, regime: str, graph_fn: Callable, **kwargs) -> Built:
+    blocks, x = make_stack(cfg, regime), make_input(cfg)
+    samples = sample_args(cfg)
     # Both helpers return the modules themselves with ``forward`` swapped, so the step
     # is the eager step, Python for Python.
-    graph_fn(tuple(blocks), samples, **kwargs)
-    torch.cuda.synchronize()
-    setup_s = time.perf_counter() - t0
+    _, setup_s = _timed_setup(partial(graph_fn, tuple(blocks), samples, **kwargs))
     del samples
-
-    def forward(inp: torch.Tensor) -> torch.Tensor:
-        return run_stack(blocks, inp)
 
     def release() -> None:
         for block in blocks:
@@ -192,297 +450,414 @@ def _build_per_layer(cfg: BenchConfig, graph_fn: Callable[..., object], **kwargs
             if graphed is not None:
                 graphed.reset()
 
-    return Built(lambda: train_step(forward, x), blocks, setup_s, release)
+    step = regime_step(regime, blocks, partial(loss_backward, partial(run_stack, blocks), x))
+    notes = _in_graph_notes(regime) if kwargs.get("accumulate_grads_in_graph") else {}
+    return Built(blocks, step, setup_s, release, step.optimizer, notes)
 
 
-def build_torch_helper(cfg: BenchConfig) -> Built:
-    return _build_per_layer(cfg, torch.cuda.make_graphed_callables)
+def _in_graph_notes(regime: str) -> dict:
+    if regime != "set_to_none":
+        return {}
+    return {
+        "zero_grad": "set_to_none=True: the .grad set to None is bound again to its zeroed "
+        "in-graph target at the next backward replay (one fused zero kernel per graphed "
+        "callable), as accumulate_grads_in_graph documents"
+    }
 
 
-def build_ours(cfg: BenchConfig) -> Built:
-    return _build_per_layer(cfg, cudagraphs.make_graphed_callables)
+def build_torch_helper(cfg: BenchConfig, regime: str) -> Built:
+    return _build_per_layer(cfg, regime, torch.cuda.make_graphed_callables)
 
 
-def build_ours_no_clone(cfg: BenchConfig) -> Built:
+def build_ours(cfg: BenchConfig, regime: str) -> Built:
+    return _build_per_layer(cfg, regime, cudagraphs.make_graphed_callables)
+
+
+def build_ours_no_clone(cfg: BenchConfig, regime: str) -> Built:
     return _build_per_layer(
-        cfg, cudagraphs.make_graphed_callables, clone_param_grads_on_return=False
+        cfg, regime, cudagraphs.make_graphed_callables, clone_param_grads_on_return=False
     )
 
 
-def build_ours_in_graph(cfg: BenchConfig) -> Built:
-    return _build_per_layer(cfg, cudagraphs.make_graphed_callables, accumulate_grads_in_graph=True)
+def build_ours_in_graph(cfg: BenchConfig, regime: str) -> Built:
+    return _build_per_layer(
+        cfg, regime, cudagraphs.make_graphed_callables, accumulate_grads_in_graph=True
+    )
 
 
-def _build_stack(cfg: BenchConfig, **kwargs) -> Built:
-    blocks, x = make_stack(cfg), make_input(cfg)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    stack = cudagraphs.graph_stack(list(blocks), (make_input(cfg, seed=0),), **kwargs)
-    torch.cuda.synchronize()
-    return Built(lambda: train_step(stack, x), blocks, time.perf_counter() - t0, stack.reset)
+def _build_stack(cfg: BenchConfig, regime: str, **kwargs) -> Built:
+    blocks, x = make_stack(cfg, regime), make_input(cfg)
+    sample = (make_input(cfg, seed=0),)
+    stack, setup_s = _timed_setup(lambda: cudagraphs.graph_stack(list(blocks), sample, **kwargs))
+    step = regime_step(regime, blocks, partial(loss_backward, stack, x))
+    notes = _in_graph_notes(regime) if kwargs.get("accumulate_grads_in_graph") else {}
+    return Built(blocks, step, setup_s, stack.reset, step.optimizer, notes)
 
 
-def build_stack(cfg: BenchConfig) -> Built:
-    return _build_stack(cfg)
+def build_stack(cfg: BenchConfig, regime: str) -> Built:
+    return _build_stack(cfg, regime)
 
 
-def build_stack_in_graph(cfg: BenchConfig) -> Built:
-    return _build_stack(cfg, accumulate_grads_in_graph=True)
+def build_stack_in_graph(cfg: BenchConfig, regime: str) -> Built:
+    return _build_stack(cfg, regime, accumulate_grads_in_graph=True)
 
 
-def build_raw_graph(cfg: BenchConfig) -> Built:
-    blocks, x = make_stack(cfg), make_input(cfg)
-    static_x = x.clone()
+def capture_whole_step(
+    blocks: nn.ModuleList, static_x: torch.Tensor, optimizer: torch.optim.Optimizer | None
+) -> torch.cuda.CUDAGraph:
+    """Whole-network capture as in the PyTorch CUDA-graphs notes.
+
+    Warm up on a side stream (cuBLAS workspaces, autograd state and, with an
+    optimizer, its lazily created state, so the capture allocates none of it), then
+    capture forward, loss, backward and ``optimizer.step()``. With an optimizer the
+    gradients are set to ``None`` before capture, so the captured backward creates
+    them in the graph's private pool and every replay writes (not adds) them there;
+    ``optimizer`` must be ``capturable`` (its step counters live on the device).
+    Without one the existing ``.grad`` tensors are what the captured accumulation
+    adds into, in place.
+    """
 
     def body() -> None:
-        train_step(lambda inp: run_stack(blocks, inp), static_x)
+        loss_backward(partial(run_stack, blocks), static_x)
+        if optimizer is not None:
+            optimizer.step()
 
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    # Whole-network capture as in the PyTorch CUDA-graphs notes: warm up on a side
-    # stream (cuBLAS workspaces, autograd state), then capture forward + backward.
-    # The grads exist already, so the captured AccumulateGrad adds into them in place.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(RAW_WARMUP_STEPS):
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
             body()
     torch.cuda.current_stream().wait_stream(side)
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    torch.cuda.synchronize()
-    setup_s = time.perf_counter() - t0
+    try:
+        with torch.cuda.graph(graph):
+            body()
+    except BaseException:
+        graph.reset()
+        raise
+    return graph
 
-    def step() -> None:
+
+def build_raw_graph(cfg: BenchConfig, regime: str) -> Built:
+    blocks, x = make_stack(cfg, regime), make_input(cfg)
+    static_x = x.clone()
+    opt = make_optimizer(blocks, capturable=True) if regime == "set_to_none" else None
+    graph, setup_s = _timed_setup(lambda: capture_whole_step(blocks, static_x, opt))
+
+    def replay() -> None:
         static_x.copy_(x)
         graph.replay()
 
-    return Built(step, blocks, setup_s, graph.reset)
+    notes = {}
+    if opt is not None:
+        notes["optimizer"] = "AdamW(capturable=True, foreach=True) inside the graph"
+        notes["zero_grad"] = "none: each replay's backward writes the gradients afresh"
+    return Built(blocks, TrainStep(replay), setup_s, graph.reset, opt, notes)
 
 
-def build_compile(cfg: BenchConfig) -> Built:
-    blocks, x = make_stack(cfg), make_input(cfg)
+def build_compile(cfg: BenchConfig, regime: str) -> Built:
+    blocks, x = make_stack(cfg, regime), make_input(cfg)
 
     def stack_forward(inp: torch.Tensor) -> torch.Tensor:
         return run_stack(blocks, inp)
 
     compiled = torch.compile(stack_forward, mode="reduce-overhead")
 
-    def step() -> None:
+    def compute() -> None:
         torch.compiler.cudagraph_mark_step_begin()
-        train_step(compiled, x)
+        loss_backward(compiled, x)
 
-    # Compilation happens on the first steps; setup_s counts it with cudagraph-tree
-    # warmup and recording (the first three steps).
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    try:
-        for _ in range(3):
+    step = regime_step(regime, blocks, compute)
+
+    def warm() -> None:
+        for _ in range(3):  # compiles, then cudagraph-tree warmup and recording
             step()
-        torch.cuda.synchronize()
+
+    try:
+        _, setup_s = _timed_setup(warm)
     except BaseException:
         torch.compiler.reset()  # drop half-made compiled code and cudagraph trees
         raise
-    return Built(step, blocks, time.perf_counter() - t0, torch.compiler.reset)
+    notes = {"optimizer": "eager"} if step.optimizer is not None else {}
+    return Built(blocks, step, setup_s, torch.compiler.reset, step.optimizer, notes)
 
 
-VARIANTS: dict[str, Callable[[BenchConfig], Built]] = {
-    "eager": build_eager,
-    "torch_make_graphed_callables": build_torch_helper,
-    "cudagraphs": build_ours,
+VARIANTS: dict[str, Callable[[BenchConfig, str], Built]] = {
+    EAGER: build_eager,
+    HELPER: build_torch_helper,
+    DEFAULT: build_ours,
     "cudagraphs_no_clone": build_ours_no_clone,
     "cudagraphs_in_graph": build_ours_in_graph,
     "cudagraphs_stack": build_stack,
-    "cudagraphs_stack_in_graph": build_stack_in_graph,
-    "raw_cuda_graph": build_raw_graph,
+    FAST: build_stack_in_graph,
+    RAW: build_raw_graph,
     COMPILE_VARIANT: build_compile,
 }
 
 
-# ---- measurement -------------------------------------------------------------------
+def builder(name: str) -> Callable[[BenchConfig, str], Built]:
+    return build_eager if name == NOISE else VARIANTS[name]
 
 
-def layer0_grad(built: Built) -> torch.Tensor:
-    """Layer 0's qkv weight gradient after ``CHECK_STEPS`` steps from zeroed grads."""
-    zero_grads(built.blocks)
-    for _ in range(CHECK_STEPS):
+# ---- check ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def reset_state(built: Built, regime: str, initial: Mapping[str, torch.Tensor]) -> None:
+    """In place (graphs hold these tensors): ``accumulate`` zeroes every ``.grad``;
+    ``set_to_none`` copies the initial weights in, zeroes the optimizer's state (as
+    fresh: step 0, zero moments) and drops the gradients where the step does."""
+    if regime == "accumulate":
+        for p in built.blocks.parameters():
+            if p.grad is not None:  # None adds nothing: the next step makes it
+                p.grad.zero_()
+        return
+    for name, p in built.blocks.named_parameters(prefix="blocks"):
+        p.copy_(initial[name])
+    if built.optimizer is not None:
+        for state in built.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.zero_()
+    if built.step.zero_grad is not None:
+        built.step.zero_grad()
+
+
+def check_values(
+    built: Built, regime: str, initial: Mapping[str, torch.Tensor]
+) -> tuple[dict, dict]:
+    """Gradients of the last of ``CHECK_STEPS`` steps from the reset state and, under
+    ``set_to_none``, the parameters after them (owned copies, by name)."""
+    reset_state(built, regime, initial)
+    for _ in range(CHECK_STEPS - 1):
         built.step()
+    built.step.keeping_grads()
     torch.cuda.synchronize()
-    return built.blocks[0].qkv.weight.grad.detach().float().clone()
+    named = list(built.blocks.named_parameters(prefix="blocks"))
+    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in named}
+    params = {n: p.detach().clone() for n, p in named} if regime == "set_to_none" else {}
+    if built.step.zero_grad is not None:
+        built.step.zero_grad()  # finish the step: graphs may own what .grad points to
+    return grads, params
 
 
-def _timed(built: Built, cfg: BenchConfig, profile: bool) -> tuple[dict, torch.Tensor, dict | None]:
-    grad = layer0_grad(built)
-    ms = step_time_ms(built.step, iters=cfg.iters, warmup=WARMUP_STEPS, repeats=cfg.repeats)
-    result = {"ms": ms, "setup_s": round(built.setup_s, 3)}
-    busy = None
-    if profile:
+def initial_params(cfg: BenchConfig) -> dict[str, torch.Tensor]:
+    blocks = make_block_stack(NUM_LAYERS, cfg.block, device=DEVICE, dtype=DTYPE, seed=STACK_SEED)
+    return {n: p.detach() for n, p in blocks.named_parameters(prefix="blocks")}
+
+
+def run_checks(built: dict[str, Built], regime: str, cfg: BenchConfig, results: dict) -> dict:
+    """Check every built variant against eager; a variant whose check raised is
+    recorded as failed in ``results`` and dropped from ``built``."""
+    initial = initial_params(cfg) if regime == "set_to_none" else {}
+    check: dict = {"steps": CHECK_STEPS, "grads": {}, "params": {}}
+    check["rule"] = "per tensor max|x - eager| / max|eager|; worst over all parameters"
+    ref = None
+    for name in list(built):
         try:
-            busy = {"ms": kernel_busy_ms(built.step)}
+            values = check_values(built[name], regime, initial)
         except Exception as exc:
-            busy = describe_error(exc)
-    return result, grad, busy
+            results[name].update(describe_error(exc))
+            release(built.pop(name))
+            continue
+        if name == EAGER:
+            ref = values
+        elif ref is None:
+            check["error"] = "no eager values to compare with"
+        else:
+            check["grads"][name] = compare_tensors(values[0], ref[0], GRAD_REL_TOL)
+            if regime == "set_to_none":
+                check["params"][name] = compare_tensors(values[1], ref[1], PARAM_REL_TOL)
+        del values
+    return check
 
 
-def measure(
-    name: str, cfg: BenchConfig, *, profile: bool = False, timed: bool = True
-) -> tuple[dict, torch.Tensor | None, dict | None]:
-    """Build one variant, take its layer-0 gradient, time it (and with ``profile`` its
-    kernel-busy time). Errors are returned as ``{"error": ...}``, never raised."""
-    print(f"train_step: {cfg.name}: {name}", file=sys.stderr, flush=True)
-    builder = build_eager if name == "eager_repeat" else VARIANTS[name]
+# ---- timing, profiling, one config and regime ----------------------------------------
+
+
+def log(msg: str) -> None:
+    print(f"{NAME}: {msg}", file=sys.stderr, flush=True)
+
+
+def release(built: Built) -> None:
+    """Release one variant's graphs; an error is printed, never raised."""
     try:
-        built = builder(cfg)
+        built.release()
     except Exception as exc:
-        return describe_error(exc), None, None
-    try:
-        if not timed:
-            return {}, layer0_grad(built), None
-        return _timed(built, cfg, profile)
-    except Exception as exc:
-        return describe_error(exc), None, None
-    finally:
-        try:
-            built.release()
-        except Exception as exc:
-            describe_error(exc)
+        describe_error(exc)
 
 
-def grad_check(grads: dict[str, torch.Tensor]) -> dict:
-    """Max |grad - eager grad| of layer 0's qkv weight per variant. ``eager_repeat`` is
-    a second eager stack: its difference is the run-to-run noise of the kernels."""
-    ref = grads.get("eager")
-    if ref is None:
-        return {"error": "no eager gradient to compare with"}
-    scale = ref.abs().max().item()
-    diffs = {n: (g - ref).abs().max().item() for n, g in grads.items() if n != "eager"}
-    return {
-        "param": "blocks[0].qkv.weight.grad",
-        "steps": CHECK_STEPS,
-        "ref_max_abs": scale,
-        "max_abs_diff": diffs,
-        "rel_tol": GRAD_REL_TOL,
-        "within_tol": {n: d <= GRAD_REL_TOL * scale for n, d in diffs.items()},
-    }
-
-
-RATIOS = [
-    ("cudagraphs", "torch_make_graphed_callables"),
-    ("cudagraphs", "eager"),
-    ("cudagraphs", "kernel_busy"),
-    ("cudagraphs_no_clone", "torch_make_graphed_callables"),
-    ("cudagraphs_no_clone", "kernel_busy"),
-    ("cudagraphs_in_graph", "torch_make_graphed_callables"),
-    ("cudagraphs_in_graph", "kernel_busy"),
-    ("cudagraphs_stack", "torch_make_graphed_callables"),
-    ("cudagraphs_stack", "kernel_busy"),
-    ("cudagraphs_stack_in_graph", "torch_make_graphed_callables"),
-    ("cudagraphs_stack_in_graph", "kernel_busy"),
-    ("cudagraphs_stack_in_graph", "raw_cuda_graph"),
-    ("torch_make_graphed_callables", "kernel_busy"),
-    ("eager", "kernel_busy"),
-    ("raw_cuda_graph", "kernel_busy"),
-    (COMPILE_VARIANT, "kernel_busy"),
-]
-
-
-def ratios(ms: dict[str, float]) -> dict[str, float | None]:
-    out = {}
-    for a, b in RATIOS:
-        ok = a in ms and b in ms and ms[b] > 0
-        out[f"{a}/{b}"] = round(ms[a] / ms[b], 4) if ok else None
-    return out
-
-
-def targets(cfg: BenchConfig, ms: dict[str, float]) -> dict[str, bool | None]:
-    """The core issue's target (per-layer graphs no slower than torch's helper) and the
-    fast-path issue's: launch-bound, the whole stack with in-graph accumulation within
-    1.5x kernel-busy time and 0.35x torch's helper; compute-bound, no slower than it."""
-
-    def at_most(a: str, b: str, factor: float = 1.0) -> bool | None:
-        return None if a not in ms or b not in ms else ms[a] <= factor * ms[b]
-
-    helper, fast = "torch_make_graphed_callables", "cudagraphs_stack_in_graph"
-    out = {"cudagraphs_le_torch_make_graphed_callables": at_most("cudagraphs", helper)}
-    if cfg.name == "launch_bound":
-        out[f"{fast}_le_1.5x_kernel_busy"] = at_most(fast, "kernel_busy", 1.5)
-        out[f"{fast}_le_0.35x_{helper}"] = at_most(fast, helper, 0.35)
-    else:
-        out[f"{fast}_le_{helper}"] = at_most(fast, helper)
-    return out
-
-
-def run_config(cfg: BenchConfig, variants: list[str]) -> dict:
+def build_all(cfg: BenchConfig, regime: str, names: list[str]) -> tuple[dict, dict]:
+    built: dict[str, Built] = {}
     results: dict[str, dict] = {}
-    grads: dict[str, torch.Tensor] = {}
-    for name in variants:
-        result, grad, busy = measure(name, cfg, profile=name == "eager")
-        results[name] = result
-        if busy is not None:
-            results["kernel_busy"] = busy
-        if grad is not None:
-            grads[name] = grad
-        free_memory()
-    if "eager" in grads:
-        _, grad, _ = measure("eager_repeat", cfg, timed=False)
-        if grad is not None:
-            grads["eager_repeat"] = grad
-        free_memory()
-    ms = {n: r["ms"] for n, r in results.items() if "ms" in r}
-    report = {
-        "settings": cfg.describe(),
-        "ms": ms,
-        "variants": results,
-        "ratios": ratios(ms),
-        "targets": targets(cfg, ms),
-        "grad_check": grad_check(grads),
-    }
-    del grads
-    free_memory()
-    return report
+    for name in names:
+        log(f"{cfg.name}/{regime}: build {name}")
+        try:
+            built[name] = b = builder(name)(cfg, regime)
+        except Exception as exc:
+            results[name] = describe_error(exc)
+            continue
+        results[name] = {"setup_s": round(b.setup_s, 3), **b.notes}
+    return built, results
 
 
-# ---- report and CLI ----------------------------------------------------------------
+def time_all(built: dict[str, Built], cfg: BenchConfig, results: dict) -> None:
+    errors: dict[str, dict] = {}
+    steps = guard_steps({name: b.step for name, b in built.items()}, errors)
+    log(f"{cfg.name}: timing {len(steps)} variants, {cfg.repeats} rounds of {cfg.iters}")
+    try:
+        samples = interleaved_samples_ms(
+            steps,
+            iters=cfg.iters,
+            warmup=WARMUP_STEPS,
+            repeats=cfg.repeats,
+            shuffle_seed=SHUFFLE_SEED,
+        )
+    except Exception as exc:  # a sticky CUDA error surfaces at the round's synchronize
+        error = describe_error(exc)
+        for name in steps:
+            results[name].update(error)
+        return
+    for name, times in samples.items():
+        if name in errors:
+            results[name].update(errors[name])
+        else:
+            results[name]["ms"] = summarize(times)
+
+
+def run_regime(cfg: BenchConfig, regime: str, names: list[str]) -> dict:
+    started = time.perf_counter()
+    built, results = build_all(cfg, regime, names)
+    try:
+        check = run_checks(built, regime, cfg, results)
+        time_all(built, cfg, results)
+    finally:
+        for b in built.values():
+            release(b)
+        built.clear()
+        free_memory()
+    res = {"regime": regime, "variants": results, "check": check}
+    res["elapsed_s"] = round(time.perf_counter() - started, 1)
+    finish_regime(cfg.name, regime, res)
+    return res
+
+
+def profile_variant(cfg: BenchConfig, regime: str, name: str) -> dict:
+    """The variant's own kernel-busy time, on a fresh build: ``{"kernel_busy_ms"}``
+    or ``{"kernel_busy_error", ...}``."""
+    log(f"{cfg.name}/{regime}: kernel busy of {name}")
+    try:
+        built = builder(name)(cfg, regime)
+    except Exception as exc:
+        return {"kernel_busy_error": describe_error(exc)}
+    try:
+        busy = kernel_busy_ms(built.step, iters=KERNEL_BUSY_ITERS, warmup=KERNEL_BUSY_WARMUP)
+        return {"kernel_busy_ms": round(busy, 4)}
+    except Exception as exc:
+        return {"kernel_busy_error": describe_error(exc)}
+    finally:
+        release(built)
+        del built
+        free_memory()
+
+
+def profile_all(configs: list[BenchConfig], report: dict) -> None:
+    for cfg in configs:
+        for regime, res in report["configs"][cfg.name]["regimes"].items():
+            for name, entry in res["variants"].items():
+                if name != NOISE and "ms" in entry:
+                    entry.update(profile_variant(cfg, regime, name))
+            finish_regime(cfg.name, regime, res)
+
+
+# ---- report and CLI ------------------------------------------------------------------
+
+
+def variant_names(selected: list[str]) -> list[str]:
+    """Eager and its repeat first (the references), then the selection in order."""
+    return [EAGER, NOISE, *(v for v in VARIANTS if v in selected and v != EAGER)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    p.add_argument("--iters", type=int, help="timed steps per repeat (default: per config)")
-    p.add_argument("--repeats", type=int, help="repeats, median taken (default: per config)")
+    p.add_argument("--regimes", nargs="+", choices=list(REGIMES), default=list(REGIMES))
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        help="eager and eager_repeat always run (the references)",
+    )
+    p.add_argument("--iters", type=int, help="steps per sample (default: per config)")
+    p.add_argument("--repeats", type=int, help="interleaved rounds (default: per config)")
+    p.add_argument("--skip-kernel-busy", action="store_true")
     add_common_arguments(p)
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    code = exit_code_without_gpu("train_step", args.require_gpu)
-    if code is not None:
-        return code
-    overrides = {k: v for k, v in {"iters": args.iters, "repeats": args.repeats}.items() if v}
-    configs = [replace(CONFIGS[name], **overrides) for name in args.configs]
-    report = environment("train_step", args.commit, args.run_label)
-    report["settings"] = {
-        "variants": args.variants,
+def settings(configs: list[BenchConfig], names: list[str]) -> dict:
+    return {
+        "variants": names,
+        "regimes": {
+            "accumulate": "forward + backward, no optimizer; .grad zeroed once before "
+            "graphing, every step adds into it",
+            "set_to_none": f"forward + backward + AdamW(lr={LR}, foreach=True).step() + "
+            "zero_grad(set_to_none=True); the raw graph captures the whole step with "
+            "AdamW(capturable=True, foreach=True)",
+        },
         "warmup": WARMUP_STEPS,
-        "check_steps": CHECK_STEPS,
-        "kernel_busy": "cudagraphs.timing.kernel_busy_ms defaults (iters=20, warmup=5)",
         "iters": {c.name: c.iters for c in configs},
         "repeats": {c.name: c.repeats for c in configs},
-        "step_time": "median over repeats of the mean wall time of iters steps",
+        "step_time": "interleaved_samples_ms: per round each variant once, in a shuffled "
+        f"order (seed {SHUFFLE_SEED}); a sample is the mean wall time of iters steps; "
+        "GC off and frozen in rounds; summarize: median, min, max over rounds; ratios "
+        "of medians",
+        "kernel_busy": f"each variant's own: kernel_busy_ms(iters={KERNEL_BUSY_ITERS}, "
+        f"warmup={KERNEL_BUSY_WARMUP}) on a fresh build, after every wall-clock timing of "
+        "the run",
+        "check": f"{CHECK_STEPS} steps from a reset state; grads (and params under "
+        f"set_to_none) vs eager; grad_rel_tol {GRAD_REL_TOL}, param_rel_tol "
+        f"{PARAM_REL_TOL}; never fails the run",
     }
-    report["configs"] = {c.name: run_config(c, args.variants) for c in configs}
-    write_report("train_step", report, args.out, final=True)
-    failed = [
-        f"{c}/{v}"
-        for c, res in report["configs"].items()
-        for v, r in res["variants"].items()
-        if "error" in r and v not in NOT_FATAL
-    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    code = exit_code_without_gpu(NAME, args.require_gpu)
+    if code is not None:
+        return code
+    started = time.perf_counter()
+    overrides = {k: v for k, v in {"iters": args.iters, "repeats": args.repeats}.items() if v}
+    configs = [replace(CONFIGS[name], **overrides) for name in args.configs]
+    regimes = [r for r in REGIMES if r in args.regimes]
+    names = variant_names(args.variants)
+    report = environment(NAME, args.commit, args.run_label)
+    report["settings"] = settings(configs, names)
+    report["configs"] = {
+        c.name: {
+            "settings": c.describe(),
+            "regimes": {r: run_regime(c, r, names) for r in regimes},
+        }
+        for c in configs
+    }
+    report["targets"] = all_targets(report["configs"])
+    # Written once before the profiler too, so a crash there keeps the timings.
+    write_report(NAME, report, args.out, final=False)
+    if not args.skip_kernel_busy:
+        profiling = time.perf_counter()
+        profile_all(configs, report)
+        report["targets"] = all_targets(report["configs"])
+        report["kernel_busy_elapsed_s"] = round(time.perf_counter() - profiling, 1)
+    report["elapsed_s"] = round(time.perf_counter() - started, 1)
+    write_report(NAME, report, args.out, final=True)
+    failed = failures(report)
     if failed:
-        print(f"train_step: failed variants: {', '.join(failed)}", file=sys.stderr)
+        print(f"{NAME}: failed variants: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -6,7 +6,7 @@ stand-in under ``CUDAGRAPHS_DISABLE``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,11 +15,12 @@ from torch.utils import _pytree as pytree
 from ..capture import GraphPool, capture_eagerly, capture_into_graph, capture_with_static_outputs
 from ..errors import CudaGraphOutputError, Mismatch, describe_mismatches
 from .buckets import Bucket
-from .static_inputs import Said
+from .static_inputs import PLAN_CACHE_SIZE, Said, StagePlan
 
 __all__ = [
     "BucketGraph",
     "CaptureBackend",
+    "ReplayStep",
     "SlotGraph",
     "default_backend",
     "eager_backend",
@@ -61,16 +62,30 @@ class SlotGraph:
     leaves: list[Any]
     treespec: pytree.TreeSpec
     narrow: tuple[tuple[int, int], ...]  # (leaf index, row dim) of every tensor leaf
+    # rows -> the output tree of views cut to them, made the first time rows are seen
+    # (a narrow per leaf and an unflatten cost microseconds of host time per step).
+    _views: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def real_rows(self, rows: int, full_rows: int, copy: bool) -> Any:
-        """The output tree cut to ``rows`` real rows: views of the graph's outputs, or
-        owned copies with ``copy``."""
-        if rows == full_rows and not copy:
+        """The output tree cut to ``rows`` real rows: views of the graph's outputs (the
+        same tree object at every call with these rows: borrowed, like the outputs),
+        or owned copies with ``copy``."""
+        if copy:
+            return self._cut(rows, clone=True)
+        if rows == full_rows:
             return self.output
+        views = self._views.get(rows)
+        if views is None:
+            views = self._cut(rows, clone=False)
+            if len(self._views) < PLAN_CACHE_SIZE:
+                self._views[rows] = views
+        return views
+
+    def _cut(self, rows: int, clone: bool) -> Any:
         leaves = list(self.leaves)
         for i, dim in self.narrow:
             x = leaves[i].narrow(dim, 0, rows)
-            leaves[i] = x.clone() if copy else x
+            leaves[i] = x.clone() if clone else x
         return pytree.tree_unflatten(leaves, self.treespec)
 
 
@@ -132,6 +147,16 @@ class BucketGraph:
 
     def reset(self) -> None:
         release(slot.graph for slot in self.slots)
+
+
+@dataclass(frozen=True)
+class ReplayStep:
+    """How a runner replays a batch of one row count, worked out the first time it sees
+    that count: the bucket graph it replays on and, per slot, what staging writes into
+    that slot's buffers. Borrowed views; dropped with the runner's graphs."""
+
+    entry: BucketGraph
+    staging: tuple[StagePlan, ...]
 
 
 def release(graphs: Any) -> None:

@@ -7,9 +7,13 @@ then agree on the captured set. An output the runner could not cut to the real r
 is a configuration error raised at capture. ``run()`` picks the tightest captured
 bucket, stages the real rows with one fused copy, pads the rest, replays, and returns
 views of the real rows of the outputs (borrowed: overwritten by the next replay) or
-owned copies. A batch no bucket serves runs eagerly: counted per cause and said once
-at WARNING. ``CUDAGRAPHS_DISABLE=1`` replaces each graph by an eager stand-in on the
-same path.
+owned copies. A batch that matches the specs exactly takes a fast path: what its row
+count stages, pads and returns is worked out the first time that count is seen, so a
+step costs a few attribute reads per input besides the copy, the fill and the replay;
+anything else (a lossless dtype, ``batch_size``/``num_tokens``, token buckets, rank
+agreement, a bad batch) takes the full path, with its checks and errors. A batch no
+bucket serves runs eagerly: counted per cause and said once at WARNING.
+``CUDAGRAPHS_DISABLE=1`` replaces each graph by an eager stand-in on the same path.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
 from .graphs import (
     BucketGraph,
     CaptureBackend,
+    ReplayStep,
     default_backend,
     eager_backend,
     release,
@@ -75,7 +80,9 @@ class GraphRunner:
 
     It does NOT: capture in the constructor; graph batches larger than the largest
     captured bucket; check that forward's rows are independent of each other (padding
-    rows must not change the real ones); let several threads drive one runner.
+    rows must not change the real ones); let several threads drive one runner; notice
+    changes to ``graphs`` made from outside (read it, don't edit it); time its steps
+    (time ``run()`` from outside: nothing is measured or logged per step).
 
     Args:
         forward: ``forward(**inputs) -> output tree`` of tensors whose row dimension
@@ -168,6 +175,9 @@ class GraphRunner:
         self.slot_inputs: list[StaticInputs] = []
         self.static: StaticInputs | None = None
         self.graphs: dict[Bucket, BucketGraph] = {}
+        # Row count -> its replay, for batches that match the specs exactly (batch-size
+        # buckets only: token buckets choose by num_tokens). Emptied with the graphs.
+        self._steps: dict[int, ReplayStep] = {}
         self.dropped_buckets: dict[Bucket, str] = {}
         #: Eager runs per cause: "no_graphs", "too_large", "pad_ratio".
         self.eager_runs: Counter[str] = Counter()
@@ -262,6 +272,7 @@ class GraphRunner:
         except BaseException:
             self.close()
             raise
+        self._steps = {}
         if not self.graphs:
             self._warn(
                 "no_graphs",
@@ -439,9 +450,10 @@ class GraphRunner:
         Returns:
             forward's output tree with every tensor cut to the batch's rows in
             ``output_row_dim``: views of the graph's outputs, overwritten by the next
-            replay of the bucket, unless ``copy_output``. An eager run (counted in
-            ``eager_runs`` by cause, said once per cause at WARNING) returns forward's
-            own output.
+            replay of the bucket, unless ``copy_output``; the views (and their
+            containers) are the same objects at every step with this row count, so
+            read them, don't modify them. An eager run (counted in ``eager_runs`` by
+            cause, said once per cause at WARNING) returns forward's own output.
 
         Raises:
             CudaGraphsStateError: before :meth:`capture` or after :meth:`close`.
@@ -456,6 +468,44 @@ class GraphRunner:
                 "GraphRunner.run() before capture() (or after close()): call "
                 "capture(make_inputs) first"
             )
+        if batch_size is None and num_tokens is None and not self._token_buckets:
+            rows = static.exact_rows(inputs)
+            if rows is not None and not is_distributed(self.group):
+                step = self._steps.get(rows) or self._replay_step(rows)
+                if step is not None:
+                    entry = step.entry
+                    index = entry.next_slot
+                    entry.next_slot = (index + 1) % self.slots
+                    step.staging[index].write(inputs)
+                    return self._replay(entry, index, rows, copy_output)
+        return self._run_checked(inputs, batch_size, num_tokens, copy_output)
+
+    def _replay_step(self, rows: int) -> ReplayStep | None:
+        """The replay of an exactly matching batch of ``rows`` rows (kept), or ``None``
+        when it runs eagerly (the full path counts and says that)."""
+        bucket = self.select(rows)
+        if bucket is None:
+            return None
+        staging = tuple(static.staging(bucket, rows) for static in self.slot_inputs)
+        step = self._steps[rows] = ReplayStep(self.graphs[bucket], staging)
+        return step
+
+    def _replay(self, entry: BucketGraph, index: int, rows: int, copy_output: bool) -> Any:
+        if self.plan is not None:
+            self.plan(entry.bucket, index)
+        slot = entry.slots[index]
+        slot.graph.replay()
+        entry.replays += 1
+        return slot.real_rows(rows, entry.bucket.rows, copy_output)
+
+    def _run_checked(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        batch_size: int | None,
+        num_tokens: int | None,
+        copy_output: bool,
+    ) -> Any:
+        static = self.static
         rows = static.batch_rows(inputs)
         batch = rows if batch_size is None else check_int("batch_size", batch_size, minimum=1)
         if num_tokens is not None and not self._token_buckets:
@@ -471,12 +521,7 @@ class GraphRunner:
         index = entry.next_slot
         entry.next_slot = (index + 1) % self.slots
         self.slot_inputs[index].stage(inputs, bucket, rows)
-        if self.plan is not None:
-            self.plan(bucket, index)
-        slot = entry.slots[index]
-        slot.graph.replay()
-        entry.replays += 1
-        return slot.real_rows(rows, bucket.rows, copy_output)
+        return self._replay(entry, index, rows, copy_output)
 
     def _ignore_num_tokens(self, num_tokens: int) -> None:
         self.ignored_arguments["num_tokens"] += 1
@@ -554,6 +599,7 @@ class GraphRunner:
         for entry in self.graphs.values():
             entry.reset()
         self.graphs = {}
+        self._steps = {}
         self.static = None
         self.slot_inputs = []
         self._pool = self._given_pool

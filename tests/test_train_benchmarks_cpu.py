@@ -1,0 +1,554 @@
+"""CPU tests of the training benchmarks' method (``benchmarks/train_step.py`` and
+``benchmarks/partial_train.py``): the gradient and parameter comparison over every
+tensor, ratios that name their floor, targets on medians, guarded interleaved steps,
+the reset-and-check sequence of a step (planted bugs must show), and the wiring of one
+config and regime end to end on tiny CPU models (CUDA calls stubbed out)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+
+
+def _load(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def ts():
+    # The scripts import their siblings (_report, train_step) by name.
+    sys.path.insert(0, str(BENCH))
+    try:
+        return _load("train_step")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def pt(ts):
+    sys.path.insert(0, str(BENCH))
+    try:
+        return _load("partial_train")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture
+def cpu(ts, monkeypatch):
+    """The benchmark's CUDA calls made harmless on the CPU: device ``cpu``, no-op
+    synchronize (the timing helper and ``free_memory`` call it)."""
+    monkeypatch.setattr(ts, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    return ts
+
+
+def _tiny(ts, **kw):
+    cfg = ts.BenchConfig("tiny", ts.BlockConfig(32, 2, 64), 1, 8, iters=2, repeats=3)
+    return ts.replace(cfg, **kw)
+
+
+# ---- compare_tensors -----------------------------------------------------------------
+
+
+def test_equal_tensors_compare_equal(ts):
+    want = {"a": torch.randn(3, 4), "b": torch.randn(5)}
+    got = {k: v.clone() for k, v in want.items()}
+    out = ts.compare_tensors(got, want, 1e-2)
+    assert out["equal"] and out["within_tol"]
+    assert out["tensors"] == 2 and out["max_rel_err"] == 0.0
+    assert out["beyond_tol"] == out["missing"] == out["unexpected"] == []
+
+
+def test_the_worst_tensor_is_named_with_its_error_relative_to_its_own_scale(ts):
+    want = {"small": torch.tensor([0.1, -0.2]), "big": torch.tensor([10.0, 20.0])}
+    got = {"small": torch.tensor([0.1, -0.19]), "big": torch.tensor([10.5, 20.0])}
+    out = ts.compare_tensors(got, want, 0.04)
+    # small: 0.01 / 0.2 = 0.05; big: 0.5 / 20 = 0.025
+    assert out["worst"] == "small"
+    assert out["max_rel_err"] == pytest.approx(0.05, rel=1e-5)
+    assert out["beyond_tol"] == ["small"]
+    assert not out["within_tol"] and not out["equal"]
+
+
+def test_every_difference_is_reported_at_once(ts):
+    want = {
+        "ok": torch.ones(2),
+        "none": torch.ones(2),
+        "absent": torch.ones(2),
+        "shape": torch.ones(2),
+        "off": torch.ones(2),
+    }
+    got = {
+        "ok": torch.ones(2),
+        "none": None,
+        "shape": torch.ones(3),
+        "off": torch.full((2,), 2.0),
+        "extra": torch.ones(1),
+    }
+    out = ts.compare_tensors(got, want, 0.02)
+    assert out["missing"] == ["none", "absent"]
+    assert out["unexpected"] == ["extra"]
+    assert out["shape_mismatch"] == ["shape: (2,) vs (3,)"]
+    assert out["beyond_tol"] == ["off"]
+    assert out["tensors"] == 2 and not out["within_tol"] and not out["equal"]
+
+
+def test_a_missing_tensor_alone_fails_the_check(ts):
+    out = ts.compare_tensors({"a": None}, {"a": torch.ones(1)}, 1.0)
+    assert not out["within_tol"] and out["tensors"] == 0 and out["worst"] is None
+
+
+def test_nan_and_a_zero_reference_are_non_finite_and_the_report_stays_strict_json(ts):
+    want = {"nan": torch.ones(2), "zero_ref": torch.zeros(2), "zeros": torch.zeros(2)}
+    got = {
+        "nan": torch.tensor([1.0, float("nan")]),
+        "zero_ref": torch.tensor([0.0, 1e-3]),
+        "zeros": torch.zeros(2),
+    }
+    out = ts.compare_tensors(got, want, 0.5)
+    assert out["non_finite"] == ["nan", "zero_ref"]
+    assert out["beyond_tol"] == ["nan", "zero_ref"]
+    assert out["max_rel_err"] == 0.0  # over the finite errors: "zeros"
+    assert out["worst"] in ("nan", "zero_ref")
+    json.dumps(out, allow_nan=False)
+
+
+def test_bf16_is_compared_in_float32(ts):
+    want = {"w": torch.tensor([1.0, 2.0], dtype=torch.bfloat16)}
+    got = {"w": torch.tensor([1.0, 2.015625], dtype=torch.bfloat16)}  # one bf16 ulp at 2
+    out = ts.compare_tensors(got, want, 1e-2)
+    assert out["max_rel_err"] == pytest.approx(0.015625 / 2)
+    assert out["within_tol"]
+
+
+# ---- ratios and targets --------------------------------------------------------------
+
+
+def test_ratios_name_their_floor_and_use_the_variants_own_busy_time(ts):
+    names = ["eager", "eager_repeat", ts.HELPER, "cudagraphs", ts.FAST, ts.RAW]
+    ms = {"eager": 10.0, "eager_repeat": 10.5, ts.HELPER: 5.0, "cudagraphs": 4.0, ts.RAW: 1.0}
+    busy = {"eager": 1.0, "cudagraphs": 2.0}
+    r = ts.compute_ratios(names, ms, busy)
+    assert r["cudagraphs/kernel_busy_eager"] == 4.0
+    assert r["cudagraphs/kernel_busy_own"] == 2.0
+    assert r["cudagraphs/eager"] == 0.4
+    assert r[f"cudagraphs/{ts.HELPER}"] == 0.8
+    assert r["eager_repeat/eager"] == 1.05
+    assert r[f"{ts.RAW}/kernel_busy_own"] is None  # not profiled
+    assert r[f"{ts.FAST}/eager"] is None  # not timed
+    assert r[f"{ts.FAST}/{ts.RAW}"] is None
+    assert "eager_repeat/kernel_busy_own" not in r
+    assert f"eager_repeat/{ts.HELPER}" not in r and "eager/eager" not in r
+
+
+def test_accumulate_targets_keep_todays_definitions(ts):
+    ms = {"cudagraphs": 5.0, ts.HELPER: 5.0, ts.FAST: 1.5}
+    busy = {"eager": 1.0}
+    t = ts.compute_targets("launch_bound", "accumulate", ms, busy)
+    assert t == {
+        "cudagraphs_le_torch_make_graphed_callables_accumulate": True,
+        "cudagraphs_stack_in_graph_le_1.5x_kernel_busy_eager_accumulate": True,
+        "cudagraphs_stack_in_graph_le_0.35x_torch_make_graphed_callables_accumulate": True,
+    }
+    t = ts.compute_targets("launch_bound", "accumulate", {**ms, ts.FAST: 1.76}, busy)
+    assert t["cudagraphs_stack_in_graph_le_1.5x_kernel_busy_eager_accumulate"] is False
+    assert t["cudagraphs_stack_in_graph_le_0.35x_torch_make_graphed_callables_accumulate"] is False
+    t = ts.compute_targets("compute_bound", "accumulate", {**ms, ts.FAST: 5.01}, {})
+    assert t == {
+        "cudagraphs_le_torch_make_graphed_callables_accumulate": True,
+        "cudagraphs_stack_in_graph_le_torch_make_graphed_callables_accumulate": False,
+    }
+
+
+@pytest.mark.parametrize("config", ["launch_bound", "compute_bound"])
+def test_the_set_to_none_target_compares_the_default_with_the_helper(ts, config):
+    key = "default_le_torch_helper_set_to_none"
+
+    def target(ms):
+        return ts.compute_targets(config, "set_to_none", ms, {"eager": 0.1})
+
+    assert target({"cudagraphs": 5.0, ts.HELPER: 5.0}) == {key: True}
+    assert target({"cudagraphs": 5.0001, ts.HELPER: 5.0}) == {key: False}
+    assert target({ts.HELPER: 5.0}) == {key: None}
+
+
+def test_finish_regime_uses_medians_and_flattens_targets_by_config(ts):
+    def summary(median):
+        return {"median": median, "min": median / 2, "max": median * 2, "rounds": 7}
+
+    res = {
+        "variants": {
+            "eager": {"ms": summary(10.0), "kernel_busy_ms": 2.0},
+            ts.HELPER: {"ms": summary(6.0)},
+            "cudagraphs": {"ms": summary(5.0), "kernel_busy_ms": 2.5},
+            ts.COMPILE_VARIANT: {"error": "no triton"},
+        }
+    }
+    ts.finish_regime("launch_bound", "set_to_none", res)
+    assert res["ms"] == {"eager": 10.0, ts.HELPER: 6.0, "cudagraphs": 5.0}
+    assert res["kernel_busy_ms"] == {"eager": 2.0, "cudagraphs": 2.5}
+    assert res["ratios"]["cudagraphs/kernel_busy_own"] == 2.0
+    assert res["ratios"][f"{ts.COMPILE_VARIANT}/eager"] is None
+    assert res["targets"] == {"default_le_torch_helper_set_to_none": True}
+    flat = ts.all_targets({"launch_bound": {"regimes": {"set_to_none": res}}})
+    assert flat == {"launch_bound:default_le_torch_helper_set_to_none": True}
+
+
+def test_failures_spare_torch_compile_and_kernel_busy(ts):
+    report = {
+        "configs": {
+            "c": {
+                "regimes": {
+                    "set_to_none": {
+                        "variants": {
+                            "eager": {"ms": {}, "kernel_busy_error": {"error": "x"}},
+                            ts.COMPILE_VARIANT: {"error": "x"},
+                            "cudagraphs": {"error": "x"},
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert ts.failures(report) == ["c/set_to_none/cudagraphs"]
+
+
+def test_a_failed_check_fails_the_run_except_compiles_parameters(ts):
+    off = {"within_tol": False}
+    res = {
+        "variants": {},
+        "check": {
+            "grads": {
+                "cudagraphs": off,
+                ts.COMPILE_VARIANT: off,
+                "eager_repeat": {"within_tol": True},
+            },
+            "params": {ts.COMPILE_VARIANT: off, "raw_cuda_graph": off},
+        },
+    }
+    failed = ts.failures({"configs": {"c": {"regimes": {"set_to_none": res}}}})
+    assert failed == [
+        "c/set_to_none/cudagraphs: grads off eager's beyond tolerance",
+        f"c/set_to_none/{ts.COMPILE_VARIANT}: grads off eager's beyond tolerance",
+        "c/set_to_none/raw_cuda_graph: params off eager's beyond tolerance",
+    ]
+
+
+def test_variant_names_put_the_references_first(ts):
+    assert ts.variant_names([ts.RAW, "cudagraphs"]) == [
+        "eager",
+        "eager_repeat",
+        "cudagraphs",
+        ts.RAW,
+    ]
+    assert ts.variant_names(list(ts.VARIANTS))[:2] == ["eager", "eager_repeat"]
+
+
+def test_the_docstring_states_the_default_iterations(ts, pt):
+    for module, configs in ((ts, ts.CONFIGS), (pt, pt.CONFIGS)):
+        text = re.sub(r"\s+", " ", module.__doc__)
+        for name, cfg in configs.items():
+            assert f"``{name}`` {cfg.iters} iters x {cfg.repeats} rounds" in text
+            assert cfg.repeats >= 5
+
+
+# ---- guarded steps -------------------------------------------------------------------
+
+
+def test_a_failing_step_is_recorded_once_and_the_others_keep_running(ts):
+    calls = {"ok": 0, "bad": 0}
+
+    def ok():
+        calls["ok"] += 1
+
+    def bad():
+        calls["bad"] += 1
+        raise RuntimeError("boom")
+
+    errors: dict = {}
+    steps = ts.guard_steps({"ok": ok, "bad": bad}, errors)
+    for _ in range(3):
+        steps["ok"]()
+        steps["bad"]()
+    assert calls == {"ok": 3, "bad": 1}
+    assert list(errors) == ["bad"] and "RuntimeError: boom" in errors["bad"]["error"]
+
+
+# ---- a step, its reset and its check -------------------------------------------------
+
+
+def test_a_train_step_runs_compute_optimizer_then_zero_grad(ts):
+    order = []
+
+    class Opt:
+        def step(self):
+            order.append("opt")
+
+    step = ts.TrainStep(lambda: order.append("compute"), Opt(), lambda: order.append("zero"))
+    step()
+    assert order == ["compute", "opt", "zero"]
+    order.clear()
+    step.keeping_grads()
+    assert order == ["compute", "opt"]
+
+
+def test_set_to_none_step_is_foreach_adamw_and_drops_grads(cpu):
+    ts = cpu
+    blocks = ts.make_stack(_tiny(ts), "set_to_none")
+    assert all(p.grad is None for p in blocks.parameters())
+    x = ts.make_input(_tiny(ts))
+    step = ts.regime_step("set_to_none", blocks, lambda: ts.loss_backward(blocks[0], x))
+    group = step.optimizer.param_groups[0]
+    assert isinstance(step.optimizer, torch.optim.AdamW)
+    assert group["foreach"] is True and group["capturable"] is False and group["lr"] == ts.LR
+    step()
+    assert all(p.grad is None for p in blocks.parameters())
+    assert ts.regime_step("accumulate", blocks, lambda: None).optimizer is None
+
+
+def test_reset_restores_weights_and_a_fresh_optimizer_state_in_place(cpu):
+    ts = cpu
+    cfg = _tiny(ts)
+    built = ts.build_eager(cfg, "set_to_none")
+    initial = ts.initial_params(cfg)
+    for _ in range(2):
+        built.step()
+    p0 = built.blocks[0].qkv.weight
+    assert not torch.equal(p0, initial["blocks.0.qkv.weight"])
+    state = built.optimizer.state[p0]
+    exp_avg = state["exp_avg"]
+    ts.reset_state(built, "set_to_none", initial)
+    assert built.blocks[0].qkv.weight is p0  # in place: graphs hold these tensors
+    for name, p in built.blocks.named_parameters(prefix="blocks"):
+        assert torch.equal(p, initial[name]), name
+    assert state["exp_avg"] is exp_avg and not exp_avg.any()
+    assert state["step"].item() == 0 and not state["exp_avg_sq"].any()
+
+    acc = ts.build_eager(cfg, "accumulate")
+    grad = acc.blocks[0].fc1.weight.grad
+    acc.step()
+    ts.reset_state(acc, "accumulate", {})
+    assert acc.blocks[0].fc1.weight.grad is grad and not grad.any()
+
+
+def test_the_check_sees_the_last_steps_grads_and_the_params_after_n_steps(cpu):
+    ts = cpu
+    cfg = _tiny(ts)
+    initial = ts.initial_params(cfg)
+    built = ts.build_eager(cfg, "set_to_none")
+    grads, params = ts.check_values(built, "set_to_none", initial)
+    assert set(grads) == set(params) == set(initial)
+    assert all(g is not None for g in grads.values())
+    assert all(p.grad is None for p in built.blocks.parameters())  # the step finished
+    assert built.optimizer.state[built.blocks[0].qkv.weight]["step"].item() == ts.CHECK_STEPS
+    again = ts.check_values(built, "set_to_none", initial)  # from the reset state again
+    assert ts.compare_tensors(again[0], grads, 0.0)["equal"]
+    assert ts.compare_tensors(again[1], params, 0.0)["equal"]
+
+
+def _variant(ts, make):
+    """A builder for a planted variant: the eager stack with another step."""
+
+    def build(cfg, regime):
+        built = ts.build_eager(cfg, regime)
+        built.step = make(built)
+        return built
+
+    return build
+
+
+def _planted(ts):
+    def never_zeroes(built):  # set_to_none without zero_grad: grads accumulate
+        return ts.TrainStep(built.step.compute, built.step.optimizer, None)
+
+    def no_optimizer(built):  # the optimizer step left out
+        return ts.TrainStep(built.step.compute, None, built.step.zero_grad)
+
+    def raises(built):
+        def boom():
+            raise RuntimeError("planted")
+
+        return ts.TrainStep(boom)
+
+    return {
+        "never_zeroes": _variant(ts, never_zeroes),
+        "no_optimizer": _variant(ts, no_optimizer),
+        "raises": _variant(ts, raises),
+    }
+
+
+def test_one_regime_end_to_end_catches_planted_bugs(cpu, monkeypatch):
+    ts = cpu
+    monkeypatch.setattr(ts, "VARIANTS", {"eager": ts.build_eager, **_planted(ts)})
+    cfg = _tiny(ts, iters=2, repeats=3)
+    names = ["eager", "eager_repeat", "never_zeroes", "no_optimizer", "raises"]
+    res = ts.run_regime(cfg, "set_to_none", names)
+    v, check = res["variants"], res["check"]
+    for name in ("eager", "eager_repeat", "never_zeroes", "no_optimizer"):
+        assert v[name]["ms"]["rounds"] == 3, name
+        assert v[name]["ms"]["min"] <= v[name]["ms"]["median"] <= v[name]["ms"]["max"]
+    assert "planted" in v["raises"]["error"] and "ms" not in v["raises"]
+    assert check["grads"]["eager_repeat"]["equal"]
+    assert check["params"]["eager_repeat"]["equal"]
+    assert not check["grads"]["never_zeroes"]["within_tol"]
+    assert not check["params"]["no_optimizer"]["within_tol"]
+    assert "raises" not in check["grads"]
+    assert res["regime"] == "set_to_none"
+    assert res["ratios"]["eager_repeat/eager"] is not None
+    assert res["targets"] == {"default_le_torch_helper_set_to_none": None}
+    json.dumps(res, allow_nan=False)
+    report = {"configs": {"tiny": {"regimes": {"set_to_none": res}}}}
+    failed = ts.failures(report)
+    assert failed[0] == "tiny/set_to_none/raises"
+    # The planted bugs fail the run through their checks, not only in the JSON.
+    assert any(f.startswith("tiny/set_to_none/never_zeroes: grads") for f in failed)
+    assert any(f.startswith("tiny/set_to_none/no_optimizer: params") for f in failed)
+    assert not any(f.startswith("tiny/set_to_none/eager_repeat") for f in failed)
+
+
+def test_the_accumulate_check_compares_accumulated_grads_only(cpu, monkeypatch):
+    ts = cpu
+    monkeypatch.setattr(ts, "VARIANTS", {"eager": ts.build_eager})
+    res = ts.run_regime(_tiny(ts), "accumulate", ["eager", "eager_repeat"])
+    assert res["check"]["grads"]["eager_repeat"]["equal"]
+    assert res["check"]["params"] == {}
+    assert res["check"]["grads"]["eager_repeat"]["tensors"] == 8 * 12
+
+
+def test_without_a_gpu_the_scripts_exit_0_or_2(ts, pt, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
+    for module in (ts, pt):
+        assert module.main([]) == 0
+        assert module.main(["--require-gpu"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_options_select_configs_regimes_and_variants(ts, pt):
+    args = ts.parse_args(["--regimes", "set_to_none", "--variants", "cudagraphs", "--iters", "4"])
+    assert args.regimes == ["set_to_none"] and args.variants == ["cudagraphs"]
+    assert args.iters == 4 and args.configs == list(ts.CONFIGS)
+    assert ts.parse_args([]).regimes == ["accumulate", "set_to_none"]
+    assert pt.parse_args([]).variants == list(pt.VARIANTS)
+
+
+# ---- partial_train -------------------------------------------------------------------
+
+
+def test_partial_compare_step_checks_the_loss_and_every_gradient(pt):
+    want = {"loss": torch.tensor(2.0), "a.weight": torch.ones(3), "b.weight": torch.ones(2)}
+    same = {k: v.clone() for k, v in want.items()}
+    out = pt.compare_step(same, want)
+    assert out["equal"] and out["within_tol"] and out["grads"]["tensors"] == 2
+    off = {**same, "b.weight": torch.tensor([1.0, 1.5])}
+    out = pt.compare_step(off, want)
+    assert not out["within_tol"] and out["grads"]["worst"] == "b.weight"
+    loss_off = {**same, "loss": torch.tensor(2.01)}
+    out = pt.compare_step(loss_off, want)
+    assert out["grads"]["within_tol"] and not out["within_tol"]
+    assert out["loss_rel_err"] == pytest.approx(0.005, rel=1e-4)
+    nan = pt.compare_step({**same, "loss": torch.tensor(math.nan)}, want)
+    assert nan["loss_rel_err"] is None and not nan["within_tol"]
+
+
+def test_partial_summary_ratios_and_targets(pt):
+    def summary(median):
+        return {"median": median, "min": median, "max": median, "rounds": 7}
+
+    result = {
+        "variants": {
+            "eager": {"ms": summary(30.0), "kernel_busy_ms": 2.0},
+            "partial": {
+                "ms": summary(20.0),
+                "kernel_busy_ms": 2.5,
+                "stats": {"fallbacks": 0, "replayed": 10},
+            },
+            "whole_layer": {"error": "x"},
+        }
+    }
+    pt.summarize_model(result, pt.CONFIGS["launch_bound"])
+    r = result["ratios"]
+    assert r["eager/partial"] == 1.5 and r["eager/whole_layer"] is None
+    assert r["partial/kernel_busy_eager"] == 10.0 and r["partial/kernel_busy_own"] == 8.0
+    assert result["targets"] == {
+        "partial_speedup_ge_1.3x_launch_bound": True,
+        "zero_fallbacks_steady_state": True,
+    }
+    result["variants"]["partial"]["ms"] = summary(24.0)
+    pt.summarize_model(result, pt.CONFIGS["launch_bound"])
+    assert result["targets"]["partial_speedup_ge_1.3x_launch_bound"] is False
+
+
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _partial_builders(pt):
+    x = torch.randn(2, 4)
+
+    def make(scale: float, stats: bool = False):
+        def build(model, shape):
+            net = _TinyLM()
+            for p in net.parameters():
+                p.grad = torch.zeros_like(p)
+            replayed = {"n": 0}
+
+            def step():
+                replayed["n"] += 1
+                loss = net(x).pow(2).mean() * scale
+                loss.backward()
+                return loss.detach()
+
+            def get_stats():
+                return {"captured": 1, "replayed": replayed["n"], "fallbacks": 0}
+
+            return pt.Built(step, net, 0.0, stats=get_stats if stats else None)
+
+        return build
+
+    return {"eager": make(1.0), "partial": make(1.0, stats=True), "whole_layer": make(1.1)}
+
+
+def test_partial_one_model_end_to_end(pt, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(pt, "BUILDERS", _partial_builders(pt))
+    shape = pt.replace(pt.CONFIGS["launch_bound"], iters=2, repeats=3)
+    res = pt.run_model("llama", shape, ["eager", "partial", "whole_layer"])
+    assert res["regime"] == "accumulate"
+    assert res["check"]["partial"]["equal"]
+    assert not res["check"]["whole_layer"]["within_tol"]  # its loss is scaled: planted
+    assert res["check"]["whole_layer"]["grads"]["tensors"] == 4
+    partial = res["variants"]["partial"]
+    assert partial["ms"]["rounds"] == 3
+    # every step after the build: the check's, the warmup's and the timed ones
+    assert partial["replays_per_step"] == 1.0
+    assert res["targets"]["zero_fallbacks_steady_state"] is True
+    json.dumps(res, allow_nan=False)
+    report = {"configs": {"launch_bound": {"models": {"llama": res}}}}
+    assert pt.failures(report) == ["launch_bound/llama/whole_layer: check beyond tolerance"]
+    qwen = pt.run_model("qwen3_moe", shape, ["eager", "partial", "whole_layer"])
+    assert "whole_layer" not in qwen["variants"]
