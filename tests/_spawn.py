@@ -3,6 +3,7 @@ port) and collect what each rank wrote, for the CPU tests of distributed logic."
 
 import json
 import os
+import sys
 import traceback
 from datetime import timedelta
 
@@ -22,17 +23,25 @@ def _entry(worker, rank, world_size, init_file, out_dir):
             # in a collective. The parent's join timeout bounds the whole run.
             timeout=timedelta(seconds=300),
         )
-        try:
-            result = worker(rank)
-        finally:
-            dist.destroy_process_group()
+        result = worker(rank)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        # Tear down together: a rank that closes its gloo connections while its peer
+        # still has work in flight can abort the peer.
+        dist.barrier()
+        dist.destroy_process_group()
     except BaseException:
         # The parent reports this, so a failing rank says why in the test output.
         with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
             f.write(traceback.format_exc())
         raise
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    # Leave without the interpreter's teardown: spawned children otherwise run C++
+    # static destructors while gloo's background threads may still be joinable, and
+    # under load that aborts a rank whose work is done ("terminate called without an
+    # active exception", seen in CI). Everything this rank reports is written above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(worker, world_size, tmp_path, timeout_s=60):
