@@ -16,6 +16,7 @@ from ..diagnostics import WarnOnce
 from ..errors import CudaGraphInputError, describe_mismatches
 from .contract import CallContract, ContractSet, FallbackCounter
 from .discovery import Target
+from .recording import is_inference_call
 
 __all__ = ["PartialGraphEntry"]
 
@@ -38,6 +39,13 @@ _CONTRACT_FIX = (
 )
 
 
+_INFERENCE_FIX = (
+    "This is an evaluation-style call (torch.no_grad() or eval mode); to graph such "
+    "calls, build the manager with inference_calls='record' and let one run while "
+    "recording. "
+)
+
+
 @dataclass
 class PartialGraphEntry:
     """One target: its recorded variants, their graphs, counters and hooks."""
@@ -55,8 +63,12 @@ class PartialGraphEntry:
     param_samples: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     original_forward: Callable[..., Any] | None = None
     instance_forward: Any = None  # a forward the instance had of its own, to restore
-    recorder: Any = None  # the one-shot hook handle while recording
-    calls_while_recording: int = 0
+    recorder: Any = None  # the recording hook's handle while recording
+    # While recording: calls recorded, the forward of the model the last one belonged
+    # to, and calls seen again within one forward (a real reuse, refused by capture()).
+    recorded_calls: int = 0
+    last_forward: int | None = None
+    repeats: int = 0
     bypass: bool = False  # set while the graphed adapter itself runs the module
     # The owning manager's once-per-cause warnings (set by the manager).
     warn_once: WarnOnce | None = None
@@ -65,10 +77,26 @@ class PartialGraphEntry:
     def name(self) -> str:
         return self.target.name
 
-    def record(self, args: tuple, kwargs: dict) -> None:
-        self.calls_while_recording += 1
-        if self.calls_while_recording > 1:
-            return  # reported by capture(): one graph cannot stand for two calls
+    def begin_recording(self) -> None:
+        self.recorded_calls = 0
+        self.last_forward = None
+        self.repeats = 0
+
+    def record(self, args: tuple, kwargs: dict, forward: int | None) -> None:
+        """Record one call made within the model's forward number ``forward``.
+
+        ``forward`` is ``None`` when forwards cannot be told apart (a manager built
+        without its model parts): then any second call counts as a repeat. A repeat
+        within one forward is only counted here; capture() refuses it, naming the
+        target. Calls from different forwards (micro-batches of one step, gradient
+        accumulation) are recorded: an identical contract adds nothing, a new one is
+        another variant, up to ``max_variants``.
+        """
+        if self.recorded_calls and (forward is None or forward == self.last_forward):
+            self.repeats += 1
+            return
+        self.recorded_calls += 1
+        self.last_forward = forward
         contract = CallContract.from_call(args, kwargs, training=self.target.module.training)
         index = self.contracts.add(contract)
         if index is None:
@@ -160,10 +188,11 @@ class PartialGraphEntry:
             mismatches = self.contracts.mismatches(
                 args, kwargs, training=self.target.module.training
             )
+            fix = _CONTRACT_FIX.format(n=self.contracts.max_variants)
+            if is_inference_call(self.target.module):
+                fix = _INFERENCE_FIX + fix
             body = describe_mismatches(
-                f"{head}: the call differs from its first recorded variant",
-                mismatches,
-                _CONTRACT_FIX.format(n=self.contracts.max_variants),
+                f"{head}: the call differs from its first recorded variant", mismatches, fix
             )
         return (
             f"{body}\nLater eager runs for this reason (this or any other target) are not "

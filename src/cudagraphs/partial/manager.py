@@ -51,6 +51,14 @@ from .discovery import (
 )
 from .entry import PartialGraphEntry
 from .fsdp import check_target_parameters, fsdp_managed_modules
+from .recording import (
+    ForwardClock,
+    InferenceCalls,
+    capture_groups,
+    capture_modes,
+    check_inference_calls,
+    is_inference_call,
+)
 
 __all__ = ["CaptureBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
 
@@ -134,6 +142,8 @@ class PartialCudaGraphManager:
         *,
         capture_backend: CaptureBackend | None = None,
         activation_checkpointing: bool = False,
+        model_parts: Sequence[nn.Module] = (),
+        inference_calls: InferenceCalls = "ignore",
     ) -> None:
         self.entries = list(entries)
         for i, entry in enumerate(self.entries):
@@ -149,6 +159,12 @@ class PartialCudaGraphManager:
         self.activation_checkpointing = check_bool(
             "activation_checkpointing", activation_checkpointing
         )
+        self.inference_calls = check_inference_calls(inference_calls)
+        self._parts = as_model_parts(model_parts) if model_parts else []
+        # Forwards of the parts told apart while recording (see .recording); without
+        # parts, any second call of a target while recording counts as a reuse.
+        self._clock = ForwardClock() if self._parts else None
+        self._said_inference_ignored = False
         self._recording = False
         self._closed = False
         self._disabled: bool | None = None  # fixed by the first capture()
@@ -169,6 +185,7 @@ class PartialCudaGraphManager:
         include: Selector | None = None,
         max_variants: int = 4,
         capture_backend: CaptureBackend | None = None,
+        inference_calls: InferenceCalls = "ignore",
     ) -> PartialCudaGraphManager | None:
         """Discover targets in already-built model parts (pipeline stages).
 
@@ -188,8 +205,15 @@ class PartialCudaGraphManager:
             include: more targets: one glob pattern over qualified names (a plain
                 string such as ``"model.layers.*.mlp"``), a list or tuple of
                 patterns, or a predicate ``(name, module) -> bool``.
-            max_variants: recorded variants per target (for example sequence lengths).
+            max_variants: recorded variants per target (for example sequence lengths,
+                inference variants included).
             capture_backend: see the class docs.
+            inference_calls: what recording does with a target call made under
+                ``torch.no_grad()`` or in eval mode (an evaluation during the
+                recorded step): ``"ignore"`` (default) leaves it unrecorded, so such
+                calls run eagerly later, counted as fallbacks; ``"record"`` records
+                it as an inference variant, captured forward-only in a memory pool of
+                its own (replaying it never touches the training graphs' memory).
 
         Targets under FSDP2 (``fully_shard``) are supported: their unsharded
         parameters are copied into the graph at each call (:mod:`.fsdp`).
@@ -203,8 +227,8 @@ class PartialCudaGraphManager:
                 that are not modules, a non-bool flag, ``max_variants`` that is not
                 an int (``True`` included), an ``include`` of an unusable type, a
                 ``capture_backend`` that is not callable.
-            CudaGraphsValueError: ``max_variants`` < 1, or meta-device parameters in
-                a target.
+            CudaGraphsValueError: ``max_variants`` < 1, ``inference_calls`` not one of
+                ``"ignore"`` / ``"record"``, or meta-device parameters in a target.
             TargetSelectionError: a module shared under two names, nested targets, or
                 DTensor parameters that FSDP2 does not manage.
         """
@@ -217,6 +241,7 @@ class PartialCudaGraphManager:
         ):
             check_bool(name, flag)
         max_variants = check_int("max_variants", max_variants, minimum=1)
+        check_inference_calls(inference_calls)
         if capture_backend is not None:
             check_callable("capture_backend", capture_backend)
         predicate = include_predicate(include)
@@ -256,12 +281,21 @@ class PartialCudaGraphManager:
             entries,
             capture_backend=capture_backend,
             activation_checkpointing=activation_checkpointing,
+            model_parts=parts,
+            inference_calls=inference_calls,
         )
 
     # ---- recording ------------------------------------------------------------------
     def start_recording(self) -> None:
-        """Install one-shot recorders on every target; the next forward records each
-        target's call (arguments, metadata, aliasing, controls, modes).
+        """Install recorders on every target; the forwards that follow record each
+        target's calls (arguments, metadata, aliasing, controls, modes) until
+        :meth:`stop_recording` or :meth:`capture`.
+
+        Several forwards may run while recording (the micro-batches of one step under
+        gradient accumulation): a target's calls with equal contracts are recorded
+        once, distinct ones as variants, up to ``max_variants``. A target called twice
+        within ONE forward is refused by :meth:`capture`. Calls under
+        ``torch.no_grad()`` or in eval mode follow ``inference_calls``.
 
         Raises:
             CudaGraphsStateError: the manager was closed.
@@ -269,11 +303,13 @@ class PartialCudaGraphManager:
         self._check_open()
         self._order = []
         for entry in self.entries:
-            entry.calls_while_recording = 0
+            entry.begin_recording()
             if entry.recorder is None:
                 entry.recorder = entry.target.module.register_forward_pre_hook(
                     self._make_recorder(entry), with_kwargs=True
                 )
+        if self._clock is not None:
+            self._clock.install(self._parts)
         self._recording = True
 
     def _make_recorder(self, entry: PartialGraphEntry) -> Callable[..., None]:
@@ -287,17 +323,42 @@ class PartialCudaGraphManager:
                     logger.info("partial graphs: %s is recomputed in backward", entry.name)
                 self.activation_checkpointing = True
                 return
-            if entry.calls_while_recording == 0:
+            if self.inference_calls == "ignore" and is_inference_call(module):
+                self._say_inference_ignored(entry)
+                return
+            if entry.recorded_calls == 0:
                 self._order.append(entry)
-            entry.record(args, kwargs)
+            entry.record(args, kwargs, self._clock.current() if self._clock else None)
 
         return hook
 
-    def _stop_recording(self) -> None:
+    def _say_inference_ignored(self, entry: PartialGraphEntry) -> None:
+        if not self._said_inference_ignored:
+            self._said_inference_ignored = True
+            logger.info(
+                "partial graphs: %s was called under torch.no_grad() or in eval mode while "
+                "recording (an evaluation, say); such calls are not recorded "
+                "(inference_calls='ignore') and run eagerly, counted as fallbacks. Pass "
+                "inference_calls='record' to graph them as inference variants.",
+                entry.name,
+            )
+
+    @property
+    def recording(self) -> bool:
+        """Whether recorders are installed (between start_recording and
+        stop_recording / capture)."""
+        return self._recording
+
+    def stop_recording(self) -> None:
+        """Remove the recorders; what was recorded is kept for :meth:`capture` (which
+        calls this itself). Calls made after it are not recorded. A no-op when not
+        recording, and after :meth:`close`."""
         for entry in self.entries:
             if entry.recorder is not None:
                 entry.recorder.remove()
                 entry.recorder = None
+        if self._clock is not None:
+            self._clock.remove()
         self._recording = False
 
     # ---- capture --------------------------------------------------------------------
@@ -323,13 +384,22 @@ class PartialCudaGraphManager:
         """
         self._check_open()
         disabled = self._read_disabled()
-        self._stop_recording()
-        repeated = [e.name for e in self.entries if e.calls_while_recording > 1]
+        self.stop_recording()
+        repeated = [e.name for e in self.entries if e.repeats]
         if repeated:
+            where = (
+                "within one forward of the model"
+                if self._clock is not None
+                else "while recording (this manager was built without its model parts, so "
+                "forwards cannot be told apart and gradient accumulation looks the same; "
+                "build it with from_model_parts to record several micro-batches)"
+            )
             raise TargetSelectionError(
-                f"{repeated} ran more than once in the recorded forward; one graph cannot "
-                "stand for several calls. Fix: leave these modules out of the targets "
-                "(attention=False / router=False, or an include that does not name them)."
+                f"{repeated} ran more than once {where}; one graph cannot stand for "
+                "several calls of one forward (the second replay would overwrite the "
+                "first one's outputs and saved activations). Fix: leave these modules "
+                "out of the targets (attention=False / router=False, or an include that "
+                "does not name them)."
             )
         todo = [
             (entry, i)
@@ -355,7 +425,17 @@ class PartialCudaGraphManager:
                 DISABLE_ENV,
             )
         if todo:
-            self._capture_calls(todo, _eager_backend if disabled else self._backend)
+            backend = _eager_backend if disabled else self._backend
+            for group in capture_groups(todo, self.activation_checkpointing):
+                self._capture_group(group, backend)
+            logger.info(
+                "partial graphs: %s %d call(s)%s",
+                "prepared eagerly (disabled)" if disabled else "captured",
+                len(todo),
+                ", one pool each (activation checkpointing)"
+                if self.activation_checkpointing
+                else "",
+            )
         for entry in self.entries:
             if entry.original_forward is None and entry.graphs:
                 module = entry.target.module
@@ -375,35 +455,28 @@ class PartialCudaGraphManager:
             )
         return disabled
 
-    def _capture_calls(self, todo: list[tuple[PartialGraphEntry, int]], backend: Any) -> None:
-        # One capture (one shared pool) for all calls, replayed in capture order; under
-        # activation checkpointing one capture (one pool) per call: see from_model_parts.
-        groups = [[call] for call in todo] if self.activation_checkpointing else [todo]
-        for group in groups:
-            callables, sample_args, sample_kwargs = [], [], []
-            for entry, i in group:
-                args, kwargs = entry.samples[i]
-                callables.append(entry.adapter())
-                sample_args.append((tuple(entry.capture_params(i)), *args))
-                sample_kwargs.append(kwargs)
-            with nullcontext() if self._disabled else capture_scope():
-                graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))
-            if len(graphed) != len(group):
-                raise CudaGraphsValueError(
-                    f"capture_backend returned {len(graphed)} callable(s) for "
-                    f"{len(group)} call(s) ({[e.name for e, _ in group]}); it must return "
-                    "one graphed callable per call, in order"
-                )
-            for (entry, i), g in zip(group, graphed):
-                entry.graphs[i] = g
-                if entry.fsdp:
-                    entry.param_samples[i] = ()  # the graph holds its own copies now
-        logger.info(
-            "partial graphs: %s %d call(s)%s",
-            "prepared eagerly (disabled)" if self._disabled else "captured",
-            len(todo),
-            ", one pool each (activation checkpointing)" if self.activation_checkpointing else "",
-        )
+    def _capture_group(self, group: list[tuple[PartialGraphEntry, int]], backend: Any) -> None:
+        callables, sample_args, sample_kwargs = [], [], []
+        for entry, i in group:
+            args, kwargs = entry.samples[i]
+            callables.append(entry.adapter())
+            sample_args.append((tuple(entry.capture_params(i)), *args))
+            sample_kwargs.append(kwargs)
+        first = group[0][0].contracts.variants[group[0][1]]
+        modules = [entry.target.module for entry, _ in group]
+        scope = nullcontext() if self._disabled else capture_scope()
+        with capture_modes(first.grad_enabled, first.training, modules), scope:
+            graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))
+        if len(graphed) != len(group):
+            raise CudaGraphsValueError(
+                f"capture_backend returned {len(graphed)} callable(s) for "
+                f"{len(group)} call(s) ({[e.name for e, _ in group]}); it must return "
+                "one graphed callable per call, in order"
+            )
+        for (entry, i), g in zip(group, graphed):
+            entry.graphs[i] = g
+            if entry.fsdp:
+                entry.param_samples[i] = ()  # the graph holds its own copies now
 
     # ---- reporting and teardown -------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -429,7 +502,7 @@ class PartialCudaGraphManager:
         Counters are kept: ``stats()`` still reports replays and fallbacks."""
         if self._closed:
             return
-        self._stop_recording()
+        self.stop_recording()
         for entry in self.entries:
             if entry.original_forward is not None:
                 module = entry.target.module

@@ -1,0 +1,144 @@
+"""What recording needs beyond one call: telling forwards of the model apart, the
+policy for inference calls, and the modes a recorded variant is captured in.
+
+Why forwards must be told apart: a target called twice within ONE forward is a real
+reuse (one graph's static outputs and saved activations would be overwritten by the
+second call before the first one's backward), while a target called once in each of
+several forwards of the recorded step is gradient accumulation, which is safe. Only
+the model's own forward boundaries separate the two, so the manager counts the
+forwards of its model parts with a pair of hooks on each part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from ..errors import CudaGraphsValueError
+
+if TYPE_CHECKING:
+    from .entry import PartialGraphEntry
+
+#: One recorded call to capture: a target and the index of its variant.
+Call = tuple["PartialGraphEntry", int]
+
+__all__ = [
+    "INFERENCE_CALLS",
+    "ForwardClock",
+    "InferenceCalls",
+    "capture_groups",
+    "capture_modes",
+    "check_inference_calls",
+    "is_inference_call",
+]
+
+#: What recording does with a call made under ``torch.no_grad()`` or in eval mode:
+#: ``"ignore"`` leaves it unrecorded (it runs eagerly later, counted as a fallback);
+#: ``"record"`` records it as an inference variant, captured forward-only in a pool of
+#: its own so that replaying it never touches the training graphs' memory.
+InferenceCalls = Literal["ignore", "record"]
+INFERENCE_CALLS: tuple[str, ...] = ("ignore", "record")
+
+
+def check_inference_calls(value: Any) -> InferenceCalls:
+    if value not in INFERENCE_CALLS:
+        raise CudaGraphsValueError(
+            f"inference_calls must be one of {INFERENCE_CALLS}, got {value!r}. 'ignore' "
+            "leaves no_grad / eval-mode calls made while recording unrecorded (they run "
+            "eagerly); 'record' graphs them as inference variants."
+        )
+    return value
+
+
+def is_inference_call(module: nn.Module) -> bool:
+    """Whether a call of ``module`` now is an evaluation-style call: grad disabled or
+    the module in eval mode."""
+    return not torch.is_grad_enabled() or not module.training
+
+
+class ForwardClock:
+    """Numbers the forwards of the model parts while recording.
+
+    A forward starts when the outermost part's forward starts (nested part calls do
+    not start another one) and ends when it returns or raises (the end hook is
+    registered with ``always_call=True``, so an exception does not leave the clock
+    inside a forward that is over).
+    """
+
+    def __init__(self) -> None:
+        self.serial = 0
+        self.depth = 0
+        self._handles: list[Any] = []
+
+    def install(self, parts: Sequence[nn.Module]) -> None:
+        self.remove()
+        self.depth = 0
+        for part in parts:
+            self._handles.append(part.register_forward_pre_hook(self._begin))
+            self._handles.append(part.register_forward_hook(self._end, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _begin(self, module: nn.Module, args: tuple) -> None:
+        if self.depth == 0:
+            self.serial += 1
+        self.depth += 1
+
+    def _end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+
+    def current(self) -> int:
+        """The number of the forward running now. A call made outside any part's
+        forward (the target called directly) is a forward of its own."""
+        if self.depth == 0:
+            self.serial += 1
+        return self.serial
+
+
+@contextmanager
+def capture_modes(
+    grad_enabled: bool, training: bool, modules: Sequence[nn.Module]
+) -> Iterator[None]:
+    """Grad mode and the training flag of ``modules`` as they were when a variant was
+    recorded. A module already in that mode is left alone (submodules may hold a mode
+    of their own, such as frozen norms in eval); one that is not is switched with
+    ``train(training)``, as ``model.eval()`` did, and every flag is restored after."""
+    saved = [(m, m.training) for module in modules for m in module.modules()]
+    try:
+        for module in modules:
+            if module.training != training:
+                module.train(training)
+        with torch.set_grad_enabled(grad_enabled):
+            yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
+
+
+def capture_groups(todo: Sequence[Call], one_pool_per_call: bool) -> list[list[Call]]:
+    """The recorded calls to capture together (one backend call, one pool, replayed in
+    capture order), in order.
+
+    Training calls (grad on, training flag set) form the first group. Inference
+    variants (grad off or eval mode) are captured apart, one group per mode, in pools
+    of their own: they run between steps, in an order of their own, and must not
+    reuse the training graphs' memory. With ``one_pool_per_call`` (activation
+    checkpointing: a recompute replays a forward after later graphs ran) every call
+    is a group of its own.
+    """
+    by_mode: dict[tuple[bool, bool], list[Call]] = {}
+    for entry, i in todo:
+        variant = entry.contracts.variants[i]
+        by_mode.setdefault((variant.grad_enabled, variant.training), []).append((entry, i))
+    groups: list[list[Call]] = []
+    for mode in sorted(by_mode, key=lambda m: m != (True, True)):  # training first
+        calls = by_mode[mode]
+        groups += [[call] for call in calls] if one_pool_per_call else [calls]
+    return groups
