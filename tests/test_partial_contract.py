@@ -83,6 +83,7 @@ def test_reasons_are_the_documented_set():
         "alias",
         "control",
         "grad_mode",
+        "autocast",
         "training",
     )
 
@@ -210,6 +211,41 @@ def test_grad_mode():
     assert reason(c_ng, (x,)) == "grad_mode"
     with torch.inference_mode():
         assert reason(c, (x,)) == "grad_mode"
+
+
+def test_autocast_state():
+    x = t(2)
+    c = record((x,))
+    assert c.autocast == ()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert reason(c, (x,)) == "autocast"
+        c_bf16 = record((x,))
+    assert c_bf16.autocast == (("cpu", torch.bfloat16),)
+    assert reason(c_bf16, (x,)) == "autocast"
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert reason(c_bf16, (x,)) == "autocast", "another dtype is another state"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert reason(c_bf16, (x,)) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert reason(c_bf16, (x,)) == "autocast", "a disabled region is no autocast"
+
+
+def test_autocast_variants_are_kept_apart():
+    x = t(2)
+    variants = ContractSet(4)
+    assert variants.add(record((x,))) == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert variants.add(record((x,))) == 1
+        assert variants.match((x,), {}, training=True)[0] == 1
+    assert variants.match((x,), {}, training=True)[0] == 0
+
+
+def test_mismatches_show_the_autocast_states():
+    c = record((t(2),))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert c.mismatches((t(2),), {}, training=True) == [
+            Mismatch("torch.autocast", "autocast", "off", "cpu: bfloat16")
+        ]
 
 
 def test_training_flag():
@@ -760,3 +796,14 @@ def test_match_and_differences_build_no_key_paths(monkeypatch):
     s = ContractSet()
     s.variants.append(c)
     assert s.match((t(3),), {"k": 1}, training=True)[:2] == (None, "shape")
+
+
+@pytest.mark.parametrize("case", ["same", "many", "structure and modes", "shape"])
+def test_mismatches_say_what_differences_say_under_another_autocast_state(case):
+    rec_args, rec_kwargs, rec_training, args, kwargs, training, grad = CASES[case]
+    c = record(rec_args, rec_kwargs, training=rec_training)
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+        found = c.mismatches(args, kwargs, training=training)
+        assert "autocast" in {m.field for m in found}
+        assert {m.field for m in found} == c.differences(args, kwargs, training=training)
+        assert c.match(args, kwargs, training=training)[0] is not None

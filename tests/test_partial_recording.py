@@ -318,8 +318,8 @@ def test_forward_clock_numbers_outermost_forwards_and_direct_calls():
 
 
 class Variant:
-    def __init__(self, grad_enabled, training):
-        self.grad_enabled, self.training = grad_enabled, training
+    def __init__(self, grad_enabled, training, autocast=()):
+        self.grad_enabled, self.training, self.autocast = grad_enabled, training, autocast
 
 
 class Entry:
@@ -337,6 +337,11 @@ def test_capture_groups_put_training_calls_first_and_each_inference_mode_apart()
     single = capture_groups(todo, one_pool_per_call=True)
     assert all(len(g) == 1 for g in single) and single[:2] == [[(a, 1)], [(b, 0)]]
     assert capture_groups([], one_pool_per_call=False) == []
+    bf16 = (("cuda", torch.bfloat16),)
+    c = Entry((True, True), (True, True, bf16))
+    d = Entry((True, True, bf16))
+    groups = capture_groups([(c, 0), (c, 1), (d, 0)], one_pool_per_call=False)
+    assert groups == [[(c, 0)], [(c, 1), (d, 0)]], "one autocast state per capture"
 
 
 def test_capture_modes_set_and_restore_grad_and_every_flag():
@@ -352,6 +357,37 @@ def test_capture_modes_set_and_restore_grad_and_every_flag():
     with pytest.raises(KeyError), capture_modes(False, False, [model]):
         raise KeyError("restored on error too")
     assert torch.is_grad_enabled() and model.training and not model.layers[1].training
+    with capture_modes(True, True, [model], (("cpu", torch.bfloat16),)):
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+        assert not torch.is_autocast_cache_enabled(), "cast weights must not be cached"
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_step_under_autocast_is_captured_under_it_and_replays_equal_to_eager():
+    model = tiny()
+    ref = copy.deepcopy(model)
+    seen = []
+
+    def backend(callables, sample_args, sample_kwargs):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return list(callables)
+
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
+    mgr.start_recording()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        accumulate(model, batches(0, (1, 8)))
+    mgr.capture()  # outside autocast, as a Trainer callback runs it
+    assert seen == [(True, torch.bfloat16)]
+    later = batches(1, (1, 8))
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = accumulate(model, later), accumulate(ref, later)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert_same_grads(model, ref)
+    assert mgr.stats()["replayed"] == 2
+    accumulate(model, later)  # without autocast: not the recorded kernels
+    assert mgr.stats()["fallback_autocast"] == 2
 
 
 def test_an_evaluation_fallback_says_how_to_graph_evaluations(caplog):

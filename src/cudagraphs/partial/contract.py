@@ -3,8 +3,8 @@
 A partial graph stands for one recorded call of its target. A later call may replay
 it only if nothing the graph baked in differs: the argument structure, each tensor's
 type, shape, stride, dtype, device and requires_grad, which arguments are the same
-tensor object (the alias pattern), every non-tensor control value, the grad mode and
-the module's training flag. Anything else runs eagerly, and the reason is counted.
+tensor object (the alias pattern), every non-tensor control value, the grad mode, the
+autocast state and the module's training flag. Anything else runs eagerly, and the reason is counted.
 
 Two ways to ask why a call differs, one for each purpose:
 
@@ -33,9 +33,11 @@ from ..errors import Mismatch
 
 __all__ = [
     "REASONS",
+    "AutocastState",
     "CallContract",
     "ContractSet",
     "FallbackCounter",
+    "autocast_state",
     "flatten_call",
     "same_control",
 ]
@@ -52,6 +54,7 @@ REASONS = (
     "alias",
     "control",
     "grad_mode",
+    "autocast",
     "training",
 )
 
@@ -61,6 +64,24 @@ TensorMeta = tuple[type, tuple[int, ...], tuple[int, ...], torch.dtype, torch.de
 def flatten_call(args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
     """Leaves and spec of a call; keyword order at the call site does not matter."""
     return pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
+
+
+#: Device types whose autocast state a call is recorded under.
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+AutocastState = tuple[tuple[str, torch.dtype], ...]
+
+
+def autocast_state() -> AutocastState:
+    """The autocast regions in effect now: ``(device type, dtype)`` for each enabled
+    one, empty when none. A graph bakes in the kernels autocast picked at capture (a
+    bf16 matmul, say), so a call under another state must not replay it: Trainer and
+    accelerate train in mixed precision by wrapping the model's forward in autocast,
+    while ``capture()`` runs outside that forward and must enter the same state."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
@@ -152,6 +173,7 @@ class CallContract:
     alias: tuple[int, ...]
     grad_enabled: bool
     training: bool
+    autocast: AutocastState = ()
     leaf_kinds: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
@@ -167,6 +189,7 @@ class CallContract:
             alias=_alias_pattern(tensors),
             grad_enabled=torch.is_grad_enabled(),
             training=training,
+            autocast=autocast_state(),
             leaf_kinds=_leaf_kinds((tuple(args), dict(sorted(kwargs.items())))),
         )
 
@@ -204,8 +227,9 @@ class CallContract:
         ``field`` s equals ``differences(...)``, and the list is empty exactly when
         :meth:`match` accepts the call. ``path`` is ``args[i]...`` or
         ``kwargs['name']...`` (a pytree key path of the call), ``(args, kwargs)`` for
-        a change of container types, ``torch.is_grad_enabled()`` for ``grad_mode`` and
-        ``module.training`` for ``training``. Tensor types are shown by class name and
+        a change of container types, ``torch.is_grad_enabled()`` for ``grad_mode``,
+        ``torch.autocast`` for ``autocast`` (states shown as ``"cuda: bfloat16"`` or
+        ``"off"``) and ``module.training`` for ``training``. Tensor types are shown by class name and
         devices as strings; other expected / received values are the values.
 
         As with :meth:`differences`, a structure difference ends the comparison of
@@ -221,6 +245,16 @@ class CallContract:
         grad = torch.is_grad_enabled()
         if grad != self.grad_enabled:
             found.append(Mismatch("torch.is_grad_enabled()", "grad_mode", self.grad_enabled, grad))
+        autocast = autocast_state()
+        if autocast != self.autocast:
+            found.append(
+                Mismatch(
+                    "torch.autocast",
+                    "autocast",
+                    _autocast_text(self.autocast),
+                    _autocast_text(autocast),
+                )
+            )
         if training != self.training:
             found.append(Mismatch("module.training", "training", self.training, training))
         return found
@@ -288,6 +322,8 @@ class CallContract:
         found: set[str] = set()
         if torch.is_grad_enabled() != self.grad_enabled:
             found.add("grad_mode")
+        if autocast_state() != self.autocast:
+            found.add("autocast")
         if training != self.training:
             found.add("training")
         if spec != self.in_spec:
@@ -317,6 +353,7 @@ class CallContract:
             and self.tensor_meta == other.tensor_meta
             and self.alias == other.alias
             and self.grad_enabled == other.grad_enabled
+            and self.autocast == other.autocast
             and self.training == other.training
             and len(self.controls) == len(other.controls)
             and all(
@@ -327,6 +364,12 @@ class CallContract:
 
 
 _META_FIELDS = ("tensor_type", "shape", "stride", "dtype", "device", "requires_grad")
+
+
+def _autocast_text(state: AutocastState) -> str:
+    if not state:
+        return "off"
+    return ", ".join(f"{device}: {str(dtype).removeprefix('torch.')}" for device, dtype in state)
 
 
 def _role(kind: str) -> str:

@@ -465,7 +465,8 @@ class PartialCudaGraphManager:
         first = group[0][0].contracts.variants[group[0][1]]
         modules = [entry.target.module for entry, _ in group]
         scope = nullcontext() if self._disabled else capture_scope()
-        with capture_modes(first.grad_enabled, first.training, modules), scope:
+        modes = capture_modes(first.grad_enabled, first.training, modules, first.autocast)
+        with modes, scope:
             graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))
         if len(graphed) != len(group):
             raise CudaGraphsValueError(

@@ -12,13 +12,14 @@ forwards of its model parts with a pair of hooks on each part.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from ..errors import CudaGraphsValueError
+from .contract import AutocastState
 
 if TYPE_CHECKING:
     from .entry import PartialGraphEntry
@@ -104,18 +105,30 @@ class ForwardClock:
 
 @contextmanager
 def capture_modes(
-    grad_enabled: bool, training: bool, modules: Sequence[nn.Module]
+    grad_enabled: bool,
+    training: bool,
+    modules: Sequence[nn.Module],
+    autocast: AutocastState = (),
 ) -> Iterator[None]:
-    """Grad mode and the training flag of ``modules`` as they were when a variant was
-    recorded. A module already in that mode is left alone (submodules may hold a mode
-    of their own, such as frozen norms in eval); one that is not is switched with
-    ``train(training)``, as ``model.eval()`` did, and every flag is restored after."""
+    """Grad mode, autocast state and the training flag of ``modules`` as they were
+    when a variant was recorded.
+
+    A module already in that mode is left alone (submodules may hold a mode of their
+    own, such as frozen norms in eval); one that is not is switched with
+    ``train(training)``, as ``model.eval()`` did, and every flag is restored after.
+    Autocast is entered with its weight cache off: cast weights cached during capture
+    would be freed and replayed stale (the core refuses the cache for that reason),
+    and the cache changes no value, only how often weights are cast.
+    """
     saved = [(m, m.training) for module in modules for m in module.modules()]
     try:
         for module in modules:
             if module.training != training:
                 module.train(training)
-        with torch.set_grad_enabled(grad_enabled):
+        with ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(grad_enabled))
+            for device, dtype in autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
             yield
     finally:
         for m, flag in saved:
@@ -129,16 +142,18 @@ def capture_groups(todo: Sequence[Call], one_pool_per_call: bool) -> list[list[C
     Training calls (grad on, training flag set) form the first group. Inference
     variants (grad off or eval mode) are captured apart, one group per mode, in pools
     of their own: they run between steps, in an order of their own, and must not
-    reuse the training graphs' memory. With ``one_pool_per_call`` (activation
+    reuse the training graphs' memory. Calls recorded under different autocast
+    states are captured apart too (one state per capture). With ``one_pool_per_call`` (activation
     checkpointing: a recompute replays a forward after later graphs ran) every call
     is a group of its own.
     """
-    by_mode: dict[tuple[bool, bool], list[Call]] = {}
+    by_mode: dict[tuple[bool, bool, AutocastState], list[Call]] = {}
     for entry, i in todo:
-        variant = entry.contracts.variants[i]
-        by_mode.setdefault((variant.grad_enabled, variant.training), []).append((entry, i))
+        v = entry.contracts.variants[i]
+        by_mode.setdefault((v.grad_enabled, v.training, v.autocast), []).append((entry, i))
     groups: list[list[Call]] = []
-    for mode in sorted(by_mode, key=lambda m: m != (True, True)):  # training first
+    # Training first; otherwise in the order the modes were first recorded.
+    for mode in sorted(by_mode, key=lambda m: m[:2] != (True, True)):
         calls = by_mode[mode]
         groups += [[call] for call in calls] if one_pool_per_call else [calls]
     return groups
