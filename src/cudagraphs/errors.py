@@ -34,6 +34,7 @@ __all__ = [
     "CudaGraphsValueError",
     "GraphReleasedError",
     "Mismatch",
+    "MissingDependencyError",
     "NoCudaDeviceError",
     "ProgramClosedError",
     "QuantizationNotSupportedError",
@@ -93,6 +94,11 @@ class CudaGraphsStateError(CudaGraphsError, RuntimeError):
 
 class NoCudaDeviceError(CudaGraphsStateError):
     """The work needs a CUDA device and torch reports none usable here."""
+
+
+class MissingDependencyError(CudaGraphsError, ImportError):
+    """An optional dependency a feature needs is not installed (the message names the
+    package and the extra that brings it)."""
 
 
 class CudaCallError(CudaGraphsError, RuntimeError):

@@ -1,0 +1,251 @@
+"""Partial graphs in a ``transformers.Trainer`` run, as one line::
+
+    from cudagraphs.integrations.hf import PartialGraphsCallback
+
+    trainer = Trainer(model, args, train_dataset=..., callbacks=[PartialGraphsCallback()])
+    trainer.train()
+
+What the callback does, by Trainer event:
+
+* ``on_train_begin``: builds a :class:`~cudagraphs.partial.PartialCudaGraphManager`
+  on the model (graphs are off, said once at WARNING, when the model is not on a CUDA
+  device or nothing graphable is found: training then runs eagerly, unchanged).
+* ``on_step_begin`` of optimizer step ``record_step``: starts recording. Every
+  micro-batch forward of that step is recorded (gradient accumulation); an evaluation
+  inside it follows ``inference_calls``.
+* ``on_step_end`` of that step (after the optimizer step and ``zero_grad``): captures.
+  From the next step on, matching calls replay their graphs.
+* ``on_log``: adds the manager's ``stats()`` to the logs, as ``cudagraphs/<key>``.
+* ``on_train_end``: logs the stats and closes the manager (the model's modules get
+  their eager forwards back).
+
+Evaluation and prediction run with ``model.eval()`` under ``torch.no_grad()``: their
+calls do not match the training contracts, so they run eagerly (counted as fallbacks)
+or, with ``inference_calls="record"`` and an evaluation inside the recorded step,
+replay inference graphs captured in pools of their own. Neither touches the training
+graphs. Mixed precision (``bf16=True``) is recorded with each call and reproduced at
+capture.
+
+Where the stats show up: ``trainer.state.log_history`` and every callback after this
+one (the console printer, which Trainer adds last). Reporting integrations chosen by
+``report_to`` are registered before user callbacks and log before this one runs; to
+report the stats there, put the callback first:
+``trainer.callback_handler.callbacks.insert(0, callback)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checks import check_callable, check_instance, check_int
+from ..errors import CudaGraphsTypeError, CudaGraphsValueError, MissingDependencyError
+from ..partial import PartialCudaGraphManager
+from ..partial.discovery import Selector
+from ..partial.recording import InferenceCalls, check_inference_calls
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover - the hf extra brings it
+    raise MissingDependencyError(
+        "cudagraphs.integrations.hf needs transformers (and accelerate, which Trainer "
+        "uses). Fix: pip install 'cudagraphs[hf]'"
+    ) from exc
+
+__all__ = ["SCOPES", "PartialGraphsCallback"]
+
+logger = logging.getLogger(__name__)
+
+#: Scopes this version graphs, and the manager switch behind each.
+SCOPES: dict[str, str] = {"attention": "attention", "moe_router": "router"}
+# Scopes of the design that this version does not graph yet (see the error below).
+_NOT_YET = ("mlp", "moe", "layer")
+
+
+def _scope_switches(scopes: Sequence[str] | None) -> dict[str, bool]:
+    if scopes is None:
+        return {switch: True for switch in SCOPES.values()}
+    if isinstance(scopes, str) or not isinstance(scopes, Sequence):
+        raise CudaGraphsTypeError(
+            f"scopes must be a list or tuple of scope names from {sorted(SCOPES)}, got "
+            f"{type(scopes).__name__} {scopes!r}"
+        )
+    for i, scope in enumerate(scopes):
+        if scope in _NOT_YET:
+            raise CudaGraphsValueError(
+                f"scopes[{i}] is {scope!r}, which this version does not graph by "
+                f"itself. Fixes: 1. use the scopes {sorted(SCOPES)}; 2. name the "
+                "modules to graph with include= (a glob such as "
+                "'model.layers.*.mlp'), checking that they are graph-safe."
+            )
+        if scope not in SCOPES:
+            raise CudaGraphsValueError(f"scopes[{i}] is {scope!r}; the scopes are {sorted(SCOPES)}")
+    return {switch: scope in scopes for scope, switch in SCOPES.items()}
+
+
+class PartialGraphsCallback(TrainerCallback):
+    """Record one optimizer step, capture after it, replay for the rest of training.
+
+    Args:
+        scopes: what to graph in each decoder layer, from :data:`SCOPES`
+            (``"attention"``, ``"moe_router"``); all of them by default.
+        record_step: the optimizer step (1-based, as ``state.global_step`` counts
+            them after the step) to record; the first step at or after it when
+            training resumes from a later checkpoint.
+        include: more modules to graph (glob patterns or a predicate, see
+            :meth:`~cudagraphs.partial.PartialCudaGraphManager.from_model_parts`).
+        max_variants: recorded variants per target.
+        inference_calls: ``"ignore"`` or ``"record"``: what recording does with an
+            evaluation-style call (see the manager).
+        capture_backend: how recorded calls become graphed callables (the core
+            ``make_graphed_callables`` by default). When given, graphs are on
+            whatever the model's device is: the backend decides (tests pass an
+            eager one to run this whole path on the CPU).
+        log_prefix: prefix of the keys added to the Trainer's logs.
+
+    Attributes:
+        manager: the manager while training runs (``None`` before, after, and when
+            graphs are off).
+        off_reason: why graphs are off for the last training run, else ``None``.
+
+    Raises:
+        CudaGraphsValueError: an unknown scope, or a scope this version does not
+            graph; ``record_step`` < 1; a bad ``inference_calls``.
+        CudaGraphsTypeError: an argument of the wrong type (named), ``scopes`` that
+            is not a list or tuple included.
+    """
+
+    def __init__(
+        self,
+        *,
+        scopes: Sequence[str] | None = None,
+        record_step: int = 1,
+        include: Selector | None = None,
+        max_variants: int = 4,
+        inference_calls: InferenceCalls = "ignore",
+        capture_backend: Any = None,
+        log_prefix: str = "cudagraphs/",
+    ) -> None:
+        self._switches = _scope_switches(scopes)
+        self.record_step = check_int("record_step", record_step, minimum=1)
+        self._options = {
+            "include": include,
+            "max_variants": check_int("max_variants", max_variants, minimum=1),
+            "inference_calls": check_inference_calls(inference_calls),
+            "capture_backend": (
+                None
+                if capture_backend is None
+                else check_callable("capture_backend", capture_backend)
+            ),
+        }
+        self.log_prefix = check_instance("log_prefix", log_prefix, str, "a str")
+        self.manager: PartialCudaGraphManager | None = None
+        self.off_reason: str | None = None
+        self._said_off = False
+        self._recording_step: int | None = None
+        self._captured = False
+        self._last_stats: dict[str, int] = {}
+
+    # ---- Trainer events --------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close()
+        self._recording_step, self._captured = None, False
+        model = kwargs.get("model")
+        self.off_reason = self._why_off(model)
+        if self.off_reason is None:
+            self.manager = PartialCudaGraphManager.from_model_parts(
+                model,
+                activation_checkpointing=_checkpointing(args),
+                **self._switches,
+                **self._options,
+            )
+            if self.manager is None:  # from_model_parts said why at WARNING
+                self.off_reason = "nothing graphable was found in the model"
+                return
+        if self.off_reason is not None and not self._said_off:
+            self._said_off = True
+            logger.warning(
+                "partial graphs are off for this Trainer run: %s. Training runs eagerly, "
+                "unchanged.",
+                self.off_reason,
+            )
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.manager is None or self._captured or self._recording_step is not None:
+            return
+        step = state.global_step + 1  # the optimizer step about to run
+        if step >= self.record_step:
+            self.manager.start_recording()
+            self._recording_step = step
+            logger.info("partial graphs: recording optimizer step %d", step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.manager is None or not self.manager.recording:
+            return
+        self.manager.capture()
+        self._captured = True
+        logger.info(
+            "partial graphs: captured after optimizer step %d: %s",
+            self._recording_step,
+            self.manager.stats(),
+        )
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
+    ) -> None:
+        if self.manager is None or logs is None:
+            return
+        added = {self.log_prefix + k: v for k, v in self.manager.stats().items()}
+        history = getattr(state, "log_history", None)
+        if history and _is_copy_of(history[-1], logs):
+            history[-1].update(added)  # Trainer stored this log's copy before on_log
+        logs.update(added)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.manager is not None:
+            self.manager.log_stats("train end")
+        self._close()
+
+    # ---- reporting -------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """The manager's ``stats()`` now, or as they were when training ended; empty
+        when graphs were off."""
+        return self.manager.stats() if self.manager is not None else dict(self._last_stats)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _why_off(self, model: Any) -> str | None:
+        if not isinstance(model, nn.Module):
+            return f"the Trainer passed no model to the callback (got {type(model).__name__})"
+        if self._options["capture_backend"] is not None:
+            return None
+        if not torch.cuda.is_available():
+            return "no CUDA device is available (torch.cuda.is_available() is False)"
+        device = next((p.device for p in model.parameters()), None)
+        if device is None or device.type != "cuda":
+            return f"the model's parameters are on {device}, not on a CUDA device"
+        return None
+
+    def _close(self) -> None:
+        if self.manager is not None:
+            self._last_stats = self.manager.stats()
+            self.manager.close()
+            self.manager = None
+
+
+def _checkpointing(args: Any) -> bool:
+    # transformers 5.x renamed gradient_checkpointing to activation_checkpointing and
+    # keeps the old name as a deprecated alias for a while: read both.
+    return any(
+        bool(getattr(args, name, False))
+        for name in ("activation_checkpointing", "gradient_checkpointing")
+    )
+
+
+def _is_copy_of(entry: Any, logs: dict) -> bool:
+    """Whether a ``log_history`` entry is Trainer's copy of ``logs`` (``{**logs,
+    "step": ...}``): it holds the very same value objects under the same keys."""
+    return isinstance(entry, dict) and all(k in entry and entry[k] is v for k, v in logs.items())
