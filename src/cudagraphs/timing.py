@@ -19,6 +19,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ __all__ = [
     "interleaved_samples_ms",
     "interleaved_step_times_ms",
     "kernel_busy_ms",
+    "profile_busy_ms",
     "quiet_gc",
     "step_time_ms",
     "summarize",
@@ -170,12 +172,19 @@ def kernel_busy_ms(step: Callable[[], object], *, iters: int = 20, warmup: int =
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
+    return profile_busy_ms(prof) / iters
+
+
+def profile_busy_ms(prof: Any) -> float:
+    """Milliseconds during which at least one kernel, copy or memset ran, over a
+    finished ``torch.profiler.profile`` (for windows a step function cannot frame,
+    such as steps inside a ``Trainer`` run)."""
     intervals = [
         (evt.time_range.start, evt.time_range.end)
         for evt in prof.events()
         if evt.device_type == torch.autograd.DeviceType.CUDA
     ]
-    return _union_length(_usable_intervals(intervals)) / 1e3 / iters
+    return _union_length(_usable_intervals(intervals)) / 1e3
 
 
 def _usable_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
