@@ -6,17 +6,21 @@ eager training loop.
 through the core ``make_graphed_callables``, and replays a later call only when it
 matches the recorded contract (:class:`CallContract`: structure, tensor type, shape,
 stride, dtype, device, requires_grad, aliasing, non-tensor controls, grad mode,
-training flag). Every other call runs the module eagerly: counted per reason in
-``stats()``, and the first call of each reason logged at WARNING with its mismatch
-report (:meth:`CallContract.mismatches`, :class:`~cudagraphs.errors.Mismatch`
+autocast state, training flag). Every other call runs the module eagerly: counted per
+reason in ``stats()``, and the first call of each reason logged at WARNING with its
+mismatch report (:meth:`CallContract.mismatches`, :class:`~cudagraphs.errors.Mismatch`
 records). ``CUDAGRAPHS_DISABLE=1`` runs every target eagerly through the same path.
 Parameters are explicit graph inputs: read in place, or under FSDP2 copied in at each
 call (:mod:`.fsdp`). The errors this layer raises derive from
 :class:`~cudagraphs.errors.CudaGraphsError`.
 
+Recording may span several forwards (gradient accumulation: equal contracts recorded
+once, new ones as variants); evaluation-style calls are ignored or recorded as
+inference variants (:mod:`.recording`). ``cudagraphs.integrations.hf`` drives all of
+this from a ``transformers.Trainer`` callback.
+
 Not here: discovery does not pick MLPs, whole MoE blocks or whole layers by itself
-(``include`` can name them), nothing measures whether a graph is faster than eager,
-and there is no Trainer integration.
+(``include`` can name them), and nothing measures whether a graph is faster than eager.
 """
 
 from .contract import CallContract, ContractSet, FallbackCounter

@@ -3,7 +3,8 @@
 Life cycle (the constructor never captures):
 
 1. ``from_model_parts(parts)`` discovers targets structurally (:mod:`.discovery`).
-2. ``start_recording()`` installs one-shot recorders; run one eager iteration.
+2. ``start_recording()`` installs recorders; run one eager step (all its
+   micro-batches: each forward of the model parts is told apart, :mod:`.recording`).
 3. ``capture()`` graphs every recorded call in real forward order through the core
    :func:`~cudagraphs.make_graphed_callables`, with the target's parameters passed
    as explicit graph inputs so their gradients reach the real parameters.
@@ -97,8 +98,9 @@ class PartialCudaGraphManager:
     1. ``mgr = PartialCudaGraphManager.from_model_parts(model)`` finds the targets
        (each block's attention, MoE routers, whatever ``include`` names); ``None``
        when there are none.
-    2. ``mgr.start_recording()``, then one training step: each target's call is
-       recorded (arguments, metadata, aliasing, controls, grad mode, training flag).
+    2. ``mgr.start_recording()``, then one training step (several micro-batches
+       are fine): each target's calls are recorded (arguments, metadata, aliasing,
+       controls, grad mode, autocast state, training flag).
     3. ``mgr.capture()`` graphs the recorded calls in forward order and installs a
        dispatching forward on each target.
     4. Train: a call that matches a recorded contract replays; any other call runs
@@ -107,7 +109,7 @@ class PartialCudaGraphManager:
     5. ``mgr.stats()`` / ``mgr.log_stats(phase)``; ``mgr.close()`` at the end.
 
     What it does NOT do: graph anything outside the targets (the rest of the step
-    stays eager), graph a target that runs more than once per forward, re-capture by
+    stays eager), graph a target that runs more than once within one forward, re-capture by
     itself when inputs change, or judge whether graphs are faster than eager.
 
     ``stats()`` keys: ``captured`` (graphs held), ``replayed``, ``fallbacks``,
@@ -127,11 +129,16 @@ class PartialCudaGraphManager:
             ``CUDAGRAPHS_DISABLE=1``.
         activation_checkpointing: give each target its own memory pool (see
             :meth:`from_model_parts`).
+        model_parts: the modules whose forwards recording tells apart (gradient
+            accumulation). Without them any second call of a target while recording
+            counts as a reuse, refused by :meth:`capture`.
+        inference_calls: see :meth:`from_model_parts`.
 
     Raises:
         CudaGraphsTypeError: an entry that is not a :class:`PartialGraphEntry`, a
-            ``capture_backend`` that is not callable, or ``activation_checkpointing``
-            that is not a bool.
+            ``capture_backend`` that is not callable, ``activation_checkpointing``
+            that is not a bool, or ``model_parts`` that are not modules.
+        CudaGraphsValueError: ``inference_calls`` not ``"ignore"`` / ``"record"``.
 
     Threading: one training thread drives a manager.
     """
