@@ -424,7 +424,7 @@ def test_disabled_runs_every_target_eagerly_through_the_same_path(disabled, capl
     assert stats["replayed"] == 8 and stats["fallback_shape"] == 4, stats
     for entry in mgr.entries:
         # The "graph" is the target's adapter itself, run eagerly.
-        assert [g.__qualname__ for g in entry.graphs] == [f"partial[{entry.name}]"] * 2
+        assert [g.__qualname__ for g in entry.graphs()] == [f"partial[{entry.name}]"] * 2
     said = [r for r in caplog.records if "partial graphs are disabled" in r.getMessage()]
     assert len(said) == 1 and "CUDAGRAPHS_DISABLE=1" in said[0].getMessage()
     assert len(fallback_warnings(caplog, "shape")) == 1

@@ -400,3 +400,25 @@ def test_an_evaluation_fallback_says_how_to_graph_evaluations(caplog):
         evaluate(model, batches(1, (1, 8))[0])
     (record,) = [r for r in caplog.records if "ran eagerly" in r.getMessage()]
     assert "inference_calls='record'" in record.getMessage()
+
+
+def test_samples_are_kept_until_a_capture_succeeds_then_dropped():
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend())
+
+    def failing(callables, sample_args, sample_kwargs):
+        raise RuntimeError("capture failed")
+
+    mgr._backend = failing
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    with pytest.raises(RuntimeError, match="capture failed"):
+        mgr.capture()
+    assert all(v.args is not None and v.graph is None for e in mgr.entries for v in e.variants)
+    mgr._backend = Backend()
+    mgr.capture()  # retried from the kept samples
+    variants = [v for e in mgr.entries for v in e.variants]
+    assert len(variants) == 2
+    assert all(v.graph is not None and v.args is None and v.kwargs is None for v in variants)
+    model(torch.randn(2, 8))
+    assert mgr.stats()["replayed"] == 2

@@ -47,20 +47,38 @@ _INFERENCE_FIX = (
 
 
 @dataclass
+class RecordedVariant:
+    """One recorded call of a target (a variant): the samples its capture needs, and
+    its graph once captured. The samples are dropped after capture (the graph holds
+    inputs of its own); until then a failed capture can be retried from them."""
+
+    args: tuple | None
+    kwargs: dict | None
+    # Under FSDP2 (see .fsdp) the recorded values of the unsharded parameters, which
+    # the graph copies in at each call; empty otherwise.
+    params: tuple[torch.Tensor, ...] = ()
+    graph: Any = None
+
+    def captured(self, graph: Any) -> None:
+        self.graph = graph
+        self.args = self.kwargs = None
+        self.params = ()
+
+
+@dataclass
 class PartialGraphEntry:
-    """One target: its recorded variants, their graphs, counters and hooks."""
+    """One target: its recorded variants (``variants[i]`` records the call of
+    ``contracts.variants[i]``, the matcher's view of it), counters and hooks."""
 
     target: Target
     contracts: ContractSet
     counter: FallbackCounter = field(default_factory=FallbackCounter)
-    samples: list[tuple[tuple, dict]] = field(default_factory=list)  # per variant
-    graphs: list[Any] = field(default_factory=list)  # per variant (None until captured)
+    variants: list[RecordedVariant] = field(default_factory=list)
     param_names: tuple[str, ...] = ()
     params: tuple[nn.Parameter, ...] = ()
     # Under FSDP2 (see .fsdp): parameters are fetched at each call and copied into the
-    # graph; param_samples holds their recorded values per variant until capture.
+    # graph rather than read in place.
     fsdp: bool = False
-    param_samples: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     original_forward: Callable[..., Any] | None = None
     instance_forward: Any = None  # a forward the instance had of its own, to restore
     recorder: Any = None  # the recording hook's handle while recording
@@ -109,17 +127,17 @@ class PartialGraphEntry:
                 self.name,
                 self.contracts.max_variants,
             )
-        elif index == len(self.samples):
-            self.samples.append(
-                (
-                    tuple(_detached_clone(a) for a in args),
-                    {k: _detached_clone(v) for k, v in kwargs.items()},
+        elif index == len(self.variants):
+            self.variants.append(
+                RecordedVariant(
+                    args=tuple(_detached_clone(a) for a in args),
+                    kwargs={k: _detached_clone(v) for k, v in kwargs.items()},
+                    # Plain tensors, not parameters: the graph copies these per call.
+                    params=tuple(_detached_clone(p) for p in self.call_params())
+                    if self.fsdp
+                    else (),
                 )
             )
-            if self.fsdp:
-                # Plain tensors, not parameters: the graph copies these inputs per call.
-                self.param_samples.append(tuple(_detached_clone(p) for p in self.call_params()))
-            self.graphs.append(None)
 
     def call_params(self) -> tuple[nn.Parameter, ...]:
         """The parameters to pass to the graph now: fixed ones, or under FSDP2 the
@@ -131,7 +149,11 @@ class PartialGraphEntry:
 
     def capture_params(self, variant: int) -> tuple[torch.Tensor, ...]:
         """The parameter samples to capture ``variant`` with."""
-        return self.param_samples[variant] if self.fsdp else self.params
+        return self.variants[variant].params if self.fsdp else self.params
+
+    def graphs(self) -> list[Any]:
+        """The graphs held, one per captured variant."""
+        return [v.graph for v in self.variants if v.graph is not None]
 
     def dispatch(self, *args: Any, **kwargs: Any) -> Any:
         """The target's forward while graphs exist: replay or fall back, counted.
@@ -142,9 +164,10 @@ class PartialGraphEntry:
         if self.bypass:
             return self.original_forward(*args, **kwargs)
         index, reason, _ = self.contracts.match(args, kwargs, training=self.target.module.training)
-        if index is not None and self.graphs[index] is not None:
+        graph = self.variants[index].graph if index is not None else None
+        if graph is not None:
             try:
-                out = self.graphs[index](self.call_params(), *args, **kwargs)
+                out = graph(self.call_params(), *args, **kwargs)
             except CudaGraphInputError as exc:
                 # The contract matched, so only the parameters can differ: one was
                 # replaced or re-allocated since capture (checked before any replay).

@@ -411,10 +411,10 @@ class PartialCudaGraphManager:
         todo = [
             (entry, i)
             for entry in self._order
-            for i, graph in enumerate(entry.graphs)
-            if graph is None
+            for i, variant in enumerate(entry.variants)
+            if variant.graph is None
         ]
-        if not todo and not any(e.graphs for e in self.entries):
+        if not todo and not any(e.variants for e in self.entries):
             raise CudaGraphsStateError(
                 "nothing was recorded, so there is nothing to capture. Fix: call "
                 "start_recording(), run one training step (forward and backward), then "
@@ -444,7 +444,7 @@ class PartialCudaGraphManager:
                 else "",
             )
         for entry in self.entries:
-            if entry.original_forward is None and entry.graphs:
+            if entry.original_forward is None and entry.graphs():
                 module = entry.target.module
                 entry.instance_forward = module.__dict__.get("forward")
                 entry.original_forward = module.forward
@@ -465,7 +465,8 @@ class PartialCudaGraphManager:
     def _capture_group(self, group: list[tuple[PartialGraphEntry, int]], backend: Any) -> None:
         callables, sample_args, sample_kwargs = [], [], []
         for entry, i in group:
-            args, kwargs = entry.samples[i]
+            variant = entry.variants[i]
+            args, kwargs = variant.args, variant.kwargs
             callables.append(entry.adapter())
             sample_args.append((tuple(entry.capture_params(i)), *args))
             sample_kwargs.append(kwargs)
@@ -482,14 +483,12 @@ class PartialCudaGraphManager:
                 "one graphed callable per call, in order"
             )
         for (entry, i), g in zip(group, graphed):
-            entry.graphs[i] = g
-            if entry.fsdp:
-                entry.param_samples[i] = ()  # the graph holds its own copies now
+            entry.variants[i].captured(g)
 
     # ---- reporting and teardown -------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Totals over all targets (keys: see the class docs)."""
-        graphs = sum(g is not None for e in self.entries for g in e.graphs)
+        graphs = sum(len(e.graphs()) for e in self.entries)
         out: dict[str, int] = {
             "captured": 0 if self._disabled else graphs,
             "disabled": int(bool(self._disabled)),
@@ -519,12 +518,11 @@ class PartialCudaGraphManager:
                 else:
                     module.__dict__.pop("forward", None)
                 entry.original_forward = None
-            for g in entry.graphs:
+            for g in entry.graphs():
                 reset = getattr(g, "reset", None)
                 if reset is not None:
                     reset()
-            entry.graphs = []
-            entry.samples = []
+            entry.variants = []
         self._closed = True
 
     def _check_open(self) -> None:
