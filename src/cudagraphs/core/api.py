@@ -13,6 +13,7 @@ from ..capture import as_graph_pool, side_stream
 from ..capturing import capture_scope
 from ..checks import check_callable, require_cuda
 from ..errors import CudaGraphsValueError
+from ..forward_swap import swap_forward
 from ..settings import DISABLE_ENV, graphs_disabled
 from .canonicalize import GraphPlan, canonicalize, check_devices
 from .capture_phase import CaptureOptions, capture_plan, eager_entry_graphs
@@ -30,24 +31,20 @@ HookMap = Mapping[str, Mapping[Hashable, Callable[[Any], None]]]
 
 def _install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> None:
     """Swap ``module.forward`` for the graphed one; ``reset()`` swaps it back."""
-    had_instance_forward = "forward" in module.__dict__
-    original_forward = module.forward
 
     def graphed_forward(*args: Any, **kwargs: Any) -> Any:
         return graphed(*args, **kwargs)
 
+    swap = swap_forward(module, graphed_forward)
+
     def restore() -> None:
-        if had_instance_forward:
-            module.forward = original_forward
-        else:
-            module.__dict__.pop("forward", None)
+        swap.restore()
         module.__dict__.pop("cuda_graph", None)
         if module.__dict__.get("reset") == graphed.reset:  # bound methods compare by ==
             del module.__dict__["reset"]
 
-    graphed._eager = original_forward
+    graphed._eager = swap.original
     graphed._on_reset = restore
-    module.forward = graphed_forward
     module.cuda_graph = graphed
     # reset() on the module, as on a graphed function, unless the class already uses
     # the name (then module.cuda_graph.reset() is the way).

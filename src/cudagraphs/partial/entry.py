@@ -14,6 +14,7 @@ from torch import nn
 
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphInputError, describe_mismatches
+from ..forward_swap import ForwardSwap
 from .contract import CallContract, ContractSet, FallbackCounter
 from .discovery import Target
 from .recording import is_inference_call
@@ -79,8 +80,8 @@ class PartialGraphEntry:
     # Under FSDP2 (see .fsdp): parameters are fetched at each call and copied into the
     # graph rather than read in place.
     fsdp: bool = False
-    original_forward: Callable[..., Any] | None = None
-    instance_forward: Any = None  # a forward the instance had of its own, to restore
+    # The target's forward replaced by dispatch (from the first capture to close()).
+    swap: ForwardSwap | None = None
     recorder: Any = None  # the recording hook's handle while recording
     # While recording: calls recorded, the forward of the model the last one belonged
     # to, and calls seen again within one forward (a real reuse, refused by capture()).
@@ -94,6 +95,11 @@ class PartialGraphEntry:
     @property
     def name(self) -> str:
         return self.target.name
+
+    @property
+    def original_forward(self) -> Callable[..., Any]:
+        """The module's own forward (what an eager run calls)."""
+        return self.swap.original if self.swap is not None else self.target.module.forward
 
     def begin_recording(self) -> None:
         self.recorded_calls = 0

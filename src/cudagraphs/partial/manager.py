@@ -40,6 +40,7 @@ from ..errors import (
     CudaGraphsTypeError,
     CudaGraphsValueError,
 )
+from ..forward_swap import swap_forward
 from ..settings import DISABLE_ENV, graphs_disabled
 from .contract import ContractSet
 from .discovery import (
@@ -444,11 +445,8 @@ class PartialCudaGraphManager:
                 else "",
             )
         for entry in self.entries:
-            if entry.original_forward is None and entry.graphs():
-                module = entry.target.module
-                entry.instance_forward = module.__dict__.get("forward")
-                entry.original_forward = module.forward
-                module.forward = entry.dispatch
+            if entry.swap is None and entry.graphs():
+                entry.swap = swap_forward(entry.target.module, entry.dispatch)
 
     def _read_disabled(self) -> bool:
         disabled = graphs_disabled()
@@ -511,13 +509,9 @@ class PartialCudaGraphManager:
             return
         self.stop_recording()
         for entry in self.entries:
-            if entry.original_forward is not None:
-                module = entry.target.module
-                if entry.instance_forward is not None:
-                    module.forward = entry.instance_forward
-                else:
-                    module.__dict__.pop("forward", None)
-                entry.original_forward = None
+            if entry.swap is not None:
+                entry.swap.restore()
+                entry.swap = None
             for g in entry.graphs():
                 reset = getattr(g, "reset", None)
                 if reset is not None:
