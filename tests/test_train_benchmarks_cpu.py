@@ -230,7 +230,7 @@ def test_failures_spare_torch_compile_and_kernel_busy(ts):
     assert ts.failures(report) == ["c/set_to_none/cudagraphs"]
 
 
-def test_a_failed_check_fails_the_run_except_compiles_parameters(ts):
+def test_every_failed_check_fails_the_run(ts):
     off = {"within_tol": False}
     res = {
         "variants": {},
@@ -247,6 +247,7 @@ def test_a_failed_check_fails_the_run_except_compiles_parameters(ts):
     assert failed == [
         "c/set_to_none/cudagraphs: grads off eager's beyond tolerance",
         f"c/set_to_none/{ts.COMPILE_VARIANT}: grads off eager's beyond tolerance",
+        f"c/set_to_none/{ts.COMPILE_VARIANT}: params off eager's beyond tolerance",
         "c/set_to_none/raw_cuda_graph: params off eager's beyond tolerance",
     ]
 
@@ -552,3 +553,33 @@ def test_partial_one_model_end_to_end(pt, monkeypatch):
     assert pt.failures(report) == ["launch_bound/llama/whole_layer: check beyond tolerance"]
     qwen = pt.run_model("qwen3_moe", shape, ["eager", "partial", "whole_layer"])
     assert "whole_layer" not in qwen["variants"]
+
+
+def test_the_parameter_rule_allows_a_few_flipped_updates_and_refuses_a_missing_step(ts):
+    torch.manual_seed(0)
+    lr, steps = 1e-3, 3
+    bound = 2 * steps * lr * ts.ADAM_MAX_UPDATE
+    start = (torch.randn(64, 64) * 0.02).to(torch.bfloat16)
+    sign = torch.randn(64, 64).sign().to(torch.bfloat16)
+    eager = start - steps * lr * sign
+    flipped = sign.clone()
+    flipped.view(-1)[:40] *= -1  # 1% of the elements saw their gradient's sign flip
+    graphed = start - steps * lr * flipped
+    ok = ts.compare_params({"w": graphed}, {"w": eager}, max_update=bound)
+    assert ok["within_tol"] and not ok["equal"], ok
+    assert ok["max_mismatch_fraction"] == pytest.approx(40 / 4096, abs=2e-3)
+    assert ok["max_abs_diff"] <= bound
+    missing_step = ts.compare_params({"w": start}, {"w": eager}, max_update=bound)
+    assert not missing_step["within_tol"] and missing_step["beyond_tol"] == ["w"]
+    assert missing_step["max_mismatch_fraction"] > 0.5
+    far = graphed.clone()
+    far[0, 0] += 1.0  # one element off by far more than any update
+    too_far = ts.compare_params({"w": far}, {"w": eager}, max_update=bound)
+    assert not too_far["within_tol"] and "(an element beyond max_update)" in too_far["beyond_tol"]
+    same = ts.compare_params({"w": eager.clone()}, {"w": eager}, max_update=bound)
+    assert same["equal"] and same["within_tol"] and same["max_mismatch_fraction"] == 0.0
+    nan = eager.clone()
+    nan[0, 0] = float("nan")
+    assert not ts.compare_params({"w": nan}, {"w": eager}, max_update=bound)["within_tol"]
+    gone = ts.compare_params({}, {"w": eager}, max_update=bound)
+    assert gone["missing"] == ["w"] and not gone["within_tol"]
