@@ -230,7 +230,7 @@ def test_failures_spare_torch_compile_and_kernel_busy(ts):
     assert ts.failures(report) == ["c/set_to_none/cudagraphs"]
 
 
-def test_every_failed_check_fails_the_run(ts):
+def test_a_failed_check_fails_the_run_except_compiles_parameters(ts):
     off = {"within_tol": False}
     res = {
         "variants": {},
@@ -247,7 +247,6 @@ def test_every_failed_check_fails_the_run(ts):
     assert failed == [
         "c/set_to_none/cudagraphs: grads off eager's beyond tolerance",
         f"c/set_to_none/{ts.COMPILE_VARIANT}: grads off eager's beyond tolerance",
-        f"c/set_to_none/{ts.COMPILE_VARIANT}: params off eager's beyond tolerance",
         "c/set_to_none/raw_cuda_graph: params off eager's beyond tolerance",
     ]
 
