@@ -60,21 +60,36 @@ def test_the_whole_path_under_gradient_accumulation_equals_the_run_without_it(tm
     assert "forward" not in attn.__dict__, "close() gave the module its eager forward back"
 
 
-@pytest.mark.parametrize("inference_calls", ["ignore", "record"])
-def test_evaluation_during_training_runs_beside_the_training_graphs(tmp_path, inference_calls):
+def test_evaluation_during_training_runs_eagerly_beside_the_training_graphs(tmp_path):
     model = tiny()
     ref = copy.deepcopy(model)
-    callback = PartialGraphsCallback(capture_backend=Backend(), inference_calls=inference_calls)
+    callback = PartialGraphsCallback(capture_backend=Backend())
     trainer = train(tmp_path, model, [callback], steps=6, eval_steps=2)
     reference = train(tmp_path, ref, steps=6, eval_steps=2)
     assert losses(trainer) == losses(reference)
     assert losses(trainer, "eval_loss") == losses(reference, "eval_loss")
     assert len(losses(trainer, "eval_loss")) == 3
     stats = callback.stats()
-    # 4 evaluation batches of 2 targets per evaluation, 3 evaluations: never recorded
-    # (the recorded step ends before Trainer evaluates), so they run eagerly.
-    assert stats["fallbacks"] == 3 * 4 * 2, stats
+    # 3 evaluations of 4 batches, 2 targets each: eager (inference_calls="ignore").
+    assert stats["fallbacks"] == 3 * 4 * 2 and stats["fallback_requires_grad"] == 24, stats
     assert stats["replayed"] == 5 * 2 * 2, stats
+
+
+def test_the_first_evaluation_is_recorded_when_asked_and_later_ones_replay(tmp_path):
+    model = tiny()
+    ref = copy.deepcopy(model)
+    backend = Backend()
+    callback = PartialGraphsCallback(capture_backend=backend, inference_calls="record")
+    trainer = train(tmp_path, model, [callback], steps=6, eval_steps=2)
+    reference = train(tmp_path, ref, steps=6, eval_steps=2)
+    assert losses(trainer) == losses(reference)
+    assert losses(trainer, "eval_loss") == losses(reference, "eval_loss")
+    assert backend.captures == 2, "the training step, then the first evaluation"
+    stats = callback.stats()
+    # The first evaluation (step 2) ran eagerly while recorded; the next two replay.
+    assert stats["fallbacks"] == 4 * 2, stats
+    assert stats["replayed"] == 5 * 2 * 2 + 2 * 4 * 2, stats
+    assert stats["captured"] == 4, "a training and an inference variant per target"
 
 
 def test_recording_starts_at_the_first_step_at_or_after_record_step(tmp_path):
@@ -149,3 +164,12 @@ def test_bad_arguments_are_refused_when_the_callback_is_built(kwargs, error, mat
 
 def test_it_is_a_trainer_callback():
     assert isinstance(PartialGraphsCallback(), transformers.TrainerCallback)
+
+
+def test_recording_for_an_evaluation_never_records_training_steps(tmp_path):
+    model = tiny()
+    callback = PartialGraphsCallback(capture_backend=Backend(), inference_calls="record")
+    train(tmp_path, model, [callback], steps=4)  # no evaluation at all
+    stats = callback.stats()
+    assert stats["captured"] == 2 and stats["fallbacks"] == 0, stats
+    assert stats["replayed"] == 3 * 2 * 2, stats

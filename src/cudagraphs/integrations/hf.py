@@ -15,15 +15,18 @@ What the callback does, by Trainer event:
   inside it follows ``inference_calls``.
 * ``on_step_end`` of that step (after the optimizer step and ``zero_grad``): captures.
   From the next step on, matching calls replay their graphs.
+* With ``inference_calls="record"``: the first evaluation after the capture is
+  recorded (recording runs from each ``on_step_end`` to the next ``on_step_begin``
+  until an evaluation happens) and captured at its ``on_evaluate``; later evaluations
+  replay those inference graphs, captured in pools of their own.
 * ``on_log``: adds the manager's ``stats()`` to the logs, as ``cudagraphs/<key>``.
 * ``on_train_end``: logs the stats and closes the manager (the model's modules get
   their eager forwards back).
 
 Evaluation and prediction run with ``model.eval()`` under ``torch.no_grad()``: their
 calls do not match the training contracts, so they run eagerly (counted as fallbacks)
-or, with ``inference_calls="record"`` and an evaluation inside the recorded step,
-replay inference graphs captured in pools of their own. Neither touches the training
-graphs. Mixed precision (``bf16=True``) is recorded with each call and reproduced at
+or, with ``inference_calls="record"``, replay inference graphs. Neither touches the
+training graphs. Mixed precision (``bf16=True``) is recorded with each call and reproduced at
 capture.
 
 Where the stats show up: ``trainer.state.log_history`` and every callback after this
@@ -148,12 +151,15 @@ class PartialGraphsCallback(TrainerCallback):
         self._said_off = False
         self._recording_step: int | None = None
         self._captured = False
+        self._eval_recording = False  # recording between steps, for an evaluation
+        self._eval_captured = False
         self._last_stats: dict[str, int] = {}
 
     # ---- Trainer events --------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
         self._recording_step, self._captured = None, False
+        self._eval_recording = self._eval_captured = False
         model = kwargs.get("model")
         self.off_reason = self._why_off(model)
         if self.off_reason is None:
@@ -175,6 +181,10 @@ class PartialGraphsCallback(TrainerCallback):
             )
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.manager is not None and self._eval_recording:
+            # No evaluation since the last step: stop before training calls come.
+            self.manager.stop_recording()
+            self._eval_recording = False
         if self.manager is None or self._captured or self._recording_step is not None:
             return
         step = state.global_step + 1  # the optimizer step about to run
@@ -184,15 +194,27 @@ class PartialGraphsCallback(TrainerCallback):
             logger.info("partial graphs: recording optimizer step %d", step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.manager is None or not self.manager.recording:
+        if self.manager is None:
             return
-        self.manager.capture()
-        self._captured = True
-        logger.info(
-            "partial graphs: captured after optimizer step %d: %s",
-            self._recording_step,
-            self.manager.stats(),
-        )
+        if self.manager.recording and not self._eval_recording:
+            self.manager.capture()
+            self._captured = True
+            logger.info(
+                "partial graphs: captured after optimizer step %d: %s",
+                self._recording_step,
+                self.manager.stats(),
+            )
+        if self._captured and self.manager.inference_calls == "record" and not self._eval_captured:
+            # Trainer evaluates after on_step_end, before the next on_step_begin.
+            self.manager.start_recording()
+            self._eval_recording = True
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.manager is None or not self._eval_recording:
+            return
+        self.manager.capture()  # the evaluation's calls: inference variants
+        self._eval_recording, self._eval_captured = False, True
+        logger.info("partial graphs: captured the evaluation's calls: %s", self.manager.stats())
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
