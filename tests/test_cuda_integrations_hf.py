@@ -50,3 +50,6 @@ def test_evaluation_between_steps_leaves_the_training_graphs_intact(tmp_path):
     reference = train(tmp_path, ref, use_cpu=False, steps=6, eval_steps=2)
     assert losses(trainer) == losses(reference)
     assert losses(trainer, "eval_loss") == losses(reference, "eval_loss")
+    stats = callback.stats()
+    # Evaluations at steps 2, 4, 6 (4 batches, 2 targets): the first recorded, eagerly.
+    assert stats["fallbacks"] == 4 * 2 and stats["replayed"] == 5 * 2 * 2 + 2 * 4 * 2, stats
