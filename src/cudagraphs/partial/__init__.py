@@ -14,6 +14,11 @@ Parameters are explicit graph inputs: read in place, or under FSDP2 copied in at
 call (:mod:`.fsdp`). The errors this layer raises derive from
 :class:`~cudagraphs.errors.CudaGraphsError`.
 
+Targets come from the model's own metadata where it declares some (a Hugging Face
+model's decoder-layer, attention and router classes), from its structure otherwise;
+:func:`plan_targets` also lists each block it skips (a Mamba or linear-attention
+layer, say) with the reason and the fix (:class:`SkippedBlock`).
+
 Recording may span several forwards (gradient accumulation: equal contracts recorded
 once, new ones as variants); evaluation-style calls are ignored or recorded as
 inference variants (:mod:`.recording`). ``cudagraphs.integrations.hf`` drives all of
@@ -26,12 +31,15 @@ Not here: discovery does not pick MLPs, whole MoE blocks or whole layers by itse
 from .contract import CallContract, ContractSet, FallbackCounter
 from .discovery import (
     DiscoveredBlock,
+    SkippedBlock,
     Target,
+    TargetPlan,
     TargetSelectionError,
     discover_blocks,
     find_attention,
     find_moe,
     model_label,
+    plan_targets,
     select_targets,
     unwrap_checkpoint,
 )
@@ -46,12 +54,15 @@ __all__ = [
     "ContractSet",
     "DiscoveredBlock",
     "FallbackCounter",
+    "SkippedBlock",
     "Target",
+    "TargetPlan",
     "TargetSelectionError",
     "discover_blocks",
     "find_attention",
     "find_moe",
     "model_label",
+    "plan_targets",
     "select_targets",
     "unwrap_checkpoint",
 ]

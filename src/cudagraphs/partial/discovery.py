@@ -1,40 +1,73 @@
-"""Structural discovery of partial-graph targets in a training model.
+"""Discovery of partial-graph targets in a training model: from the model's own
+metadata where it declares some, from its structure otherwise.
 
-Nothing here looks at model names: a transformer block is recognized by what it holds
-(an attention submodule), attention by how it is called (``hidden_states`` plus an
-attention mask or position embeddings) and what it owns (projections), an MoE
-sublayer by having a router (a gate with a weight) beside experts. A model label is
-produced for diagnostics only.
+Nothing here looks at model names, and no list of architectures is kept here: class
+names come from the model's own declarations, and a model label is produced for
+diagnostics only.
+
+1. Metadata (:mod:`.metadata`). A Hugging Face ``PreTrainedModel`` declares its
+   decoder-layer classes (``_no_split_modules``) and the classes that produce its
+   attention weights and router logits (``_can_record_outputs``). The declaring module
+   is the model part passed or any module inside it (``model.model``, a whole
+   ``...ForCausalLM``, the language model of a composite); the nearest declaration
+   above a module is the one in force, as in transformers' own output hooks. Blocks
+   are the outermost modules of a declared layer class. In a block, attention is the
+   shallowest descendant of a declared attention class (a direct child first), the
+   router the shallowest of a declared router class, and the MoE sublayer is the
+   router's parent. Where a model declares attention classes nothing else is
+   attention (a linear-attention or Mamba mixer is not), even when no module of those
+   classes is left in the model (its blocks are then skipped, saying so); where it
+   declares layer classes but no attention or router class, the structural rule finds
+   those inside the blocks. Cross-attention is never a target.
+2. Structure, for modules no declaration covers (user models; a pipeline stage that
+   is a plain ``ModuleList`` of layers) and beneath a declaration whose layer classes
+   occur nowhere beneath it (it does not describe those modules): a block is a child
+   of a ``ModuleList``/``ModuleDict`` of same-typed modules that each hold an
+   attention module; attention is recognized by how it is called (``hidden_states``
+   plus an attention mask or position embeddings) and what it owns (projections); an
+   MoE sublayer by having a router (a gate with a 2-D weight) beside experts.
 
 Targets are the modules a manager will graph: each block's whole attention module and
-its MoE router. Users add targets of their own with ``include``: one glob pattern over
-qualified module names (a plain string), a list or tuple of patterns, or a predicate
-``(name, module) -> bool``.
+its MoE router. A block that yields no target is reported by :func:`plan_targets` as a
+:class:`SkippedBlock` with a reason and the fix, never dropped silently. Users add
+targets of their own with ``include``: one glob pattern over qualified module names (a
+plain string), a list or tuple of patterns, or a predicate ``(name, module) -> bool``.
 
-What this module does NOT do: it does not graph MLPs, whole MoE blocks or whole
-layers unless ``include`` names them, and it does not judge whether an included
-module is graph-safe (host syncs, data-dependent shapes): the replay contract and the
-capture do.
+What this module does NOT do: it does not graph MLPs, whole MoE blocks, whole layers or
+state-space / linear-attention mixers unless ``include`` names them; it does not tell
+encoder layers from decoder layers (no metadata does: a T5 encoder's self-attention is
+a target like its decoder's); beneath a declaration it does not look for structural
+stacks the declaration leaves out (``include`` names those); and it does not judge
+whether a module is graph-safe (host syncs, data-dependent shapes): the replay
+contract and the capture do.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from torch import nn
 
 from ..checks import check_bool
 from ..errors import CudaGraphsTypeError, TargetSelectionError
+from .metadata import ModelMetadata, first_declared, read_metadata
+from .selectors import Selector, as_model_parts, include_predicate
+from .skips import SkippedBlock, skip_record
+from .tree import children as _children
+from .tree import join_name as _join
+from .tree import named_modules as _named_modules
+from .tree import unwrap_checkpoint
 
 __all__ = [
     "DiscoveredBlock",
     "Selector",
+    "SkippedBlock",
     "Target",
+    "TargetPlan",
     "TargetSelectionError",
     "as_model_parts",
     "discover_blocks",
@@ -42,6 +75,7 @@ __all__ = [
     "find_moe",
     "include_predicate",
     "model_label",
+    "plan_targets",
     "select_targets",
     "unwrap_checkpoint",
     "why_nothing_found",
@@ -50,6 +84,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 TargetKind = Literal["attention", "router", "custom"]
+Source = Literal["metadata", "structure"]
 _ROUTER_NAMES = ("gate", "router")  # the router child of an MoE sublayer
 _EXPERT_NAMES = ("experts",)
 
@@ -73,29 +108,18 @@ class DiscoveredBlock:
     attention: Target | None
     router: Target | None
     moe: str | None  # qualified name of the MoE sublayer, if any
+    source: Source = "structure"  # what named it a block, and the rule used inside it
+    # The declaration in force (None for a structural block): skip reports name its classes.
+    metadata: ModelMetadata | None = field(default=None, compare=False, repr=False)
 
 
-def unwrap_checkpoint(module: nn.Module) -> nn.Module:
-    """The module beneath any nesting of activation-checkpoint wrappers."""
-    while True:
-        inner = getattr(module, "_checkpoint_wrapped_module", None)
-        if not isinstance(inner, nn.Module):
-            return module
-        module = inner
+@dataclass(frozen=True)
+class TargetPlan:
+    """What :func:`plan_targets` found in one model part."""
 
-
-def _children(module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    # _modules, not named_children(): the latter skips a module registered twice (a
-    # tied layer), which is exactly what target selection must see and reject.
-    for name, child in module._modules.items():
-        if child is None:
-            continue
-        if hasattr(child, "_checkpoint_wrapped_module"):
-            # The wrapper's own child name is an implementation detail; report the
-            # wrapped module under the wrapper's name.
-            yield name, unwrap_checkpoint(child)
-        else:
-            yield name, child
+    targets: list[Target]  # in module order, as select_targets returns them
+    skipped: list[SkippedBlock]  # in module order
+    source: Source  # "metadata" when any block came from the model's own declarations
 
 
 def _forward_parameters(module: nn.Module) -> set[str]:
@@ -164,31 +188,87 @@ def _is_block_stack(container: nn.Module) -> bool:
 
 
 def discover_blocks(model: nn.Module, prefix: str = "") -> list[DiscoveredBlock]:
-    """Every transformer block of ``model``: the children of each block stack (a
-    ``ModuleList``/``ModuleDict`` of same-typed blocks that each hold an attention
-    module), main stack and extra stacks (multi-token-prediction layers) alike."""
+    """Every transformer block of ``model``, in module order (see the module docstring
+    for the two rules): the modules of a declared decoder-layer class beneath a
+    declaration, and elsewhere the children of each structural block stack, main stack
+    and extra stacks (multi-token-prediction layers) alike."""
     out: list[DiscoveredBlock] = []
-    stack = [(prefix, model)]
+    stack: list[tuple[str, nn.Module, ModelMetadata | None]] = [(prefix, model, None)]
     while stack:
-        name, module = stack.pop(0)
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and _is_block_stack(module):
-            for child_name, child in _children(module):
-                out.append(_describe_block(f"{name}.{child_name}" if name else child_name, child))
+        name, module, declared = stack.pop()
+        declared = _declaration_in_force(name, module, declared)
+        if declared is not None and declared.is_layer(module):
+            out.append(_metadata_block(name, module, declared))
+            continue  # outermost only: a layer class inside a layer is part of it
+        if (
+            declared is None
+            and isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            and _is_block_stack(module)
+        ):
+            out.extend(_describe_block(_join(name, n), child) for n, child in _children(module))
             continue  # blocks found: do not look for stacks inside them
-        for child_name, child in _children(module):
-            stack.append((f"{name}.{child_name}" if name else child_name, child))
+        children = list(_children(module))
+        stack.extend((_join(name, n), child, declared) for n, child in reversed(children))
     return out
 
 
+def _declaration_in_force(
+    name: str, module: nn.Module, inherited: ModelMetadata | None
+) -> ModelMetadata | None:
+    declared = read_metadata(module)
+    if declared is None:
+        return inherited
+    if any(declared.is_layer(m) for _, m in _named_modules(module)):
+        return declared
+    # The layers were replaced by classes the declaration does not name (or it belongs
+    # to another configuration): it describes nothing here, so it is not trusted here.
+    logger.debug(
+        "%s (%s) declares decoder layers %s and holds none of them; the rules in force "
+        "above it apply beneath it",
+        name or "the model part",
+        declared.owner,
+        list(declared.layer_classes),
+    )
+    return inherited
+
+
+def _metadata_block(name: str, block: nn.Module, declared: ModelMetadata) -> DiscoveredBlock:
+    if declared.attention and declared.is_attention(name, block):
+        attn = (name, block)  # a model that names its attention class as the layer
+    elif declared.attention:
+        hit = first_declared(block, name, declared.is_attention, "attention")
+        attn = (hit[0], hit[1]) if hit else None
+    else:  # layer classes but no attention class declared (Falcon): by structure
+        attn = find_attention(block, name)
+    if declared.router:
+        hit = first_declared(block, name, declared.is_router, "router")
+        moe = (hit[2], hit[3], hit[0], hit[1]) if hit else None
+    else:
+        moe = find_moe(block, name)
+    return _block_record(name, block, attn, moe, "metadata", declared)
+
+
 def _describe_block(name: str, block: nn.Module) -> DiscoveredBlock:
-    attn = find_attention(block, name)
     moe = find_moe(block, name)
+    return _block_record(name, block, find_attention(block, name), moe, "structure", None)
+
+
+def _block_record(
+    name: str,
+    block: nn.Module,
+    attn: tuple[str, nn.Module] | None,
+    moe: tuple[str, nn.Module, str, nn.Module] | None,
+    source: Source,
+    declared: ModelMetadata | None,
+) -> DiscoveredBlock:
     return DiscoveredBlock(
         name=name,
         module=block,
         attention=Target(attn[0], attn[1], "attention", name) if attn else None,
         router=Target(moe[2], moe[3], "router", name) if moe else None,
         moe=moe[0] if moe else None,
+        source=source,
+        metadata=declared,
     )
 
 
@@ -197,59 +277,17 @@ def model_label(model: nn.Module) -> str:
     return f"{type(model).__name__} with {len(discover_blocks(model))} block(s)"
 
 
-#: What ``include`` accepts: one glob pattern, a list or tuple of them, or a predicate.
-Selector = str | Sequence[str] | Callable[[str, nn.Module], bool]
-Predicate = Callable[[str, nn.Module], bool]
-
-
-def include_predicate(include: Selector | None) -> Predicate | None:
-    """``include`` as a predicate ``(name, module) -> bool`` (``None`` stays ``None``).
-
-    A plain string is one glob pattern (``"model.layers.*.mlp"``), not a sequence of
-    one-character patterns; a list or tuple holds patterns; a callable is used as it
-    is. Patterns match qualified names with :func:`fnmatch.fnmatchcase`.
-
-    Raises:
-        CudaGraphsTypeError: ``include`` is none of these, or a list / tuple holds
-            something other than a string (naming ``include[i]``).
-    """
-    if include is None:
-        return None
-    if isinstance(include, str):
-        patterns: tuple[str, ...] = (include,)
-    elif isinstance(include, (list, tuple)):
-        for i, pattern in enumerate(include):
-            if not isinstance(pattern, str):
-                raise CudaGraphsTypeError(
-                    f"include[{i}] must be a glob pattern (str), got "
-                    f"{type(pattern).__name__} {pattern!r}"
-                )
-        patterns = tuple(include)
-    elif callable(include):
-        return include
-    else:
-        raise CudaGraphsTypeError(
-            "include must be a glob pattern (str), a list or tuple of patterns, or a "
-            f"predicate (name, module) -> bool; got {type(include).__name__} {include!r}"
-        )
-
-    def matches(name: str, module: nn.Module) -> bool:
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
-
-    return matches
-
-
-def select_targets(
+def plan_targets(
     model: nn.Module,
     *,
     attention: bool = True,
     router: bool = True,
     include: Selector | None = None,
-) -> list[Target]:
-    """The targets to graph in ``model``, in module order.
+) -> TargetPlan:
+    """The targets to graph in ``model`` and the blocks that yield none, with why.
 
     Args:
-        model: the model (or one pipeline stage) to search; not modified.
+        model: the model (or one pipeline stage) to search; borrowed, not modified.
         attention, router: take the discovered attention modules / MoE routers.
         include: extra user-chosen targets (see :func:`include_predicate`): one glob
             pattern over qualified names (``"model.layers.*.mlp.shared_experts"``),
@@ -257,7 +295,13 @@ def select_targets(
             A module already chosen is not added twice.
 
     Returns:
-        The targets, in the order of ``model``'s modules (empty when nothing fits).
+        A :class:`TargetPlan`: the targets in the order of ``model``'s modules (empty
+        when nothing fits); one :class:`SkippedBlock` per block that holds no target
+        (reason ``"no_graph_safe_scope"``: it has nothing of the kinds asked for, as a
+        Mamba or linear-attention layer without a router; ``"nothing_asked"``:
+        attention and router are off and ``include`` names nothing in it); and
+        ``source``, ``"metadata"`` when any block came from the model's declarations.
+        It does not judge whether a target is graph-safe.
 
     Raises:
         CudaGraphsTypeError: ``model`` is not an ``nn.Module``, ``attention`` /
@@ -271,32 +315,37 @@ def select_targets(
     check_bool("attention", attention)
     check_bool("router", router)
     predicate = include_predicate(include)
-    targets: list[Target] = []
-    for block in discover_blocks(model):
-        if attention and block.attention is not None:
-            targets.append(block.attention)
-        if router and block.router is not None:
-            targets.append(block.router)
+    blocks = discover_blocks(model)
+    targets = [
+        t
+        for b in blocks
+        for t, wanted in ((b.attention, attention), (b.router, router))
+        if wanted and t is not None
+    ]
+    named = _named_modules(model)
     if predicate is not None:
         chosen = {t.name for t in targets}
-        for name, module in _named_modules(model):
-            if name not in chosen and predicate(name, module):
-                targets.append(Target(name, module, "custom"))
+        targets += [Target(n, m, "custom") for n, m in named if n not in chosen and predicate(n, m)]
     _reject_shared(targets)
-    order = {name: i for i, (name, _) in enumerate(_named_modules(model))}
-    return sorted(targets, key=lambda t: order.get(t.name, len(order)))
+    order = {name: i for i, (name, _) in enumerate(named)}
+    targets.sort(key=lambda t: order.get(t.name, len(order)))
+    skipped = _skipped_blocks(blocks, targets, attention=attention, router=router)
+    for s in skipped:
+        logger.debug("partial graphs: skipped %s (%s): %s", s.name, s.reason, s.detail)
+    source: Source = "metadata" if any(b.source == "metadata" for b in blocks) else "structure"
+    return TargetPlan(targets=targets, skipped=skipped, source=source)
 
 
-def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    out, stack = [], [("", model)]
-    while stack:
-        name, module = stack.pop()
-        if name:
-            out.append((name, module))
-        children = list(_children(module))
-        for child_name, child in reversed(children):
-            stack.append((f"{name}.{child_name}" if name else child_name, child))
-    return out
+def select_targets(
+    model: nn.Module,
+    *,
+    attention: bool = True,
+    router: bool = True,
+    include: Selector | None = None,
+) -> list[Target]:
+    """The targets to graph in ``model``, in module order: :func:`plan_targets`'s
+    ``targets`` (same arguments, same errors), without the skipped blocks."""
+    return plan_targets(model, attention=attention, router=router, include=include).targets
 
 
 def _reject_shared(targets: list[Target]) -> None:
@@ -323,27 +372,37 @@ def _reject_shared(targets: list[Target]) -> None:
                 )
 
 
-def as_model_parts(model_parts: Any) -> list[nn.Module]:
-    """``model_parts`` as a list of modules: one ``nn.Module`` (a ``ModuleList``
-    included: it is one module) or an iterable of them.
-
-    Raises:
-        CudaGraphsTypeError: neither, naming ``model_parts`` or ``model_parts[i]``.
-    """
-    if isinstance(model_parts, nn.Module):
-        return [model_parts]
-    if isinstance(model_parts, (str, bytes)) or not isinstance(model_parts, Iterable):
-        raise CudaGraphsTypeError(
-            "model_parts must be an nn.Module or a sequence of them (pipeline stages), "
-            f"got {type(model_parts).__name__}"
+def _skipped_blocks(
+    blocks: list[DiscoveredBlock], targets: list[Target], *, attention: bool, router: bool
+) -> list[SkippedBlock]:
+    names = [t.name for t in targets]
+    attention_anywhere = any(b.attention is not None for b in blocks)
+    return [
+        skip_record(
+            block,
+            attention=attention,
+            router=router,
+            attention_anywhere=attention_anywhere,
+            example=_include_example(block),
         )
-    parts = list(model_parts)
-    for i, part in enumerate(parts):
-        if not isinstance(part, nn.Module):
-            raise CudaGraphsTypeError(
-                f"model_parts[{i}] must be an nn.Module, got {type(part).__name__} {part!r}"
-            )
-    return parts
+        for block in blocks
+        # A target inside the block, or one holding it (include="model.layers.3"),
+        # means the block is graphed, whole or in part.
+        if not any(_overlaps(name, block.name) for name in names)
+    ]
+
+
+def _overlaps(target: str, block: str) -> bool:
+    return target == block or target.startswith(block + ".") or block.startswith(target + ".")
+
+
+def _include_example(block: DiscoveredBlock) -> str:
+    # The block's mixer (a Mamba or linear-attention module is called like attention)
+    # is the module a user most likely wants to name; the block itself otherwise.
+    for name, module in _children(block.module):
+        if _is_attention(module):
+            return _join(block.name, name)
+    return block.name
 
 
 def why_nothing_found(
@@ -358,9 +417,19 @@ def why_nothing_found(
         asked.append(f"include={include!r}")
     if not asked:
         return f"in {searched}: attention=False, router=False and no include: nothing asked for"
+    declared = any(b.source == "metadata" for p in parts for b in discover_blocks(p))
+    rule = _METADATA_RULE if declared else _STRUCTURE_RULE
     return (
-        f"in {searched}, looking for {', '.join(asked)}; blocks are found in a ModuleList/"
-        "ModuleDict of same-typed modules that each hold an attention module. Fixes: "
-        "1. pass include= naming the modules to graph; 2. pass the model parts that hold "
-        "the decoder layers"
+        f"in {searched}, looking for {', '.join(asked)}; {rule}. Fixes: 1. pass include= "
+        "naming the modules to graph; 2. pass the model parts that hold the decoder layers"
     )
+
+
+_STRUCTURE_RULE = (
+    "blocks are found in a ModuleList/ModuleDict of same-typed modules that each hold an "
+    "attention module"
+)
+_METADATA_RULE = (
+    "blocks are the decoder-layer classes the model declares (_no_split_modules), and "
+    "plan_targets reports each block that yields no target with the reason"
+)

@@ -2,7 +2,9 @@
 
 Life cycle (the constructor never captures):
 
-1. ``from_model_parts(parts)`` discovers targets structurally (:mod:`.discovery`).
+1. ``from_model_parts(parts)`` discovers targets from the model's metadata or its
+   structure (:mod:`.discovery`); blocks with nothing graph-safe are listed in
+   ``skipped``.
 2. ``start_recording()`` installs recorders; run one eager step (all its
    micro-batches: each forward of the model parts is told apart, :mod:`.recording`).
 3. ``capture()`` graphs every recorded call in real forward order through the core
@@ -42,17 +44,15 @@ from ..errors import (
 )
 from ..forward_swap import swap_forward
 from ..settings import DISABLE_ENV, graphs_disabled
-from .contract import ContractSet
+from .build import build_entries
 from .discovery import (
     Selector,
     TargetSelectionError,
     as_model_parts,
     include_predicate,
-    select_targets,
     why_nothing_found,
 )
 from .entry import PartialGraphEntry
-from .fsdp import check_target_parameters, fsdp_managed_modules
 from .recording import (
     ForwardClock,
     InferenceCalls,
@@ -61,6 +61,7 @@ from .recording import (
     check_inference_calls,
     is_inference_call,
 )
+from .skips import SkippedBlock
 
 __all__ = ["CaptureBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
 
@@ -115,6 +116,9 @@ class PartialCudaGraphManager:
 
     ``stats()`` keys: ``captured`` (graphs held), ``replayed``, ``fallbacks``,
     ``disabled`` (1 under ``CUDAGRAPHS_DISABLE=1``, else 0), and one
+    ``skipped_<reason>`` per reason a block was skipped by discovery (a Mamba or
+    linear-attention layer: ``skipped_no_graph_safe_scope``; the blocks and the fixes
+    are in :attr:`skipped` and the WARNING logged at construction), and one
     ``fallback_<reason>`` per reason seen: a name from
     :data:`~cudagraphs.partial.contract.REASONS`, ``not_captured`` (recorded, not
     captured yet) or ``param_storage`` (a parameter replaced since capture). Under
@@ -134,6 +138,7 @@ class PartialCudaGraphManager:
             accumulation). Without them any second call of a target while recording
             counts as a reuse, refused by :meth:`capture`.
         inference_calls: see :meth:`from_model_parts`.
+        skipped: the blocks discovery skipped, reported by :meth:`stats`.
 
     Raises:
         CudaGraphsTypeError: an entry that is not a :class:`PartialGraphEntry`, a
@@ -152,8 +157,11 @@ class PartialCudaGraphManager:
         activation_checkpointing: bool = False,
         model_parts: Sequence[nn.Module] = (),
         inference_calls: InferenceCalls = "ignore",
+        skipped: Sequence[SkippedBlock] = (),
     ) -> None:
         self.entries = list(entries)
+        #: Blocks discovery found but took no target from (see :class:`SkippedBlock`).
+        self.skipped = list(skipped)
         for i, entry in enumerate(self.entries):
             if not isinstance(entry, PartialGraphEntry):
                 raise CudaGraphsTypeError(
@@ -252,31 +260,14 @@ class PartialCudaGraphManager:
         check_inference_calls(inference_calls)
         if capture_backend is not None:
             check_callable("capture_backend", capture_backend)
-        predicate = include_predicate(include)
-        entries, seen = [], {}
-        for part in parts:
-            sharded = fsdp_managed_modules(part)
-            for target in select_targets(
-                part, attention=attention, router=router, include=predicate
-            ):
-                if id(target.module) in seen:
-                    raise TargetSelectionError(
-                        f"{target.name} is the same module as {seen[id(target.module)]} in "
-                        "another model part; one graph cannot stand for both calls. Fix: "
-                        "leave it out of the targets of one part."
-                    )
-                seen[id(target.module)] = target.name
-                fsdp = id(target.module) in sharded
-                params = check_target_parameters(target, fsdp)
-                entries.append(
-                    PartialGraphEntry(
-                        target=target,
-                        contracts=ContractSet(max_variants),
-                        param_names=tuple(n for n, _ in params),
-                        params=() if fsdp else tuple(p for _, p in params),
-                        fsdp=fsdp,
-                    )
-                )
+        built = build_entries(
+            parts,
+            attention=attention,
+            router=router,
+            include=include_predicate(include),
+            max_variants=max_variants,
+        )
+        entries = built.entries
         if not entries:
             logger.warning(
                 "partial graphs: nothing graphable found (%s); the model trains eagerly "
@@ -285,8 +276,16 @@ class PartialCudaGraphManager:
             )
             return None
         logger.info("partial graphs: %d target(s): %s", len(entries), [e.name for e in entries])
+        if built.skipped:
+            logger.warning(
+                "partial graphs: %d block(s) hold nothing graph-safe of the kinds asked "
+                "for and run eagerly (counted in stats()['skipped_<reason>']):\n  %s",
+                len(built.skipped),
+                "\n  ".join(f"{b.name} ({b.block_type}): {b.detail}" for b in built.skipped),
+            )
         return cls(
             entries,
+            skipped=built.skipped,
             capture_backend=capture_backend,
             activation_checkpointing=activation_checkpointing,
             model_parts=parts,
@@ -496,6 +495,9 @@ class PartialCudaGraphManager:
         for entry in self.entries:
             for key, n in entry.counter.as_dict().items():
                 out[key] = out.get(key, 0) + n
+        for block in self.skipped:
+            key = f"skipped_{block.reason}"
+            out[key] = out.get(key, 0) + 1
         return out
 
     def log_stats(self, phase: str) -> None:

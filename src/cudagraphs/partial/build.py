@@ -1,0 +1,72 @@
+"""From model parts to a manager's entries: discovery per part (:mod:`.discovery`),
+FSDP2 detection and parameter checks per target (:mod:`.fsdp`), one
+:class:`~.entry.PartialGraphEntry` per target, and the blocks that yield none."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..errors import TargetSelectionError
+from .contract import ContractSet
+from .discovery import plan_targets
+from .entry import PartialGraphEntry
+from .fsdp import check_target_parameters, fsdp_managed_modules
+from .selectors import Predicate
+from .skips import SkippedBlock
+
+__all__ = ["BuiltEntries", "build_entries"]
+
+
+@dataclass
+class BuiltEntries:
+    """What discovery gave over all parts: the entries, in part and module order, and
+    every block skipped (with its reason)."""
+
+    entries: list[PartialGraphEntry] = field(default_factory=list)
+    skipped: list[SkippedBlock] = field(default_factory=list)
+
+
+def build_entries(
+    parts: Sequence[nn.Module],
+    *,
+    attention: bool,
+    router: bool,
+    include: Predicate | None,
+    max_variants: int,
+) -> BuiltEntries:
+    """One entry per target of every part.
+
+    Raises:
+        TargetSelectionError: a module that is a target in two parts (one graph cannot
+            stand for both calls), or what :func:`~.discovery.plan_targets` and
+            :func:`~.fsdp.check_target_parameters` raise.
+        CudaGraphsValueError: meta-device parameters in a target.
+    """
+    out, seen = BuiltEntries(), {}
+    for part in parts:
+        sharded = fsdp_managed_modules(part)
+        plan = plan_targets(part, attention=attention, router=router, include=include)
+        out.skipped += plan.skipped
+        for target in plan.targets:
+            if id(target.module) in seen:
+                raise TargetSelectionError(
+                    f"{target.name} is the same module as {seen[id(target.module)]} in "
+                    "another model part; one graph cannot stand for both calls. Fix: "
+                    "leave it out of the targets of one part."
+                )
+            seen[id(target.module)] = target.name
+            fsdp = id(target.module) in sharded
+            params = check_target_parameters(target, fsdp)
+            out.entries.append(
+                PartialGraphEntry(
+                    target=target,
+                    contracts=ContractSet(max_variants),
+                    param_names=tuple(n for n, _ in params),
+                    params=() if fsdp else tuple(p for _, p in params),
+                    fsdp=fsdp,
+                )
+            )
+    return out
