@@ -50,6 +50,7 @@ from ..errors import CudaGraphsTypeError, CudaGraphsValueError, MissingDependenc
 from ..partial import PartialCudaGraphManager
 from ..partial.discovery import Selector
 from ..partial.recording import InferenceCalls, check_inference_calls
+from ..partial.speed import speed_check_of
 
 try:
     from transformers import TrainerCallback
@@ -108,6 +109,8 @@ class PartialGraphsCallback(TrainerCallback):
             ``make_graphed_callables`` by default). When given, graphs are on
             whatever the model's device is: the backend decides (tests pass an
             eager one to run this whole path on the CPU).
+        speed_check: turn off a target whose graph is measured slower than its eager
+            run right after capture (see the manager); ``True`` by default.
         log_prefix: prefix of the keys added to the Trainer's logs.
 
     Attributes:
@@ -131,6 +134,7 @@ class PartialGraphsCallback(TrainerCallback):
         max_variants: int = 4,
         inference_calls: InferenceCalls = "ignore",
         capture_backend: Any = None,
+        speed_check: Any = True,
         log_prefix: str = "cudagraphs/",
     ) -> None:
         self._switches = _scope_switches(scopes)
@@ -139,6 +143,7 @@ class PartialGraphsCallback(TrainerCallback):
             "include": include,
             "max_variants": check_int("max_variants", max_variants, minimum=1),
             "inference_calls": check_inference_calls(inference_calls),
+            "speed_check": speed_check_of(speed_check),
             "capture_backend": (
                 None
                 if capture_backend is None

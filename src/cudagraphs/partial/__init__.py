@@ -24,8 +24,12 @@ once, new ones as variants); evaluation-style calls are ignored or recorded as
 inference variants (:mod:`.recording`). ``cudagraphs.integrations.hf`` drives all of
 this from a ``transformers.Trainer`` callback.
 
+Right after capture each target's graph is timed against its eager run on the
+recorded inputs, and a target whose graph is slower runs eagerly from then on
+(:mod:`.speed`; ``speed_check=False`` keeps every graph).
+
 Not here: discovery does not pick MLPs, whole MoE blocks or whole layers by itself
-(``include`` can name them), and nothing measures whether a graph is faster than eager.
+(``include`` can name them).
 """
 
 from .contract import CallContract, ContractSet, FallbackCounter
@@ -44,6 +48,7 @@ from .discovery import (
     unwrap_checkpoint,
 )
 from .entry import PartialGraphEntry
+from .speed import SpeedCheck, SpeedVerdict
 from .manager import CaptureBackend, PartialCudaGraphManager
 
 __all__ = [
@@ -55,6 +60,8 @@ __all__ = [
     "DiscoveredBlock",
     "FallbackCounter",
     "SkippedBlock",
+    "SpeedCheck",
+    "SpeedVerdict",
     "Target",
     "TargetPlan",
     "TargetSelectionError",

@@ -82,6 +82,9 @@ class PartialGraphEntry:
     fsdp: bool = False
     # The target's forward replaced by dispatch (from the first capture to close()).
     swap: ForwardSwap | None = None
+    # Why the target runs eagerly for good (a graph measured slower than eager, see
+    # .speed); None while it is graphed or graphable.
+    off_reason: str | None = None
     recorder: Any = None  # the recording hook's handle while recording
     # While recording: calls recorded, the forward of the model the last one belonged
     # to, and calls seen again within one forward (a real reuse, refused by capture()).
@@ -156,6 +159,26 @@ class PartialGraphEntry:
     def capture_params(self, variant: int) -> tuple[torch.Tensor, ...]:
         """The parameter samples to capture ``variant`` with."""
         return self.variants[variant].params if self.fsdp else self.params
+
+    def turn_off(self, reason: str) -> None:
+        """Run the module's own forward from now on: forward restored, graphs released
+        (recording and capture skip the target from then on)."""
+        if self.swap is not None:
+            self.swap.restore()
+            self.swap = None
+        self.release_graphs()
+        self.off_reason = reason
+
+    def release_graphs(self) -> None:
+        """Reset every graph held (a graph with a ``reset`` releases its memory) and
+        forget the variants' graphs and samples."""
+        for g in self.graphs():
+            reset = getattr(g, "reset", None)
+            if reset is not None:
+                reset()
+        for v in self.variants:
+            v.graph = v.args = v.kwargs = None
+            v.params = ()
 
     def graphs(self) -> list[Any]:
         """The graphs held, one per captured variant."""

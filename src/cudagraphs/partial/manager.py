@@ -62,6 +62,7 @@ from .recording import (
     is_inference_call,
 )
 from .skips import SkippedBlock
+from .speed import SpeedCheck, forward_backward, speed_check_of
 
 __all__ = ["CaptureBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
 
@@ -118,7 +119,9 @@ class PartialCudaGraphManager:
     ``disabled`` (1 under ``CUDAGRAPHS_DISABLE=1``, else 0), and one
     ``skipped_<reason>`` per reason a block was skipped by discovery (a Mamba or
     linear-attention layer: ``skipped_no_graph_safe_scope``; the blocks and the fixes
-    are in :attr:`skipped` and the WARNING logged at construction), and one
+    are in :attr:`skipped` and the WARNING logged at construction),
+    ``off_slower_than_eager`` (targets whose graph was measured slower than eager and
+    that run eagerly since: see ``speed_check``), and one
     ``fallback_<reason>`` per reason seen: a name from
     :data:`~cudagraphs.partial.contract.REASONS`, ``not_captured`` (recorded, not
     captured yet) or ``param_storage`` (a parameter replaced since capture). Under
@@ -139,6 +142,7 @@ class PartialCudaGraphManager:
             counts as a reuse, refused by :meth:`capture`.
         inference_calls: see :meth:`from_model_parts`.
         skipped: the blocks discovery skipped, reported by :meth:`stats`.
+        speed_check: see :meth:`from_model_parts`.
 
     Raises:
         CudaGraphsTypeError: an entry that is not a :class:`PartialGraphEntry`, a
@@ -158,6 +162,7 @@ class PartialCudaGraphManager:
         model_parts: Sequence[nn.Module] = (),
         inference_calls: InferenceCalls = "ignore",
         skipped: Sequence[SkippedBlock] = (),
+        speed_check: bool | SpeedCheck = True,
     ) -> None:
         self.entries = list(entries)
         #: Blocks discovery found but took no target from (see :class:`SkippedBlock`).
@@ -176,6 +181,7 @@ class PartialCudaGraphManager:
             "activation_checkpointing", activation_checkpointing
         )
         self.inference_calls = check_inference_calls(inference_calls)
+        self._speed_check = speed_check_of(speed_check)
         self._parts = as_model_parts(model_parts) if model_parts else []
         # Forwards of the parts told apart while recording (see .recording); without
         # parts, any second call of a target while recording counts as a reuse.
@@ -202,6 +208,7 @@ class PartialCudaGraphManager:
         max_variants: int = 4,
         capture_backend: CaptureBackend | None = None,
         inference_calls: InferenceCalls = "ignore",
+        speed_check: bool | SpeedCheck = True,
     ) -> PartialCudaGraphManager | None:
         """Discover targets in already-built model parts (pipeline stages).
 
@@ -230,6 +237,13 @@ class PartialCudaGraphManager:
                 calls run eagerly later, counted as fallbacks; ``"record"`` records
                 it as an inference variant, captured forward-only in a memory pool of
                 its own (replaying it never touches the training graphs' memory).
+            speed_check: right after capture, time each target's graph against its
+                eager forward+backward on the recorded inputs (interleaved rounds,
+                :mod:`.speed`) and give a target whose graph is slower its eager
+                forward back, counted in ``stats()['off_slower_than_eager']`` and
+                logged. ``True`` (default) checks targets on a CUDA device; ``False``
+                never; a :class:`~cudagraphs.partial.speed.SpeedCheck` sets rounds and
+                calls (and checks on any device).
 
         Targets under FSDP2 (``fully_shard``) are supported: their unsharded
         parameters are copied into the graph at each call (:mod:`.fsdp`).
@@ -258,6 +272,7 @@ class PartialCudaGraphManager:
             check_bool(name, flag)
         max_variants = check_int("max_variants", max_variants, minimum=1)
         check_inference_calls(inference_calls)
+        speed_check_of(speed_check)
         if capture_backend is not None:
             check_callable("capture_backend", capture_backend)
         built = build_entries(
@@ -290,6 +305,7 @@ class PartialCudaGraphManager:
             activation_checkpointing=activation_checkpointing,
             model_parts=parts,
             inference_calls=inference_calls,
+            speed_check=speed_check,
         )
 
     # ---- recording ------------------------------------------------------------------
@@ -321,7 +337,7 @@ class PartialCudaGraphManager:
 
     def _make_recorder(self, entry: PartialGraphEntry) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if entry.bypass:
+            if entry.bypass or entry.off_reason is not None:
                 return
             if _in_backward():
                 # An activation-checkpoint recompute of a call already recorded, not
@@ -412,7 +428,7 @@ class PartialCudaGraphManager:
             (entry, i)
             for entry in self._order
             for i, variant in enumerate(entry.variants)
-            if variant.graph is None
+            if variant.graph is None and entry.off_reason is None
         ]
         if not todo and not any(e.variants for e in self.entries):
             raise CudaGraphsStateError(
@@ -431,10 +447,11 @@ class PartialCudaGraphManager:
                 len(self.entries),
                 DISABLE_ENV,
             )
+        verdicts: list = []
         if todo:
             backend = _eager_backend if disabled else self._backend
             for group in capture_groups(todo, self.activation_checkpointing):
-                self._capture_group(group, backend)
+                verdicts += self._capture_group(group, backend)
             logger.info(
                 "partial graphs: %s %d call(s)%s",
                 "prepared eagerly (disabled)" if disabled else "captured",
@@ -446,6 +463,7 @@ class PartialCudaGraphManager:
         for entry in self.entries:
             if entry.swap is None and entry.graphs():
                 entry.swap = swap_forward(entry.target.module, entry.dispatch)
+        self._turn_off_slower(verdicts)
 
     def _read_disabled(self) -> bool:
         disabled = graphs_disabled()
@@ -459,7 +477,7 @@ class PartialCudaGraphManager:
             )
         return disabled
 
-    def _capture_group(self, group: list[tuple[PartialGraphEntry, int]], backend: Any) -> None:
+    def _capture_group(self, group: list[tuple[PartialGraphEntry, int]], backend: Any) -> list:
         callables, sample_args, sample_kwargs = [], [], []
         for entry, i in group:
             variant = entry.variants[i]
@@ -471,16 +489,58 @@ class PartialCudaGraphManager:
         modules = [entry.target.module for entry, _ in group]
         scope = nullcontext() if self._disabled else capture_scope()
         modes = capture_modes(first.grad_enabled, first.training, modules, first.autocast)
-        with modes, scope:
-            graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))
-        if len(graphed) != len(group):
-            raise CudaGraphsValueError(
-                f"capture_backend returned {len(graphed)} callable(s) for "
-                f"{len(group)} call(s) ({[e.name for e, _ in group]}); it must return "
-                "one graphed callable per call, in order"
-            )
+        with modes:
+            with scope:
+                graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))
+            if len(graphed) != len(group):
+                raise CudaGraphsValueError(
+                    f"capture_backend returned {len(graphed)} callable(s) for "
+                    f"{len(group)} call(s) ({[e.name for e, _ in group]}); it must "
+                    "return one graphed callable per call, in order"
+                )
+            verdicts = self._measure(group, graphed) if not self._disabled else []
         for (entry, i), g in zip(group, graphed):
             entry.variants[i].captured(g)
+        return verdicts
+
+    def _measure(self, group: list[tuple[PartialGraphEntry, int]], graphed: list) -> list:
+        """Speed verdicts of the group's training variants (see :mod:`.speed`), taken
+        under the recorded modes, before the samples are dropped."""
+        if self._speed_check is False or len(graphed) != len(group):
+            return []
+        check = self._speed_check if isinstance(self._speed_check, SpeedCheck) else SpeedCheck()
+        verdicts = []
+        for (entry, i), g in zip(group, graphed):
+            variant, contract = entry.variants[i], entry.contracts.variants[i]
+            on_cuda = any(p.is_cuda for p in entry.capture_params(i))
+            if not contract.grad_enabled or (self._speed_check is True and not on_cuda):
+                continue  # inference variants, and CPU targets unless asked explicitly
+            call = ((tuple(entry.capture_params(i)), *variant.args), variant.kwargs)
+            verdict = check.measure(
+                forward_backward(g, *call), forward_backward(entry.adapter(), *call)
+            )
+            verdicts.append((entry, verdict))
+        return verdicts
+
+    def _turn_off_slower(self, verdicts: list) -> None:
+        """Give the targets whose graph lost to eager their eager forward back."""
+        slower = {}
+        for entry, verdict in verdicts:
+            if verdict.slower and entry.off_reason is None:
+                slower.setdefault(id(entry), (entry, verdict))
+        for entry, _ in slower.values():
+            entry.turn_off("slower_than_eager")
+        if slower:
+            logger.warning(
+                "partial graphs: %d target(s) ran slower graphed than eager on their "
+                "recorded inputs and run eagerly from now on (stats()"
+                "['off_slower_than_eager']; pass speed_check=False to keep them): %s",
+                len(slower),
+                ", ".join(
+                    f"{e.name} ({v.graph_ms:.3f} ms graphed vs {v.eager_ms:.3f} ms eager)"
+                    for e, v in slower.values()
+                ),
+            )
 
     # ---- reporting and teardown -------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -498,6 +558,10 @@ class PartialCudaGraphManager:
         for block in self.skipped:
             key = f"skipped_{block.reason}"
             out[key] = out.get(key, 0) + 1
+        for entry in self.entries:
+            if entry.off_reason is not None:
+                key = f"off_{entry.off_reason}"
+                out[key] = out.get(key, 0) + 1
         return out
 
     def log_stats(self, phase: str) -> None:
@@ -514,10 +578,7 @@ class PartialCudaGraphManager:
             if entry.swap is not None:
                 entry.swap.restore()
                 entry.swap = None
-            for g in entry.graphs():
-                reset = getattr(g, "reset", None)
-                if reset is not None:
-                    reset()
+            entry.release_graphs()
             entry.variants = []
         self._closed = True
 

@@ -1,0 +1,139 @@
+"""Never slower than eager: time a captured target's replay against its eager run and
+turn off the targets whose graphs lose.
+
+Why measure: a graph saves host time per kernel launch, so it wins big on launch-bound
+pieces (a small attention, a router) and by nothing on compute-bound ones, where it
+can even lose (static-input copies, a worse memory layout in the pool). Only a
+measurement on the user's own shapes says which; a rule of thumb would be wrong for
+some model or GPU.
+
+How: right after capture, on the recorded sample inputs, forward and backward of the
+graphed callable and of the eager adapter, ``iters`` calls per sample, rounds
+alternating which goes first (host speed drifts; a fixed order would bias one side),
+compared by their medians. Backward runs through ``torch.autograd.grad`` on the
+inputs, so no ``.grad`` of the model changes, and the random-number state is restored
+afterwards, so a measured step draws the same numbers as an unmeasured one.
+
+Vocabulary:
+
+* verdict: one target variant's :class:`SpeedVerdict` (median ms of graph and eager);
+* turned off: a target whose graph lost for any of its variants runs its eager forward
+  from then on (its graphs released), counted in ``stats()`` and logged once.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..checks import check_int
+
+__all__ = ["SpeedCheck", "SpeedVerdict", "forward_backward"]
+
+
+@dataclass(frozen=True)
+class SpeedVerdict:
+    """Median milliseconds per forward+backward call of a target variant."""
+
+    graph_ms: float
+    eager_ms: float
+
+    @property
+    def slower(self) -> bool:
+        """Whether the graph lost (ties keep the graph: it is never worse)."""
+        return self.graph_ms > self.eager_ms
+
+
+def forward_backward(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], None]:
+    """A call of ``fn(*args, **kwargs)`` followed by the gradients of its outputs with
+    respect to every input that requires grad (``torch.autograd.grad``: no ``.grad``
+    is written). Outputs that do not require grad are left out; with none, only the
+    forward runs (an inference variant)."""
+    inputs = [
+        t
+        for t in pytree.tree_leaves((args, kwargs))
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+
+    def run() -> None:
+        out = fn(*args, **kwargs)
+        outs = [
+            t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if outs and inputs:
+            torch.autograd.grad(
+                outs, inputs, grad_outputs=[torch.ones_like(t) for t in outs], allow_unused=True
+            )
+
+    return run
+
+
+@dataclass(frozen=True)
+class SpeedCheck:
+    """How a target's graph is timed against its eager run (see the module docs).
+
+    Args:
+        rounds: samples per side; each sample is the mean of ``iters`` calls.
+        iters: calls per sample.
+        warmup: untimed calls per side before the first round.
+        clock: seconds, monotonic (injectable for tests).
+        synchronize: waits for the device before each clock reading (the current
+            CUDA device's by default; tests pass a no-op).
+    """
+
+    rounds: int = 5
+    iters: int = 5
+    warmup: int = 2
+    clock: Callable[[], float] = field(default=time.perf_counter, compare=False)
+    synchronize: Callable[[], None] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        check_int("rounds", self.rounds, minimum=1)
+        check_int("iters", self.iters, minimum=1)
+        check_int("warmup", self.warmup, minimum=0)
+
+    def measure(self, graph: Callable[[], None], eager: Callable[[], None]) -> SpeedVerdict:
+        """Time both, interleaved; the random-number state is restored afterwards."""
+        sync = self.synchronize or torch.cuda.synchronize
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            for _ in range(self.warmup):
+                graph()
+                eager()
+            samples: dict[str, list[float]] = {"graph": [], "eager": []}
+            sides = [("graph", graph), ("eager", eager)]
+            for r in range(self.rounds):
+                for name, fn in sides if r % 2 == 0 else sides[::-1]:
+                    sync()
+                    start = self.clock()
+                    for _ in range(self.iters):
+                        fn()
+                    sync()
+                    samples[name].append((self.clock() - start) * 1e3 / self.iters)
+        return SpeedVerdict(
+            graph_ms=statistics.median(samples["graph"]),
+            eager_ms=statistics.median(samples["eager"]),
+        )
+
+
+def speed_check_of(value: Any) -> SpeedCheck | bool:
+    """The manager's ``speed_check`` argument: ``True`` (a default :class:`SpeedCheck`
+    for targets on a CUDA device), ``False`` (never), or a :class:`SpeedCheck` (always,
+    whatever the device: tests and tuning).
+
+    Raises:
+        CudaGraphsTypeError: anything else, naming ``speed_check``.
+    """
+    if isinstance(value, (bool, SpeedCheck)):
+        return value
+    from ..errors import CudaGraphsTypeError
+
+    raise CudaGraphsTypeError(
+        f"speed_check must be a bool or a SpeedCheck, got {type(value).__name__} {value!r}"
+    )

@@ -1,0 +1,179 @@
+"""Never slower than eager (partial/speed.py) on the CPU: the interleaved timing with
+an injected clock, forward+backward without touching .grad, the random-number state
+restored, and the manager turning off a target whose graph loses."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError
+from cudagraphs.partial import PartialCudaGraphManager
+from cudagraphs.partial.speed import SpeedCheck, SpeedVerdict, forward_backward
+
+
+class FakeClock:
+    """Time that moves only when the code under test says it spent some."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def spend(self, seconds):
+        self.now += seconds
+
+
+def no_sync():
+    pass
+
+
+def test_measure_takes_medians_of_interleaved_rounds_and_restores_the_rng():
+    clock, order = FakeClock(), []
+
+    def graph():
+        order.append("g")
+        torch.rand(1)
+        clock.spend(0.002)
+
+    def eager():
+        order.append("e")
+        clock.spend(0.003)
+
+    check = SpeedCheck(rounds=3, iters=2, warmup=1, clock=clock, synchronize=no_sync)
+    state = torch.random.get_rng_state()
+    verdict = check.measure(graph, eager)
+    assert torch.equal(torch.random.get_rng_state(), state), "random state restored"
+    assert verdict == SpeedVerdict(graph_ms=pytest.approx(2.0), eager_ms=pytest.approx(3.0))
+    assert not verdict.slower
+    # warmup g e; round 0 g-first, round 1 e-first, round 2 g-first
+    assert "".join(order) == "ge" + "ggee" + "eegg" + "ggee"
+
+
+def test_a_tie_keeps_the_graph_and_a_loss_does_not():
+    assert not SpeedVerdict(1.0, 1.0).slower
+    assert SpeedVerdict(1.01, 1.0).slower
+
+
+@pytest.mark.parametrize("field, value", [("rounds", 0), ("iters", 0), ("warmup", -1)])
+def test_speed_check_arguments_are_checked(field, value):
+    with pytest.raises(CudaGraphsValueError, match=field):
+        SpeedCheck(**{field: value})
+
+
+def test_forward_backward_computes_gradients_without_writing_grad():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    seen = []
+    x.register_hook(lambda g: seen.append(g.shape))
+    w = lin.weight  # an input, as the parameters are for a partial graph's adapter
+    forward_backward(lambda t, weight: t @ weight.t(), (x, w), {})()
+    assert seen == [torch.Size([2, 4])], "gradients of the inputs were computed"
+    assert lin.weight.grad is None and x.grad is None
+    calls = []
+    forward_backward(lambda t: calls.append(t) or t * 2, (torch.ones(2),), {})()
+    assert len(calls) == 1, "nothing requires grad: the forward alone"
+
+
+# --- the manager ------------------------------------------------------------------------
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, hidden_states, attention_mask=None):
+        return self.o(torch.tanh(self.q(hidden_states)))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = Attn()
+
+    def forward(self, x):
+        return x + self.self_attn(x)
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def slow_backend(clock, slow_name):
+    """An eager "graph" per call that costs 1 ms, 3 ms for ``slow_name``; the eager
+    adapter costs 2 ms (a forward hook on each target spends it)."""
+
+    def backend(callables, sample_args, sample_kwargs):
+        graphs = []
+        for fn in callables:
+            cost = 0.003 if slow_name in fn.__qualname__ else 0.001
+
+            def graph(*args, _fn=fn, _cost=cost, **kwargs):
+                clock.spend(_cost - 0.002)  # the hook below adds 2 ms to every run
+                return _fn(*args, **kwargs)
+
+            graphs.append(graph)
+        return graphs
+
+    return backend
+
+
+def test_a_target_whose_graph_loses_runs_eagerly_from_then_on(caplog):
+    model, clock = Toy(), FakeClock()
+    for layer in model.layers:
+        layer.self_attn.register_forward_hook(lambda m, a, o: clock.spend(0.002))
+    check = SpeedCheck(rounds=3, iters=1, warmup=0, clock=clock, synchronize=no_sync)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        model, capture_backend=slow_backend(clock, "layers.1.self_attn"), speed_check=check
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        mgr.capture()
+    slow, fast = mgr.entries[1], mgr.entries[0]
+    assert slow.off_reason == "slower_than_eager" and fast.off_reason is None
+    assert "forward" not in slow.target.module.__dict__, "its eager forward is back"
+    assert slow.graphs() == [] and len(fast.graphs()) == 1
+    (said,) = [r for r in caplog.records if "slower graphed than eager" in r.getMessage()]
+    assert "layers.1.self_attn (3.000 ms graphed vs 2.000 ms eager)" in said.getMessage()
+    model(torch.randn(2, 8, requires_grad=True))
+    stats = mgr.stats()
+    assert stats["off_slower_than_eager"] == 1 and stats["captured"] == 1, stats
+    assert stats["replayed"] == 1 and stats["fallbacks"] == 0, stats
+    mgr.start_recording()  # a later recording leaves the target alone
+    model(torch.randn(3, 8))
+    mgr.capture()
+    assert slow.variants[0].graph is None and len(slow.variants) == 1
+    mgr.close()
+
+
+def test_no_check_when_turned_off_or_on_the_cpu_by_default(monkeypatch):
+    def refuse(self, graph, eager):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(SpeedCheck, "measure", refuse)
+    for speed_check in (True, False):
+        model = Toy()
+        mgr = PartialCudaGraphManager.from_model_parts(
+            model, capture_backend=lambda c, a, k: list(c), speed_check=speed_check
+        )
+        mgr.start_recording()
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+        mgr.capture()  # CPU targets: the default check does not run
+        assert mgr.stats()["captured"] == 2
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_speed_check_must_be_a_bool_or_a_speed_check(bad):
+    with pytest.raises(CudaGraphsTypeError, match="speed_check must be a bool or a SpeedCheck"):
+        PartialCudaGraphManager.from_model_parts(Toy(), speed_check=bad)
