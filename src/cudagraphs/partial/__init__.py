@@ -48,8 +48,8 @@ from .discovery import (
     unwrap_checkpoint,
 )
 from .entry import PartialGraphEntry
-from .speed import SpeedCheck, SpeedVerdict
 from .manager import CaptureBackend, PartialCudaGraphManager
+from .speed import SpeedCheck, SpeedVerdict
 
 __all__ = [
     "CaptureBackend",
