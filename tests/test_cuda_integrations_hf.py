@@ -27,7 +27,7 @@ from cudagraphs.integrations.hf import PartialGraphsCallback  # noqa: E402
 def test_trainer_with_the_callback_equals_the_trainer_without_it(tmp_path, kind, precision):
     model = tiny(kind)
     ref = copy.deepcopy(model)
-    callback = PartialGraphsCallback()
+    callback = PartialGraphsCallback(speed_check=False)
     trainer = train(tmp_path, model, [callback], use_cpu=False, **precision)
     reference = train(tmp_path, ref, use_cpu=False, **precision)
     assert callback.off_reason is None
@@ -45,7 +45,7 @@ def test_trainer_with_the_callback_equals_the_trainer_without_it(tmp_path, kind,
 def test_evaluation_between_steps_leaves_the_training_graphs_intact(tmp_path):
     model = tiny()
     ref = copy.deepcopy(model)
-    callback = PartialGraphsCallback(inference_calls="record")
+    callback = PartialGraphsCallback(inference_calls="record", speed_check=False)
     trainer = train(tmp_path, model, [callback], use_cpu=False, steps=6, eval_steps=2)
     reference = train(tmp_path, ref, use_cpu=False, steps=6, eval_steps=2)
     assert losses(trainer) == losses(reference)

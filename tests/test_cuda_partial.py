@@ -39,7 +39,7 @@ def test_training_steps_equal_eager(kind):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     gen = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(5)]
-    mgr = PartialCudaGraphManager.from_model_parts([model])
+    mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False)
     mgr.start_recording()
     try:
         for i, ids in enumerate(batches):
@@ -68,7 +68,9 @@ def test_with_activation_checkpointing_losses_and_grads_equal_eager():
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gen = torch.Generator(device="cuda").manual_seed(2)
     batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(3)]
-    mgr = PartialCudaGraphManager.from_model_parts([model], activation_checkpointing=True)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], activation_checkpointing=True, speed_check=False
+    )
     mgr.start_recording()
     try:
         for i, ids in enumerate(batches):
@@ -96,7 +98,7 @@ def test_dropout_in_graphed_attention_draws_fresh_masks_and_eager_rng_still_work
         layer.self_attn.attention_dropout = 0.5
     model = model.cuda().train()
     ids = torch.randint(0, 128, (2, 16), device="cuda")
-    mgr = PartialCudaGraphManager.from_model_parts([model])
+    mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False)
     mgr.start_recording()
     try:
         loss_of(model, ids).backward()
@@ -131,7 +133,7 @@ def test_fsdp2_world_size_1_training_equals_eager(tmp_path):
         model, ref = models
         gen = torch.Generator(device="cuda").manual_seed(4)
         batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(4)]
-        mgr = PartialCudaGraphManager.from_model_parts([model])
+        mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False)
         assert all(e.fsdp for e in mgr.entries)
         mgr.start_recording()
         try:
@@ -155,3 +157,38 @@ def test_fsdp2_world_size_1_training_equals_eager(tmp_path):
             mgr.close()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_the_default_speed_check_runs_on_the_gpu_and_training_stays_equal(kind, monkeypatch):
+    from cudagraphs.partial.speed import SpeedCheck
+
+    verdicts = []
+    measure = SpeedCheck.measure
+
+    def spy(self, graph, eager):
+        verdicts.append(measure(self, graph, eager))
+        return verdicts[-1]
+
+    monkeypatch.setattr(SpeedCheck, "measure", spy)
+    model = tiny_cuda(kind)
+    ref = copy.deepcopy(model)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(4)]
+    mgr = PartialCudaGraphManager.from_model_parts([model])  # speed_check=True
+    mgr.start_recording()
+    try:
+        for i, ids in enumerate(batches):
+            step_both_and_compare(model, ref, ids, i)
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            if i == 0:
+                mgr.capture()
+        assert len(verdicts) == len(mgr.entries), "one verdict per training target"
+        assert all(v.graph_ms > 0 and v.eager_ms > 0 for v in verdicts)
+        stats = mgr.stats()
+        off = stats.get("off_slower_than_eager", 0)
+        assert off == sum(v.slower for v in verdicts), (stats, verdicts)
+        assert stats["fallbacks"] == 0, stats
+    finally:
+        mgr.close()
