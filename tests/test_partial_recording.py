@@ -422,3 +422,33 @@ def test_samples_are_kept_until_a_capture_succeeds_then_dropped():
     assert all(v.graph is not None and v.args is None and v.kwargs is None for v in variants)
     model(torch.randn(2, 8))
     assert mgr.stats()["replayed"] == 2
+
+
+def test_experts_implementation_switches_the_model_before_discovery(caplog):
+    model = tiny("qwen3_moe")
+    model.set_experts_implementation("eager")
+    with caplog.at_level(logging.INFO, logger="cudagraphs.partial.manager"):
+        mgr = PartialCudaGraphManager.from_model_parts(
+            model, capture_backend=Backend(), experts_implementation="grouped_mm"
+        )
+    assert model.config._experts_implementation == "grouped_mm"
+    assert model.model.layers[0].mlp.experts.config._experts_implementation == "grouped_mm"
+    assert any("experts implementation of" in r.getMessage() for r in caplog.records)
+    assert mgr is not None
+
+
+def test_experts_implementation_needs_a_model_that_can_switch():
+    with pytest.raises(CudaGraphsValueError, match="no module in the model parts has"):
+        PartialCudaGraphManager.from_model_parts(
+            Toy(), capture_backend=Backend(), experts_implementation="grouped_mm"
+        )
+    with pytest.raises(CudaGraphsValueError, match=r"refused experts_implementation='nope'"):
+        PartialCudaGraphManager.from_model_parts(
+            tiny("qwen3_moe"), capture_backend=Backend(), experts_implementation="nope"
+        )
+    from cudagraphs.errors import CudaGraphsTypeError
+
+    with pytest.raises(CudaGraphsTypeError, match="experts_implementation must be a str"):
+        PartialCudaGraphManager.from_model_parts(
+            tiny("qwen3_moe"), capture_backend=Backend(), experts_implementation=1
+        )

@@ -70,3 +70,53 @@ def build_entries(
                 )
             )
     return out
+
+
+def switch_experts_implementation(parts: Sequence[nn.Module], implementation: str) -> list[str]:
+    """Switch every Hugging Face model in ``parts`` to the MoE experts implementation
+    ``implementation`` with the model's own ``set_experts_implementation`` (the
+    outermost module of each subtree that has the method); returns their names.
+
+    Why here: graph-safety of an MoE block depends on its experts implementation
+    (``grouped_mm`` / ``batched_mm`` keep shapes static; ``eager`` loops over experts
+    with host-side shapes), and discovery reads the implementation in effect, so the
+    switch must happen before targets are chosen.
+
+    Raises:
+        CudaGraphsTypeError: ``implementation`` is not a str.
+        CudaGraphsValueError: no module in ``parts`` has ``set_experts_implementation``
+            (not a transformers 5 MoE model), or the model refused the value (its
+            message is chained).
+    """
+    from ..errors import CudaGraphsTypeError, CudaGraphsValueError
+
+    if not isinstance(implementation, str):
+        raise CudaGraphsTypeError(
+            "experts_implementation must be a str such as 'grouped_mm', got "
+            f"{type(implementation).__name__} {implementation!r}"
+        )
+    switched = []
+    for part in parts:
+        stack = [("", part)]
+        while stack:
+            name, module = stack.pop()
+            setter = getattr(module, "set_experts_implementation", None)
+            if callable(setter):
+                try:
+                    setter(implementation)
+                except Exception as exc:
+                    raise CudaGraphsValueError(
+                        f"{name or type(module).__name__} refused experts_implementation="
+                        f"{implementation!r}: {exc}. Fix: pass an implementation the "
+                        "installed transformers supports ('grouped_mm', 'batched_mm')."
+                    ) from exc
+                switched.append(name or type(module).__name__)
+                continue  # the model switches its own submodels
+            stack += [(f"{name}.{n}" if name else n, c) for n, c in module.named_children()]
+    if not switched:
+        raise CudaGraphsValueError(
+            f"experts_implementation={implementation!r} was given, but no module in the "
+            "model parts has set_experts_implementation (a transformers 5 MoE model "
+            "does). Fix: leave experts_implementation out for this model."
+        )
+    return switched

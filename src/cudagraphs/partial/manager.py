@@ -44,7 +44,7 @@ from ..errors import (
 )
 from ..forward_swap import swap_forward
 from ..settings import DISABLE_ENV, graphs_disabled
-from .build import build_entries
+from .build import build_entries, switch_experts_implementation
 from .discovery import (
     Selector,
     TargetSelectionError,
@@ -209,6 +209,7 @@ class PartialCudaGraphManager:
         capture_backend: CaptureBackend | None = None,
         inference_calls: InferenceCalls = "ignore",
         speed_check: bool | SpeedCheck = True,
+        experts_implementation: str | None = None,
     ) -> PartialCudaGraphManager | None:
         """Discover targets in already-built model parts (pipeline stages).
 
@@ -244,6 +245,12 @@ class PartialCudaGraphManager:
                 logged. ``True`` (default) checks targets on a CUDA device; ``False``
                 never; a :class:`~cudagraphs.partial.speed.SpeedCheck` sets rounds and
                 calls (and checks on any device).
+            experts_implementation: switch the Hugging Face MoE model(s) in the parts
+                to this experts implementation first (``"grouped_mm"``: static shapes,
+                so whole MoE blocks and layers are graph-safe), with the model's own
+                ``set_experts_implementation``. ``None`` (default) leaves the model as
+                it is; an MoE layer whose experts run the ``eager`` loop is then
+                graphed at narrower scopes, said in the log.
 
         Targets under FSDP2 (``fully_shard``) are supported: their unsharded
         parameters are copied into the graph at each call (:mod:`.fsdp`).
@@ -273,6 +280,13 @@ class PartialCudaGraphManager:
         max_variants = check_int("max_variants", max_variants, minimum=1)
         check_inference_calls(inference_calls)
         speed_check_of(speed_check)
+        if experts_implementation is not None:
+            switched = switch_experts_implementation(parts, experts_implementation)
+            logger.info(
+                "partial graphs: experts implementation of %s set to %r",
+                switched,
+                experts_implementation,
+            )
         if capture_backend is not None:
             check_callable("capture_backend", capture_backend)
         built = build_entries(
