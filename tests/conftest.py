@@ -7,6 +7,9 @@ import torch
 # Tests run against the source tree (python -m pytest from the repo root) whether or
 # not the package is installed.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+# Tests are grouped by layer (tests/core, tests/program, tests/partial, tests/serving,
+# tests/benchmarks, ...); the shared helpers (_hf_models, _spawn, ...) live here.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_make_parametrize_id(config, val, argname):

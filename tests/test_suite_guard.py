@@ -31,7 +31,7 @@ def _pytest(*args):
 
 
 def test_a_gpu_only_run_without_cuda_fails_with_the_reason():
-    run = _pytest("-m", "cuda", "tests/test_cuda_contract.py")
+    run = _pytest("-m", "cuda", "tests/core/test_cuda_contract.py")
     assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout + run.stderr
     out = run.stdout + run.stderr
     assert "GPU test(s) were selected, but CUDA is not usable here" in out
@@ -39,11 +39,11 @@ def test_a_gpu_only_run_without_cuda_fails_with_the_reason():
 
 
 def test_gpu_files_alone_without_cuda_fail_too():
-    run = _pytest("tests/test_cuda_contract.py")
+    run = _pytest("tests/core/test_cuda_contract.py")
     assert run.returncode == pytest.ExitCode.USAGE_ERROR, run.stdout + run.stderr
 
 
 def test_a_plain_run_still_skips_gpu_tests():
-    run = _pytest("tests/test_cuda_contract.py", "tests/test_hooks.py")
+    run = _pytest("tests/core/test_cuda_contract.py", "tests/core/test_hooks.py")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "skipped" in run.stdout and "passed" in run.stdout

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
 
 
