@@ -246,6 +246,19 @@ def test_mismatches_show_the_autocast_states():
         assert c.mismatches((t(2),), {}, training=True) == [
             Mismatch("torch.autocast", "autocast", "off", "cpu: bfloat16")
         ]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        c_bf16 = record((t(2),))
+    assert c_bf16.mismatches((t(2),), {}, training=True) == [
+        Mismatch("torch.autocast", "autocast", "cpu: bfloat16", "off")
+    ]
+
+
+def test_autocast_states_of_several_devices_read_as_one_list():
+    from cudagraphs.partial.contract import _autocast_text
+
+    both = (("cuda", torch.bfloat16), ("cpu", torch.float16))
+    assert _autocast_text(both) == "cuda: bfloat16, cpu: float16"
+    assert _autocast_text(()) == "off"
 
 
 def test_training_flag():

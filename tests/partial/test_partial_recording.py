@@ -13,7 +13,12 @@ from torch import nn
 from _hf_models import tiny
 from cudagraphs.errors import CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
-from cudagraphs.partial.recording import ForwardClock, capture_groups, capture_modes
+from cudagraphs.partial.recording import (
+    ForwardClock,
+    capture_groups,
+    capture_modes,
+    is_inference_call,
+)
 
 
 class Backend:
@@ -299,22 +304,33 @@ def test_stop_recording_keeps_what_was_recorded_and_records_nothing_after():
 
 
 def test_forward_clock_numbers_outermost_forwards_and_direct_calls():
-    outer, inner = Toy(), Toy()
+    outer = Toy()
     clock = ForwardClock()
+    assert clock.current() == 1, "a call outside any forward is a forward of its own"
     clock.install([outer, outer.layers[0]])  # a part nested in another
     seen = []
-    handle = outer.layers[0].self_attn.register_forward_pre_hook(
-        lambda m, a: seen.append(clock.current())
-    )
-    outer(torch.randn(1, 8))
+    handles = [
+        layer.self_attn.register_forward_pre_hook(lambda m, a: seen.append(clock.current()))
+        for layer in outer.layers
+    ]
+    outer(torch.randn(1, 8))  # layer 1's call comes after the nested part returned
     outer(torch.randn(1, 8))
     outer.layers[0].self_attn(torch.randn(1, 8))  # direct: a forward of its own
     outer.layers[0].self_attn(torch.randn(1, 8))
-    assert seen == [1, 2, 3, 4]
+    assert seen == [2, 2, 3, 3, 4, 5]
     clock.remove()
-    handle.remove()
+    for handle in handles:
+        handle.remove()
     assert outer._forward_pre_hooks == {} and outer._forward_hooks == {}
-    del inner
+
+
+def test_an_evaluation_style_call_is_grad_off_or_eval_mode():
+    module = nn.Linear(2, 2)
+    assert not is_inference_call(module)
+    with torch.no_grad():
+        assert is_inference_call(module), "grad off alone"
+    module.eval()
+    assert is_inference_call(module), "eval mode alone"
 
 
 class Variant:

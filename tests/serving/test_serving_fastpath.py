@@ -256,3 +256,31 @@ def test_staging_plans_are_made_once_and_write_what_stage_writes():
     for name in a.specs:
         assert torch.equal(a.view(name, MAX), b.view(name, MAX)), name
     assert torch.equal(a.view("ids", 8)[5:], torch.full((3,), -1))
+
+
+def test_exact_rows_builds_what_a_row_count_must_match_once():
+    # Nothing per call that could be done once: the expected shapes of a row count are
+    # built on its first batch and reused by every later one.
+    static = StaticInputs(SPECS, MAX, "cpu")
+    assert static.exact_rows(batch(5)) == 5
+    first = static._exact[5]
+    assert static.exact_rows(batch(5, seed=1)) == 5
+    assert static._exact[5] is first
+
+
+def test_an_exact_fit_pads_nothing_and_the_plan_cache_is_bounded(monkeypatch):
+    from cudagraphs.serving import static_inputs
+
+    static = StaticInputs(SPECS, MAX, "cpu")
+    plan = static.staging(Bucket(8), 8)
+    assert plan.zeros == () and plan.fills == (), "a full bucket has no padding rows"
+    padded = static.staging(Bucket(8), 5)
+    assert len(padded.zeros) + len(padded.fills) == len(SPECS)
+    monkeypatch.setattr(static_inputs, "PLAN_CACHE_SIZE", 3)
+    fresh = StaticInputs(SPECS, MAX, "cpu")
+    for rows in range(1, 7):
+        fresh.staging(Bucket(8), rows)
+    assert len(fresh._plans) == 3, "at most PLAN_CACHE_SIZE plans are kept"
+    assert fresh.staging(Bucket(8), 6) is not fresh.staging(Bucket(8), 6), "past the bound"
+    with pytest.raises(AssertionError):
+        fresh.staging(Bucket(8), 0)  # rows are 1..bucket.rows (validate checks first)

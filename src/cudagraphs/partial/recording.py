@@ -77,7 +77,6 @@ class ForwardClock:
 
     def install(self, parts: Sequence[nn.Module]) -> None:
         self.remove()
-        self.depth = 0
         for part in parts:
             self._handles.append(part.register_forward_pre_hook(self._begin))
             self._handles.append(part.register_forward_hook(self._end, always_call=True))

@@ -491,7 +491,7 @@ class StaticInputs:
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        assert 0 <= rows <= bucket.rows <= self.max_rows, (rows, bucket, self.max_rows)
+        assert 1 <= rows <= bucket.rows <= self.max_rows, (rows, bucket, self.max_rows)
         zeros, fills = [], []
         if rows < bucket.rows:
             for name, spec in self.specs.items():
