@@ -483,17 +483,38 @@ def test_partial_summary_ratios_and_targets(pt):
             "whole_layer": {"error": "x"},
         }
     }
-    pt.summarize_model(result, pt.CONFIGS["launch_bound"])
+    result["variants"]["partial_widest"] = {
+        "ms": summary(5.0),
+        "stats": {"fallbacks": 0, "replayed": 10},
+    }
+    result["check"] = {"partial": {"loss_equal": True}, "partial_widest": {"loss_equal": True}}
+    pt.summarize_model(result, pt.CONFIGS["launch_bound"], "llama")
     r = result["ratios"]
     assert r["eager/partial"] == 1.5 and r["eager/whole_layer"] is None
+    assert r["eager/partial_widest"] == 6.0
     assert r["partial/kernel_busy_eager"] == 10.0 and r["partial/kernel_busy_own"] == 8.0
     assert result["targets"] == {
         "partial_speedup_ge_1.3x_launch_bound": True,
-        "zero_fallbacks_steady_state": True,
+        "llama_launch_bound_ge_5x_eager": True,
+        "zero_fallbacks": True,
+        "eager_equal_losses": True,
     }
     result["variants"]["partial"]["ms"] = summary(24.0)
-    pt.summarize_model(result, pt.CONFIGS["launch_bound"])
-    assert result["targets"]["partial_speedup_ge_1.3x_launch_bound"] is False
+    result["variants"]["partial_widest"]["stats"]["fallbacks"] = 1
+    result["check"]["eager_experts_loop"] = {"loss_equal": False}  # a reference row
+    pt.summarize_model(result, pt.CONFIGS["launch_bound"], "mixtral")
+    targets = result["targets"]
+    assert targets["partial_speedup_ge_1.3x_launch_bound"] is False
+    assert targets["mixtral_launch_bound_ge_3x_eager"] is True
+    assert targets["zero_fallbacks"] is False and targets["eager_equal_losses"] is True
+    result["check"]["partial"]["loss_equal"] = False
+    pt.summarize_model(result, pt.CONFIGS["larger"], "mixtral")
+    assert result["targets"] == {"zero_fallbacks": False, "eager_equal_losses": False}
+    report = {"configs": {"larger": {"models": {"mixtral": result}}}}
+    assert pt.flat_targets(report) == {
+        "mixtral_larger_zero_fallbacks": False,
+        "mixtral_larger_eager_equal_losses": False,
+    }
 
 
 class _TinyLM(nn.Module):
@@ -546,12 +567,15 @@ def test_partial_one_model_end_to_end(pt, monkeypatch):
     assert partial["ms"]["rounds"] == 3
     # every step after the build: the check's, the warmup's and the timed ones
     assert partial["replays_per_step"] == 1.0
-    assert res["targets"]["zero_fallbacks_steady_state"] is True
+    assert res["targets"]["zero_fallbacks"] is True
+    assert res["targets"]["eager_equal_losses"] is False  # whole_layer's planted scale
     json.dumps(res, allow_nan=False)
     report = {"configs": {"launch_bound": {"models": {"llama": res}}}}
     assert pt.failures(report) == ["launch_bound/llama/whole_layer: check beyond tolerance"]
     qwen = pt.run_model("qwen3_moe", shape, ["eager", "partial", "whole_layer"])
     assert "whole_layer" not in qwen["variants"]
+    loop = pt.run_model("llama", shape, ["eager", "eager_experts_loop"])
+    assert "eager_experts_loop" not in loop["variants"], "a dense model has no experts"
 
 
 def test_the_parameter_rule_allows_a_few_flipped_updates_and_refuses_a_missing_step(ts):

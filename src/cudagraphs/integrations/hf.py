@@ -46,8 +46,8 @@ import torch
 from torch import nn
 
 from ..checks import check_callable, check_instance, check_int
-from ..errors import CudaGraphsTypeError, CudaGraphsValueError, MissingDependencyError
-from ..partial import PartialCudaGraphManager
+from ..errors import MissingDependencyError
+from ..partial import PartialCudaGraphManager, check_scopes
 from ..partial.discovery import Selector
 from ..partial.recording import InferenceCalls, check_inference_calls
 from ..partial.speed import speed_check_of
@@ -60,43 +60,18 @@ except ImportError as exc:  # pragma: no cover - the hf extra brings it
         "uses). Fix: pip install 'cudagraphs[hf]'"
     ) from exc
 
-__all__ = ["SCOPES", "PartialGraphsCallback"]
+__all__ = ["PartialGraphsCallback"]
 
 logger = logging.getLogger(__name__)
-
-#: Scopes this version graphs, and the manager switch behind each.
-SCOPES: dict[str, str] = {"attention": "attention", "moe_router": "router"}
-# Scopes of the design that this version does not graph yet (see the error below).
-_NOT_YET = ("mlp", "moe", "layer")
-
-
-def _scope_switches(scopes: Sequence[str] | None) -> dict[str, bool]:
-    if scopes is None:
-        return {switch: True for switch in SCOPES.values()}
-    if isinstance(scopes, str) or not isinstance(scopes, Sequence):
-        raise CudaGraphsTypeError(
-            f"scopes must be a list or tuple of scope names from {sorted(SCOPES)}, got "
-            f"{type(scopes).__name__} {scopes!r}"
-        )
-    for i, scope in enumerate(scopes):
-        if scope in _NOT_YET:
-            raise CudaGraphsValueError(
-                f"scopes[{i}] is {scope!r}, which this version does not graph by "
-                f"itself. Fixes: 1. use the scopes {sorted(SCOPES)}; 2. name the "
-                "modules to graph with include= (a glob such as "
-                "'model.layers.*.mlp'), checking that they are graph-safe."
-            )
-        if scope not in SCOPES:
-            raise CudaGraphsValueError(f"scopes[{i}] is {scope!r}; the scopes are {sorted(SCOPES)}")
-    return {switch: scope in scopes for scope, switch in SCOPES.items()}
-
 
 class PartialGraphsCallback(TrainerCallback):
     """Record one optimizer step, capture after it, replay for the rest of training.
 
     Args:
-        scopes: what to graph in each decoder layer, from :data:`SCOPES`
-            (``"attention"``, ``"moe_router"``); all of them by default.
+        scopes: what to graph in each decoder layer, from
+            :data:`~cudagraphs.partial.SCOPES` (``"attention"``, ``"moe_router"``,
+            ``"mlp"``, ``"moe"``, ``"layer"``): per layer the widest graph-safe one
+            asked for. ``None``: the manager's default (attention and MoE routers).
         record_step: the optimizer step (1-based, as ``state.global_step`` counts
             them after the step) to record; the first step at or after it when
             training resumes from a later checkpoint.
@@ -119,8 +94,8 @@ class PartialGraphsCallback(TrainerCallback):
         off_reason: why graphs are off for the last training run, else ``None``.
 
     Raises:
-        CudaGraphsValueError: an unknown scope, or a scope this version does not
-            graph; ``record_step`` < 1; a bad ``inference_calls``.
+        CudaGraphsValueError: an unknown or repeated scope; ``record_step`` < 1; a bad
+            ``inference_calls``.
         CudaGraphsTypeError: an argument of the wrong type (named), ``scopes`` that
             is not a list or tuple included.
     """
@@ -137,7 +112,7 @@ class PartialGraphsCallback(TrainerCallback):
         speed_check: Any = True,
         log_prefix: str = "cudagraphs/",
     ) -> None:
-        self._switches = _scope_switches(scopes)
+        self._scopes = None if scopes is None else check_scopes(scopes)
         self.record_step = check_int("record_step", record_step, minimum=1)
         self._options = {
             "include": include,
@@ -171,7 +146,7 @@ class PartialGraphsCallback(TrainerCallback):
             self.manager = PartialCudaGraphManager.from_model_parts(
                 model,
                 activation_checkpointing=_checkpointing(args),
-                **self._switches,
+                scopes=self._scopes,
                 **self._options,
             )
             if self.manager is None:  # from_model_parts said why at WARNING

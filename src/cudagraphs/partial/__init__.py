@@ -28,17 +28,22 @@ Right after capture each target's graph is timed against its eager run on the
 recorded inputs, and a target whose graph is slower runs eagerly from then on
 (:mod:`.speed`; ``speed_check=False`` keeps every graph).
 
-Not here: discovery does not pick MLPs, whole MoE blocks or whole layers by itself
-(``include`` can name them).
+Scopes (``scopes=``) choose what is graphed per decoder layer, from the attention and
+the router up to the whole MoE sublayer, a dense MLP or the whole layer; a layer that
+cannot take the scope asked for (experts with host-side shapes, no attention) is
+graphed at a narrower one, with the reason (:class:`NarrowedBlock`).
 """
 
 from .contract import CallContract, ContractSet, FallbackCounter
 from .discovery import (
+    SCOPES,
     DiscoveredBlock,
+    NarrowedBlock,
     SkippedBlock,
     Target,
     TargetPlan,
     TargetSelectionError,
+    check_scopes,
     discover_blocks,
     find_attention,
     find_moe,
@@ -52,6 +57,9 @@ from .manager import CaptureBackend, PartialCudaGraphManager
 from .speed import SpeedCheck, SpeedVerdict
 
 __all__ = [
+    "SCOPES",
+    "NarrowedBlock",
+    "check_scopes",
     "CaptureBackend",
     "PartialCudaGraphManager",
     "PartialGraphEntry",

@@ -15,7 +15,7 @@ from .discovery import plan_targets
 from .entry import PartialGraphEntry
 from .fsdp import check_target_parameters, fsdp_managed_modules
 from .selectors import Predicate
-from .skips import SkippedBlock
+from .skips import NarrowedBlock, SkippedBlock
 
 __all__ = ["BuiltEntries", "build_entries"]
 
@@ -27,6 +27,7 @@ class BuiltEntries:
 
     entries: list[PartialGraphEntry] = field(default_factory=list)
     skipped: list[SkippedBlock] = field(default_factory=list)
+    narrowed: list[NarrowedBlock] = field(default_factory=list)
 
 
 def build_entries(
@@ -36,6 +37,7 @@ def build_entries(
     router: bool,
     include: Predicate | None,
     max_variants: int,
+    scopes: Sequence[str] | None = None,
 ) -> BuiltEntries:
     """One entry per target of every part.
 
@@ -48,8 +50,11 @@ def build_entries(
     out, seen = BuiltEntries(), {}
     for part in parts:
         sharded = fsdp_managed_modules(part)
-        plan = plan_targets(part, attention=attention, router=router, include=include)
+        plan = plan_targets(
+            part, attention=attention, router=router, include=include, scopes=scopes
+        )
         out.skipped += plan.skipped
+        out.narrowed += plan.narrowed
         for target in plan.targets:
             if id(target.module) in seen:
                 raise TargetSelectionError(

@@ -27,14 +27,19 @@ diagnostics only.
    plus an attention mask or position embeddings) and what it owns (projections); an
    MoE sublayer by having a router (a gate with a 2-D weight) beside experts.
 
-Targets are the modules a manager will graph: each block's whole attention module and
-its MoE router. A block that yields no target is reported by :func:`plan_targets` as a
-:class:`SkippedBlock` with a reason and the fix, never dropped silently. Users add
-targets of their own with ``include``: one glob pattern over qualified module names (a
-plain string), a list or tuple of patterns, or a predicate ``(name, module) -> bool``.
+Targets are the modules a manager will graph: by default each block's whole attention
+module and its MoE router. With ``scopes`` (:mod:`.scopes`), each block is graphed at
+the widest requested scope that is graph-safe there (the whole layer, the whole MoE
+sublayer, attention, the router, a dense MLP), and each narrowing is reported as a
+:class:`NarrowedBlock`. A block that yields no target is reported by
+:func:`plan_targets` as a :class:`SkippedBlock` with a reason and the fix, never
+dropped silently. Users add targets of their own with ``include``: one glob pattern
+over qualified module names (a plain string), a list or tuple of patterns, or a
+predicate ``(name, module) -> bool``.
 
-What this module does NOT do: it does not graph MLPs, whole MoE blocks, whole layers or
-state-space / linear-attention mixers unless ``include`` names them; it does not tell
+What this module does NOT do: it does not graph MLPs, whole MoE blocks or whole layers
+unless ``scopes`` or ``include`` ask for them, nor state-space / linear-attention
+mixers unless ``include`` names them; it does not tell
 encoder layers from decoder layers (no metadata does: a T5 encoder's self-attention is
 a target like its decoder's); beneath a declaration it does not look for structural
 stacks the declaration leaves out (``include`` names those); and it does not judge
@@ -44,7 +49,6 @@ contract and the capture do.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,23 +57,27 @@ from typing import Literal
 from torch import nn
 
 from ..checks import check_bool
-from ..errors import CudaGraphsTypeError, TargetSelectionError
+from ..errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
 from .metadata import ModelMetadata, first_declared, read_metadata
+from .scopes import SCOPES, Scope, ScopedBlock, check_scopes, forward_parameters, scope_block
 from .selectors import Selector, as_model_parts, include_predicate
-from .skips import SkippedBlock, skip_record
+from .skips import NarrowedBlock, SkippedBlock, block_reports
 from .tree import children as _children
 from .tree import join_name as _join
 from .tree import named_modules as _named_modules
 from .tree import unwrap_checkpoint
 
 __all__ = [
+    "SCOPES",
     "DiscoveredBlock",
+    "NarrowedBlock",
     "Selector",
     "SkippedBlock",
     "Target",
     "TargetPlan",
     "TargetSelectionError",
     "as_model_parts",
+    "check_scopes",
     "discover_blocks",
     "find_attention",
     "find_moe",
@@ -83,10 +91,18 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TargetKind = Literal["attention", "router", "custom"]
+TargetKind = Literal["attention", "router", "custom", "layer", "moe", "mlp"]
 Source = Literal["metadata", "structure"]
 _ROUTER_NAMES = ("gate", "router")  # the router child of an MoE sublayer
 _EXPERT_NAMES = ("experts",)
+# The Target kind of each scope: the router keeps the kind it has without scopes.
+_KIND: dict[Scope, TargetKind] = {
+    "attention": "attention",
+    "moe_router": "router",
+    "mlp": "mlp",
+    "moe": "moe",
+    "layer": "layer",
+}
 
 
 @dataclass(frozen=True)
@@ -120,17 +136,12 @@ class TargetPlan:
     targets: list[Target]  # in module order, as select_targets returns them
     skipped: list[SkippedBlock]  # in module order
     source: Source  # "metadata" when any block came from the model's own declarations
-
-
-def _forward_parameters(module: nn.Module) -> set[str]:
-    try:
-        return set(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
+    # With scopes: the blocks graphed at narrower scopes than the widest asked for.
+    narrowed: list[NarrowedBlock] = field(default_factory=list)
 
 
 def _is_attention(module: nn.Module) -> bool:
-    params = _forward_parameters(module)
+    params = {p.name for p in forward_parameters(module)}
     takes_hidden = "hidden_states" in params or "x" in params
     takes_context = bool({"attention_mask", "position_embeddings", "position_ids"} & params)
     projections = sum(isinstance(m, nn.Linear) for m in module.modules())
@@ -283,29 +294,40 @@ def plan_targets(
     attention: bool = True,
     router: bool = True,
     include: Selector | None = None,
+    scopes: Sequence[str] | None = None,
 ) -> TargetPlan:
     """The targets to graph in ``model`` and the blocks that yield none, with why.
 
     Args:
         model: the model (or one pipeline stage) to search; borrowed, not modified.
-        attention, router: take the discovered attention modules / MoE routers.
+        attention, router: take the discovered attention modules / MoE routers (used
+            when ``scopes`` is None; leave them at their defaults with ``scopes``).
         include: extra user-chosen targets (see :func:`include_predicate`): one glob
             pattern over qualified names (``"model.layers.*.mlp.shared_experts"``),
             a list or tuple of patterns, or a predicate ``(name, module) -> bool``.
             A module already chosen is not added twice.
+        scopes: names from :data:`SCOPES`; per block the widest requested one that is
+            graph-safe is taken (:func:`~.scopes.choose_scopes`): target kinds
+            ``"layer"``, ``"moe"``, ``"attention"``, ``"router"`` (scope
+            ``moe_router``), ``"mlp"``. ``None`` keeps the ``attention`` / ``router``
+            flags.
 
     Returns:
         A :class:`TargetPlan`: the targets in the order of ``model``'s modules (empty
         when nothing fits); one :class:`SkippedBlock` per block that holds no target
         (reason ``"no_graph_safe_scope"``: it has nothing of the kinds asked for, as a
         Mamba or linear-attention layer without a router; ``"nothing_asked"``:
-        attention and router are off and ``include`` names nothing in it); and
-        ``source``, ``"metadata"`` when any block came from the model's declarations.
-        It does not judge whether a target is graph-safe.
+        attention and router are off, or ``scopes=()``, and ``include`` names nothing
+        in it); with ``scopes``, one :class:`NarrowedBlock` per block graphed at
+        narrower scopes than the widest asked for; and ``source``, ``"metadata"`` when
+        any block came from the model's declarations. Beyond the rules of
+        :mod:`.scopes`, it does not judge whether a target is graph-safe.
 
     Raises:
         CudaGraphsTypeError: ``model`` is not an ``nn.Module``, ``attention`` /
-            ``router`` is not a bool, or ``include`` has an unusable type.
+            ``router`` is not a bool, or ``include`` / ``scopes`` has an unusable type.
+        CudaGraphsValueError: ``scopes`` names an unknown scope or one twice, or comes
+            with ``attention`` / ``router`` switched off.
         TargetSelectionError: the same physical module would be graphed under two
             names (a shared layer runs more than once per forward), or one target
             contains another.
@@ -314,14 +336,13 @@ def plan_targets(
         raise CudaGraphsTypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_bool("attention", attention)
     check_bool("router", router)
+    requested = None if scopes is None else _scopes_alone(scopes, attention, router)
     predicate = include_predicate(include)
     blocks = discover_blocks(model)
-    targets = [
-        t
-        for b in blocks
-        for t, wanted in ((b.attention, attention), (b.router, router))
-        if wanted and t is not None
-    ]
+    scoped = (
+        None if requested is None else {b.name: scope_block(b, model, requested) for b in blocks}
+    )
+    targets = _block_targets(blocks, scoped, attention=attention, router=router)
     named = _named_modules(model)
     if predicate is not None:
         chosen = {t.name for t in targets}
@@ -329,11 +350,51 @@ def plan_targets(
     _reject_shared(targets)
     order = {name: i for i, (name, _) in enumerate(named)}
     targets.sort(key=lambda t: order.get(t.name, len(order)))
-    skipped = _skipped_blocks(blocks, targets, attention=attention, router=router)
+    skipped, narrowed = block_reports(
+        blocks,
+        [t.name for t in targets],
+        attention=attention,
+        router=router,
+        requested=requested,
+        scoped=scoped or {},
+        example_of=_include_example,
+    )
     for s in skipped:
         logger.debug("partial graphs: skipped %s (%s): %s", s.name, s.reason, s.detail)
+    for n in narrowed:
+        logger.debug("partial graphs: narrowed %s (%s): %s", n.name, n.reason, n.detail)
     source: Source = "metadata" if any(b.source == "metadata" for b in blocks) else "structure"
-    return TargetPlan(targets=targets, skipped=skipped, source=source)
+    return TargetPlan(targets=targets, skipped=skipped, source=source, narrowed=narrowed)
+
+
+def _block_targets(
+    blocks: list[DiscoveredBlock],
+    scoped: dict[str, ScopedBlock] | None,
+    *,
+    attention: bool,
+    router: bool,
+) -> list[Target]:
+    if scoped is None:  # no scopes: the flags pick the attention and router targets
+        pairs = [p for b in blocks for p in ((b.attention, attention), (b.router, router))]
+        return [t for t, wanted in pairs if wanted and t is not None]
+    return [
+        Target(name, module, _KIND[scope], b.name)
+        for b in blocks
+        for name, module, scope in scoped[b.name].pieces
+    ]
+
+
+def _scopes_alone(scopes: object, attention: bool, router: bool) -> tuple[Scope, ...]:
+    requested = check_scopes(scopes)
+    off = [f"{n}=False" for n, on in (("attention", attention), ("router", router)) if not on]
+    if off:
+        raise CudaGraphsValueError(
+            f"plan_targets got scopes={requested!r} and {' and '.join(off)}: the flags and "
+            "scopes both choose what is graphed; use one or the other. Fixes: 1. keep "
+            "scopes and drop the flags (scopes=('attention',) takes attention only); "
+            "2. drop scopes and keep the flags"
+        )
+    return requested
 
 
 def select_targets(
@@ -342,10 +403,12 @@ def select_targets(
     attention: bool = True,
     router: bool = True,
     include: Selector | None = None,
+    scopes: Sequence[str] | None = None,
 ) -> list[Target]:
     """The targets to graph in ``model``, in module order: :func:`plan_targets`'s
     ``targets`` (same arguments, same errors), without the skipped blocks."""
-    return plan_targets(model, attention=attention, router=router, include=include).targets
+    plan = plan_targets(model, attention=attention, router=router, include=include, scopes=scopes)
+    return plan.targets
 
 
 def _reject_shared(targets: list[Target]) -> None:
@@ -357,8 +420,8 @@ def _reject_shared(targets: list[Target]) -> None:
                 f"{t.name} and {other} are the same module object: it runs more than once "
                 "per forward, and one graph cannot stand for several calls with different "
                 "inputs. Fixes: 1. untie the modules (one object per position); 2. leave "
-                "them out of the targets (attention=False / router=False, or an include "
-                "that does not name them)."
+                "them out of the targets (attention=False / router=False, narrower scopes, "
+                "or an include that does not name them)."
             )
     names = {t.name for t in targets}
     for inner in sorted(names):
@@ -368,32 +431,8 @@ def _reject_shared(targets: list[Target]) -> None:
             if outer in names:
                 raise TargetSelectionError(
                     f"target {inner} lies inside target {outer}; graph one of them, not "
-                    "both (narrow include, or turn attention / router off)"
+                    "both (narrow include, narrow scopes, or turn attention / router off)"
                 )
-
-
-def _skipped_blocks(
-    blocks: list[DiscoveredBlock], targets: list[Target], *, attention: bool, router: bool
-) -> list[SkippedBlock]:
-    names = [t.name for t in targets]
-    attention_anywhere = any(b.attention is not None for b in blocks)
-    return [
-        skip_record(
-            block,
-            attention=attention,
-            router=router,
-            attention_anywhere=attention_anywhere,
-            example=_include_example(block),
-        )
-        for block in blocks
-        # A target inside the block, or one holding it (include="model.layers.3"),
-        # means the block is graphed, whole or in part.
-        if not any(_overlaps(name, block.name) for name in names)
-    ]
-
-
-def _overlaps(target: str, block: str) -> bool:
-    return target == block or target.startswith(block + ".") or block.startswith(target + ".")
 
 
 def _include_example(block: DiscoveredBlock) -> str:
@@ -406,17 +445,28 @@ def _include_example(block: DiscoveredBlock) -> str:
 
 
 def why_nothing_found(
-    parts: Sequence[nn.Module], *, attention: bool, router: bool, include: Selector | None
+    parts: Sequence[nn.Module],
+    *,
+    attention: bool,
+    router: bool,
+    include: Selector | None,
+    scopes: Sequence[str] | None = None,
 ) -> str:
-    """Why no target was found in ``parts``, with the fixes (for a log line)."""
+    """Why no target was found in ``parts``, with the fixes (for a log line). With
+    ``scopes``, the flags are not consulted."""
     if not parts:
         return "no model parts were given"
     searched = ", ".join(model_label(p) for p in parts)
-    asked = [w for w, on in (("attention", attention), ("MoE routers", router)) if on]
+    if scopes is not None:
+        asked = [f"scopes {', '.join(scopes)}"] if scopes else []
+        nothing = "scopes=() and no include"
+    else:
+        asked = [w for w, on in (("attention", attention), ("MoE routers", router)) if on]
+        nothing = "attention=False, router=False and no include"
     if include is not None:
         asked.append(f"include={include!r}")
     if not asked:
-        return f"in {searched}: attention=False, router=False and no include: nothing asked for"
+        return f"in {searched}: {nothing}: nothing asked for"
     declared = any(b.source == "metadata" for p in parts for b in discover_blocks(p))
     rule = _METADATA_RULE if declared else _STRUCTURE_RULE
     return (

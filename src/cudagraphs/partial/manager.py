@@ -61,7 +61,7 @@ from .recording import (
     check_inference_calls,
     is_inference_call,
 )
-from .skips import SkippedBlock
+from .skips import NarrowedBlock, SkippedBlock
 from .speed import SpeedCheck, forward_backward, speed_check_of
 
 __all__ = ["CaptureBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
@@ -120,6 +120,8 @@ class PartialCudaGraphManager:
     ``skipped_<reason>`` per reason a block was skipped by discovery (a Mamba or
     linear-attention layer: ``skipped_no_graph_safe_scope``; the blocks and the fixes
     are in :attr:`skipped` and the WARNING logged at construction),
+    ``narrowed_<reason>`` per block graphed at narrower scopes than asked for
+    (``eager_experts``, ``unknown_experts``, ``no_attention``: see :attr:`narrowed`),
     ``off_slower_than_eager`` (targets whose graph was measured slower than eager and
     that run eagerly since: see ``speed_check``), and one
     ``fallback_<reason>`` per reason seen: a name from
@@ -142,6 +144,7 @@ class PartialCudaGraphManager:
             counts as a reuse, refused by :meth:`capture`.
         inference_calls: see :meth:`from_model_parts`.
         skipped: the blocks discovery skipped, reported by :meth:`stats`.
+        narrowed: the blocks discovery narrowed, reported by :meth:`stats`.
         speed_check: see :meth:`from_model_parts`.
 
     Raises:
@@ -163,10 +166,13 @@ class PartialCudaGraphManager:
         inference_calls: InferenceCalls = "ignore",
         skipped: Sequence[SkippedBlock] = (),
         speed_check: bool | SpeedCheck = True,
+        narrowed: Sequence[NarrowedBlock] = (),
     ) -> None:
         self.entries = list(entries)
         #: Blocks discovery found but took no target from (see :class:`SkippedBlock`).
         self.skipped = list(skipped)
+        #: Blocks graphed at narrower scopes than asked for (see :class:`NarrowedBlock`).
+        self.narrowed = list(narrowed)
         for i, entry in enumerate(self.entries):
             if not isinstance(entry, PartialGraphEntry):
                 raise CudaGraphsTypeError(
@@ -210,6 +216,7 @@ class PartialCudaGraphManager:
         inference_calls: InferenceCalls = "ignore",
         speed_check: bool | SpeedCheck = True,
         experts_implementation: str | None = None,
+        scopes: Sequence[str] | None = None,
     ) -> PartialCudaGraphManager | None:
         """Discover targets in already-built model parts (pipeline stages).
 
@@ -245,6 +252,17 @@ class PartialCudaGraphManager:
                 logged. ``True`` (default) checks targets on a CUDA device; ``False``
                 never; a :class:`~cudagraphs.partial.speed.SpeedCheck` sets rounds and
                 calls (and checks on any device).
+            scopes: what to graph in each decoder layer, from
+                :data:`~cudagraphs.partial.SCOPES`: ``"attention"``, ``"moe_router"``,
+                ``"mlp"`` (a dense MLP), ``"moe"`` (the whole MoE sublayer: router,
+                experts, shared experts, combine) and ``"layer"`` (the whole block).
+                Per layer the widest requested scope that is graph-safe is taken: a
+                whole layer needs an attention and static experts (``grouped_mm`` /
+                ``batched_mm``, as the model says). A layer that gets less than asked
+                for is listed in :attr:`narrowed` (``stats()['narrowed_<reason>']``,
+                one WARNING). ``None`` (default): the ``attention`` / ``router``
+                switches decide (today's ``("attention", "moe_router")``); with
+                ``scopes`` leave those switches alone.
             experts_implementation: switch the Hugging Face MoE model(s) in the parts
                 to this experts implementation first (``"grouped_mm"``: static shapes,
                 so whole MoE blocks and layers are graph-safe), with the model's own
@@ -295,13 +313,16 @@ class PartialCudaGraphManager:
             router=router,
             include=include_predicate(include),
             max_variants=max_variants,
+            scopes=scopes,
         )
         entries = built.entries
         if not entries:
             logger.warning(
                 "partial graphs: nothing graphable found (%s); the model trains eagerly "
                 "and from_model_parts returns None",
-                why_nothing_found(parts, attention=attention, router=router, include=include),
+                why_nothing_found(
+                    parts, attention=attention, router=router, include=include, scopes=scopes
+                ),
             )
             return None
         logger.info("partial graphs: %d target(s): %s", len(entries), [e.name for e in entries])
@@ -312,9 +333,17 @@ class PartialCudaGraphManager:
                 len(built.skipped),
                 "\n  ".join(f"{b.name} ({b.block_type}): {b.detail}" for b in built.skipped),
             )
+        if built.narrowed:
+            logger.warning(
+                "partial graphs: %d block(s) are graphed at narrower scopes than asked "
+                "for (counted in stats()['narrowed_<reason>']):\n  %s",
+                len(built.narrowed),
+                "\n  ".join(f"{b.name} ({b.block_type}): {b.detail}" for b in built.narrowed),
+            )
         return cls(
             entries,
             skipped=built.skipped,
+            narrowed=built.narrowed,
             capture_backend=capture_backend,
             activation_checkpointing=activation_checkpointing,
             model_parts=parts,
@@ -571,6 +600,9 @@ class PartialCudaGraphManager:
                 out[key] = out.get(key, 0) + n
         for block in self.skipped:
             key = f"skipped_{block.reason}"
+            out[key] = out.get(key, 0) + 1
+        for block in self.narrowed:
+            key = f"narrowed_{block.reason}"
             out[key] = out.get(key, 0) + 1
         for entry in self.entries:
             if entry.off_reason is not None:

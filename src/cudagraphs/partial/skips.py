@@ -7,25 +7,41 @@ Reasons:
 - ``"no_graph_safe_scope"``: the block holds nothing of the kinds asked for (a Mamba
   or linear-attention layer without an MoE router; any block without a router when
   only routers are asked for).
-- ``"nothing_asked"``: ``attention=False`` and ``router=False``, and ``include``
-  names nothing in the block.
+- ``"nothing_asked"``: ``attention=False`` and ``router=False`` (or ``scopes=()``),
+  and ``include`` names nothing in the block.
 
-What this module does NOT do: it decides no target (:mod:`.discovery` does) and does
-not log; the caller reports the records.
+With ``scopes``, a block that yields some target but not the widest scope asked for is
+one :class:`NarrowedBlock` (reasons in :mod:`.scopes`: ``"no_attention"``,
+``"eager_experts"``, ``"unknown_experts"``); one that yields none stays a
+:class:`SkippedBlock` (``"no_graph_safe_scope"``) whose detail gives the same reasons.
+
+What this module does NOT do: it decides no target (:mod:`.discovery` and
+:mod:`.scopes` do) and does not log; the caller reports the records.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from .metadata import ClassSpec, ModelMetadata
+from .scopes import NarrowReason, Scope, ScopedBlock, names_overlap
 from .tree import children
 
 if TYPE_CHECKING:
     from .discovery import DiscoveredBlock
 
-__all__ = ["SkipReason", "SkippedBlock", "skip_record"]
+__all__ = [
+    "NarrowReason",
+    "NarrowedBlock",
+    "SkipReason",
+    "SkippedBlock",
+    "block_reports",
+    "narrow_record",
+    "scoped_skip_record",
+    "skip_record",
+]
 
 SkipReason = Literal["no_graph_safe_scope", "nothing_asked"]
 
@@ -44,6 +60,18 @@ class SkippedBlock:
     block_type: str  # class name
     reason: SkipReason  # short slug, see the module docstring
     detail: str  # what was found, why it was skipped, the fix (include=)
+
+
+@dataclass(frozen=True)
+class NarrowedBlock:
+    """A block graphed at narrower scopes than the widest one asked for, and why."""
+
+    name: str  # qualified block name
+    block_type: str  # class name
+    wanted: Scope  # the widest requested scope refused ("layer" or "moe")
+    got: tuple[Scope, ...]  # the scopes taken instead: attention, then feed-forward (never ())
+    reason: NarrowReason  # the first refusal; the detail names every one
+    detail: str  # what was refused, why, what was taken, the fixes
 
 
 def skip_record(
@@ -116,3 +144,189 @@ def _missing_router(declared: ModelMetadata | None) -> str:
     if declared is None or not declared.router:
         return _NOT_ROUTER
     return f"no router of the class {_labels(declared.router)} ({declared.owner} declares it)"
+
+
+_NO_MOE = "no MoE sublayer (a module, not the block itself, holding a router beside experts)"
+_NO_MLP = (
+    "no dense MLP (a direct child, not attention, MoE or a norm, owning two or more "
+    "projections, called with one tensor)"
+)
+_STATIC_FIXES = (
+    "call model.set_experts_implementation('grouped_mm') (or 'batched_mm': static shapes, "
+    "expert offsets on the device) before the partial-graph manager is built",
+    "let the partial-graph manager set it (its experts-implementation option)",
+)
+
+
+def block_reports(
+    blocks: list[DiscoveredBlock],
+    target_names: list[str],
+    *,
+    attention: bool,
+    router: bool,
+    requested: tuple[Scope, ...] | None,
+    scoped: dict[str, ScopedBlock],
+    example_of: Callable[[DiscoveredBlock], str],
+) -> tuple[list[SkippedBlock], list[NarrowedBlock]]:
+    """The skipped and the narrowed blocks among ``blocks``, in module order.
+
+    Args:
+        blocks: every discovered block (borrowed).
+        target_names: the qualified names of every target chosen, includes as well.
+        attention, router: the flags asked for (when ``requested`` is None).
+        requested: the scopes asked for, or None.
+        scoped: each block's scope decision by name (empty without scopes).
+        example_of: a module name of a block to suggest for ``include=``.
+    """
+    attention_anywhere = any(b.attention is not None for b in blocks)
+    skipped, narrowed = [], []
+    for block in blocks:
+        # A target inside the block, or one holding it (include="model.layers.3"),
+        # means the block is graphed, whole or in part.
+        graphed = any(names_overlap(name, block.name) for name in target_names)
+        if requested is None:
+            if not graphed:
+                skipped.append(
+                    skip_record(
+                        block,
+                        attention=attention,
+                        router=router,
+                        attention_anywhere=attention_anywhere,
+                        example=example_of(block),
+                    )
+                )
+            continue
+        scope = scoped[block.name]
+        if not graphed:
+            skipped.append(
+                scoped_skip_record(
+                    block,
+                    scope,
+                    requested=requested,
+                    attention_anywhere=attention_anywhere,
+                    example=example_of(block),
+                )
+            )
+        elif scope.choice.wanted is not None and scope.choice.scopes:
+            narrowed.append(narrow_record(block, scope, example_of(block)))
+    return skipped, narrowed
+
+
+def narrow_record(block: DiscoveredBlock, scoped: ScopedBlock, example: str) -> NarrowedBlock:
+    """The record of ``block``, graphed at ``scoped.choice.scopes`` instead of the
+    wider ``scoped.choice.wanted``. ``example`` is a module name to suggest for
+    ``include=`` (the block's mixer)."""
+    choice = scoped.choice
+    assert choice.wanted is not None and choice.reasons and choice.scopes, choice
+    block_type = type(block.module).__name__
+    why = "; ".join(_refusal(r, block, scoped) for r in choice.reasons)
+    fixes = [f for r in choice.reasons for f in _fixes(r, block, scoped, example)]
+    detail = (
+        f"{block_type} {block.name}: {choice.wanted} was asked for, but {why}; graphed at "
+        f"{' + '.join(choice.scopes)} instead. {_numbered(fixes)}"
+    )
+    return NarrowedBlock(
+        block.name, block_type, choice.wanted, choice.scopes, choice.reasons[0], detail
+    )
+
+
+def scoped_skip_record(
+    block: DiscoveredBlock,
+    scoped: ScopedBlock,
+    *,
+    requested: tuple[Scope, ...],
+    attention_anywhere: bool,
+    example: str,
+) -> SkippedBlock:
+    """The record of ``block``, in which no requested scope is graph-safe (or none was
+    requested), saying per scope why not, and the fixes."""
+    block_type = type(block.module).__name__
+    held = ", ".join(f"{n} ({type(m).__name__})" for n, m in children(block.module))
+    head = f"{block_type} {block.name} holds {held or 'no submodules'}"
+    if not requested:
+        return SkippedBlock(
+            block.name,
+            block_type,
+            "nothing_asked",
+            f"{head}; scopes=() and include names nothing in it. Fixes: 1. ask for "
+            "scopes (attention, moe_router, mlp, moe, layer); 2. name modules of it with "
+            "include=",
+        )
+    why = "; ".join(
+        f"{s}: {_scope_missing(s, block, scoped, attention_anywhere)}" for s in requested
+    )
+    # The include= fix last covers a refused layer's mixer too.
+    reasons = [r for r in scoped.choice.reasons if r != "no_attention"]
+    fixes = [f for r in reasons for f in _fixes(r, block, scoped, example)]
+    fixes.append(
+        "if one of its modules is graph-safe (no host sync, the same shapes every step), "
+        f"name it with include=, e.g. include=['{example}']"
+    )
+    return SkippedBlock(
+        block.name,
+        block_type,
+        "no_graph_safe_scope",
+        f"{head}; no scope asked for fits it ({why}). {_numbered(fixes)}",
+    )
+
+
+def _scope_missing(
+    scope: Scope, block: DiscoveredBlock, scoped: ScopedBlock, attention_anywhere: bool
+) -> str:
+    # Called only for a block where no requested scope was taken, so each scope here
+    # was refused: for want of its piece, or (layer, moe) by a rule of .scopes.
+    offer = scoped.offer
+    experts: NarrowReason = "eager_experts" if offer.experts == "eager" else "unknown_experts"
+    if scope == "layer":
+        return _refusal("no_attention" if not offer.attention else experts, block, scoped)
+    if scope == "attention":
+        return "it has " + _missing_attention(block.metadata, attention_anywhere)
+    if scope == "moe_router":
+        return "it has " + _missing_router(block.metadata)
+    if scope == "moe" and offer.moe:
+        return _refusal(experts, block, scoped)
+    return "it has " + (_NO_MOE if scope == "moe" else _NO_MLP)
+
+
+def _refusal(reason: NarrowReason, block: DiscoveredBlock, scoped: ScopedBlock) -> str:
+    if reason == "no_attention":
+        return (
+            "it has no attention module (a Mamba or linear-attention mixer is not one), "
+            "and a layer is graphed whole only around attention: a mixer keeps recurrent "
+            "state and picks its kernels on the host"
+        )
+    experts = scoped.offer.experts
+    if reason == "eager_experts":
+        return (
+            f"the experts of {block.moe} run the experts implementation 'eager': a Python "
+            "loop over the experts hit, with shapes read on the host (a sync, and shapes "
+            "that change every step)"
+        )
+    stated = (
+        f"{experts!r}, not one known to keep static shapes (grouped_mm, batched_mm)"
+        if experts
+        else "not stated (no config._experts_implementation on its experts or the model)"
+    )
+    return f"the experts implementation of {block.moe} is {stated}"
+
+
+def _fixes(
+    reason: NarrowReason, block: DiscoveredBlock, scoped: ScopedBlock, example: str
+) -> list[str]:
+    if reason == "no_attention":
+        return [f"if its mixer is graph-safe, name it with include=, e.g. include=['{example}']"]
+    if reason == "eager_experts" or scoped.offer.experts:
+        return list(_STATIC_FIXES)
+    return [
+        "if its experts keep static shapes (no .item(), nonzero() or Python loop over "
+        f"experts), graph it by name: include=['{block.moe}'] with moe_router left out of "
+        "scopes",
+        "on a transformers model, call model.set_experts_implementation('grouped_mm')",
+    ]
+
+
+def _numbered(fixes: list[str]) -> str:
+    unique = list(dict.fromkeys(fixes))
+    if len(unique) == 1:
+        return f"Fix: {unique[0]}."
+    return "Fixes: " + "; ".join(f"{i}. {f}" for i, f in enumerate(unique, 1)) + "."

@@ -1,0 +1,355 @@
+"""Scopes: how much of each decoder layer one graph covers, and the rules that say
+which scopes are graph-safe in a given block.
+
+The scopes (``SCOPES`` lists them from the narrowest; here the whole layer first):
+
+- ``"layer"``: the whole decoder block.
+- ``"moe"``: the whole MoE sublayer (router, experts, shared experts, combine).
+- ``"attention"``: the attention module.
+- ``"moe_router"``: the MoE router alone.
+- ``"mlp"``: a dense MLP sublayer.
+
+Per block, :func:`choose_scopes` takes the widest requested scope that is graph-safe
+and narrows otherwise. Two facts decide: whether the block has attention (a block
+without one, a Mamba or linear-attention layer, is never graphed whole: its mixer
+keeps recurrent state and picks kernels on the host), and whether its experts keep
+static shapes, read from what the model says is in effect
+(:func:`experts_implementation`, :func:`static_experts`), never from model names.
+
+What this module does NOT do: it finds no blocks, attention or routers
+(:mod:`.discovery` does), builds no :class:`~.discovery.Target`, and does not prove a
+scope graph-safe: the replay contract and the capture check each call.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from ..errors import CudaGraphsTypeError, CudaGraphsValueError
+from .tree import children, join_name
+
+if TYPE_CHECKING:
+    from .discovery import DiscoveredBlock
+
+__all__ = [
+    "SCOPES",
+    "STATIC_EXPERTS",
+    "BlockOffer",
+    "NarrowReason",
+    "Scope",
+    "ScopeChoice",
+    "ScopedBlock",
+    "check_scopes",
+    "choose_scopes",
+    "experts_implementation",
+    "find_mlp",
+    "forward_parameters",
+    "names_overlap",
+    "scope_block",
+    "static_experts",
+]
+
+logger = logging.getLogger(__name__)
+
+Scope = Literal["attention", "moe_router", "mlp", "moe", "layer"]
+SCOPES: tuple[Scope, ...] = ("attention", "moe_router", "mlp", "moe", "layer")
+NarrowReason = Literal["no_attention", "eager_experts", "unknown_experts"]
+
+# transformers' grouped_mm and batched_mm experts compute with fixed-size buffers and
+# keep the per-expert offsets on the device; its "eager" experts loop in Python over
+# the experts hit (nonzero(): a host sync and a shape that changes every step).
+STATIC_EXPERTS = ("grouped_mm", "batched_mm")
+_EXPERTS_CHILD = "experts"
+_IMPLEMENTATION = "_experts_implementation"
+# torch's own norms. transformers' RMSNorm classes are not among them; they hold only a
+# 1-D weight, so the two-projection rule of find_mlp leaves them out.
+_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+
+
+def check_scopes(value: Any) -> tuple[Scope, ...]:
+    """``value`` as a tuple of scope names (empty allowed: ``include`` alone).
+
+    Raises:
+        CudaGraphsTypeError: ``value`` is a string (one scope is written ``("layer",)``)
+            or not a list / tuple, or ``scopes[i]`` is not a string.
+        CudaGraphsValueError: ``scopes[i]`` is not one of :data:`SCOPES`, or repeats an
+            earlier entry.
+    """
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        hint = f"; for one scope write ({value!r},)" if isinstance(value, str) else ""
+        raise CudaGraphsTypeError(
+            f"scopes must be a list or tuple of scope names from {SCOPES}, got "
+            f"{type(value).__name__} {value!r}{hint}"
+        )
+    first: dict[str, int] = {}
+    for i, name in enumerate(value):
+        if not isinstance(name, str):
+            raise CudaGraphsTypeError(
+                f"scopes[{i}] must be a scope name (str), got {type(name).__name__} {name!r}"
+            )
+        if name not in SCOPES:
+            close = difflib.get_close_matches(name, SCOPES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise CudaGraphsValueError(
+                f"scopes[{i}] is {name!r}, not a scope{hint}; the scopes are {', '.join(SCOPES)}"
+            )
+        if name in first:
+            raise CudaGraphsValueError(
+                f"scopes[{i}] repeats {name!r} (already scopes[{first[name]}]); name each "
+                "scope once"
+            )
+        first[name] = i
+    return tuple(value)
+
+
+def experts_implementation(moe_module: nn.Module, model: nn.Module) -> str | None:
+    """The experts implementation the model says is in effect for ``moe_module``'s
+    experts: the ``config._experts_implementation`` of its ``experts`` child when that
+    child has a config stating one (transformers dispatches on exactly that), else of
+    the nearest enclosing module of ``model`` whose config states one. A dict value is
+    keyed by sub-config name, ``""`` for the main config. Read duck-typed; transformers
+    is never imported.
+
+    Args:
+        moe_module: the MoE sublayer (borrowed).
+        model: the model part that holds it (borrowed), searched for enclosing configs.
+
+    Returns:
+        The implementation's name, or ``None`` when nothing states one (user models).
+    """
+    experts = dict(children(moe_module)).get(_EXPERTS_CHILD)
+    own = getattr(experts, "config", None)
+    if own is not None and hasattr(own, _IMPLEMENTATION):
+        return _stated(own, lambda: _configs_above(model, moe_module))
+    configs = _configs_above(model, moe_module)
+    return _stated(configs[0], lambda: configs[1:]) if configs else None
+
+
+def static_experts(implementation: str | None) -> bool:
+    """Whether experts computed by ``implementation`` keep static shapes with their
+    routing on the device (:data:`STATIC_EXPERTS`). ``"eager"``, ``None`` and any name
+    not known here are not."""
+    return isinstance(implementation, str) and implementation in STATIC_EXPERTS
+
+
+def _stated(config: Any, outer: Callable[[], list[Any]]) -> str | None:
+    value = getattr(config, _IMPLEMENTATION, None)
+    if isinstance(value, Mapping):
+        value = value.get(_subconfig_key(config, outer()))
+    return value if isinstance(value, str) and value else None
+
+
+def _subconfig_key(config: Any, outer: list[Any]) -> str:
+    # A sub-config's entry sits under the attribute name an enclosing config keeps it
+    # at (transformers' sub_configs); the main config's entry is "".
+    for parent in outer:
+        for key in getattr(parent, "sub_configs", None) or ():
+            if isinstance(key, str) and getattr(parent, key, None) is config:
+                return key
+    return ""
+
+
+def _configs_above(model: nn.Module, module: nn.Module) -> list[Any]:
+    """The distinct configs stating an experts implementation on ``module`` and the
+    modules above it in ``model``, nearest first."""
+    out: list[Any] = []
+    for m in reversed(_path_to(model, module)):
+        config = getattr(m, "config", None)
+        if hasattr(config, _IMPLEMENTATION) and all(config is not c for c in out):
+            out.append(config)
+    return out
+
+
+def _path_to(root: nn.Module, target: nn.Module) -> list[nn.Module]:
+    stack: list[tuple[nn.Module, tuple[nn.Module, ...]]] = [(root, (root,))]
+    while stack:
+        module, path = stack.pop()
+        if module is target:
+            return list(path)
+        stack.extend((child, (*path, child)) for _, child in children(module))
+    return [target]
+
+
+def forward_parameters(module: nn.Module) -> list[inspect.Parameter]:
+    """The parameters of ``module.forward`` (empty when it has no signature)."""
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def _one_tensor_argument(module: nn.Module) -> bool:
+    # Exactly one parameter and no *args / **kwargs: a Mamba or linear-attention mixer
+    # (hidden_states plus cache / mask, often **kwargs) is not a dense MLP.
+    params = forward_parameters(module)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(params) == 1 and params[0].kind in positional
+
+
+def _projections(module: nn.Module) -> int:
+    # A 2-D weight: nn.Linear and GPT-2's Conv1D (weight stored transposed) alike.
+    count = 0
+    for m in module.modules():
+        weight = getattr(m, "weight", None)
+        count += isinstance(weight, torch.Tensor) and weight.dim() == 2
+    return count
+
+
+def find_mlp(
+    block: nn.Module, prefix: str = "", *, taken: Collection[str] = ()
+) -> tuple[str, nn.Module] | None:
+    """The block's dense MLP sublayer: a direct child that neither is nor holds nor lies
+    in a module named in ``taken`` (the attention and the MoE sublayer), is not a torch
+    norm, owns two or more projections (modules with a 2-D weight) and whose forward
+    takes one tensor argument. The first in module order when several qualify (logged
+    at DEBUG). No metadata declares MLPs: this rule is structural only."""
+    found = []
+    for child_name, child in children(block):
+        name = join_name(prefix, child_name)
+        if any(names_overlap(name, t) for t in taken) or isinstance(child, _NORMS):
+            continue
+        if _projections(child) >= 2 and _one_tensor_argument(child):
+            found.append((name, child))
+    if len(found) > 1:
+        logger.debug(
+            "block %s has several MLP-like children %s; taking the first",
+            prefix,
+            [n for n, _ in found],
+        )
+    return found[0] if found else None
+
+
+def names_overlap(a: str, b: str) -> bool:
+    """Whether qualified names ``a`` and ``b`` are the same module or one lies in the
+    other (dot-separated: ``layers.1`` does not hold ``layers.10``)."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+@dataclass(frozen=True)
+class BlockOffer:
+    """What one block holds, as far as the scope rules care."""
+
+    attention: bool  # an attention target (declared or structural)
+    router: bool  # an MoE router
+    moe: bool  # an MoE sublayer apart from the block (the router's parent is not the block)
+    experts: str | None  # the experts implementation in effect, when there is a router
+    mlp: bool  # a dense MLP sublayer
+
+
+@dataclass(frozen=True)
+class ScopeChoice:
+    """The scopes taken in one block, and why a wider requested one was not."""
+
+    scopes: tuple[Scope, ...]  # taken: layer alone, or attention then feed-forward; may be ()
+    wanted: Scope | None = None  # the widest requested scope refused, if any
+    reasons: tuple[NarrowReason, ...] = ()  # why, in the order the rules refused
+
+
+def choose_scopes(offer: BlockOffer, requested: Collection[str]) -> ScopeChoice:
+    """The widest graph-safe scopes of ``requested`` for a block holding ``offer``.
+
+    ``layer`` when the block has attention and its experts, if any, are static.
+    Otherwise ``attention`` beside, for the feed-forward: ``moe`` when the experts are
+    static, else ``moe_router``; and ``mlp`` for a dense MLP. Only requested scopes are
+    taken: asking for ``("layer",)`` alone never yields ``attention``. A refusal of
+    ``layer`` or ``moe`` (whose block holds an MoE) is a narrowing, with its reasons;
+    a block simply lacking a piece (no MoE, no MLP) is not.
+    """
+    layer_refused = _layer_refusal(offer)
+    if "layer" in requested and layer_refused is None:
+        return ScopeChoice(("layer",))
+    experts_refused = _experts_refusal(offer.experts) if offer.router else None
+    taken: list[Scope] = []
+    if "attention" in requested and offer.attention:
+        taken.append("attention")
+    if "moe" in requested and offer.moe and experts_refused is None:
+        taken.append("moe")
+    elif "moe_router" in requested and offer.router:
+        taken.append("moe_router")
+    if "mlp" in requested and offer.mlp:
+        taken.append("mlp")
+    reasons: list[NarrowReason] = []
+    if "layer" in requested and layer_refused is not None:
+        reasons.append(layer_refused)
+    if "moe" in requested and offer.moe and experts_refused not in (None, *reasons):
+        reasons.append(experts_refused)
+    wanted: Scope | None = None
+    if reasons:
+        wanted = "layer" if "layer" in requested else "moe"
+    return ScopeChoice(tuple(taken), wanted, tuple(reasons))
+
+
+def _layer_refusal(offer: BlockOffer) -> NarrowReason | None:
+    if not offer.attention:
+        return "no_attention"
+    return _experts_refusal(offer.experts) if offer.router else None
+
+
+def _experts_refusal(implementation: str | None) -> NarrowReason | None:
+    if static_experts(implementation):
+        return None
+    return "eager_experts" if implementation == "eager" else "unknown_experts"
+
+
+@dataclass(frozen=True)
+class ScopedBlock:
+    """One block's offer, the scopes chosen in it, and the module each one names."""
+
+    offer: BlockOffer
+    choice: ScopeChoice
+    pieces: tuple[tuple[str, nn.Module, Scope], ...]  # (qualified name, module, scope)
+
+
+def scope_block(
+    block: DiscoveredBlock, model: nn.Module, requested: Collection[str]
+) -> ScopedBlock:
+    """Apply :func:`choose_scopes` to ``block`` (found in ``model``), naming the module
+    of each chosen scope. Borrows everything; modifies nothing."""
+    moe = _module_at(block, block.moe) if block.moe is not None else None
+    taken = [
+        n for n in (block.moe, block.attention.name if block.attention else None) if n is not None
+    ]
+    mlp = find_mlp(block.module, block.name, taken=taken)
+    offer = BlockOffer(
+        attention=block.attention is not None,
+        router=block.router is not None,
+        moe=moe is not None and block.moe != block.name,
+        experts=experts_implementation(moe, model) if moe is not None else None,
+        mlp=mlp is not None,
+    )
+    choice = choose_scopes(offer, requested)
+    where: dict[str, tuple[str, nn.Module] | None] = {
+        "layer": (block.name, block.module),
+        "attention": (block.attention.name, block.attention.module) if block.attention else None,
+        "moe_router": (block.router.name, block.router.module) if block.router else None,
+        "moe": (block.moe, moe) if block.moe is not None and moe is not None else None,
+        "mlp": mlp,
+    }
+    pieces = []
+    for scope in choice.scopes:
+        hit = where[scope]
+        assert hit is not None, f"scope {scope} chosen in {block.name} without its module"
+        pieces.append((hit[0], hit[1], scope))
+    return ScopedBlock(offer, choice, tuple(pieces))
+
+
+def _module_at(block: DiscoveredBlock, name: str) -> nn.Module | None:
+    # Walked through tree.children, not get_submodule(): names are reported with
+    # checkpoint wrappers unwrapped, and the module must be the wrapped one.
+    if name == block.name:
+        return block.module
+    head = block.name + "." if block.name else ""
+    if not name.startswith(head):
+        return None
+    module: nn.Module | None = block.module
+    for part in name[len(head) :].split("."):
+        module = dict(children(module)).get(part) if module is not None else None
+    return module

@@ -1,0 +1,116 @@
+"""The manager with scopes (CPU, eager capture backend): whole layers, whole MoE
+sublayers and dense MLPs graphed on HF Llama, Qwen3-MoE, Mixtral and DeepSeek-V3, with
+losses and every gradient bitwise equal to eager and no fallback; narrowing said and
+counted; activation checkpointing with whole layers."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from _hf_models import tiny
+from cudagraphs.errors import CudaGraphsValueError
+from cudagraphs.partial import SCOPES, PartialCudaGraphManager
+
+
+def backend(callables, sample_args, sample_kwargs):
+    return list(callables)
+
+
+def loss_of(model, ids):
+    return model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
+
+
+def train_and_compare(model, ref, mgr, steps=3):
+    gen = torch.Generator().manual_seed(0)
+    mgr.start_recording()
+    for step in range(steps):
+        ids = torch.randint(0, 128, (2, 8), generator=gen)
+        loss, ref_loss = loss_of(model, ids), loss_of(ref, ids)
+        loss.backward()
+        ref_loss.backward()
+        assert torch.equal(loss, ref_loss), f"step {step}: loss"
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name}"
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        if step == 0:
+            mgr.capture()
+    return mgr.stats()
+
+
+KINDS = {
+    # per model and scopes: the target kinds, one list entry per layer (2 layers)
+    ("llama", SCOPES): ["layer", "layer"],
+    ("qwen3_moe", SCOPES): ["layer", "layer"],
+    ("mixtral", SCOPES): ["layer", "layer"],
+    ("deepseek_v3", SCOPES): ["layer", "layer"],
+    ("llama", ("mlp",)): ["mlp", "mlp"],
+    ("qwen3_moe", ("moe",)): ["moe", "moe"],
+    ("mixtral", ("attention", "moe")): ["attention", "moe", "attention", "moe"],
+    # DeepSeek-V3's layer 0 is dense (first_k_dense_replace=1): an MLP there.
+    ("deepseek_v3", ("attention", "moe", "mlp")): ["attention", "mlp", "attention", "moe"],
+}
+
+
+@pytest.mark.parametrize("family, scopes", list(KINDS), ids=lambda v: str(v))
+def test_scopes_train_equal_to_eager_without_fallbacks(family, scopes):
+    model = tiny(family)
+    ref = copy.deepcopy(model)
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=scopes)
+    assert [e.target.kind for e in mgr.entries] == KINDS[(family, scopes)]
+    stats = train_and_compare(model, ref, mgr)
+    assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * len(mgr.entries), stats
+    assert not mgr.narrowed and not mgr.skipped
+    mgr.close()
+
+
+def test_eager_experts_narrow_a_layer_to_attention_and_router_said_and_counted(caplog):
+    model = tiny("qwen3_moe")
+    model.set_experts_implementation("eager")
+    ref = copy.deepcopy(model)
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        mgr = PartialCudaGraphManager.from_model_parts(
+            model, capture_backend=backend, scopes=SCOPES
+        )
+    assert [e.target.kind for e in mgr.entries] == ["attention", "router"] * 2
+    assert [b.reason for b in mgr.narrowed] == ["eager_experts"] * 2
+    (said,) = [r for r in caplog.records if "narrower scopes" in r.getMessage()]
+    assert "eager" in said.getMessage() and "model.layers.0" in said.getMessage()
+    stats = train_and_compare(model, ref, mgr)
+    assert stats["narrowed_eager_experts"] == 2 and stats["fallbacks"] == 0, stats
+    mgr.close()
+
+
+def test_the_experts_switch_widens_those_layers_back():
+    model = tiny("qwen3_moe")
+    model.set_experts_implementation("eager")
+    mgr = PartialCudaGraphManager.from_model_parts(
+        model, capture_backend=backend, scopes=SCOPES, experts_implementation="grouped_mm"
+    )
+    assert [e.target.kind for e in mgr.entries] == ["layer", "layer"] and not mgr.narrowed
+
+
+def test_whole_layers_under_activation_checkpointing_keep_the_checkpoint_inside():
+    # transformers 5 checkpoints inside the layer's own forward and recomputes that
+    # function, not the module: a whole-layer target replays once per step, with the
+    # checkpoint (and its recompute in backward) inside what it runs.
+    model = tiny("llama")
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mgr = PartialCudaGraphManager.from_model_parts(
+        model, capture_backend=backend, scopes=("layer",)
+    )
+    stats = train_and_compare(model, ref, mgr)
+    assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * 2, stats
+
+
+def test_scopes_and_the_old_switches_do_not_mix():
+    with pytest.raises(CudaGraphsValueError, match="one or the other"):
+        PartialCudaGraphManager.from_model_parts(
+            tiny("llama"), capture_backend=backend, scopes=("layer",), attention=False
+        )
