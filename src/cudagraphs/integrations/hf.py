@@ -64,6 +64,7 @@ __all__ = ["PartialGraphsCallback"]
 
 logger = logging.getLogger(__name__)
 
+
 class PartialGraphsCallback(TrainerCallback):
     """Record one optimizer step, capture after it, replay for the rest of training.
 

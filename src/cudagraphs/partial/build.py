@@ -4,6 +4,7 @@ FSDP2 detection and parameter checks per target (:mod:`.fsdp`), one
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from .fsdp import check_target_parameters, fsdp_managed_modules
 from .selectors import Predicate
 from .skips import NarrowedBlock, SkippedBlock
 
-__all__ = ["BuiltEntries", "build_entries"]
+__all__ = ["BuiltEntries", "build_entries", "report_blocks", "switch_experts_implementation"]
 
 
 @dataclass
@@ -125,3 +126,24 @@ def switch_experts_implementation(parts: Sequence[nn.Module], implementation: st
             "does). Fix: leave experts_implementation out for this model."
         )
     return switched
+
+
+def report_blocks(built: BuiltEntries, logger: logging.Logger) -> None:
+    """Say, once each, which blocks run eagerly (skipped) and which are graphed at
+    narrower scopes than asked for, with the reason and the fix of each."""
+    for blocks, what, key in (
+        (
+            built.skipped,
+            "hold nothing graph-safe of the kinds asked for and run eagerly",
+            "skipped",
+        ),
+        (built.narrowed, "are graphed at narrower scopes than asked for", "narrowed"),
+    ):
+        if blocks:
+            logger.warning(
+                "partial graphs: %d block(s) %s (counted in stats()['%s_<reason>']):\n  %s",
+                len(blocks),
+                what,
+                key,
+                "\n  ".join(f"{b.name} ({b.block_type}): {b.detail}" for b in blocks),
+            )

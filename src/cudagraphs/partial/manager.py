@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..capturing import capture_scope
@@ -44,7 +43,7 @@ from ..errors import (
 )
 from ..forward_swap import swap_forward
 from ..settings import DISABLE_ENV, graphs_disabled
-from .build import build_entries, switch_experts_implementation
+from .build import build_entries, report_blocks, switch_experts_implementation
 from .discovery import (
     Selector,
     TargetSelectionError,
@@ -54,15 +53,14 @@ from .discovery import (
 )
 from .entry import PartialGraphEntry
 from .recording import (
-    ForwardClock,
     InferenceCalls,
+    Recorder,
     capture_groups,
     capture_modes,
     check_inference_calls,
-    is_inference_call,
 )
 from .skips import NarrowedBlock, SkippedBlock
-from .speed import SpeedCheck, forward_backward, speed_check_of
+from .speed import SpeedCheck, measure_group, speed_check_of, turn_off_slower
 
 __all__ = ["CaptureBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
 
@@ -84,13 +82,6 @@ def _eager_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) ->
     called with the arguments a graph would get (parameters first) and run eagerly."""
     del sample_args, sample_kwargs
     return list(callables)
-
-
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread (where an
-    activation-checkpoint recompute calls modules again)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
 
 
 class PartialCudaGraphManager:
@@ -188,15 +179,17 @@ class PartialCudaGraphManager:
         )
         self.inference_calls = check_inference_calls(inference_calls)
         self._speed_check = speed_check_of(speed_check)
-        self._parts = as_model_parts(model_parts) if model_parts else []
         # Forwards of the parts told apart while recording (see .recording); without
         # parts, any second call of a target while recording counts as a reuse.
-        self._clock = ForwardClock() if self._parts else None
-        self._said_inference_ignored = False
-        self._recording = False
+        self._recorder = Recorder(
+            self.entries,
+            as_model_parts(model_parts) if model_parts else [],
+            self.inference_calls,
+            self._saw_recompute,
+            logger,
+        )
         self._closed = False
         self._disabled: bool | None = None  # fixed by the first capture()
-        self._order: list[PartialGraphEntry] = []  # first-call order while recording
         self._warn_once = WarnOnce(logger)
         for entry in self.entries:
             entry.warn_once = self._warn_once
@@ -326,20 +319,7 @@ class PartialCudaGraphManager:
             )
             return None
         logger.info("partial graphs: %d target(s): %s", len(entries), [e.name for e in entries])
-        if built.skipped:
-            logger.warning(
-                "partial graphs: %d block(s) hold nothing graph-safe of the kinds asked "
-                "for and run eagerly (counted in stats()['skipped_<reason>']):\n  %s",
-                len(built.skipped),
-                "\n  ".join(f"{b.name} ({b.block_type}): {b.detail}" for b in built.skipped),
-            )
-        if built.narrowed:
-            logger.warning(
-                "partial graphs: %d block(s) are graphed at narrower scopes than asked "
-                "for (counted in stats()['narrowed_<reason>']):\n  %s",
-                len(built.narrowed),
-                "\n  ".join(f"{b.name} ({b.block_type}): {b.detail}" for b in built.narrowed),
-            )
+        report_blocks(built, logger)
         return cls(
             entries,
             skipped=built.skipped,
@@ -367,65 +347,24 @@ class PartialCudaGraphManager:
             CudaGraphsStateError: the manager was closed.
         """
         self._check_open()
-        self._order = []
-        for entry in self.entries:
-            entry.begin_recording()
-            if entry.recorder is None:
-                entry.recorder = entry.target.module.register_forward_pre_hook(
-                    self._make_recorder(entry), with_kwargs=True
-                )
-        if self._clock is not None:
-            self._clock.install(self._parts)
-        self._recording = True
+        self._recorder.start()
 
-    def _make_recorder(self, entry: PartialGraphEntry) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if entry.bypass or entry.off_reason is not None:
-                return
-            if _in_backward():
-                # An activation-checkpoint recompute of a call already recorded, not
-                # a second call of the forward.
-                if not self.activation_checkpointing:
-                    logger.info("partial graphs: %s is recomputed in backward", entry.name)
-                self.activation_checkpointing = True
-                return
-            if self.inference_calls == "ignore" and is_inference_call(module):
-                self._say_inference_ignored(entry)
-                return
-            if entry.recorded_calls == 0:
-                self._order.append(entry)
-            entry.record(args, kwargs, self._clock.current() if self._clock else None)
-
-        return hook
-
-    def _say_inference_ignored(self, entry: PartialGraphEntry) -> None:
-        if not self._said_inference_ignored:
-            self._said_inference_ignored = True
-            logger.info(
-                "partial graphs: %s was called under torch.no_grad() or in eval mode while "
-                "recording (an evaluation, say); such calls are not recorded "
-                "(inference_calls='ignore') and run eagerly, counted as fallbacks. Pass "
-                "inference_calls='record' to graph them as inference variants.",
-                entry.name,
-            )
+    def _saw_recompute(self, entry: PartialGraphEntry) -> None:
+        if not self.activation_checkpointing:
+            logger.info("partial graphs: %s is recomputed in backward", entry.name)
+        self.activation_checkpointing = True
 
     @property
     def recording(self) -> bool:
         """Whether recorders are installed (between start_recording and
         stop_recording / capture)."""
-        return self._recording
+        return self._recorder.active
 
     def stop_recording(self) -> None:
         """Remove the recorders; what was recorded is kept for :meth:`capture` (which
         calls this itself). Calls made after it are not recorded. A no-op when not
         recording, and after :meth:`close`."""
-        for entry in self.entries:
-            if entry.recorder is not None:
-                entry.recorder.remove()
-                entry.recorder = None
-        if self._clock is not None:
-            self._clock.remove()
-        self._recording = False
+        self._recorder.stop()
 
     # ---- capture --------------------------------------------------------------------
     def capture(self) -> None:
@@ -455,7 +394,7 @@ class PartialCudaGraphManager:
         if repeated:
             where = (
                 "within one forward of the model"
-                if self._clock is not None
+                if self._recorder.clock is not None
                 else "while recording (this manager was built without its model parts, so "
                 "forwards cannot be told apart and gradient accumulation looks the same; "
                 "build it with from_model_parts to record several micro-batches)"
@@ -469,7 +408,7 @@ class PartialCudaGraphManager:
             )
         todo = [
             (entry, i)
-            for entry in self._order
+            for entry in self._recorder.order
             for i, variant in enumerate(entry.variants)
             if variant.graph is None and entry.off_reason is None
         ]
@@ -506,7 +445,7 @@ class PartialCudaGraphManager:
         for entry in self.entries:
             if entry.swap is None and entry.graphs():
                 entry.swap = swap_forward(entry.target.module, entry.dispatch)
-        self._turn_off_slower(verdicts)
+        turn_off_slower(verdicts, logger)
 
     def _read_disabled(self) -> bool:
         disabled = graphs_disabled()
@@ -541,49 +480,11 @@ class PartialCudaGraphManager:
                     f"{len(group)} call(s) ({[e.name for e, _ in group]}); it must "
                     "return one graphed callable per call, in order"
                 )
-            verdicts = self._measure(group, graphed) if not self._disabled else []
+            measure = not self._disabled and len(graphed) == len(group)
+            verdicts = measure_group(self._speed_check, group, graphed) if measure else []
         for (entry, i), g in zip(group, graphed):
             entry.variants[i].captured(g)
         return verdicts
-
-    def _measure(self, group: list[tuple[PartialGraphEntry, int]], graphed: list) -> list:
-        """Speed verdicts of the group's training variants (see :mod:`.speed`), taken
-        under the recorded modes, before the samples are dropped."""
-        if self._speed_check is False or len(graphed) != len(group):
-            return []
-        check = self._speed_check if isinstance(self._speed_check, SpeedCheck) else SpeedCheck()
-        verdicts = []
-        for (entry, i), g in zip(group, graphed):
-            variant, contract = entry.variants[i], entry.contracts.variants[i]
-            on_cuda = any(p.is_cuda for p in entry.capture_params(i))
-            if not contract.grad_enabled or (self._speed_check is True and not on_cuda):
-                continue  # inference variants, and CPU targets unless asked explicitly
-            call = ((tuple(entry.capture_params(i)), *variant.args), variant.kwargs)
-            verdict = check.measure(
-                forward_backward(g, *call), forward_backward(entry.adapter(), *call)
-            )
-            verdicts.append((entry, verdict))
-        return verdicts
-
-    def _turn_off_slower(self, verdicts: list) -> None:
-        """Give the targets whose graph lost to eager their eager forward back."""
-        slower = {}
-        for entry, verdict in verdicts:
-            if verdict.slower and entry.off_reason is None:
-                slower.setdefault(id(entry), (entry, verdict))
-        for entry, _ in slower.values():
-            entry.turn_off("slower_than_eager")
-        if slower:
-            logger.warning(
-                "partial graphs: %d target(s) ran slower graphed than eager on their "
-                "recorded inputs and run eagerly from now on (stats()"
-                "['off_slower_than_eager']; pass speed_check=False to keep them): %s",
-                len(slower),
-                ", ".join(
-                    f"{e.name} ({v.graph_ms:.3f} ms graphed vs {v.eager_ms:.3f} ms eager)"
-                    for e, v in slower.values()
-                ),
-            )
 
     # ---- reporting and teardown -------------------------------------------------------
     def stats(self) -> dict[str, int]:

@@ -11,7 +11,8 @@ forwards of its model parts with a pair of hooks on each part.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -30,6 +31,7 @@ Call = tuple["PartialGraphEntry", int]
 __all__ = [
     "INFERENCE_CALLS",
     "ForwardClock",
+    "Recorder",
     "InferenceCalls",
     "capture_groups",
     "capture_modes",
@@ -156,3 +158,93 @@ def capture_groups(todo: Sequence[Call], one_pool_per_call: bool) -> list[list[C
         calls = by_mode[mode]
         groups += [[call] for call in calls] if one_pool_per_call else [calls]
     return groups
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (where an
+    activation-checkpoint recompute calls modules again)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+class Recorder:
+    """One manager's recording: a hook on every target, the forward clock over the
+    model parts, the order in which targets were first called (the capture order),
+    and what recording noticed on the way (an activation-checkpoint recompute, calls
+    left unrecorded by ``inference_calls``).
+
+    Args:
+        entries: the targets (:class:`~.entry.PartialGraphEntry`).
+        parts: the model parts whose forwards are told apart; empty when unknown.
+        inference_calls: see :data:`InferenceCalls`.
+        on_recompute: called once per target recomputed in backward.
+        logger: where the one-time notes go.
+    """
+
+    def __init__(
+        self,
+        entries: Sequence[PartialGraphEntry],
+        parts: Sequence[nn.Module],
+        inference_calls: InferenceCalls,
+        on_recompute: Callable[[PartialGraphEntry], None],
+        logger: logging.Logger,
+    ) -> None:
+        self.entries = entries
+        self.parts = list(parts)
+        self.inference_calls = inference_calls
+        self.clock = ForwardClock() if self.parts else None
+        self.order: list[PartialGraphEntry] = []
+        self.active = False
+        self._on_recompute = on_recompute
+        self._logger = logger
+        self._said_ignored = False
+
+    def start(self) -> None:
+        self.order = []
+        for entry in self.entries:
+            entry.begin_recording()
+            if entry.recorder is None:
+                entry.recorder = entry.target.module.register_forward_pre_hook(
+                    self._hook(entry), with_kwargs=True
+                )
+        if self.clock is not None:
+            self.clock.install(self.parts)
+        self.active = True
+
+    def stop(self) -> None:
+        for entry in self.entries:
+            if entry.recorder is not None:
+                entry.recorder.remove()
+                entry.recorder = None
+        if self.clock is not None:
+            self.clock.remove()
+        self.active = False
+
+    def _hook(self, entry: PartialGraphEntry) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if entry.bypass or entry.off_reason is not None:
+                return
+            if in_backward():
+                # An activation-checkpoint recompute of a call already recorded, not
+                # a second call of the forward.
+                self._on_recompute(entry)
+                return
+            if self.inference_calls == "ignore" and is_inference_call(module):
+                self._say_ignored(entry)
+                return
+            if entry.recorded_calls == 0:
+                self.order.append(entry)
+            entry.record(args, kwargs, self.clock.current() if self.clock else None)
+
+        return hook
+
+    def _say_ignored(self, entry: PartialGraphEntry) -> None:
+        if not self._said_ignored:
+            self._said_ignored = True
+            self._logger.info(
+                "partial graphs: %s was called under torch.no_grad() or in eval mode while "
+                "recording (an evaluation, say); such calls are not recorded "
+                "(inference_calls='ignore') and run eagerly, counted as fallbacks. Pass "
+                "inference_calls='record' to graph them as inference variants.",
+                entry.name,
+            )

@@ -23,6 +23,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -34,7 +35,14 @@ from torch.utils import _pytree as pytree
 
 from ..checks import check_int
 
-__all__ = ["SpeedCheck", "SpeedVerdict", "forward_backward"]
+__all__ = [
+    "SpeedCheck",
+    "SpeedVerdict",
+    "forward_backward",
+    "measure_group",
+    "speed_check_of",
+    "turn_off_slower",
+]
 
 
 @dataclass(frozen=True)
@@ -137,3 +145,48 @@ def speed_check_of(value: Any) -> SpeedCheck | bool:
     raise CudaGraphsTypeError(
         f"speed_check must be a bool or a SpeedCheck, got {type(value).__name__} {value!r}"
     )
+
+
+def measure_group(setting: SpeedCheck | bool, group: list, graphed: list) -> list:
+    """``[(entry, verdict)]`` for the training variants of one captured group
+    (``(entry, variant index)`` pairs and their graphs), under the recorded modes and
+    before the samples are dropped. ``setting`` as :func:`speed_check_of` returns it:
+    inference variants are never measured, CPU targets only with an explicit
+    :class:`SpeedCheck`."""
+    if setting is False:
+        return []
+    check = setting if isinstance(setting, SpeedCheck) else SpeedCheck()
+    verdicts = []
+    for (entry, i), graph in zip(group, graphed):
+        variant, contract = entry.variants[i], entry.contracts.variants[i]
+        on_cuda = any(p.is_cuda for p in entry.capture_params(i))
+        if not contract.grad_enabled or (setting is True and not on_cuda):
+            continue
+        call = ((tuple(entry.capture_params(i)), *variant.args), variant.kwargs)
+        verdict = check.measure(
+            forward_backward(graph, *call), forward_backward(entry.adapter(), *call)
+        )
+        verdicts.append((entry, verdict))
+    return verdicts
+
+
+def turn_off_slower(verdicts: list, logger: logging.Logger) -> None:
+    """Give every target whose graph lost for any variant its eager forward back,
+    and say which, with the times, in one WARNING."""
+    slower = {}
+    for entry, verdict in verdicts:
+        if verdict.slower and entry.off_reason is None:
+            slower.setdefault(id(entry), (entry, verdict))
+    for entry, _ in slower.values():
+        entry.turn_off("slower_than_eager")
+    if slower:
+        logger.warning(
+            "partial graphs: %d target(s) ran slower graphed than eager on their recorded "
+            "inputs and run eagerly from now on (stats()['off_slower_than_eager']; pass "
+            "speed_check=False to keep them): %s",
+            len(slower),
+            ", ".join(
+                f"{e.name} ({v.graph_ms:.3f} ms graphed vs {v.eager_ms:.3f} ms eager)"
+                for e, v in slower.values()
+            ),
+        )
