@@ -15,7 +15,7 @@ from cudagraphs.program import (
     SignatureMismatchError,
     ValueTreeSignature,
 )
-from cudagraphs.program.fastpath import InputValidator, compile_matcher
+from cudagraphs.program.matcher import InputValidator, compile_matcher
 
 Pair = namedtuple("Pair", "first second")
 Other = namedtuple("Other", "first second")

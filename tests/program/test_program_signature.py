@@ -648,7 +648,7 @@ def test_rebuild_with_too_few_tensors_is_a_value_error():
         sig.rebuild([torch.zeros(2)])
 
 
-# ---- the generated fast path (fastpath.py) ---------------------------------------------
+# ---- the generated fast path (matcher.py) ---------------------------------------------
 
 
 @settings(max_examples=50, deadline=None)
@@ -726,7 +726,7 @@ def test_fast_path_rejections_fall_back_to_the_full_report():
 
 
 def _learned_validator(value):
-    from cudagraphs.program.fastpath import InputValidator
+    from cudagraphs.program.matcher import InputValidator
 
     validator = InputValidator(signature(value))
     validator(value, "value")  # the full check passes; the guard learns these tensors
@@ -776,7 +776,7 @@ def _plain_tree(seed=0):
     ],
 )
 def test_validator_guard_misses_fall_back_to_the_full_check(edit, path, field):
-    from cudagraphs.program.fastpath import InputValidator
+    from cudagraphs.program.matcher import InputValidator
 
     value = _plain_tree()
     validator = InputValidator(signature(value))
@@ -791,30 +791,30 @@ def test_validator_guard_misses_fall_back_to_the_full_check(edit, path, field):
 
 
 def test_validator_stops_relearning_after_a_few_rebuilds():
-    from cudagraphs.program import fastpath
+    from cudagraphs.program import matcher
 
     value = _plain_tree()
-    validator = fastpath.InputValidator(signature(value))
+    validator = matcher.InputValidator(signature(value))
     as_double = map_tensors(value, lambda t: t.double().float())  # same metadata
-    for _ in range(3 * fastpath._MAX_GUARD_REBUILDS):
+    for _ in range(3 * matcher._MAX_GUARD_REBUILDS):
         validator(value, "value")
         validator(as_double, "value")
     assert validator._rebuilds == 1  # same metadata: learned once, then guard hits
     with_grad = map_tensors(value, lambda t: t.clone().requires_grad_())
     sig_rg = signature(with_grad)
-    alternating = fastpath.InputValidator(sig_rg)
-    for _ in range(3 * fastpath._MAX_GUARD_REBUILDS):
+    alternating = matcher.InputValidator(sig_rg)
+    for _ in range(3 * matcher._MAX_GUARD_REBUILDS):
         alternating(with_grad, "value")
         alternating(map_tensors(with_grad, lambda t: t.detach().requires_grad_()), "value")
-    assert alternating._rebuilds <= fastpath._MAX_GUARD_REBUILDS
+    assert alternating._rebuilds <= matcher._MAX_GUARD_REBUILDS
 
 
 def test_validator_without_torchs_guard_is_still_correct(monkeypatch):
-    from cudagraphs.program import fastpath
+    from cudagraphs.program import matcher
 
-    monkeypatch.setattr(fastpath, "_tensor_guard", lambda tensors: None)
+    monkeypatch.setattr(matcher, "_tensor_guard", lambda tensors: None)
     value = _plain_tree()
-    validator = fastpath.InputValidator(signature(value))
+    validator = matcher.InputValidator(signature(value))
     for _ in range(3):
         assert len(validator(value, "value")) == 5
     with pytest.raises(SignatureMismatchError, match=r"value\['b'\]"):

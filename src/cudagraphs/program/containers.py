@@ -7,7 +7,7 @@ every subclass). torch's pytree registry says how each splits into children and 
 *context* (the keys, field names or class needed to rebuild it), so we describe such a
 container by its exact type and context, and take it apart and rebuild it with the
 registered functions. The plain list, tuple and dict keep their own, faster handling
-in :mod:`.signature` and :mod:`.fastpath`.
+in :mod:`.signature` and :mod:`.matcher`.
 """
 
 from __future__ import annotations

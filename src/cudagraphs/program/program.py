@@ -21,9 +21,9 @@ from ..errors import CudaGraphCaptureError, CudaGraphsTypeError
 from ..settings import graphs_disabled
 from .buffer import ReusableValueBuffer
 from .capture_steps import check_capture_arguments, detached, warm_up
-from .fastpath import InputValidator
 from .graph_capture import capture_function, run_function_eagerly
 from .leaves import LeafTypes
+from .matcher import InputValidator
 from .pool import CopyHandle, CudaGraphCaptureStats, CudaGraphPool, ProgramClosedError
 from .signature import ValueTreeSignature
 from .staging import GraphStaging

@@ -19,8 +19,8 @@ import torch
 
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError, Mismatch, SignatureMismatchError
 from .containers import ContainerSignature, describe_container
-from .fastpath import compile_matcher
 from .leaves import LeafTypes
+from .matcher import compile_matcher
 
 __all__ = [
     "Mismatch",

@@ -1,4 +1,5 @@
-"""A generated fast path for matching a payload against a signature.
+"""A generated matcher of a payload against a signature (the program's fast check;
+not the training fast path of ``graph_stack``).
 
 Replays check every input leaf before copying. Walking the signature tree in Python
 costs a few microseconds per leaf, which dominates the replay of a graph with many
