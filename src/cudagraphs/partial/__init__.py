@@ -53,14 +53,14 @@ from .discovery import (
     unwrap_checkpoint,
 )
 from .entry import PartialGraphEntry
-from .manager import CaptureBackend, PartialCudaGraphManager
+from .manager import TargetsBackend, PartialCudaGraphManager
 from .speed import SpeedCheck, SpeedVerdict
 
 __all__ = [
     "SCOPES",
     "NarrowedBlock",
     "check_scopes",
-    "CaptureBackend",
+    "TargetsBackend",
     "PartialCudaGraphManager",
     "PartialGraphEntry",
     "CallContract",

@@ -62,12 +62,15 @@ from .recording import (
 from .skips import NarrowedBlock, SkippedBlock
 from .speed import SpeedCheck, measure_group, speed_check_of, turn_off_slower
 
-__all__ = ["CaptureBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
+__all__ = ["TargetsBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
 
 logger = logging.getLogger(__name__)
 
+#: How a manager turns recorded calls into graphed callables:
 #: ``backend(callables, sample_args, sample_kwargs) -> graphed callables`` (one each).
-CaptureBackend = Callable[[tuple, tuple, list], Sequence[Callable[..., Any]]]
+#: (Serving's bucket backend, ``cudagraphs.serving.graphs.BucketBackend``, is another
+#: contract: one graph per call.)
+TargetsBackend = Callable[[tuple, tuple, list], Sequence[Callable[..., Any]]]
 
 
 def _default_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) -> Sequence[Any]:
@@ -151,7 +154,7 @@ class PartialCudaGraphManager:
         self,
         entries: Sequence[PartialGraphEntry],
         *,
-        capture_backend: CaptureBackend | None = None,
+        capture_backend: TargetsBackend | None = None,
         activation_checkpointing: bool = False,
         model_parts: Sequence[nn.Module] = (),
         inference_calls: InferenceCalls = "ignore",
@@ -205,7 +208,7 @@ class PartialCudaGraphManager:
         router: bool = True,
         include: Selector | None = None,
         max_variants: int = 4,
-        capture_backend: CaptureBackend | None = None,
+        capture_backend: TargetsBackend | None = None,
         inference_calls: InferenceCalls = "ignore",
         speed_check: bool | SpeedCheck = True,
         experts_implementation: str | None = None,

@@ -19,7 +19,7 @@ from .static_inputs import PLAN_CACHE_SIZE, Said, StagePlan
 
 __all__ = [
     "BucketGraph",
-    "CaptureBackend",
+    "BucketBackend",
     "ReplayStep",
     "SlotGraph",
     "default_backend",
@@ -29,8 +29,9 @@ __all__ = [
     "static_outputs_backend",
 ]
 
+#: How a runner captures one bucket:
 #: ``backend(run, pool, what) -> (graph with .replay() and .reset(), output)``
-CaptureBackend = Callable[[Callable[[], Any], GraphPool, str], tuple[Any, Any]]
+BucketBackend = Callable[[Callable[[], Any], GraphPool, str], tuple[Any, Any]]
 
 
 def default_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:

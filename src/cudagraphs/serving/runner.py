@@ -42,7 +42,7 @@ from .buckets import Bucket, BucketConfig, check_dropped_buckets, select_bucket
 from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
 from .graphs import (
     BucketGraph,
-    CaptureBackend,
+    BucketBackend,
     ReplayStep,
     default_backend,
     eager_backend,
@@ -134,7 +134,7 @@ class GraphRunner:
         output_row_dim: int = 0,
         require_all_buckets: bool | None = None,
         group: object | None = None,
-        capture_backend: CaptureBackend | None = None,
+        capture_backend: BucketBackend | None = None,
         static_outputs: bool = False,
         pool: GraphPool | None = None,
         slots: int = 1,
@@ -384,7 +384,7 @@ class GraphRunner:
         return self._pool.capture_stream(self.device)
 
     def _capture_bucket(
-        self, bucket: Bucket, make_inputs: Callable, warmup: int, backend: CaptureBackend
+        self, bucket: Bucket, make_inputs: Callable, warmup: int, backend: BucketBackend
     ) -> bool:
         captured: list[tuple[Any, Any, str]] = []
         try:
