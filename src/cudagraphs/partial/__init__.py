@@ -53,7 +53,7 @@ from .discovery import (
     unwrap_checkpoint,
 )
 from .entry import PartialGraphEntry
-from .manager import TargetsBackend, PartialCudaGraphManager
+from .manager import PartialCudaGraphManager, TargetsBackend
 from .speed import SpeedCheck, SpeedVerdict
 
 __all__ = [

@@ -41,8 +41,8 @@ from ..settings import DISABLE_ENV, graphs_disabled
 from .buckets import Bucket, BucketConfig, check_dropped_buckets, select_bucket
 from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
 from .graphs import (
-    BucketGraph,
     BucketBackend,
+    BucketGraph,
     ReplayStep,
     default_backend,
     eager_backend,
