@@ -64,6 +64,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cudagraphs  # noqa: E402
+
+# The training benchmarks share their check and timing helpers (one definition of
+# "compare every gradient" and of a guarded interleaved step).
+from _checks import compare_tensors, guard_steps, ratio, relative_error  # noqa: E402
 from _report import (  # noqa: E402
     add_common_arguments,
     describe_error,
@@ -74,10 +78,6 @@ from _report import (  # noqa: E402
 )
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager  # noqa: E402
 from cudagraphs.timing import interleaved_samples_ms, kernel_busy_ms, summarize  # noqa: E402
-
-# The training benchmarks share their check and timing helpers (one definition of
-# "compare every gradient" and of a guarded interleaved step).
-from train_step import compare_tensors, guard_steps, ratio, relative_error  # noqa: E402
 
 NAME = "partial_train"
 REGIME = "accumulate"
