@@ -1,4 +1,8 @@
-"""What every benchmark report records about its run, and where it is written."""
+"""What every benchmark report records about its run, and where it is written.
+
+Every benchmark imports this module before ``cudagraphs`` (it sorts first among the
+first-party imports): it puts this checkout's ``src`` first on ``sys.path``, so a
+script measures the sources beside it, also without ``PYTHONPATH=src``."""
 
 from __future__ import annotations
 

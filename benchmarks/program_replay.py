@@ -83,12 +83,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO / "src") not in sys.path:
-    # Run against this checkout's sources, also without PYTHONPATH=src.
-    sys.path.insert(0, str(_REPO / "src"))
 
 import torch  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402

@@ -34,15 +34,10 @@ import json
 import pstats
 import sys
 from collections.abc import Callable
-from pathlib import Path
-
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO / "src") not in sys.path:
-    # Run against this checkout's sources, also without PYTHONPATH=src.
-    sys.path.insert(0, str(_REPO / "src"))
 
 import torch  # noqa: E402
 
+import _report  # noqa: E402,F401  (first: puts this checkout's src on sys.path)
 from cudagraphs.serving import BucketConfig, GraphRunner, InputSpec  # noqa: E402
 from cudagraphs.timing import interleaved_samples_ms, summarize  # noqa: E402
 

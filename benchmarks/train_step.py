@@ -68,16 +68,11 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
-from pathlib import Path
-
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO / "src") not in sys.path:
-    # Run against this checkout's sources, also without PYTHONPATH=src.
-    sys.path.insert(0, str(_REPO / "src"))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+import _report  # noqa: E402,F401  (first: puts this checkout's src on sys.path)
 import cudagraphs  # noqa: E402
 from _checks import (  # noqa: E402
     ADAM_MAX_UPDATE,

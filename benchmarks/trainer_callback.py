@@ -38,13 +38,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
-
-_REPO = Path(__file__).resolve().parents[1]
-if str(_REPO / "src") not in sys.path:
-    # Run against this checkout's sources, also without PYTHONPATH=src.
-    sys.path.insert(0, str(_REPO / "src"))
 
 import torch  # noqa: E402
 
