@@ -8,7 +8,9 @@
   accumulation; :func:`graph_stack` graphs a whole layer stack as one unit.
 * :mod:`cudagraphs.program`: :class:`CudaGraphProgram` / :class:`CudaGraphPool`, a
   fixed function replayed on validated, fixed-address inputs.
-* :mod:`cudagraphs.partial`: graphs of attention and MoE routers inside eager training.
+* :mod:`cudagraphs.partial`: graphs of the static pieces of each decoder layer
+  (attention, MoE router, MLP, whole MoE block or whole layer) inside eager training;
+  :mod:`cudagraphs.integrations.hf` runs them from a ``transformers.Trainer`` callback.
 * :mod:`cudagraphs.serving`: the bucketed :class:`~cudagraphs.serving.GraphRunner`.
 * :mod:`cudagraphs.errors`: every error the package raises (all derive from
   :class:`CudaGraphsError`); :mod:`cudagraphs.settings`: ``CUDAGRAPHS_DISABLE`` and the
