@@ -3,6 +3,7 @@ checkpoint wrappers, extra (MTP) stacks, user models and rejected selections (CP
 
 import logging
 import re
+from types import SimpleNamespace
 
 import pytest
 from torch import nn
@@ -18,6 +19,7 @@ from cudagraphs.partial import (
     find_attention,
     find_moe,
     model_label,
+    plan_targets,
     select_targets,
     unwrap_checkpoint,
 )
@@ -624,3 +626,143 @@ def test_model_label_is_not_a_capability_gate():
         "body." + name.removeprefix("model.") for name, _ in EXPECTED_TARGETS["qwen3_moe"]
     ]
     assert model_label(ToyModel()) == "ToyModel with 3 block(s)"
+
+
+# --- declarations: what a layer class alone, or one held nowhere, means ------------------
+
+
+class _Attn(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.q, self.o = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, hidden_states, attention_mask=None):
+        return self.o(self.q(hidden_states))
+
+
+class _MoE(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.gate = nn.Linear(d, 2, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.ffn = _Attn(), _MoE()
+
+
+class _AttentionDeclared(nn.Module):
+    """Declares its layer and attention classes but no router class."""
+
+    _no_split_modules = ["_Layer"]
+    _can_record_outputs = {"attentions": _Attn}
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(), _Layer()])
+
+
+def test_a_declaration_without_a_router_class_finds_routers_by_structure():
+    plan = plan_targets(_AttentionDeclared())
+    assert plan.source == "metadata"
+    assert names_kinds(plan.targets) == [
+        t
+        for i in (0, 1)
+        for t in ((f"layers.{i}.attn", "attention"), (f"layers.{i}.ffn.gate", "router"))
+    ]
+
+
+class _AttnLayer(_Attn):
+    """A layer that is its own attention module."""
+
+
+class _SelfAttentionLayers(nn.Module):
+    _no_split_modules = ["_AttnLayer"]
+    # Declared with a layer name: the qualified name of the layer must hold ".layers.".
+    _can_record_outputs = {
+        "attentions": SimpleNamespace(target_class=_AttnLayer, layer_name="layers")
+    }
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_AttnLayer(), _AttnLayer()])
+
+
+def test_a_layer_declared_as_attention_by_its_qualified_name_is_the_target():
+    assert names_kinds(select_targets(_SelfAttentionLayers())) == [
+        ("layers.0", "attention"),
+        ("layers.1", "attention"),
+    ]
+
+
+class _Gate(nn.Linear):
+    pass
+
+
+class _GatedMoE(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.gate = _Gate(d, 2, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+
+
+class _TwoRouters(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.ffn_a, self.ffn_b = _Attn(), _GatedMoE(), _GatedMoE()
+
+
+class _RoutersDeclared(nn.Module):
+    _no_split_modules = ["_TwoRouters"]
+    _can_record_outputs = {"attentions": _Attn, "router_logits": _Gate}
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_TwoRouters()])
+
+
+def test_several_declared_routers_take_the_first_and_say_so(caplog):
+    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.metadata"):
+        (block,) = discover_blocks(_RoutersDeclared())
+    assert block.router.name == "layers.0.ffn_a.gate"
+    assert "several router modules" in caplog.text
+
+
+class _Elsewhere(nn.Module):
+    """Declares a layer class it does not hold: its stack is found by structure."""
+
+    _no_split_modules = ["NotHere"]
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(), _Layer()])
+
+
+@pytest.mark.parametrize("nested, named", [(True, "inner"), (False, "the model part")])
+def test_a_declaration_held_nowhere_is_not_in_force_and_says_so(caplog, nested, named):
+    model = nn.Module()
+    model.inner = _Elsewhere()
+    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.discovery"):
+        blocks = discover_blocks(model if nested else model.inner)
+    prefix = "inner." if nested else ""
+    assert [(b.name, b.source) for b in blocks] == [
+        (f"{prefix}layers.{i}", "structure") for i in (0, 1)
+    ]
+    (message,) = [r.getMessage() for r in caplog.records if "declares decoder layers" in r.message]
+    assert message.startswith(f"{named} (_Elsewhere) declares decoder layers ['NotHere']")
+
+
+def test_each_skipped_and_narrowed_block_is_logged(caplog):
+    model = nn.Module()
+    model.layers = nn.ModuleList([_Layer(), _Layer()])  # experts implementation not stated
+    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.discovery"):
+        plan = plan_targets(model, scopes=("layer", "attention"))
+        skipped = plan_targets(model, scopes=("mlp",)).skipped
+    messages = [r.getMessage() for r in caplog.records]
+    for n in plan.narrowed:
+        assert f"partial graphs: narrowed {n.name} ({n.reason}): {n.detail}" in messages
+    for s in skipped:
+        assert f"partial graphs: skipped {s.name} ({s.reason}): {s.detail}" in messages
+    assert len(plan.narrowed) == len(skipped) == 2

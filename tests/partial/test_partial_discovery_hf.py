@@ -163,7 +163,7 @@ def test_jamba_mamba_layers_are_skipped_without_routers():
         layer0.detail
     )
     assert "left out" not in layer3.detail
-    assert layer3.detail.endswith("include=['model.layers.3.mamba']")
+    assert layer3.detail.endswith("include=['model.layers.3.mamba'].")
 
 
 def test_jamba_skip_detail_in_full():
@@ -177,7 +177,7 @@ def test_jamba_skip_detail_in_full():
         "(JambaRMSNorm); it has no module of the attention class JambaAttention (JambaModel "
         "declares it) and no router of the class JambaTopKRouter (JambaModel declares it). "
         "Fix: if one of its modules is graph-safe (no host sync, the same shapes every "
-        "step), name it with include=, e.g. include=['model.layers.3.mamba']",
+        "step), name it with include=, e.g. include=['model.layers.3.mamba'].",
     )
 
 
@@ -190,7 +190,7 @@ def test_qwen3_next_linear_attention_is_never_attention():
     ]
     assert skips(plan) == [("model.layers.0", NO_SCOPE), ("model.layers.2", NO_SCOPE)]
     assert all("linear_attn (Qwen3NextGatedDeltaNet)" in s.detail for s in plan.skipped)
-    assert plan.skipped[1].detail.endswith("include=['model.layers.2.linear_attn']")
+    assert plan.skipped[1].detail.endswith("include=['model.layers.2.linear_attn'].")
     blocks = discover_blocks(model)
     assert [b.attention is not None for b in blocks] == [False, True, False, True]
     linear = {id(model.model.layers[i].linear_attn) for i in (0, 2)}
@@ -440,7 +440,7 @@ def test_attention_class_absent_is_a_reason_not_a_guess():
     assert "no block of this model part holds one (if the attention modules were replaced" in (
         plan.skipped[0].detail
     )
-    assert plan.skipped[0].detail.endswith("include=['model.layers.0.self_attn']")
+    assert plan.skipped[0].detail.endswith("include=['model.layers.0.self_attn'].")
     fixed = plan_targets(model, include="model.layers.*.self_attn")
     assert names_kinds(fixed.targets) == [(n, "custom") for n, _ in dense("model.layers")]
     assert fixed.skipped == []

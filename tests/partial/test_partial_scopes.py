@@ -16,7 +16,9 @@ from _hf_models import CONFIGS, tiny, tiny_arch
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
 from cudagraphs.partial.discovery import (
     SCOPES,
+    DiscoveredBlock,
     NarrowedBlock,
+    Target,
     TargetPlan,
     check_scopes,
     discover_blocks,
@@ -30,6 +32,7 @@ from cudagraphs.partial.scopes import (
     choose_scopes,
     experts_implementation,
     find_mlp,
+    scope_block,
     static_experts,
 )
 
@@ -590,3 +593,115 @@ def test_why_nothing_found_names_the_scopes():
     assert "looking for scopes moe" in why
     why = why_nothing_found([model], attention=True, router=True, include=None, scopes=())
     assert "scopes=() and no include: nothing asked for" in why
+
+
+# --- where the MoE sublayer sits, and which config states its experts ------------------
+
+
+class DeepMoEBlock(nn.Module):
+    """The MoE sublayer two levels beneath the block (``ffn.moe``)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.attn = ToyAttention(d)
+        self.ffn = nn.Module()
+        self.ffn.moe = ToyMoE(d)
+
+
+def test_an_moe_sublayer_deeper_in_the_block_is_the_moe_scope():
+    model = nn.Module()
+    model.layers = nn.ModuleList([DeepMoEBlock(), DeepMoEBlock()])
+    model.config = SimpleNamespace(_experts_implementation="grouped_mm")
+    plan = plan_targets(model, scopes=("moe",))
+    assert names_kinds(plan) == per_layer("layers", ".ffn.moe", M)
+    assert [t.module for t in plan.targets] == [b.ffn.moe for b in model.layers]
+
+
+def test_a_block_at_the_root_names_its_pieces_without_a_prefix():
+    block = ToyBlock(moe=True)
+    block.config = SimpleNamespace(_experts_implementation="grouped_mm")
+    found = DiscoveredBlock(
+        "",
+        block,
+        Target("attn", block.attn, A, ""),
+        Target("ffn.router", block.ffn.router, R, ""),
+        "ffn",
+    )
+    scoped = scope_block(found, block, ("moe", "attention"))
+    assert scoped.pieces == (("attn", block.attn, "attention"), ("ffn", block.ffn, "moe"))
+    assert scoped.offer.experts == "grouped_mm"
+
+
+class OneArgAttention(TwoProjections):
+    """A declared attention class whose forward takes one tensor, like a dense MLP."""
+
+
+def test_the_attention_is_never_taken_for_the_dense_mlp():
+    block = nn.Module()
+    block.attn, block.mlp = OneArgAttention(), TwoProjections()
+    found = DiscoveredBlock("b", block, Target("b.attn", block.attn, A, "b"), None, None)
+    scoped = scope_block(found, block, ("attention", "mlp"))
+    assert scoped.pieces == (("b.attn", block.attn, "attention"), ("b.mlp", block.mlp, "mlp"))
+
+
+def test_an_empty_or_unset_implementation_states_nothing():
+    model = toy_model()
+    model.config = SimpleNamespace(_experts_implementation="")
+    assert experts_implementation(model.layers[1].ffn, model) is None
+    model.config = SimpleNamespace(_experts_implementation={"text_config": "grouped_mm"})
+    assert experts_implementation(model.layers[1].ffn, model) is None
+
+
+def test_the_experts_own_sub_config_finds_its_key_in_the_configs_above():
+    text = SimpleNamespace(_experts_implementation={"": "eager", "text_config": "grouped_mm"})
+    outer = SimpleNamespace(
+        # A key without its attribute, and another sub-config, come first.
+        sub_configs={"audio_config": object, "vision_config": object, "text_config": object},
+        vision_config=SimpleNamespace(),
+        text_config=text,
+        _experts_implementation="eager",
+    )
+    model = toy_model()
+    model.config = outer
+    model.layers[1].ffn.experts.config = text
+    assert experts_implementation(model.layers[1].ffn, model) == "grouped_mm"
+
+
+def test_a_config_above_without_sub_configs_leaves_the_main_key():
+    model = toy_model()
+    model.config = SimpleNamespace(_experts_implementation="eager")
+    model.layers[1].ffn.experts.config = SimpleNamespace(_experts_implementation={"": "batched_mm"})
+    assert experts_implementation(model.layers[1].ffn, model) == "batched_mm"
+
+
+def test_find_mlp_without_a_prefix_and_logs_only_several(caplog):
+    block = nn.Module()
+    block.ffn = TwoProjections()
+    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.scopes"):
+        assert find_mlp(block) == ("ffn", block.ffn)
+    assert "several" not in caplog.text
+    block.ffn_b = TwoProjections()
+    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.scopes"):
+        find_mlp(block, "blk")
+    assert "block blk has several MLP-like children ['blk.ffn', 'blk.ffn_b']" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "value, error, absent",
+    [
+        (5, CudaGraphsTypeError, "for one scope write"),
+        (("zzzz",), CudaGraphsValueError, "did you mean"),
+    ],
+)
+def test_check_scopes_hints_only_where_they_help(value, error, absent):
+    with pytest.raises(error) as caught:
+        check_scopes(value)
+    assert absent not in str(caught.value)
+    assert repr(value[0] if isinstance(value, tuple) else value) in str(caught.value)
+
+
+def test_why_nothing_found_lists_every_scope():
+    why = why_nothing_found(
+        [toy_model()], attention=True, router=True, include=None, scopes=("layer", "moe")
+    )
+    assert "looking for scopes layer, moe;" in why

@@ -349,7 +349,7 @@ def plan_targets(
         targets += [Target(n, m, "custom") for n, m in named if n not in chosen and predicate(n, m)]
     _reject_shared(targets)
     order = {name: i for i, (name, _) in enumerate(named)}
-    targets.sort(key=lambda t: order.get(t.name, len(order)))
+    targets.sort(key=lambda t: order[t.name])  # every target is one of named
     skipped, narrowed = block_reports(
         blocks,
         [t.name for t in targets],

@@ -84,10 +84,10 @@ def check_scopes(value: Any) -> tuple[Scope, ...]:
             earlier entry.
     """
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        hint = f"; for one scope write ({value!r},)" if isinstance(value, str) else ""
         raise CudaGraphsTypeError(
             f"scopes must be a list or tuple of scope names from {SCOPES}, got "
-            f"{type(value).__name__} {value!r}{hint}"
+            f"{type(value).__name__} {value!r}"
+            + (f"; for one scope write ({value!r},)" if isinstance(value, str) else "")
         )
     first: dict[str, int] = {}
     for i, name in enumerate(value):
@@ -96,10 +96,11 @@ def check_scopes(value: Any) -> tuple[Scope, ...]:
                 f"scopes[{i}] must be a scope name (str), got {type(name).__name__} {name!r}"
             )
         if name not in SCOPES:
-            close = difflib.get_close_matches(name, SCOPES, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            close = difflib.get_close_matches(name, SCOPES)  # best first
             raise CudaGraphsValueError(
-                f"scopes[{i}] is {name!r}, not a scope{hint}; the scopes are {', '.join(SCOPES)}"
+                f"scopes[{i}] is {name!r}, not a scope"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f"; the scopes are {', '.join(SCOPES)}"
             )
         if name in first:
             raise CudaGraphsValueError(
@@ -141,7 +142,7 @@ def static_experts(implementation: str | None) -> bool:
 
 
 def _stated(config: Any, outer: Callable[[], list[Any]]) -> str | None:
-    value = getattr(config, _IMPLEMENTATION, None)
+    value = getattr(config, _IMPLEMENTATION)  # callers pass configs that have it
     if isinstance(value, Mapping):
         value = value.get(_subconfig_key(config, outer()))
     return value if isinstance(value, str) and value else None
@@ -266,7 +267,8 @@ def choose_scopes(offer: BlockOffer, requested: Collection[str]) -> ScopeChoice:
     layer_refused = _layer_refusal(offer)
     if "layer" in requested and layer_refused is None:
         return ScopeChoice(("layer",))
-    experts_refused = _experts_refusal(offer.experts) if offer.router else None
+    # Read only where the block holds an MoE sublayer, which has a router.
+    experts_refused = _experts_refusal(offer.experts)
     taken: list[Scope] = []
     if "attention" in requested and offer.attention:
         taken.append("attention")
@@ -313,7 +315,7 @@ def scope_block(
 ) -> ScopedBlock:
     """Apply :func:`choose_scopes` to ``block`` (found in ``model``), naming the module
     of each chosen scope. Borrows everything; modifies nothing."""
-    moe = _module_at(block, block.moe) if block.moe is not None else None
+    moe_at = (block.moe, _module_at(block, block.moe)) if block.moe is not None else None
     taken = [
         n for n in (block.moe, block.attention.name if block.attention else None) if n is not None
     ]
@@ -321,8 +323,8 @@ def scope_block(
     offer = BlockOffer(
         attention=block.attention is not None,
         router=block.router is not None,
-        moe=moe is not None and block.moe != block.name,
-        experts=experts_implementation(moe, model) if moe is not None else None,
+        moe=moe_at is not None and moe_at[0] != block.name,
+        experts=experts_implementation(moe_at[1], model) if moe_at is not None else None,
         mlp=mlp is not None,
     )
     choice = choose_scopes(offer, requested)
@@ -330,7 +332,7 @@ def scope_block(
         "layer": (block.name, block.module),
         "attention": (block.attention.name, block.attention.module) if block.attention else None,
         "moe_router": (block.router.name, block.router.module) if block.router else None,
-        "moe": (block.moe, moe) if block.moe is not None and moe is not None else None,
+        "moe": moe_at,
         "mlp": mlp,
     }
     pieces = []
@@ -341,15 +343,14 @@ def scope_block(
     return ScopedBlock(offer, choice, tuple(pieces))
 
 
-def _module_at(block: DiscoveredBlock, name: str) -> nn.Module | None:
+def _module_at(block: DiscoveredBlock, name: str) -> nn.Module:
     # Walked through tree.children, not get_submodule(): names are reported with
-    # checkpoint wrappers unwrapped, and the module must be the wrapped one.
+    # checkpoint wrappers unwrapped, and the module must be the wrapped one. Discovery
+    # names the MoE sublayer inside its block, so every part is found.
     if name == block.name:
         return block.module
     head = block.name + "." if block.name else ""
-    if not name.startswith(head):
-        return None
-    module: nn.Module | None = block.module
+    module = block.module
     for part in name[len(head) :].split("."):
-        module = dict(children(module)).get(part) if module is not None else None
+        module = dict(children(module))[part]
     return module

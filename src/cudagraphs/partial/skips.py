@@ -91,17 +91,9 @@ def skip_record(
             (when none has, a declared attention class may have been replaced).
         example: a qualified module name to suggest for ``include=``.
     """
-    block_type = type(block.module).__name__
-    held = ", ".join(f"{n} ({type(m).__name__})" for n, m in children(block.module))
-    head = f"{block_type} {block.name} holds {held or 'no submodules'}"
+    block_type, head = _head(block)
     if not (attention or router):
-        return SkippedBlock(
-            block.name,
-            block_type,
-            "nothing_asked",
-            f"{head}; attention=False and router=False, and include names nothing in it. "
-            "Fixes: 1. turn attention or router on; 2. name modules of it with include=",
-        )
+        return SkippedBlock(block.name, block_type, "nothing_asked", f"{head}; {_NOTHING_FLAGS}")
     missing = []
     if attention:
         missing.append(_missing_attention(block.metadata, attention_anywhere))
@@ -114,13 +106,15 @@ def skip_record(
         if t is not None
     ]
     detail = "; ".join([head, "it has " + " and ".join(missing), *left_out])
-    return SkippedBlock(
-        block.name,
-        block_type,
-        "no_graph_safe_scope",
-        f"{detail}. Fix: if one of its modules is graph-safe (no host sync, the same "
-        f"shapes every step), name it with include=, e.g. include=['{example}']",
-    )
+    fix = _numbered([_INCLUDE_FIX.format(example=example)])
+    return SkippedBlock(block.name, block_type, "no_graph_safe_scope", f"{detail}. {fix}")
+
+
+def _head(block: DiscoveredBlock) -> tuple[str, str]:
+    """The block's class name, and what the block is and holds (a detail's opening)."""
+    block_type = type(block.module).__name__
+    held = ", ".join(f"{n} ({type(m).__name__})" for n, m in children(block.module))
+    return block_type, f"{block_type} {block.name} holds {held or 'no submodules'}"
 
 
 def _labels(specs: tuple[ClassSpec, ...]) -> str:
@@ -132,12 +126,7 @@ def _missing_attention(declared: ModelMetadata | None, anywhere: bool) -> str:
         return _NOT_ATTENTION
     labels = _labels(declared.attention)
     text = f"no module of the attention class {labels} ({declared.owner} declares it)"
-    if not anywhere:
-        text += (
-            " and no block of this model part holds one (if the attention modules were "
-            "replaced by another class, name them with include=)"
-        )
-    return text
+    return text if anywhere else text + _NOWHERE
 
 
 def _missing_router(declared: ModelMetadata | None) -> str:
@@ -146,6 +135,37 @@ def _missing_router(declared: ModelMetadata | None) -> str:
     return f"no router of the class {_labels(declared.router)} ({declared.owner} declares it)"
 
 
+_NOWHERE = (
+    " and no block of this model part holds one (if the attention modules were replaced "
+    "by another class, name them with include=)"
+)
+_NOTHING_FLAGS = (
+    "attention=False and router=False, and include names nothing in it. Fixes: 1. turn "
+    "attention or router on; 2. name modules of it with include="
+)
+_NOTHING_SCOPES = (
+    "scopes=() and include names nothing in it. Fixes: 1. ask for scopes (attention, "
+    "moe_router, mlp, moe, layer); 2. name modules of it with include="
+)
+_INCLUDE_FIX = (
+    "if one of its modules is graph-safe (no host sync, the same shapes every step), name "
+    "it with include=, e.g. include=['{example}']"
+)
+_MIXER_FIX = "if its mixer is graph-safe, name it with include=, e.g. include=['{example}']"
+_NO_ATTENTION = (
+    "it has no attention module (a Mamba or linear-attention mixer is not one), and a layer "
+    "is graphed whole only around attention: a mixer keeps recurrent state and picks its "
+    "kernels on the host"
+)
+_EAGER = (
+    "the experts of {moe} run the experts implementation 'eager': a Python loop over the "
+    "experts hit, with shapes read on the host (a sync, and shapes that change every step)"
+)
+_UNSTATED_FIXES = (
+    "if its experts keep static shapes (no .item(), nonzero() or Python loop over experts), "
+    "graph it by name: include=['{moe}'] with moe_router left out of scopes",
+    "on a transformers model, call model.set_experts_implementation('grouped_mm')",
+)
 _NO_MOE = "no MoE sublayer (a module, not the block itself, holding a router beside experts)"
 _NO_MLP = (
     "no dense MLP (a direct child, not attention, MoE or a norm, owning two or more "
@@ -220,7 +240,12 @@ def narrow_record(block: DiscoveredBlock, scoped: ScopedBlock, example: str) -> 
     assert choice.wanted is not None and choice.reasons and choice.scopes, choice
     block_type = type(block.module).__name__
     why = "; ".join(_refusal(r, block, scoped) for r in choice.reasons)
-    fixes = [f for r in choice.reasons for f in _fixes(r, block, scoped, example)]
+    mixer = [_MIXER_FIX.format(example=example)]
+    fixes = [
+        f
+        for r in choice.reasons
+        for f in (mixer if r == "no_attention" else _experts_fixes(block, scoped))
+    ]
     detail = (
         f"{block_type} {block.name}: {choice.wanted} was asked for, but {why}; graphed at "
         f"{' + '.join(choice.scopes)} instead. {_numbered(fixes)}"
@@ -240,28 +265,16 @@ def scoped_skip_record(
 ) -> SkippedBlock:
     """The record of ``block``, in which no requested scope is graph-safe (or none was
     requested), saying per scope why not, and the fixes."""
-    block_type = type(block.module).__name__
-    held = ", ".join(f"{n} ({type(m).__name__})" for n, m in children(block.module))
-    head = f"{block_type} {block.name} holds {held or 'no submodules'}"
+    block_type, head = _head(block)
     if not requested:
-        return SkippedBlock(
-            block.name,
-            block_type,
-            "nothing_asked",
-            f"{head}; scopes=() and include names nothing in it. Fixes: 1. ask for "
-            "scopes (attention, moe_router, mlp, moe, layer); 2. name modules of it with "
-            "include=",
-        )
+        return SkippedBlock(block.name, block_type, "nothing_asked", f"{head}; {_NOTHING_SCOPES}")
     why = "; ".join(
         f"{s}: {_scope_missing(s, block, scoped, attention_anywhere)}" for s in requested
     )
     # The include= fix last covers a refused layer's mixer too.
-    reasons = [r for r in scoped.choice.reasons if r != "no_attention"]
-    fixes = [f for r in reasons for f in _fixes(r, block, scoped, example)]
-    fixes.append(
-        "if one of its modules is graph-safe (no host sync, the same shapes every step), "
-        f"name it with include=, e.g. include=['{example}']"
-    )
+    experts_refused = not set(scoped.choice.reasons) <= {"no_attention"}
+    fixes = _experts_fixes(block, scoped) if experts_refused else []
+    fixes.append(_INCLUDE_FIX.format(example=example))
     return SkippedBlock(
         block.name,
         block_type,
@@ -276,32 +289,27 @@ def _scope_missing(
     # Called only for a block where no requested scope was taken, so each scope here
     # was refused: for want of its piece, or (layer, moe) by a rule of .scopes.
     offer = scoped.offer
-    experts: NarrowReason = "eager_experts" if offer.experts == "eager" else "unknown_experts"
     if scope == "layer":
-        return _refusal("no_attention" if not offer.attention else experts, block, scoped)
+        return _experts_refusal(block, scoped) if offer.attention else _NO_ATTENTION
     if scope == "attention":
-        return "it has " + _missing_attention(block.metadata, attention_anywhere)
+        return _missing_attention(block.metadata, attention_anywhere)
     if scope == "moe_router":
-        return "it has " + _missing_router(block.metadata)
+        return _missing_router(block.metadata)
     if scope == "moe" and offer.moe:
-        return _refusal(experts, block, scoped)
-    return "it has " + (_NO_MOE if scope == "moe" else _NO_MLP)
+        return _experts_refusal(block, scoped)
+    return _NO_MOE if scope == "moe" else _NO_MLP
 
 
 def _refusal(reason: NarrowReason, block: DiscoveredBlock, scoped: ScopedBlock) -> str:
-    if reason == "no_attention":
-        return (
-            "it has no attention module (a Mamba or linear-attention mixer is not one), "
-            "and a layer is graphed whole only around attention: a mixer keeps recurrent "
-            "state and picks its kernels on the host"
-        )
+    return _NO_ATTENTION if reason == "no_attention" else _experts_refusal(block, scoped)
+
+
+def _experts_refusal(block: DiscoveredBlock, scoped: ScopedBlock) -> str:
+    # .scopes refuses experts as "eager_experts" exactly when the implementation is
+    # "eager", and as "unknown_experts" otherwise: the implementation alone decides.
     experts = scoped.offer.experts
-    if reason == "eager_experts":
-        return (
-            f"the experts of {block.moe} run the experts implementation 'eager': a Python "
-            "loop over the experts hit, with shapes read on the host (a sync, and shapes "
-            "that change every step)"
-        )
+    if experts == "eager":
+        return _EAGER.format(moe=block.moe)
     stated = (
         f"{experts!r}, not one known to keep static shapes (grouped_mm, batched_mm)"
         if experts
@@ -310,19 +318,12 @@ def _refusal(reason: NarrowReason, block: DiscoveredBlock, scoped: ScopedBlock) 
     return f"the experts implementation of {block.moe} is {stated}"
 
 
-def _fixes(
-    reason: NarrowReason, block: DiscoveredBlock, scoped: ScopedBlock, example: str
-) -> list[str]:
-    if reason == "no_attention":
-        return [f"if its mixer is graph-safe, name it with include=, e.g. include=['{example}']"]
-    if reason == "eager_experts" or scoped.offer.experts:
+def _experts_fixes(block: DiscoveredBlock, scoped: ScopedBlock) -> list[str]:
+    # A stated implementation ("eager" or one not known to be static) is switched; with
+    # none stated (a user model), the MoE sublayer is named instead.
+    if scoped.offer.experts:
         return list(_STATIC_FIXES)
-    return [
-        "if its experts keep static shapes (no .item(), nonzero() or Python loop over "
-        f"experts), graph it by name: include=['{block.moe}'] with moe_router left out of "
-        "scopes",
-        "on a transformers model, call model.set_experts_implementation('grouped_mm')",
-    ]
+    return [f.format(moe=block.moe) for f in _UNSTATED_FIXES]
 
 
 def _numbered(fixes: list[str]) -> str:
