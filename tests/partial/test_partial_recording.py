@@ -221,6 +221,7 @@ def test_an_evaluation_while_recording_is_ignored_by_default(caplog):
     mgr.capture()
     said = [r for r in caplog.records if "inference_calls='record'" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.INFO
+    assert said[0].getMessage().startswith("partial graphs: model.layers.0.self_attn was")
     assert all(len(e.contracts.variants) == 1 for e in mgr.entries)
     assert len(backend.calls) == 1 and backend.calls[0]["grad"]
     ids = batches(3, (1, 8))[0]
@@ -282,13 +283,13 @@ def test_inference_calls_must_be_ignore_or_record(bad):
 def test_stop_recording_keeps_what_was_recorded_and_records_nothing_after():
     model = Toy()
     mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend())
-    assert not mgr.recording
+    assert mgr.recording is False
     mgr.stop_recording()  # a no-op when not recording
     mgr.start_recording()
-    assert mgr.recording
+    assert mgr.recording is True
     model(torch.randn(2, 8))
     mgr.stop_recording()
-    assert not mgr.recording
+    assert mgr.recording is False
     model(torch.randn(3, 8))  # not recorded: no second variant
     assert all(e.target.module._forward_pre_hooks == {} for e in mgr.entries)
     assert model._forward_pre_hooks == {} and model._forward_hooks == {}

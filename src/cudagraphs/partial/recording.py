@@ -163,8 +163,9 @@ def capture_groups(todo: Sequence[Call], one_pool_per_call: bool) -> list[list[C
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread (where an
     activation-checkpoint recompute calls modules again)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    # Private torch API (present since torch 1.13): without it a recompute would be
+    # taken for a second call, so a torch that moves it must fail here, loudly.
+    return torch._C._current_graph_task_id() != -1
 
 
 class Recorder:
