@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from _toy_models import Toy
 from cudagraphs.errors import (
     CudaGraphsStateError,
     CudaGraphsTypeError,
@@ -14,7 +15,6 @@ from cudagraphs.errors import (
     TargetSelectionError,
 )
 from cudagraphs.partial import ContractSet, PartialCudaGraphManager, select_targets
-from test_partial_manager import Toy
 
 
 def eager_backend(callables, sample_args, sample_kwargs):

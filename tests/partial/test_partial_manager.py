@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from _hf_models import tiny
+from _toy_models import Attn, Toy
 from cudagraphs.errors import CudaGraphsStateError, CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
 
@@ -138,36 +139,6 @@ def test_capture_without_recording_is_an_error():
     mgr = PartialCudaGraphManager.from_model_parts([tiny()], capture_backend=eager_backend)
     with pytest.raises(CudaGraphsStateError, match="nothing was recorded"):
         mgr.capture()
-
-
-class Attn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, hidden_states, attention_mask=None):
-        return self.o(torch.tanh(self.q(hidden_states)))
-
-
-class Block(nn.Module):
-    def __init__(self, twice=False):
-        super().__init__()
-        self.self_attn, self.twice = Attn(), twice
-
-    def forward(self, x):
-        x = x + self.self_attn(x)
-        return x + self.self_attn(x) if self.twice else x
-
-
-class Toy(nn.Module):
-    def __init__(self, twice=False):
-        super().__init__()
-        self.layers = nn.ModuleList([Block(twice), Block()])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def test_a_target_called_twice_per_forward_is_rejected_at_capture():

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from _hf_models import tiny
+from _toy_models import Toy
 from cudagraphs.errors import CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
 from cudagraphs.partial.recording import (
@@ -117,36 +118,6 @@ def test_micro_batches_beyond_max_variants_are_not_recorded_and_said_once(caplog
     mgr.capture()
     assert all(len(e.contracts.variants) == 1 for e in mgr.entries)
     assert sum("max_variants=1" in r.getMessage() for r in caplog.records) == 1
-
-
-class Attn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, hidden_states, attention_mask=None):
-        return self.o(torch.tanh(self.q(hidden_states)))
-
-
-class Block(nn.Module):
-    def __init__(self, twice=False):
-        super().__init__()
-        self.self_attn, self.twice = Attn(), twice
-
-    def forward(self, x):
-        x = x + self.self_attn(x)
-        return x + self.self_attn(x) if self.twice else x
-
-
-class Toy(nn.Module):
-    def __init__(self, twice=False):
-        super().__init__()
-        self.layers = nn.ModuleList([Block(twice), Block()])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def test_a_reuse_within_one_forward_is_refused_under_accumulation_too():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from _toy_models import Toy
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager
 from cudagraphs.partial.speed import SpeedCheck, SpeedVerdict, forward_backward
@@ -78,35 +79,6 @@ def test_forward_backward_computes_gradients_without_writing_grad():
 
 
 # --- the manager ------------------------------------------------------------------------
-
-
-class Attn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, hidden_states, attention_mask=None):
-        return self.o(torch.tanh(self.q(hidden_states)))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.self_attn = Attn()
-
-    def forward(self, x):
-        return x + self.self_attn(x)
-
-
-class Toy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def slow_backend(clock, slow_name):
