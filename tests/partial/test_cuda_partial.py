@@ -31,6 +31,21 @@ def step_both_and_compare(model, ref, ids, step):
             assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name} differs"
 
 
+def train_both(model, ref, mgr, batches, optimizers=()):
+    """Record the first batch, capture after it, then train on the rest; both models
+    step alike (``optimizers``: one per model, stepped after each batch) and every
+    loss and gradient must be equal."""
+    mgr.start_recording()
+    for i, ids in enumerate(batches):
+        step_both_and_compare(model, ref, ids, i)
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        if i == 0:
+            mgr.capture()
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_training_steps_equal_eager(kind):
     model = tiny_cuda(kind)
@@ -40,16 +55,8 @@ def test_training_steps_equal_eager(kind):
     gen = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(5)]
     mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False)
-    mgr.start_recording()
     try:
-        for i, ids in enumerate(batches):
-            step_both_and_compare(model, ref, ids, i)
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-            if i == 0:
-                mgr.capture()
+        train_both(model, ref, mgr, batches, (opt, ref_opt))
         stats = mgr.stats()
         assert stats["replayed"] > 0 and stats["fallbacks"] == 0, stats
         loss_of(model, torch.randint(0, 128, (2, 24), device="cuda")).backward()
@@ -176,14 +183,8 @@ def test_the_default_speed_check_runs_on_the_gpu_and_training_stays_equal(kind, 
     gen = torch.Generator(device="cuda").manual_seed(5)
     batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(4)]
     mgr = PartialCudaGraphManager.from_model_parts([model])  # speed_check=True
-    mgr.start_recording()
     try:
-        for i, ids in enumerate(batches):
-            step_both_and_compare(model, ref, ids, i)
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
-            if i == 0:
-                mgr.capture()
+        train_both(model, ref, mgr, batches)
         assert len(verdicts) == len(mgr.entries), "one verdict per training target"
         assert all(v.graph_ms > 0 and v.eager_ms > 0 for v in verdicts)
         stats = mgr.stats()
@@ -221,16 +222,8 @@ def test_wider_scopes_train_equal_to_eager_for_five_adamw_steps(kind, scopes):
     batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(6)]
     mgr = PartialCudaGraphManager.from_model_parts([model], scopes=scopes, speed_check=False)
     assert not mgr.narrowed and not mgr.skipped, (mgr.narrowed, mgr.skipped)
-    mgr.start_recording()
     try:
-        for i, ids in enumerate(batches):
-            step_both_and_compare(model, ref, ids, i)
-            opt.step()
-            ref_opt.step()
-            opt.zero_grad()
-            ref_opt.zero_grad()
-            if i == 0:
-                mgr.capture()
+        train_both(model, ref, mgr, batches, (opt, ref_opt))
         stats = mgr.stats()
         assert stats["fallbacks"] == 0, stats
         assert stats["replayed"] == 5 * len(mgr.entries), stats
@@ -246,14 +239,8 @@ def test_whole_layers_with_activation_checkpointing_equal_eager():
     gen = torch.Generator(device="cuda").manual_seed(8)
     batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(3)]
     mgr = PartialCudaGraphManager.from_model_parts([model], scopes=("layer",), speed_check=False)
-    mgr.start_recording()
     try:
-        for i, ids in enumerate(batches):
-            step_both_and_compare(model, ref, ids, i)
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
-            if i == 0:
-                mgr.capture()
+        train_both(model, ref, mgr, batches)
         assert mgr.stats()["fallbacks"] == 0 and mgr.stats()["replayed"] == 2 * 2
     finally:
         mgr.close()
