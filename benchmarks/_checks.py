@@ -1,7 +1,8 @@
 """What the training benchmarks check and how they guard a step, in one place:
 every gradient against eager's (:func:`compare_tensors`), parameters after optimizer
-steps element by element (:func:`compare_params`), ratios of medians, and steps that
-record their first exception instead of ending the run (:func:`guard_steps`)."""
+steps element by element (:func:`compare_params`), ratios of medians, steps that
+record their first exception instead of ending the run (:func:`guard_steps`), and a
+variant's own kernel-busy time on a fresh build (:func:`fresh_kernel_busy`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from _report import describe_error
+from _report import describe_error, free_memory
+from cudagraphs.timing import kernel_busy_ms
 
 # Parameters after CHECK_STEPS AdamW steps, per element (see compare_params): AdamW's
 # first steps move a weight by about lr * sign(g), so a gradient that differs by
@@ -162,3 +164,29 @@ def guard_steps(
         return run
 
     return {name: guarded(name, step) for name, step in steps.items()}
+
+
+def fresh_kernel_busy(
+    build: Callable[[], object],
+    release: Callable[[object], None],
+    *,
+    iters: int,
+    warmup: int,
+) -> dict:
+    """A variant's own kernel-busy time, on a fresh build (``build()`` returns an
+    object with a ``step``; ``release`` frees it): ``{"kernel_busy_ms"}``, or
+    ``{"kernel_busy_error", ...}`` when building or profiling fails. Memory is freed
+    before returning, so the next variant starts clean."""
+    try:
+        built = build()
+    except Exception as exc:
+        return {"kernel_busy_error": describe_error(exc)}
+    try:
+        busy = kernel_busy_ms(built.step, iters=iters, warmup=warmup)
+        return {"kernel_busy_ms": round(busy, 4)}
+    except Exception as exc:
+        return {"kernel_busy_error": describe_error(exc)}
+    finally:
+        release(built)
+        del built
+        free_memory()

@@ -62,7 +62,7 @@ import cudagraphs  # noqa: E402
 
 # The training benchmarks share their check and timing helpers (one definition of
 # "compare every gradient" and of a guarded interleaved step).
-from _checks import compare_tensors, guard_steps, ratio, relative_error  # noqa: E402
+from _checks import compare_tensors, fresh_kernel_busy, guard_steps, ratio, relative_error  # noqa: E402
 from _report import (  # noqa: E402
     add_common_arguments,
     describe_error,
@@ -72,7 +72,7 @@ from _report import (  # noqa: E402
     write_report,
 )
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager  # noqa: E402
-from cudagraphs.timing import interleaved_samples_ms, kernel_busy_ms, summarize  # noqa: E402
+from cudagraphs.timing import interleaved_samples_ms, summarize  # noqa: E402
 
 NAME = "partial_train"
 REGIME = "accumulate"
@@ -540,19 +540,12 @@ def profile_variant(variant: str, model: str, shape: Shape) -> dict:
     """The variant's own kernel-busy time, on a fresh build: ``{"kernel_busy_ms"}``
     or ``{"kernel_busy_error", ...}``."""
     log(f"{shape.name}/{model}: kernel busy of {variant}")
-    try:
-        built = BUILDERS[variant](model, shape)
-    except Exception as exc:
-        return {"kernel_busy_error": describe_error(exc)}
-    try:
-        busy = kernel_busy_ms(built.step, iters=KERNEL_BUSY_ITERS, warmup=KERNEL_BUSY_WARMUP)
-        return {"kernel_busy_ms": round(busy, 4)}
-    except Exception as exc:
-        return {"kernel_busy_error": describe_error(exc)}
-    finally:
-        release(built)
-        del built
-        free_memory()
+    return fresh_kernel_busy(
+        lambda: BUILDERS[variant](model, shape),
+        release,
+        iters=KERNEL_BUSY_ITERS,
+        warmup=KERNEL_BUSY_WARMUP,
+    )
 
 
 def profile_all(shapes: list[Shape], report: dict) -> None:

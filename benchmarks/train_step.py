@@ -80,6 +80,7 @@ from _checks import (  # noqa: E402
     PARAM_ULPS,
     compare_params,
     compare_tensors,
+    fresh_kernel_busy,
     guard_steps,
     ratio,
 )
@@ -92,7 +93,7 @@ from _report import (  # noqa: E402
     write_report,
 )
 from cudagraphs.models import BlockConfig, make_block_stack  # noqa: E402
-from cudagraphs.timing import interleaved_samples_ms, kernel_busy_ms, summarize  # noqa: E402
+from cudagraphs.timing import interleaved_samples_ms, summarize  # noqa: E402
 
 NAME = "train_step"
 DEVICE = "cuda"
@@ -669,19 +670,12 @@ def profile_variant(cfg: BenchConfig, regime: str, name: str) -> dict:
     """The variant's own kernel-busy time, on a fresh build: ``{"kernel_busy_ms"}``
     or ``{"kernel_busy_error", ...}``."""
     log(f"{cfg.name}/{regime}: kernel busy of {name}")
-    try:
-        built = builder(name)(cfg, regime)
-    except Exception as exc:
-        return {"kernel_busy_error": describe_error(exc)}
-    try:
-        busy = kernel_busy_ms(built.step, iters=KERNEL_BUSY_ITERS, warmup=KERNEL_BUSY_WARMUP)
-        return {"kernel_busy_ms": round(busy, 4)}
-    except Exception as exc:
-        return {"kernel_busy_error": describe_error(exc)}
-    finally:
-        release(built)
-        del built
-        free_memory()
+    return fresh_kernel_busy(
+        lambda: builder(name)(cfg, regime),
+        release,
+        iters=KERNEL_BUSY_ITERS,
+        warmup=KERNEL_BUSY_WARMUP,
+    )
 
 
 def profile_all(configs: list[BenchConfig], report: dict) -> None:

@@ -606,3 +606,31 @@ def test_the_parameter_rule_allows_a_few_flipped_updates_and_refuses_a_missing_s
     assert not ts.compare_params({"w": nan}, {"w": eager}, max_update=bound)["within_tol"]
     gone = ts.compare_params({}, {"w": eager}, max_update=bound)
     assert gone["missing"] == ["w"] and not gone["within_tol"]
+
+
+def test_fresh_kernel_busy_releases_the_build_and_records_failures(ts, monkeypatch):
+    import _checks
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(_checks, "kernel_busy_ms", lambda step, iters, warmup: 1.23456)
+    released = []
+
+    class Built:
+        step = staticmethod(lambda: None)
+
+    ok = _checks.fresh_kernel_busy(Built, released.append, iters=2, warmup=1)
+    assert ok == {"kernel_busy_ms": 1.2346} and len(released) == 1
+
+    def failing_build():
+        raise RuntimeError("no build")
+
+    out = _checks.fresh_kernel_busy(failing_build, released.append, iters=2, warmup=1)
+    assert "no build" in out["kernel_busy_error"]["error"] and len(released) == 1
+
+    def failing_profile(step, iters, warmup):
+        raise RuntimeError("profiler died")
+
+    monkeypatch.setattr(_checks, "kernel_busy_ms", failing_profile)
+    out = _checks.fresh_kernel_busy(Built, released.append, iters=2, warmup=1)
+    assert "profiler died" in out["kernel_busy_error"]["error"] and len(released) == 2
