@@ -8,6 +8,9 @@ import torch
 
 from _hf_models import tiny
 from cudagraphs.partial import PartialCudaGraphManager
+from cudagraphs.partial.kernels import GroupedMMProbe
+
+ATTN_ROUTER = ("attention", "moe_router")
 
 pytestmark = pytest.mark.cuda
 
@@ -209,12 +212,13 @@ def test_the_default_speed_check_runs_on_the_gpu_and_training_stays_equal(kind, 
     ids=lambda v: "+".join(v) if isinstance(v, tuple) else v,
 )
 def test_wider_scopes_train_equal_to_eager_for_five_adamw_steps(kind, scopes):
-    # MoE experts on grouped_mm (static shapes) in both models: the graphs must replay
-    # the kernels eager runs, so every loss and gradient is bitwise equal.
+    # MoE experts on grouped_mm (static shapes) in both models, in bfloat16, the dtype
+    # torch's grouped GEMM runs on the device: the graphs must replay the kernels
+    # eager runs, so every loss and gradient is bitwise equal.
     model = tiny(kind)
     if hasattr(model, "set_experts_implementation") and kind != "llama":
         model.set_experts_implementation("grouped_mm")
-    model = model.cuda()
+    model = model.to("cuda", torch.bfloat16)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -242,5 +246,33 @@ def test_whole_layers_with_activation_checkpointing_equal_eager():
     try:
         train_both(model, ref, mgr, batches)
         assert mgr.stats()["fallbacks"] == 0 and mgr.stats()["replayed"] == 2 * 2
+    finally:
+        mgr.close()
+
+
+def test_float32_grouped_mm_experts_narrow_where_torch_runs_them_on_the_host():
+    # torch 2.11 has no float32 grouped GEMM kernel: it loops on the host over offsets
+    # copied there, which no capture can hold. The layer narrows to attention + router
+    # (said and counted) and trains equal to eager, instead of failing at capture.
+    model = tiny("qwen3_moe")
+    model.set_experts_implementation("grouped_mm")
+    model = model.cuda()
+    on_device = GroupedMMProbe().on_device(model.model.layers[0].mlp.experts.gate_up_proj)
+    ref = copy.deepcopy(model)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(3)]
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], scopes=("layer",) + ATTN_ROUTER, speed_check=False
+    )
+    try:
+        kinds = [e.target.kind for e in mgr.entries]
+        if on_device:  # a torch with a float32 kernel on this GPU: whole layers
+            assert kinds == ["layer", "layer"] and not mgr.narrowed
+        else:
+            assert kinds == ["attention", "router"] * 2, kinds
+            assert [b.reason for b in mgr.narrowed] == ["host_grouped_mm"] * 2
+        train_both(model, ref, mgr, batches)
+        stats = mgr.stats()
+        assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * len(mgr.entries), stats
     finally:
         mgr.close()

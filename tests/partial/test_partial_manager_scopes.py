@@ -12,6 +12,7 @@ import torch
 from _hf_models import tiny
 from cudagraphs.errors import CudaGraphsValueError
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager
+from cudagraphs.partial.kernels import GroupedMMProbe
 
 
 def backend(callables, sample_args, sample_kwargs):
@@ -82,6 +83,21 @@ def test_eager_experts_narrow_a_layer_to_attention_and_router_said_and_counted(c
     assert "eager" in said.getMessage() and "model.layers.0" in said.getMessage()
     stats = train_and_compare(model, ref, mgr)
     assert stats["narrowed_eager_experts"] == 2 and stats["fallbacks"] == 0, stats
+    mgr.close()
+
+
+def test_grouped_mm_that_torch_runs_on_the_host_narrows_each_moe_layer(monkeypatch):
+    # What a float32 Qwen3-MoE meets on a GPU (see test_cuda_partial): the probe says
+    # grouped GEMM copies offsets to the host, so each layer keeps attention + router.
+    monkeypatch.setattr(GroupedMMProbe, "on_device", lambda self, weight: False)
+    model = tiny("qwen3_moe")
+    model.set_experts_implementation("grouped_mm")
+    ref = copy.deepcopy(model)
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=SCOPES)
+    assert [e.target.kind for e in mgr.entries] == ["attention", "router"] * 2
+    assert [b.reason for b in mgr.narrowed] == ["host_grouped_mm"] * 2
+    stats = train_and_compare(model, ref, mgr)
+    assert stats["narrowed_host_grouped_mm"] == 2 and stats["fallbacks"] == 0, stats
     mgr.close()
 
 

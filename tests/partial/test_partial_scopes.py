@@ -407,8 +407,10 @@ def test_static_experts(implementation, static):
 # --- the choice rules alone -----------------------------------------------------------
 
 
-def offer(attention=True, router=False, moe=False, experts=None, mlp=False) -> BlockOffer:
-    return BlockOffer(attention, router, moe, experts, mlp)
+def offer(
+    attention=True, router=False, moe=False, experts=None, mlp=False, on_device=True
+) -> BlockOffer:
+    return BlockOffer(attention, router, moe, experts, mlp, on_device)
 
 
 DENSE = offer(mlp=True)
@@ -417,6 +419,8 @@ MOE_EAGER = offer(router=True, moe=True, experts="eager")
 MAMBA_MOE = offer(attention=False, router=True, moe=True, experts="grouped_mm")
 MAMBA_EAGER = offer(attention=False, router=True, moe=True, experts="eager")
 ROUTER_IN_BLOCK = offer(router=True, moe=False, experts="grouped_mm")
+# grouped_mm whose dtype torch runs on the host (float32 on torch 2.11): not static.
+MOE_HOST_GROUPED = offer(router=True, moe=True, experts="grouped_mm", on_device=False)
 
 
 @pytest.mark.parametrize(
@@ -431,6 +435,14 @@ ROUTER_IN_BLOCK = offer(router=True, moe=False, experts="grouped_mm")
         (MOE_EAGER, ("layer",), ScopeChoice((), "layer", ("eager_experts",))),
         (MOE_EAGER, ("moe",), ScopeChoice((), "moe", ("eager_experts",))),
         (MOE_EAGER, ("moe_router",), ScopeChoice(("moe_router",))),
+        (MOE_HOST_GROUPED, SCOPES, ScopeChoice(ATTN_ROUTER, "layer", ("host_grouped_mm",))),
+        (MOE_HOST_GROUPED, ("moe",), ScopeChoice((), "moe", ("host_grouped_mm",))),
+        # The device question belongs to grouped_mm alone: batched_mm stays static.
+        (
+            offer(router=True, moe=True, experts="batched_mm", on_device=False),
+            SCOPES,
+            ScopeChoice(("layer",)),
+        ),
         (offer(router=True, moe=True), ("moe",), ScopeChoice((), "moe", ("unknown_experts",))),
         (MAMBA_MOE, SCOPES, ScopeChoice(("moe",), "layer", ("no_attention",))),
         (

@@ -11,6 +11,7 @@ from torch import nn
 
 from _hf_models import tiny, tiny_arch
 from cudagraphs.partial.discovery import SCOPES, DiscoveredBlock, plan_targets
+from cudagraphs.partial.kernels import GroupedMMProbe
 from cudagraphs.partial.scopes import BlockOffer, ScopeChoice, ScopedBlock
 from cudagraphs.partial.skips import narrow_record, scoped_skip_record, skip_record
 
@@ -111,6 +112,19 @@ def test_eager_experts_refuse_layer_and_moe_with_the_switch_as_fix():
         fixes = fixes_of(record.detail)
         assert len(fixes) == 3 and STATIC_FIX in fixes[0]
         assert "include=['model.layers.0.self_attn']" in fixes[2]
+
+
+def test_grouped_mm_on_the_host_refuses_layer_and_moe_with_bf16_and_batched_mm_as_fixes(
+    monkeypatch,
+):
+    monkeypatch.setattr(GroupedMMProbe, "on_device", lambda self, weight: False)
+    model = tiny("qwen3_moe")
+    model.set_experts_implementation("grouped_mm")
+    for scope in ("layer", "moe"):
+        record = the_skip(plan_targets(model, scopes=(scope,)), f"{ML}.0")
+        assert says(record.detail, scope, f"{ML}.0.mlp", "'grouped_mm'", "host")
+        fixes = fixes_of(record.detail)
+        assert "bfloat16" in fixes[0] and "'batched_mm'" in fixes[1], fixes
 
 
 def test_unknown_experts_refuse_layer_and_moe_naming_the_implementation():

@@ -58,6 +58,7 @@ from torch import nn
 
 from ..checks import check_bool
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
+from .kernels import GroupedMMProbe
 from .metadata import ModelMetadata, first_declared, read_metadata
 from .scopes import SCOPES, Scope, ScopedBlock, check_scopes, forward_parameters, scope_block
 from .selectors import Selector, as_model_parts, include_predicate
@@ -339,8 +340,11 @@ def plan_targets(
     requested = None if scopes is None else _scopes_alone(scopes, attention, router)
     predicate = include_predicate(include)
     blocks = discover_blocks(model)
+    probe = GroupedMMProbe()  # asks torch once per (dtype, device) in this pass
     scoped = (
-        None if requested is None else {b.name: scope_block(b, model, requested) for b in blocks}
+        None
+        if requested is None
+        else {b.name: scope_block(b, model, requested, probe) for b in blocks}
     )
     targets = _block_targets(blocks, scoped, attention=attention, router=router)
     named = _named_modules(model)

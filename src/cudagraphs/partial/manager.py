@@ -115,7 +115,8 @@ class PartialCudaGraphManager:
     linear-attention layer: ``skipped_no_graph_safe_scope``; the blocks and the fixes
     are in :attr:`skipped` and the WARNING logged at construction),
     ``narrowed_<reason>`` per block graphed at narrower scopes than asked for
-    (``eager_experts``, ``unknown_experts``, ``no_attention``: see :attr:`narrowed`),
+    (``eager_experts``, ``unknown_experts``, ``host_grouped_mm``, ``no_attention``: see
+    :attr:`narrowed`),
     ``off_slower_than_eager`` (targets whose graph was measured slower than eager and
     that run eagerly since: see ``speed_check``), and one
     ``fallback_<reason>`` per reason seen: a name from

@@ -14,7 +14,9 @@ and narrows otherwise. Two facts decide: whether the block has attention (a bloc
 without one, a Mamba or linear-attention layer, is never graphed whole: its mixer
 keeps recurrent state and picks kernels on the host), and whether its experts keep
 static shapes, read from what the model says is in effect
-(:func:`experts_implementation`, :func:`static_experts`), never from model names.
+(:func:`experts_implementation`, :func:`static_experts`), never from model names; for
+``grouped_mm`` experts, also whether torch runs their dtype on this GPU without a host
+sync (:mod:`.kernels`: bfloat16 yes, float32 no on torch 2.11).
 
 What this module does NOT do: it finds no blocks, attention or routers
 (:mod:`.discovery` does), builds no :class:`~.discovery.Target`, and does not prove a
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError
+from .kernels import GroupedMMProbe, experts_weight
 from .tree import children, join_name
 
 if TYPE_CHECKING:
@@ -61,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 Scope = Literal["attention", "moe_router", "mlp", "moe", "layer"]
 SCOPES: tuple[Scope, ...] = ("attention", "moe_router", "mlp", "moe", "layer")
-NarrowReason = Literal["no_attention", "eager_experts", "unknown_experts"]
+NarrowReason = Literal["no_attention", "eager_experts", "unknown_experts", "host_grouped_mm"]
 
 # transformers' grouped_mm and batched_mm experts compute with fixed-size buffers and
 # keep the per-expert offsets on the device; its "eager" experts loop in Python over
@@ -243,6 +246,9 @@ class BlockOffer:
     moe: bool  # an MoE sublayer apart from the block (the router's parent is not the block)
     experts: str | None  # the experts implementation in effect, when there is a router
     mlp: bool  # a dense MLP sublayer
+    # torch's grouped GEMM keeps the offsets on the device for the experts' dtype there
+    # (see .kernels); read only for "grouped_mm" experts.
+    grouped_on_device: bool = True
 
 
 @dataclass(frozen=True)
@@ -257,8 +263,9 @@ class ScopeChoice:
 def choose_scopes(offer: BlockOffer, requested: Collection[str]) -> ScopeChoice:
     """The widest graph-safe scopes of ``requested`` for a block holding ``offer``.
 
-    ``layer`` when the block has attention and its experts, if any, are static.
-    Otherwise ``attention`` beside, for the feed-forward: ``moe`` when the experts are
+    ``layer`` when the block has attention and its experts, if any, are static
+    (``grouped_mm`` ones only where torch keeps their offsets on the device:
+    ``offer.grouped_on_device``; else the reason is ``"host_grouped_mm"``). Otherwise ``attention`` beside, for the feed-forward: ``moe`` when the experts are
     static, else ``moe_router``; and ``mlp`` for a dense MLP. Only requested scopes are
     taken: asking for ``("layer",)`` alone never yields ``attention``. A refusal of
     ``layer`` or ``moe`` (whose block holds an MoE) is a narrowing, with its reasons;
@@ -268,7 +275,7 @@ def choose_scopes(offer: BlockOffer, requested: Collection[str]) -> ScopeChoice:
     if "layer" in requested and layer_refused is None:
         return ScopeChoice(("layer",))
     # Read only where the block holds an MoE sublayer, which has a router.
-    experts_refused = _experts_refusal(offer.experts)
+    experts_refused = _experts_refusal(offer)
     taken: list[Scope] = []
     if "attention" in requested and offer.attention:
         taken.append("attention")
@@ -292,13 +299,15 @@ def choose_scopes(offer: BlockOffer, requested: Collection[str]) -> ScopeChoice:
 def _layer_refusal(offer: BlockOffer) -> NarrowReason | None:
     if not offer.attention:
         return "no_attention"
-    return _experts_refusal(offer.experts) if offer.router else None
+    return _experts_refusal(offer) if offer.router else None
 
 
-def _experts_refusal(implementation: str | None) -> NarrowReason | None:
-    if static_experts(implementation):
+def _experts_refusal(offer: BlockOffer) -> NarrowReason | None:
+    if offer.experts == "grouped_mm" and not offer.grouped_on_device:
+        return "host_grouped_mm"
+    if static_experts(offer.experts):
         return None
-    return "eager_experts" if implementation == "eager" else "unknown_experts"
+    return "eager_experts" if offer.experts == "eager" else "unknown_experts"
 
 
 @dataclass(frozen=True)
@@ -311,21 +320,32 @@ class ScopedBlock:
 
 
 def scope_block(
-    block: DiscoveredBlock, model: nn.Module, requested: Collection[str]
+    block: DiscoveredBlock,
+    model: nn.Module,
+    requested: Collection[str],
+    probe: GroupedMMProbe | None = None,
 ) -> ScopedBlock:
     """Apply :func:`choose_scopes` to ``block`` (found in ``model``), naming the module
-    of each chosen scope. Borrows everything; modifies nothing."""
+    of each chosen scope. ``probe`` answers, for ``grouped_mm`` experts, whether torch
+    runs their dtype on the device without a host sync (a fresh one when ``None``;
+    pass one per discovery pass to ask torch once). Borrows everything; modifies
+    nothing."""
     moe_at = (block.moe, _module_at(block, block.moe)) if block.moe is not None else None
     taken = [
         n for n in (block.moe, block.attention.name if block.attention else None) if n is not None
     ]
     mlp = find_mlp(block.module, block.name, taken=taken)
+    experts = experts_implementation(moe_at[1], model) if moe_at is not None else None
+    grouped_on_device = True
+    if experts == "grouped_mm" and moe_at is not None:
+        grouped_on_device = (probe or GroupedMMProbe()).on_device(experts_weight(moe_at[1]))
     offer = BlockOffer(
         attention=block.attention is not None,
         router=block.router is not None,
         moe=moe_at is not None and moe_at[0] != block.name,
-        experts=experts_implementation(moe_at[1], model) if moe_at is not None else None,
+        experts=experts,
         mlp=mlp is not None,
+        grouped_on_device=grouped_on_device,
     )
     choice = choose_scopes(offer, requested)
     where: dict[str, tuple[str, nn.Module] | None] = {

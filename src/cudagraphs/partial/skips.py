@@ -12,7 +12,7 @@ Reasons:
 
 With ``scopes``, a block that yields some target but not the widest scope asked for is
 one :class:`NarrowedBlock` (reasons in :mod:`.scopes`: ``"no_attention"``,
-``"eager_experts"``, ``"unknown_experts"``); one that yields none stays a
+``"eager_experts"``, ``"unknown_experts"``, ``"host_grouped_mm"``); one that yields none stays a
 :class:`SkippedBlock` (``"no_graph_safe_scope"``) whose detail gives the same reasons.
 
 What this module does NOT do: it decides no target (:mod:`.discovery` and
@@ -161,6 +161,17 @@ _EAGER = (
     "the experts of {moe} run the experts implementation 'eager': a Python loop over the "
     "experts hit, with shapes read on the host (a sync, and shapes that change every step)"
 )
+_HOST_GROUPED = (
+    "the experts of {moe} run 'grouped_mm', but torch has no grouped-GEMM kernel for their "
+    "dtype on this GPU and falls back to a loop that copies the expert offsets to the host "
+    "(a sync a capture cannot hold)"
+)
+_HOST_GROUPED_FIXES = (
+    "keep the experts in bfloat16 (model.to(torch.bfloat16)), which torch's grouped GEMM "
+    "runs on the device on Hopper and Blackwell GPUs",
+    "call model.set_experts_implementation('batched_mm') (static shapes in any dtype), "
+    "or let the partial-graph manager set it (experts_implementation='batched_mm')",
+)
 _UNSTATED_FIXES = (
     "if its experts keep static shapes (no .item(), nonzero() or Python loop over experts), "
     "graph it by name: include=['{moe}'] with moe_router left out of scopes",
@@ -305,9 +316,12 @@ def _refusal(reason: NarrowReason, block: DiscoveredBlock, scoped: ScopedBlock) 
 
 
 def _experts_refusal(block: DiscoveredBlock, scoped: ScopedBlock) -> str:
-    # .scopes refuses experts as "eager_experts" exactly when the implementation is
-    # "eager", and as "unknown_experts" otherwise: the implementation alone decides.
+    # .scopes refuses experts as "host_grouped_mm" when grouped_mm runs off the device
+    # for their dtype, as "eager_experts" when the implementation is "eager", and as
+    # "unknown_experts" otherwise.
     experts = scoped.offer.experts
+    if _host_grouped(scoped):
+        return _HOST_GROUPED.format(moe=block.moe)
     if experts == "eager":
         return _EAGER.format(moe=block.moe)
     stated = (
@@ -318,9 +332,15 @@ def _experts_refusal(block: DiscoveredBlock, scoped: ScopedBlock) -> str:
     return f"the experts implementation of {block.moe} is {stated}"
 
 
+def _host_grouped(scoped: ScopedBlock) -> bool:
+    return scoped.offer.experts == "grouped_mm" and not scoped.offer.grouped_on_device
+
+
 def _experts_fixes(block: DiscoveredBlock, scoped: ScopedBlock) -> list[str]:
     # A stated implementation ("eager" or one not known to be static) is switched; with
     # none stated (a user model), the MoE sublayer is named instead.
+    if _host_grouped(scoped):
+        return list(_HOST_GROUPED_FIXES)
     if scoped.offer.experts:
         return list(_STATIC_FIXES)
     return [f.format(moe=block.moe) for f in _UNSTATED_FIXES]
