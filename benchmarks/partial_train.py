@@ -125,32 +125,34 @@ CONFIGS = {
 def hf_config(model: str, shape: Shape):
     import transformers
 
-    extra: dict = {}
-    if model == "qwen3_moe":  # every layer MoE; head_dim set, Qwen3's default is 128
-        extra = dict(moe_intermediate_size=shape.moe_intermediate, num_experts=shape.experts)
-        extra.update(num_experts_per_tok=shape.top_k, decoder_sparse_step=1, mlp_only_layers=[])
-    elif model == "mixtral":  # every layer MoE; experts of the MLP's size
-        extra = dict(num_local_experts=shape.experts, num_experts_per_tok=shape.top_k)
-        extra.update(intermediate_size=shape.moe_intermediate)
-    elif model == "deepseek_v3":  # layer 0 dense, the rest MoE with a shared expert
-        extra = dict(n_routed_experts=shape.experts, num_experts_per_tok=shape.top_k)
-        extra.update(moe_intermediate_size=shape.moe_intermediate, n_shared_experts=1)
-        extra.update(first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None)
-        head = shape.hidden // shape.heads
-        extra.update(kv_lora_rank=head * 2, qk_rope_head_dim=head // 2)
-        extra.update(qk_nope_head_dim=head // 2, v_head_dim=head)
-    return transformers.AutoConfig.for_model(
-        model,
+    head = shape.hidden // shape.heads
+    kwargs: dict = dict(
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
-        head_dim=shape.hidden // shape.heads,
+        head_dim=head,
         vocab_size=shape.vocab,
         tie_word_embeddings=False,
-        **extra,
     )
+    # Each model's own keys override the common ones above.
+    if model == "qwen3_moe":  # every layer MoE; head_dim set, Qwen3's default is 128
+        kwargs.update(moe_intermediate_size=shape.moe_intermediate, num_experts=shape.experts)
+        kwargs.update(num_experts_per_tok=shape.top_k, decoder_sparse_step=1, mlp_only_layers=[])
+    elif model == "mixtral":  # every layer MoE; experts of the MoE intermediate size
+        kwargs.update(num_local_experts=shape.experts, num_experts_per_tok=shape.top_k)
+        kwargs.update(intermediate_size=shape.moe_intermediate)
+    elif model == "deepseek_v3":  # layer 0 dense, the rest MoE with a shared expert
+        kwargs.update(n_routed_experts=shape.experts, num_experts_per_tok=shape.top_k)
+        kwargs.update(moe_intermediate_size=shape.moe_intermediate, n_shared_experts=1)
+        kwargs.update(first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None)
+        kwargs.update(kv_lora_rank=head * 2, qk_rope_head_dim=head // 2)
+        kwargs.update(qk_nope_head_dim=head // 2, v_head_dim=head)
+        # Multi-head latent attention rotates only the rope part of each head: its
+        # rotary tables are head_dim wide, so head_dim is the rope width here.
+        kwargs.update(head_dim=head // 2)
+    return transformers.AutoConfig.for_model(model, **kwargs)
 
 
 @dataclass

@@ -634,3 +634,17 @@ def test_fresh_kernel_busy_releases_the_build_and_records_failures(ts, monkeypat
     monkeypatch.setattr(_checks, "kernel_busy_ms", failing_profile)
     out = _checks.fresh_kernel_busy(Built, released.append, iters=2, warmup=1)
     assert "profiler died" in out["kernel_busy_error"]["error"] and len(released) == 2
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe", "mixtral", "deepseek_v3"])
+def test_each_partial_train_model_builds_and_trains_a_step_on_the_cpu(pt, model):
+    # The benchmark's own configs, at the launch-bound widths with 2 layers: a config
+    # that transformers refuses, or one whose shapes disagree, fails here, not on a GPU.
+    transformers = pytest.importorskip("transformers")
+    shape = pt.replace(pt.CONFIGS["launch_bound"], layers=2, seq=16)
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(pt.hf_config(model, shape))
+    ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq))
+    loss = pt.train_step(net.train(), ids)
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in net.parameters() if p.requires_grad)
