@@ -648,3 +648,15 @@ def test_each_partial_train_model_builds_and_trains_a_step_on_the_cpu(pt, model)
     loss = pt.train_step(net.train(), ids)
     assert torch.isfinite(loss)
     assert all(p.grad is not None for p in net.parameters() if p.requires_grad)
+
+
+def test_a_reference_row_beyond_tolerance_is_recorded_not_failed(pt):
+    res = {
+        "variants": {"eager": {}, "eager_experts_loop": {}},
+        "check": {
+            "eager_experts_loop": {"within_tol": False},
+            "partial": {"within_tol": False},
+        },
+    }
+    report = {"configs": {"launch_bound": {"models": {"qwen3_moe": res}}}}
+    assert pt.failures(report) == ["launch_bound/qwen3_moe/partial: check beyond tolerance"]

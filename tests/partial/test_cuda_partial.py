@@ -62,6 +62,8 @@ def test_training_steps_equal_eager(kind):
         train_both(model, ref, mgr, batches, (opt, ref_opt))
         stats = mgr.stats()
         assert stats["replayed"] > 0 and stats["fallbacks"] == 0, stats
+        # The core's graphs replay from the contract's tensors (one flatten per call).
+        assert all(v.replay_checked is not None for e in mgr.entries for v in e.variants)
         loss_of(model, torch.randint(0, 128, (2, 24), device="cuda")).backward()
         assert mgr.stats()["fallback_shape"] > 0
     finally:

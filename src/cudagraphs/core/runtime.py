@@ -11,7 +11,7 @@ the static outputs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,13 @@ from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
 from ..dtypes import converts_losslessly
-from ..errors import CudaGraphInputError, GraphReleasedError, Mismatch, describe_mismatches
+from ..errors import (
+    CudaGraphInputError,
+    CudaGraphsStateError,
+    GraphReleasedError,
+    Mismatch,
+    describe_mismatches,
+)
 from .grad_targets import GradTargets
 from .lent_grads import LentGrads, move_aliased_grads
 
@@ -139,6 +145,14 @@ class EntryGraphs:
                         "Capture another graph for this shape or dtype, or pad the inputs.",
                     )
                 break
+        self.check_pinned(tensors)
+
+    def check_pinned(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Every parameter read in place is still the one captured, with its storage.
+
+        Raises:
+            CudaGraphInputError: naming the input path of the replaced parameter.
+        """
         for i, ptr, param in self.pinned:
             t = tensors[i]
             if t is not param or t.data_ptr() != ptr:
@@ -431,6 +445,35 @@ class GraphedCallable:
         if graphs.eager_only:
             graphs._live()
             return self._eager(*args, **kwargs)
+        return self._replay(tensors)
+
+    def replay_checked(self, tensors: Sequence[torch.Tensor]) -> Any:
+        """Replay with a call's tensor leaves, in the order ``pytree`` flattens the
+        captured call's ``(args, kwargs)`` (keywords sorted), for a caller that has
+        already checked the call against the capture: the same structure and
+        non-tensor values, and tensors of the captured shapes, dtypes and
+        ``requires_grad``. Only the parameters read in place are checked here.
+
+        For a layer that matches each call against a stricter contract of its own
+        (partial graphs match strides, devices and aliasing too): the call is then
+        flattened and checked once rather than twice.
+
+        Raises:
+            CudaGraphInputError: a parameter read in place was replaced.
+            CudaGraphsStateError: the graphs were made under ``CUDAGRAPHS_DISABLE``
+                (there is nothing to replay; call the callable with its arguments).
+        """
+        graphs = self.graphs
+        if graphs.eager_only:
+            raise CudaGraphsStateError(
+                f"{graphs.name}: made under CUDAGRAPHS_DISABLE, so there is no graph to "
+                "replay; call it with its arguments, which runs it eagerly"
+            )
+        graphs.check_pinned(tensors)
+        return self._replay(tensors)
+
+    def _replay(self, tensors: Sequence[torch.Tensor]) -> Any:
+        graphs = self.graphs
         if graphs.bwd_graph is not None and torch.is_grad_enabled():
             outs = _ReplayFunction.apply(graphs, *tensors, *graphs.autograd_params)
             return graphs.output_tree(outs)

@@ -338,8 +338,10 @@ class CallContract:
                 found.add("structure")
             elif not same_control(leaves[pos], value):
                 found.add("control")
-        for t, want in zip(tensors, self.tensor_meta):
-            found.update(f for f, a, b in zip(_META_FIELDS, _meta(t), want) if a != b)
+        metas = tuple(map(_meta, tensors))
+        if metas != self.tensor_meta:  # one comparison on the common path
+            for got, want in zip(metas, self.tensor_meta):
+                found.update(f for f, a, b in zip(_META_FIELDS, got, want) if a != b)
         if _alias_pattern(tensors) != self.alias:
             found.add("alias")
         return found

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.runtime import GraphedCallable
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphInputError, describe_mismatches
 from ..forward_swap import ForwardSwap
-from .contract import CallContract, ContractSet, FallbackCounter
+from .contract import CallContract, ContractSet, FallbackCounter, flatten_call
 from .discovery import Target
 from .recording import is_inference_call
 
@@ -59,11 +60,32 @@ class RecordedVariant:
     # the graph copies in at each call; empty otherwise.
     params: tuple[torch.Tensor, ...] = ()
     graph: Any = None
+    # The graph's replay from the call's tensors alone (GraphedCallable.replay_checked),
+    # when the graph flattens its call exactly as the contract does behind the
+    # parameters: the call is then flattened and checked once, by the contract.
+    replay_checked: Callable[[list], Any] | None = None
 
-    def captured(self, graph: Any) -> None:
+    def captured(self, graph: Any, params: tuple[torch.Tensor, ...]) -> None:
+        """Hold ``graph``, captured from this variant's samples with ``params`` passed
+        first; drop the samples."""
         self.graph = graph
+        self.replay_checked = _checked_replay(graph, params, self.args, self.kwargs)
         self.args = self.kwargs = None
         self.params = ()
+
+
+def _checked_replay(
+    graph: Any, params: tuple[torch.Tensor, ...], args: tuple | None, kwargs: dict | None
+) -> Callable[[list], Any] | None:
+    # Only the core's graphs offer it (a capture backend of the user's, or the eager one
+    # under CUDAGRAPHS_DISABLE, is called with the arguments). The tensors the contract
+    # returns follow the parameters in the graph's order exactly when the graph's input
+    # spec is that of (params, *args) with these keywords: checked once, here.
+    if not isinstance(graph, GraphedCallable) or graph.graphs.eager_only or args is None:
+        return None
+    if graph.graphs.in_spec != flatten_call((tuple(params), *args), kwargs or {})[1]:
+        return None
+    return graph.replay_checked
 
 
 @dataclass
@@ -192,11 +214,17 @@ class PartialGraphEntry:
         """
         if self.bypass:
             return self.original_forward(*args, **kwargs)
-        index, reason, _ = self.contracts.match(args, kwargs, training=self.target.module.training)
-        graph = self.variants[index].graph if index is not None else None
+        index, reason, tensors = self.contracts.match(
+            args, kwargs, training=self.target.module.training
+        )
+        variant = self.variants[index] if index is not None else None
+        graph = variant.graph if variant is not None else None
         if graph is not None:
             try:
-                out = graph(self.call_params(), *args, **kwargs)
+                if variant.replay_checked is not None:
+                    out = variant.replay_checked([*self.call_params(), *tensors])
+                else:
+                    out = graph(self.call_params(), *args, **kwargs)
             except CudaGraphInputError as exc:
                 # The contract matched, so only the parameters can differ: one was
                 # replaced or re-allocated since capture (checked before any replay).

@@ -487,7 +487,7 @@ class PartialCudaGraphManager:
             measure = not self._disabled and len(graphed) == len(group)
             verdicts = measure_group(self._speed_check, group, graphed) if measure else []
         for (entry, i), g in zip(group, graphed):
-            entry.variants[i].captured(g)
+            entry.variants[i].captured(g, tuple(entry.capture_params(i)))
         return verdicts
 
     # ---- reporting and teardown -------------------------------------------------------
