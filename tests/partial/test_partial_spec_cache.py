@@ -1,0 +1,81 @@
+"""The call flattener of the replay path (CPU): for calls of tensors, plain values and
+plain tuples of them it gives pytree's leaves and spec without walking the call each
+time; every other call goes to pytree."""
+
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cudagraphs.partial.contract import SpecCache, flatten_call, quick_flatten
+
+T = torch.zeros(1)
+plain = st.one_of(
+    st.just(T),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.text(max_size=3),
+)
+value = st.one_of(plain, st.tuples(plain), st.tuples(plain, plain), st.just(()))
+calls = st.tuples(
+    st.lists(value, max_size=4).map(tuple),
+    st.dictionaries(st.sampled_from(["mask", "pos", "a", "use_cache", "z"]), value),
+)
+
+
+def same(a, b):
+    return len(a) == len(b) and all(x is y or (x == y and type(x) is type(y)) for x, y in zip(a, b))
+
+
+@settings(max_examples=300, deadline=None)
+@given(calls)
+def test_leaves_and_spec_equal_pytrees_first_and_again(call):
+    args, kwargs = call
+    want_leaves, want_spec = flatten_call(args, kwargs)
+    cache = SpecCache()
+    for _ in range(2):  # the second call takes the cached spec
+        leaves, spec = cache.flatten(args, kwargs)
+        assert same(leaves, want_leaves) and spec == want_spec
+
+
+def test_keyword_order_does_not_matter_and_structures_get_their_own_spec():
+    cache = SpecCache()
+    a = cache.flatten((T,), {"b": 1, "a": (T, T)})
+    b = cache.flatten((T,), {"a": (T, T), "b": 2})
+    assert a[1] == b[1] and b[0][3] == 2
+    c = cache.flatten((T,), {"a": (T,), "b": 2})
+    assert c[1] != a[1] and c[1] == flatten_call((T,), {"a": (T,), "b": 2})[1]
+
+
+Pair = namedtuple("Pair", "x y")
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        (([T, T],), {}),
+        ((T,), {"d": {"k": T}}),
+        ((Pair(T, T),), {}),
+        ((((T,),),), {}),
+        ((OrderedDict(a=T),), {}),
+        ((), {"cache": object()}),
+    ],
+    ids=["list", "dict", "namedtuple", "nested tuple", "ordereddict", "object"],
+)
+def test_other_calls_go_to_pytree(args, kwargs):
+    assert quick_flatten(args, kwargs) is None
+    leaves, spec = SpecCache().flatten(args, kwargs)
+    want = flatten_call(args, kwargs)
+    assert same(leaves, want[0]) and spec == want[1]
+
+
+def test_at_most_limit_structures_are_kept():
+    cache = SpecCache(limit=2)
+    for n in range(4):
+        leaves, spec = cache.flatten((T,) * n, {})
+        assert spec == flatten_call((T,) * n, {})[1]
+    assert len(cache._specs) == 2
