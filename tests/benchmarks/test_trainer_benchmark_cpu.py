@@ -77,7 +77,7 @@ def test_both_variants_train_the_same_and_the_rounds_give_one_sample_each(tc, tm
     assert check["within_tol"] and check["equal"], check
     stats = built["callback"].callback.stats()
     # Two runs; each records step 1 and replays steps 2-4 (2 micro-batches each).
-    targets = 2 if model == "llama" else 4
+    targets = 2  # the default scopes: each of the two layers whole
     assert stats["replayed"] == 3 * 2 * targets and stats["fallbacks"] == 0, stats
 
 

@@ -81,7 +81,7 @@ def test_with_activation_checkpointing_losses_and_grads_equal_eager():
     gen = torch.Generator(device="cuda").manual_seed(2)
     batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(3)]
     mgr = PartialCudaGraphManager.from_model_parts(
-        [model], activation_checkpointing=True, speed_check=False
+        [model], activation_checkpointing=True, speed_check=False, scopes=ATTN_ROUTER
     )
     mgr.start_recording()
     try:

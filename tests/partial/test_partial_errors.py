@@ -16,6 +16,10 @@ from cudagraphs.errors import (
 )
 from cudagraphs.partial import ContractSet, PartialCudaGraphManager, select_targets
 
+# Attention and router targets (the scopes these tests are about; the default is
+# every scope, which graphs these small blocks whole).
+NARROW = ("attention", "moe_router")
+
 
 def eager_backend(callables, sample_args, sample_kwargs):
     return list(callables)
@@ -23,7 +27,7 @@ def eager_backend(callables, sample_args, sample_kwargs):
 
 def build(model=None, **kwargs):
     kwargs.setdefault("capture_backend", eager_backend)
-    return PartialCudaGraphManager.from_model_parts(model or Toy(), **kwargs)
+    return PartialCudaGraphManager.from_model_parts(model or Toy(), **kwargs, scopes=NARROW)
 
 
 def recorded_manager(model=None):
@@ -82,12 +86,14 @@ def test_from_model_parts_argument_errors(kwargs, error, named):
 )
 def test_model_parts_that_are_not_modules(parts, named):
     with pytest.raises(CudaGraphsTypeError, match=named):
-        PartialCudaGraphManager.from_model_parts(parts, capture_backend=eager_backend)
+        PartialCudaGraphManager.from_model_parts(
+            parts, capture_backend=eager_backend, scopes=NARROW
+        )
 
 
 def test_arguments_are_checked_even_when_nothing_is_found():
     with pytest.raises(CudaGraphsTypeError, match="include must be"):
-        PartialCudaGraphManager.from_model_parts([], include=7)
+        PartialCudaGraphManager.from_model_parts([], include=7, scopes=NARROW)
 
 
 def test_constructor_argument_errors():
@@ -170,7 +176,7 @@ def test_meta_parameters_name_the_parameter_and_the_fix():
 def test_a_backend_returning_the_wrong_count_is_named():
     model = Toy()
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, capture_backend=lambda callables, args, kwargs: list(callables)[:1]
+        model, capture_backend=lambda callables, args, kwargs: list(callables)[:1], scopes=NARROW
     )
     mgr.start_recording()
     model(torch.randn(2, 8))

@@ -12,6 +12,8 @@ import torch
 from _hf_models import tiny_arch
 from cudagraphs.partial import PartialCudaGraphManager
 
+NARROW = ("attention", "moe_router")  # the first release's scopes
+
 
 def backend(callables, sample_args, sample_kwargs):
     return list(callables)
@@ -46,7 +48,9 @@ def test_hybrid_stacks_train_equal_to_eager_with_skipped_blocks_counted(
     model.train()
     ref = copy.deepcopy(model)
     with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
-        mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
+        mgr = PartialCudaGraphManager.from_model_parts(
+            model, capture_backend=backend, scopes=NARROW
+        )
     assert sorted({e.target.block for e in mgr.entries}) == targets
     assert [b.name for b in mgr.skipped] == skipped
     assert all(b.reason == "no_graph_safe_scope" for b in mgr.skipped)
@@ -56,6 +60,15 @@ def test_hybrid_stacks_train_equal_to_eager_with_skipped_blocks_counted(
         assert all(name in said[0].getMessage() for name in skipped)
         assert "include=" in said[0].getMessage()
     assert not any("linear_attn" in e.name for e in mgr.entries)
+    train_equal(model, ref, mgr)
+    stats = mgr.stats()
+    assert stats.get("skipped_no_graph_safe_scope", 0) == len(skipped), stats
+    mgr.close()
+
+
+def train_equal(model, ref, mgr):
+    """Record step 0, capture, two more steps: every loss and gradient equals eager's,
+    every target replays each step, nothing falls back."""
     gen = torch.Generator().manual_seed(0)
     mgr.start_recording()
     for step in range(3):
@@ -73,5 +86,41 @@ def test_hybrid_stacks_train_equal_to_eager_with_skipped_blocks_counted(
             mgr.capture()
     stats = mgr.stats()
     assert stats["replayed"] == 2 * len(mgr.entries) and stats["fallbacks"] == 0, stats
-    assert stats.get("skipped_no_graph_safe_scope", 0) == len(skipped), stats
+
+
+@pytest.mark.parametrize(
+    "family, kinds, narrowed",
+    [
+        # Mamba layers keep state: never whole. Their MoE or dense MLP is graphed.
+        (
+            "jamba",
+            {"model.layers.0.feed_forward": "moe", "model.layers.1": "layer"}
+            | {"model.layers.2.feed_forward": "moe", "model.layers.3.feed_forward": "mlp"},
+            ["model.layers.0", "model.layers.2", "model.layers.3"],
+        ),
+        # Linear-attention layers likewise; the full-attention ones are graphed whole.
+        (
+            "qwen3_next",
+            {"model.layers.0.mlp": "moe", "model.layers.1": "layer"}
+            | {"model.layers.2.mlp": "mlp", "model.layers.3": "layer"},
+            ["model.layers.0", "model.layers.2"],
+        ),
+        ("gpt2", {"transformer.h.0": "layer", "transformer.h.1": "layer"}, []),
+    ],
+)
+def test_by_default_each_layer_is_graphed_as_widely_as_is_safe(family, kinds, narrowed, caplog):
+    no_dropout = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)}
+    model = tiny_arch(family, **no_dropout.get(family, {}))
+    model.train()
+    ref = copy.deepcopy(model)
+    with caplog.at_level(logging.INFO, logger="cudagraphs.partial.manager"):
+        mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
+    assert {e.name: e.target.kind for e in mgr.entries} == kinds
+    assert not mgr.skipped
+    assert [(b.name, b.reason) for b in mgr.narrowed] == [(n, "no_attention") for n in narrowed]
+    # Not asked for: a narrowing by default is news (INFO), not a WARNING.
+    said = [r for r in caplog.records if "narrower scopes" in r.getMessage()]
+    assert [r.levelno for r in said] == ([logging.INFO] if narrowed else [])
+    train_equal(model, ref, mgr)
+    assert mgr.stats().get("narrowed_no_attention", 0) == len(narrowed)
     mgr.close()

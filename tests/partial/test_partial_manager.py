@@ -13,6 +13,10 @@ from _toy_models import Attn, Toy
 from cudagraphs.errors import CudaGraphsStateError, CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
 
+# Attention and router targets (the scopes these tests are about; the default is
+# every scope, which graphs these small blocks whole).
+NARROW = ("attention", "moe_router")
+
 
 def eager_backend(callables, sample_args, sample_kwargs):
     eager_backend.calls.append((len(callables), sample_args, sample_kwargs))
@@ -29,7 +33,9 @@ def step(model, ids):
 
 
 def recorded(model, ids):
-    mgr = PartialCudaGraphManager.from_model_parts([model], capture_backend=eager_backend)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW
+    )
     mgr.start_recording()
     step(model, ids)
     mgr.capture()
@@ -112,7 +118,7 @@ def test_a_second_recording_adds_a_variant():
 def test_variants_are_bounded():
     model = tiny()
     mgr = PartialCudaGraphManager.from_model_parts(
-        [model], max_variants=1, capture_backend=eager_backend
+        [model], max_variants=1, capture_backend=eager_backend, scopes=NARROW
     )
     for seq in (8, 12):
         mgr.start_recording()
@@ -136,14 +142,18 @@ def test_parameters_are_explicit_graph_inputs():
 
 
 def test_capture_without_recording_is_an_error():
-    mgr = PartialCudaGraphManager.from_model_parts([tiny()], capture_backend=eager_backend)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [tiny()], capture_backend=eager_backend, scopes=NARROW
+    )
     with pytest.raises(CudaGraphsStateError, match="nothing was recorded"):
         mgr.capture()
 
 
 def test_a_target_called_twice_per_forward_is_rejected_at_capture():
     model = Toy(twice=True)
-    mgr = PartialCudaGraphManager.from_model_parts([model], capture_backend=eager_backend)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW
+    )
     mgr.start_recording()
     model(torch.randn(2, 8))
     with pytest.raises(TargetSelectionError, match=r"layers\.0\.self_attn.*more than once"):
@@ -156,13 +166,15 @@ def test_meta_parameters_are_refused_before_capture():
     with pytest.raises(
         CudaGraphsValueError, match=r"layers\.0\.self_attn\.q\.weight is on the meta device"
     ):
-        PartialCudaGraphManager.from_model_parts([model], capture_backend=eager_backend)
+        PartialCudaGraphManager.from_model_parts(
+            [model], capture_backend=eager_backend, scopes=NARROW
+        )
 
 
 def test_nothing_graphable_returns_none_and_logs(caplog):
     # Issue 13: a model that silently trains without graphs is said at WARNING.
     with caplog.at_level(logging.INFO, logger="cudagraphs.partial.manager"):
-        assert PartialCudaGraphManager.from_model_parts([nn.Linear(2, 2)]) is None
+        assert PartialCudaGraphManager.from_model_parts([nn.Linear(2, 2)], scopes=NARROW) is None
     assert "nothing graphable" in caplog.text
     (record,) = [r for r in caplog.records if "nothing graphable" in r.getMessage()]
     assert record.levelno == logging.WARNING
@@ -171,7 +183,9 @@ def test_nothing_graphable_returns_none_and_logs(caplog):
 
 def test_close_restores_eager_modules_and_is_idempotent():
     model = Toy()
-    mgr = PartialCudaGraphManager.from_model_parts([model], capture_backend=eager_backend)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW
+    )
     mgr.start_recording()
     model(torch.randn(2, 8))
     mgr.capture()
@@ -203,7 +217,9 @@ def test_a_replaced_parameter_storage_falls_back_with_its_reason(caplog):
         return graphs
 
     model = Toy()
-    mgr = PartialCudaGraphManager.from_model_parts([model], capture_backend=pinning_backend)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=pinning_backend, scopes=NARROW
+    )
     mgr.start_recording()
     model(torch.randn(2, 8))
     mgr.capture()
@@ -333,7 +349,7 @@ def test_not_captured_fallback_is_said_once(caplog):
 def test_variants_full_is_said_once(caplog):
     model = tiny()
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, max_variants=1, capture_backend=eager_backend
+        model, max_variants=1, capture_backend=eager_backend, scopes=NARROW
     )
     with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
         for seq in (8, 12, 16):
@@ -370,7 +386,7 @@ def test_disabled_runs_every_target_eagerly_through_the_same_path(disabled, capl
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(5)
     batches = [torch.randint(0, 128, (2, 8), generator=gen) for _ in range(3)]
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=NARROW)
     with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
         mgr.start_recording()
         for i, ids in enumerate(batches):
@@ -405,7 +421,9 @@ def test_disabled_runs_every_target_eagerly_through_the_same_path(disabled, capl
 def test_disabled_is_zero_when_graphs_are_on(monkeypatch):
     monkeypatch.delenv("CUDAGRAPHS_DISABLE", raising=False)
     model = tiny()
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=eager_backend)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        model, capture_backend=eager_backend, scopes=NARROW
+    )
     assert mgr.stats()["disabled"] == 0
     mgr.start_recording()
     step(model, torch.randint(0, 128, (1, 8)))
@@ -433,8 +451,12 @@ def test_disabled_flag_changed_between_captures_is_refused(monkeypatch):
 
 def test_a_single_module_is_one_model_part():
     model = tiny("qwen3_moe")
-    one = PartialCudaGraphManager.from_model_parts(model, capture_backend=eager_backend)
-    many = PartialCudaGraphManager.from_model_parts([model], capture_backend=eager_backend)
+    one = PartialCudaGraphManager.from_model_parts(
+        model, capture_backend=eager_backend, scopes=NARROW
+    )
+    many = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW
+    )
     assert [e.name for e in one.entries] == [e.name for e in many.entries]
     assert len(one.entries) == 4
 
@@ -460,10 +482,13 @@ def test_include_string_graphs_the_named_modules_and_equals_eager():
 
 def test_nothing_found_reasons(caplog):
     with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
-        assert PartialCudaGraphManager.from_model_parts([]) is None
+        assert PartialCudaGraphManager.from_model_parts([], scopes=NARROW) is None
         assert PartialCudaGraphManager.from_model_parts(tiny(), attention=False) is None
         assert (
-            PartialCudaGraphManager.from_model_parts(tiny(), include="no.such.module") is not None
+            PartialCudaGraphManager.from_model_parts(
+                tiny(), include="no.such.module", scopes=NARROW
+            )
+            is not None
         )
         assert (
             PartialCudaGraphManager.from_model_parts(
@@ -494,7 +519,9 @@ class CtlBlock(nn.Module):
 
 def test_a_failing_report_still_warns_and_runs_the_module(caplog):
     layers = nn.ModuleList([CtlBlock(), CtlBlock()])
-    mgr = PartialCudaGraphManager.from_model_parts(layers, capture_backend=eager_backend)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        layers, capture_backend=eager_backend, scopes=NARROW
+    )
     x, ctl = torch.randn(2, 8), BadRepr()
     mgr.start_recording()
     layers[0](x, ctl)

@@ -130,3 +130,33 @@ def test_scopes_and_the_old_switches_do_not_mix():
         PartialCudaGraphManager.from_model_parts(
             tiny("llama"), capture_backend=backend, scopes=("layer",), attention=False
         )
+
+
+def test_the_default_is_every_scope_and_the_switches_keep_the_first_release():
+    model = tiny("qwen3_moe")
+    by_default = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
+    assert [e.target.kind for e in by_default.entries] == ["layer", "layer"]
+    by_default.close()
+    # A switch turned off: the switches decide, as before scopes existed.
+    no_router = PartialCudaGraphManager.from_model_parts(
+        model, capture_backend=backend, router=False
+    )
+    assert [e.target.kind for e in no_router.entries] == ["attention", "attention"]
+    no_router.close()
+
+
+def test_a_default_narrowing_is_said_at_info_and_an_asked_one_at_warning(caplog):
+    model = tiny("qwen3_moe")
+    model.set_experts_implementation("eager")
+    levels = {}
+    for asked in (None, SCOPES):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="cudagraphs.partial.manager"):
+            mgr = PartialCudaGraphManager.from_model_parts(
+                model, capture_backend=backend, scopes=asked
+            )
+        assert [b.reason for b in mgr.narrowed] == ["eager_experts"] * 2
+        (said,) = [r for r in caplog.records if "narrower scopes" in r.getMessage()]
+        levels[asked] = said.levelno
+        mgr.close()
+    assert levels == {None: logging.INFO, SCOPES: logging.WARNING}

@@ -21,6 +21,10 @@ from cudagraphs.partial.recording import (
     is_inference_call,
 )
 
+# Attention and router targets (the scopes these tests are about; the default is
+# every scope, which graphs these small blocks whole).
+NARROW = ("attention", "moe_router")
+
 
 class Backend:
     """An eager capture backend that remembers each call and the modes it ran in."""
@@ -73,7 +77,7 @@ def test_micro_batches_of_equal_shape_record_one_variant_and_replay_equal_to_eag
     model = tiny(kind)
     ref = copy.deepcopy(model)
     backend = Backend()
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=NARROW)
     mgr.start_recording()
     first = batches(0, (2, 8), (2, 8))
     assert all(torch.equal(a, b) for a, b in zip(accumulate(model, first), accumulate(ref, first)))
@@ -94,7 +98,7 @@ def test_micro_batches_of_equal_shape_record_one_variant_and_replay_equal_to_eag
 def test_micro_batches_of_distinct_shapes_record_a_variant_each():
     model = tiny()
     ref = copy.deepcopy(model)
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend())
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend(), scopes=NARROW)
     mgr.start_recording()
     accumulate(model, batches(0, (2, 8), (2, 12), (2, 8)))
     mgr.capture()
@@ -111,7 +115,9 @@ def test_micro_batches_of_distinct_shapes_record_a_variant_each():
 
 def test_micro_batches_beyond_max_variants_are_not_recorded_and_said_once(caplog):
     model = tiny()
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend(), max_variants=1)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        model, capture_backend=Backend(), max_variants=1, scopes=NARROW
+    )
     mgr.start_recording()
     with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
         accumulate(model, batches(0, (1, 8), (1, 12), (1, 16)))
@@ -122,7 +128,7 @@ def test_micro_batches_beyond_max_variants_are_not_recorded_and_said_once(caplog
 
 def test_a_reuse_within_one_forward_is_refused_under_accumulation_too():
     model = Toy(twice=True)
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend())
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend(), scopes=NARROW)
     mgr.start_recording()
     for _ in range(2):
         model(torch.randn(2, 8)).sum().backward()
@@ -134,7 +140,9 @@ def test_a_reuse_within_one_forward_is_refused_under_accumulation_too():
 
 def test_without_model_parts_a_second_forward_counts_as_a_reuse_and_says_why():
     model = Toy()
-    built = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend())
+    built = PartialCudaGraphManager.from_model_parts(
+        model, capture_backend=Backend(), scopes=NARROW
+    )
     mgr = PartialCudaGraphManager(built.entries, capture_backend=Backend())
     mgr.start_recording()
     model(torch.randn(2, 8))
@@ -146,7 +154,7 @@ def test_without_model_parts_a_second_forward_counts_as_a_reuse_and_says_why():
 
 def test_a_forward_that_raises_does_not_leave_the_clock_inside_it():
     model = Toy()
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend())
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend(), scopes=NARROW)
     mgr.start_recording()
 
     def fail(module, args, output):
@@ -182,7 +190,7 @@ def test_an_evaluation_while_recording_is_ignored_by_default(caplog):
     model = tiny()
     ref = copy.deepcopy(model)
     backend = Backend()
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=NARROW)
     assert mgr.inference_calls == "ignore"
     mgr.start_recording()
     with caplog.at_level(logging.INFO, logger="cudagraphs.partial.manager"):
@@ -206,7 +214,7 @@ def test_an_evaluation_while_recording_is_an_inference_variant_when_asked():
     ref = copy.deepcopy(model)
     backend = Backend()
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, capture_backend=backend, inference_calls="record"
+        model, capture_backend=backend, inference_calls="record", scopes=NARROW
     )
     # A submodule of a target in a mode of its own must keep it.
     model.model.layers[0].self_attn.o_proj.eval()
@@ -244,7 +252,7 @@ def test_an_evaluation_while_recording_is_an_inference_variant_when_asked():
 def test_inference_calls_must_be_ignore_or_record(bad):
     with pytest.raises(CudaGraphsValueError, match=r"inference_calls must be one of"):
         PartialCudaGraphManager.from_model_parts(
-            Toy(), capture_backend=Backend(), inference_calls=bad
+            Toy(), capture_backend=Backend(), inference_calls=bad, scopes=NARROW
         )
 
 
@@ -253,7 +261,7 @@ def test_inference_calls_must_be_ignore_or_record(bad):
 
 def test_stop_recording_keeps_what_was_recorded_and_records_nothing_after():
     model = Toy()
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend())
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend(), scopes=NARROW)
     assert mgr.recording is False
     mgr.stop_recording()  # a no-op when not recording
     mgr.start_recording()
@@ -361,7 +369,7 @@ def test_a_step_under_autocast_is_captured_under_it_and_replays_equal_to_eager()
         seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
         return list(callables)
 
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=NARROW)
     mgr.start_recording()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         accumulate(model, batches(0, (1, 8)))
@@ -380,7 +388,7 @@ def test_a_step_under_autocast_is_captured_under_it_and_replays_equal_to_eager()
 
 def test_an_evaluation_fallback_says_how_to_graph_evaluations(caplog):
     model = tiny()
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend())
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend(), scopes=NARROW)
     mgr.start_recording()
     accumulate(model, batches(0, (1, 8)))
     mgr.capture()
@@ -392,7 +400,7 @@ def test_an_evaluation_fallback_says_how_to_graph_evaluations(caplog):
 
 def test_samples_are_kept_until_a_capture_succeeds_then_dropped():
     model = Toy()
-    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend())
+    mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=Backend(), scopes=NARROW)
 
     def failing(callables, sample_args, sample_kwargs):
         raise RuntimeError("capture failed")
@@ -417,7 +425,7 @@ def test_experts_implementation_switches_the_model_before_discovery(caplog):
     model.set_experts_implementation("eager")
     with caplog.at_level(logging.INFO, logger="cudagraphs.partial.manager"):
         mgr = PartialCudaGraphManager.from_model_parts(
-            model, capture_backend=Backend(), experts_implementation="grouped_mm"
+            model, capture_backend=Backend(), experts_implementation="grouped_mm", scopes=NARROW
         )
     assert model.config._experts_implementation == "grouped_mm"
     assert model.model.layers[0].mlp.experts.config._experts_implementation == "grouped_mm"
@@ -428,15 +436,18 @@ def test_experts_implementation_switches_the_model_before_discovery(caplog):
 def test_experts_implementation_needs_a_model_that_can_switch():
     with pytest.raises(CudaGraphsValueError, match="no module in the model parts has"):
         PartialCudaGraphManager.from_model_parts(
-            Toy(), capture_backend=Backend(), experts_implementation="grouped_mm"
+            Toy(), capture_backend=Backend(), experts_implementation="grouped_mm", scopes=NARROW
         )
     with pytest.raises(CudaGraphsValueError, match=r"refused experts_implementation='nope'"):
         PartialCudaGraphManager.from_model_parts(
-            tiny("qwen3_moe"), capture_backend=Backend(), experts_implementation="nope"
+            tiny("qwen3_moe"),
+            capture_backend=Backend(),
+            experts_implementation="nope",
+            scopes=NARROW,
         )
     from cudagraphs.errors import CudaGraphsTypeError
 
     with pytest.raises(CudaGraphsTypeError, match="experts_implementation must be a str"):
         PartialCudaGraphManager.from_model_parts(
-            tiny("qwen3_moe"), capture_backend=Backend(), experts_implementation=1
+            tiny("qwen3_moe"), capture_backend=Backend(), experts_implementation=1, scopes=NARROW
         )

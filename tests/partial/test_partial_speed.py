@@ -13,6 +13,10 @@ from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager
 from cudagraphs.partial.speed import SpeedCheck, SpeedVerdict, forward_backward
 
+# Attention and router targets (the scopes these tests are about; the default is
+# every scope, which graphs these small blocks whole).
+NARROW = ("attention", "moe_router")
+
 
 class FakeClock:
     """Time that moves only when the code under test says it spent some."""
@@ -106,7 +110,10 @@ def test_a_target_whose_graph_loses_runs_eagerly_from_then_on(caplog):
         layer.self_attn.register_forward_hook(lambda m, a, o: clock.spend(0.002))
     check = SpeedCheck(rounds=3, iters=1, warmup=0, clock=clock, synchronize=no_sync)
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, capture_backend=slow_backend(clock, "layers.1.self_attn"), speed_check=check
+        model,
+        capture_backend=slow_backend(clock, "layers.1.self_attn"),
+        speed_check=check,
+        scopes=NARROW,
     )
     mgr.start_recording()
     model(torch.randn(2, 8, requires_grad=True)).sum().backward()
@@ -137,7 +144,7 @@ def test_no_check_when_turned_off_or_on_the_cpu_by_default(monkeypatch):
     for speed_check in (True, False):
         model = Toy()
         mgr = PartialCudaGraphManager.from_model_parts(
-            model, capture_backend=lambda c, a, k: list(c), speed_check=speed_check
+            model, capture_backend=lambda c, a, k: list(c), speed_check=speed_check, scopes=NARROW
         )
         mgr.start_recording()
         model(torch.randn(2, 8, requires_grad=True)).sum().backward()
@@ -148,4 +155,4 @@ def test_no_check_when_turned_off_or_on_the_cpu_by_default(monkeypatch):
 @pytest.mark.parametrize("bad", [1, "yes", None])
 def test_speed_check_must_be_a_bool_or_a_speed_check(bad):
     with pytest.raises(CudaGraphsTypeError, match="speed_check must be a bool or a SpeedCheck"):
-        PartialCudaGraphManager.from_model_parts(Toy(), speed_check=bad)
+        PartialCudaGraphManager.from_model_parts(Toy(), speed_check=bad, scopes=NARROW)

@@ -72,7 +72,9 @@ class PartialGraphsCallback(TrainerCallback):
         scopes: what to graph in each decoder layer, from
             :data:`~cudagraphs.partial.SCOPES` (``"attention"``, ``"moe_router"``,
             ``"mlp"``, ``"moe"``, ``"layer"``): per layer the widest graph-safe one
-            asked for. ``None``: the manager's default (attention and MoE routers).
+            asked for. ``None``: the manager's default, every scope (each layer as
+            widely as is safe; a float32 MoE whose ``grouped_mm`` experts torch runs
+            on the host keeps attention and router scopes, said at INFO).
         record_step: the optimizer step (1-based, as ``state.global_step`` counts
             them after the step) to record; the first step at or after it when
             training resumes from a later checkpoint.

@@ -128,19 +128,29 @@ def switch_experts_implementation(parts: Sequence[nn.Module], implementation: st
     return switched
 
 
-def report_blocks(built: BuiltEntries, logger: logging.Logger) -> None:
-    """Say, once each, which blocks run eagerly (skipped) and which are graphed at
-    narrower scopes than asked for, with the reason and the fix of each."""
-    for blocks, what, key in (
+def report_blocks(
+    built: BuiltEntries, logger: logging.Logger, narrowed_level: int = logging.WARNING
+) -> None:
+    """Say, once each, which blocks run eagerly (skipped, at WARNING) and which are
+    graphed at narrower scopes than asked for (at ``narrowed_level``), with the reason
+    and the fix of each."""
+    for blocks, what, key, level in (
         (
             built.skipped,
             "hold nothing graph-safe of the kinds asked for and run eagerly",
             "skipped",
+            logging.WARNING,
         ),
-        (built.narrowed, "are graphed at narrower scopes than asked for", "narrowed"),
+        (
+            built.narrowed,
+            "are graphed at narrower scopes than asked for",
+            "narrowed",
+            narrowed_level,
+        ),
     ):
         if blocks:
-            logger.warning(
+            logger.log(
+                level,
                 "partial graphs: %d block(s) %s (counted in stats()['%s_<reason>']):\n  %s",
                 len(blocks),
                 what,

@@ -59,6 +59,7 @@ from .recording import (
     capture_modes,
     check_inference_calls,
 )
+from .scopes import SCOPES
 from .skips import NarrowedBlock, SkippedBlock
 from .speed import SpeedCheck, measure_group, speed_check_of, turn_off_slower
 
@@ -257,9 +258,11 @@ class PartialCudaGraphManager:
                 whole layer needs an attention and static experts (``grouped_mm`` /
                 ``batched_mm``, as the model says). A layer that gets less than asked
                 for is listed in :attr:`narrowed` (``stats()['narrowed_<reason>']``,
-                one WARNING). ``None`` (default): the ``attention`` / ``router``
-                switches decide (today's ``("attention", "moe_router")``); with
-                ``scopes`` leave those switches alone.
+                one WARNING). ``None`` (default): all of :data:`SCOPES`, so each layer
+                is graphed as widely as is safe (said at INFO where a layer narrows);
+                but with ``attention=False`` or ``router=False`` those switches decide
+                instead (the first release's ``("attention", "moe_router")`` without
+                them). With ``scopes`` leave the switches alone.
             experts_implementation: switch the Hugging Face MoE model(s) in the parts
                 to this experts implementation first (``"grouped_mm"``: static shapes,
                 so whole MoE blocks and layers are graph-safe), with the model's own
@@ -304,6 +307,9 @@ class PartialCudaGraphManager:
             )
         if capture_backend is not None:
             check_callable("capture_backend", capture_backend)
+        asked = scopes is not None
+        if not asked and attention and router:
+            scopes = SCOPES  # the default: the widest graph-safe scope of each layer
         built = build_entries(
             parts,
             attention=attention,
@@ -323,7 +329,8 @@ class PartialCudaGraphManager:
             )
             return None
         logger.info("partial graphs: %d target(s): %s", len(entries), [e.name for e in entries])
-        report_blocks(built, logger)
+        # Narrowing is a WARNING when scopes were asked for, news (INFO) by default.
+        report_blocks(built, logger, narrowed_level=logging.WARNING if asked else logging.INFO)
         return cls(
             entries,
             skipped=built.skipped,
