@@ -164,3 +164,36 @@ def test_fsdp2_across_two_gloo_ranks_equals_eager(tmp_path):
         assert r["mismatches"] == [], f"rank {rank}: {r['mismatches']}"
         assert r["stats"]["replayed"] == 4 and r["stats"]["fallbacks"] == 0, r["stats"]
     assert results[0]["local_rows"] == 64, "the embedding (128 rows) should be sharded in 2"
+
+
+def test_a_whole_layer_that_is_an_fsdp2_unit_reads_the_parameters_it_is_given(process_group):
+    # The graphed function of a target that is itself a fully_shard unit must not run
+    # the unit's hooks: FSDP2's pre-forward hook would install its own unsharded
+    # parameters over the inputs (the graph would then not read its parameter inputs,
+    # which autograd refuses at warmup on a GPU). Probed here with zeroed parameters.
+    depends = []
+
+    def probing_backend(callables, sample_args, sample_kwargs):
+        for fn, (params, *args), kwargs in zip(callables, sample_args, sample_kwargs):
+            with torch.no_grad():
+                real = fn(params, *args, **kwargs)
+                zeroed = fn(tuple(torch.zeros_like(p) for p in params), *args, **kwargs)
+            first = (
+                (real[0] if isinstance(real, tuple) else real),
+                (zeroed[0] if isinstance(zeroed, tuple) else zeroed),
+            )
+            depends.append(not torch.equal(*first))
+        return list(callables)
+
+    model = sharded_llama()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=probing_backend, scopes=("layer",)
+    )
+    assert [(e.target.kind, e.fsdp) for e in mgr.entries] == [("layer", True)] * 2
+    mgr.start_recording()
+    try:
+        step(model, torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3)))
+        mgr.capture()
+        assert depends == [True, True]
+    finally:
+        mgr.close()

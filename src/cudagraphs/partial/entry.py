@@ -48,6 +48,29 @@ _INFERENCE_FIX = (
 )
 
 
+_INNER = "inner"
+
+
+class _ForwardOnly(nn.Module):
+    """Runs a target's ``forward`` without the target's own module hooks.
+
+    Why: at replay the real call goes through the target's ``__call__``, whose hooks
+    run there, around the dispatching forward, once. Graphing them as well would run
+    them twice, and FSDP2's are wrong to graph: when the target is itself a
+    ``fully_shard`` unit, its pre-forward hook unshards and installs its own unsharded
+    parameters over the ones ``functional_call`` binds, so the graph would not read
+    its parameter inputs. Holding the target as a child keeps its parameters
+    addressable (``inner.<name>``) for ``functional_call``.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        setattr(self, _INNER, module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, _INNER).forward(*args, **kwargs)
+
+
 @dataclass
 class RecordedVariant:
     """One recorded call of a target (a variant): the samples its capture needs, and
@@ -289,12 +312,13 @@ class PartialGraphEntry:
         """The function graphed for this target: parameters first, as explicit inputs,
         then the recorded call. It runs the module with those tensors bound in place of
         its parameters, so the graph reads its inputs rather than captured state."""
-        module, names = self.target.module, self.param_names
+        wrapper = _ForwardOnly(self.target.module)
+        names = [f"{_INNER}.{n}" for n in self.param_names]
 
         def run(params: tuple, *args: Any, **kwargs: Any) -> Any:
             self.bypass = True
             try:
-                return torch.func.functional_call(module, dict(zip(names, params)), args, kwargs)
+                return torch.func.functional_call(wrapper, dict(zip(names, params)), args, kwargs)
             finally:
                 self.bypass = False
 
