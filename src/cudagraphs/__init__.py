@@ -39,6 +39,7 @@ from .errors import (
     QuantizationNotSupportedError,
     SignatureMismatchError,
     TargetSelectionError,
+    UnsupportedTorchError,
 )
 from .program import (
     CopyHandle,
@@ -77,6 +78,7 @@ __all__ = [
     "GraphReleasedError",
     "Mismatch",
     "MissingDependencyError",
+    "UnsupportedTorchError",
     "NoCudaDeviceError",
     "QuantizationNotSupportedError",
     "SignatureMismatchError",

@@ -34,6 +34,7 @@ from .errors import (
     CudaGraphsValueError,
 )
 from .graph_pool import GraphPool, PoolHandle, as_graph_pool, new_pool, new_torch_graph, side_stream
+from .torch_private import end_allocate_to_pool
 
 __all__ = [
     "GraphPool",
@@ -103,11 +104,9 @@ def _abandon_capture(
             graph.capture_end()
         except Exception as exc:  # the capture is known to be broken; the cause is re-raised
             logger.debug("capture_end of an abandoned capture reported: %s", exc)
-    end_routing = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end_routing is not None:
-        # Raises when capture_end already ended the routing: nothing left to undo then.
-        with contextlib.suppress(Exception):
-            end_routing(device, pool)
+    # Raises when capture_end already ended the routing: nothing left to undo then.
+    with contextlib.suppress(Exception):
+        end_allocate_to_pool(device, pool)
 
 
 def _repair_generators(stream: torch.cuda.Stream) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "GraphReleasedError",
     "Mismatch",
     "MissingDependencyError",
+    "UnsupportedTorchError",
     "NoCudaDeviceError",
     "ProgramClosedError",
     "QuantizationNotSupportedError",
@@ -99,6 +100,11 @@ class NoCudaDeviceError(CudaGraphsStateError):
 class MissingDependencyError(CudaGraphsError, ImportError):
     """An optional dependency a feature needs is not installed (the message names the
     package and the extra that brings it)."""
+
+
+class UnsupportedTorchError(CudaGraphsError, ImportError):
+    """The installed torch lacks a private API cudagraphs relies on (raised at import
+    by :mod:`cudagraphs.torch_private`, naming the torch version and the API)."""
 
 
 class CudaCallError(CudaGraphsError, RuntimeError):

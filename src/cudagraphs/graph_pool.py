@@ -16,6 +16,7 @@ import torch
 
 from .checks import require_cuda
 from .errors import CudaGraphsTypeError
+from .torch_private import device_index
 
 __all__ = ["GraphPool", "PoolHandle", "as_graph_pool", "new_pool", "new_torch_graph", "side_stream"]
 
@@ -97,7 +98,7 @@ class GraphPool:
         this stream and the workspace is made once, outside the pool; capture each
         graph on a fresh stream and every capture allocates another one inside it.
         """
-        index = torch.cuda._get_device_index(device, optional=True)
+        index = device_index(device, optional=True)
         stream = self._streams.get(index)
         if stream is None:
             stream = self._streams[index] = torch.cuda.Stream(index)

@@ -27,6 +27,7 @@ from ..errors import (
     Mismatch,
     describe_mismatches,
 )
+from ..torch_private import will_engine_execute_node
 from .grad_targets import GradTargets
 from .lent_grads import LentGrads, move_aliased_grads
 
@@ -328,7 +329,7 @@ def _engine_accumulates(accumulator: Any) -> bool:
     """Whether the running backward pass adds into ``.grad`` (``backward()``), as
     opposed to returning gradients to its caller (``autograd.grad()``)."""
     try:
-        return torch._C._will_engine_execute_node(accumulator)
+        return will_engine_execute_node(accumulator)
     except RuntimeError:
         # torch refuses the question for an accumulator under autograd.grad().
         return False

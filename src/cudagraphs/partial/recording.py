@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import CudaGraphsValueError
+from ..torch_private import current_graph_task_id
 from .contract import AutocastState
 
 if TYPE_CHECKING:
@@ -163,9 +164,9 @@ def capture_groups(todo: Sequence[Call], one_pool_per_call: bool) -> list[list[C
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread (where an
     activation-checkpoint recompute calls modules again)."""
-    # Private torch API (present since torch 1.13): without it a recompute would be
-    # taken for a second call, so a torch that moves it must fail here, loudly.
-    return torch._C._current_graph_task_id() != -1
+    # Private torch API, checked at import (see ..torch_private): without it a
+    # recompute would be taken for a second call.
+    return current_graph_task_id() != -1
 
 
 class Recorder:

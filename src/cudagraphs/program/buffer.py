@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import CudaGraphsValueError
+from ..torch_private import below_autograd
 from .signature import ValueTreeSignature
 
 __all__ = ["ReusableValueBuffer"]
@@ -107,19 +108,8 @@ class ReusableValueBuffer:
 
 def _below_autograd() -> Any:
     """A reusable context in which ops dispatch below autograd (no history, no version
-    counter bumps). Where torch lacks that guard, a grad-disabled context: still no
-    history, but autograd's bookkeeping stays."""
-    guard = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
-    return guard() if guard is not None else _GradDisabled()
-
-
-class _GradDisabled:
-    def __enter__(self) -> None:
-        self._was = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-
-    def __exit__(self, *exc: object) -> None:
-        torch._C._set_grad_enabled(self._was)
+    counter bumps)."""
+    return below_autograd()
 
 
 def _copy_groups(groups: list, sources: list[torch.Tensor], non_blocking: bool) -> None:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..torch_private import tensor_guards_class
+
 if TYPE_CHECKING:
     from .signature import ValueTreeSignature
 
@@ -143,9 +145,8 @@ _MAX_GUARD_REBUILDS = 8
 def _tensor_guard(tensors: list[torch.Tensor]) -> Any:
     """torch's C++ checker of tensor metadata (dispatch keys, dtype, device,
     requires_grad, sizes, strides), as dynamo uses it; ``None`` where unavailable."""
-    try:
-        from torch._C._dynamo.guards import TensorGuards
-    except ImportError:
+    TensorGuards = tensor_guards_class()  # noqa: N806 - torch's class
+    if TensorGuards is None:
         return None
     try:
         return TensorGuards(

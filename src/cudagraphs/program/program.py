@@ -19,6 +19,7 @@ from ..capturing import capture_scope
 from ..checks import require_cuda
 from ..errors import CudaGraphCaptureError, CudaGraphsTypeError
 from ..settings import graphs_disabled
+from ..torch_private import current_stream_key
 from .buffer import ReusableValueBuffer
 from .capture_steps import check_capture_arguments, detached, warm_up
 from .graph_capture import capture_function, run_function_eagerly
@@ -176,7 +177,7 @@ class CudaGraphProgram(Generic[OutputT]):
         self._last_copy: torch.cuda.Event | None = None
         self._last_replay_stream: torch.cuda.Stream | None = None
         self._stream_key: object = None
-        self._get_stream_key = torch._C._cuda_getCurrentStream  # (id, device, type)
+        self._get_stream_key = current_stream_key()  # (id, device, type)
         self._device_index = device.index
         self._stream: torch.cuda.Stream | None = None
         self._closed = False

@@ -1,0 +1,163 @@
+"""Every private torch API cudagraphs uses, in one place.
+
+torch keeps these out of its public surface and may move them in any release. Spread
+over the package, a moved one failed far from here, or silently: a missing
+``_current_graph_task_id`` would have turned off activation-checkpoint detection, a
+missing ``_cuda_endAllocateToPool`` the allocator repair after a failed capture. Here
+each is looked up once, at import, and a missing one raises
+:class:`UnsupportedTorchError` naming the torch version, the name and what needs it.
+``tests/test_torch_private.py`` asks the same of the installed torch on the CPU.
+
+The names fall in three groups:
+
+- :data:`REQUIRED`: present in every torch build cudagraphs supports;
+- :data:`REQUIRED_WITH_CUDA`: present in builds with CUDA (or ROCm) support; a
+  CPU-only build lacks them and has no graphs to capture, so they are checked only
+  where ``torch.backends.cuda.is_built()``;
+- :data:`OPTIONAL`: speed-ups with a correct fallback, said where used
+  (:func:`tensor_guards_class`).
+
+``torch.utils._pytree`` (our tree handling, by the project's rule) and torch's
+underscore ops (``torch._foreach_copy_``, ``torch._grouped_mm``) are not listed: the
+first is the one tree library torch itself maintains for this, the second are
+operators, versioned with torch's op schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedTorchError
+
+__all__ = [
+    "OPTIONAL",
+    "REQUIRED",
+    "REQUIRED_WITH_CUDA",
+    "PrivateName",
+    "UnsupportedTorchError",
+    "below_autograd",
+    "check_torch",
+    "current_graph_task_id",
+    "current_stream_key",
+    "device_index",
+    "end_allocate_to_pool",
+    "set_grad_enabled",
+    "tensor_guards_class",
+    "will_engine_execute_node",
+]
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """One private torch attribute: where it lives and what needs it."""
+
+    owner: str  # dotted module path: "torch._C", "torch.cuda"
+    name: str
+    used_for: str
+
+    def lookup(self) -> Any:
+        """The attribute, or ``None`` when the installed torch lacks it."""
+        module: Any = torch
+        for part in self.owner.split(".")[1:]:
+            module = getattr(module, part, None)
+            if module is None:
+                return None
+        return getattr(module, self.name, None)
+
+
+REQUIRED: tuple[PrivateName, ...] = (
+    PrivateName(
+        "torch._C",
+        "_current_graph_task_id",
+        "telling an activation-checkpoint recompute (run inside backward) from a second "
+        "call of a partial-graph target",
+    ),
+    PrivateName(
+        "torch._C",
+        "_will_engine_execute_node",
+        "telling backward() (gradients added into .grad) from autograd.grad() when a "
+        "graph hands parameter gradients to autograd",
+    ),
+    PrivateName(
+        "torch._C",
+        "_AutoDispatchBelowADInplaceOrView",
+        "the program layer's fused input copy below autograd",
+    ),
+    PrivateName("torch._C", "_set_grad_enabled", "switching grad mode without a context object"),
+    PrivateName("torch.cuda", "_get_device_index", "keying the capture stream per device"),
+)
+
+REQUIRED_WITH_CUDA: tuple[PrivateName, ...] = (
+    PrivateName(
+        "torch._C",
+        "_cuda_endAllocateToPool",
+        "ending the allocator's routing into a graph pool after a failed capture",
+    ),
+    PrivateName(
+        "torch._C",
+        "_cuda_getCurrentStream",
+        "the program layer's per-replay check of the current stream, without building "
+        "a Stream object",
+    ),
+)
+
+OPTIONAL: tuple[PrivateName, ...] = (
+    PrivateName(
+        "torch._C._dynamo.guards",
+        "TensorGuards",
+        "the program layer's C++ check of tensor metadata on replay (without it, the "
+        "full Python check runs on every replay)",
+    ),
+)
+
+
+def check_torch(cuda_built: bool | None = None) -> None:
+    """Raise :class:`UnsupportedTorchError` listing every required name the installed
+    torch lacks (the CUDA ones only in a CUDA build: ``cuda_built``, by default
+    ``torch.backends.cuda.is_built()``)."""
+    if cuda_built is None:
+        cuda_built = torch.backends.cuda.is_built()
+    names = REQUIRED + (REQUIRED_WITH_CUDA if cuda_built else ())
+    missing = [n for n in names if n.lookup() is None]
+    if missing:
+        listed = "; ".join(f"{n.owner}.{n.name} (for {n.used_for})" for n in missing)
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__} lacks private API that cudagraphs uses: {listed}. "
+            "Fix: install a torch release cudagraphs supports (pyproject.toml and the "
+            "README name the tested ones), or report this torch version."
+        )
+
+
+check_torch()
+
+# ---- the names, as cudagraphs calls them ----------------------------------------------
+
+set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
+current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+will_engine_execute_node: Callable[[Any], bool] = torch._C._will_engine_execute_node
+#: A context manager class: ops inside dispatch below autograd (no history, no
+#: version-counter bumps).
+below_autograd: type = torch._C._AutoDispatchBelowADInplaceOrView
+device_index: Callable[..., int] = torch.cuda._get_device_index
+
+
+def end_allocate_to_pool(device: int, pool: Any) -> None:
+    """End the caching allocator's routing of ``device``'s allocations into ``pool``
+    (raises when nothing is routed there)."""
+    torch._C._cuda_endAllocateToPool(device, pool)
+
+
+def current_stream_key() -> Callable[[int], Any]:
+    """The function that returns ``(stream id, device, device type)`` of the current
+    stream of a device index: cheaper per call than ``torch.cuda.current_stream``."""
+    return torch._C._cuda_getCurrentStream
+
+
+def tensor_guards_class() -> type | None:
+    """torch's ``TensorGuards`` (dynamo's C++ tensor-metadata check), or ``None``
+    where this torch has none: callers then check in Python."""
+    return OPTIONAL[0].lookup()
