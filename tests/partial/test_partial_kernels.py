@@ -75,3 +75,41 @@ def test_torch_is_asked_once_per_dtype_and_device(monkeypatch, answer):
 def test_without_grouped_mm_in_torch_the_answer_is_no(monkeypatch):
     monkeypatch.delattr(torch, "_grouped_mm", raising=False)
     assert kernels._runs_on_device(torch.bfloat16, torch.device("cuda", 0)) is False
+
+
+def asked_weights(monkeypatch):
+    asked = []
+
+    def on_device(self, weight):
+        asked.append((id(self), weight))
+        return True
+
+    monkeypatch.setattr(GroupedMMProbe, "on_device", on_device)
+    return asked
+
+
+def test_discovery_asks_one_probe_about_each_grouped_mm_layers_experts(monkeypatch):
+    from _hf_models import tiny
+    from cudagraphs.partial.discovery import SCOPES, plan_targets
+
+    asked = asked_weights(monkeypatch)
+    model = tiny("qwen3_moe")
+    model.set_experts_implementation("grouped_mm")
+    plan_targets(model, scopes=SCOPES)
+    layers = model.model.layers
+    assert len(asked) == len(layers)
+    assert all(w is experts_weight(layer.mlp) for (_, w), layer in zip(asked, layers))
+    assert all(w is not None for _, w in asked)
+    assert len({probe for probe, _ in asked}) == 1, "one probe per discovery pass"
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
+def test_other_experts_implementations_raise_no_device_question(monkeypatch, implementation):
+    from _hf_models import tiny
+    from cudagraphs.partial.discovery import SCOPES, plan_targets
+
+    asked = asked_weights(monkeypatch)
+    model = tiny("qwen3_moe")
+    model.set_experts_implementation(implementation)
+    plan_targets(model, scopes=SCOPES)
+    assert asked == []

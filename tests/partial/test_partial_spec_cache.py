@@ -79,3 +79,53 @@ def test_at_most_limit_structures_are_kept():
         leaves, spec = cache.flatten((T,) * n, {})
         assert spec == flatten_call((T,) * n, {})[1]
     assert len(cache._specs) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(calls, min_size=2, max_size=6))
+def test_one_cache_over_calls_of_many_structures_gives_each_its_own_spec(sequence):
+    # A leaf and a 1-tuple, or tuples of two lengths, at one position must not share a
+    # cached spec: the key tells every structure apart.
+    cache = SpecCache()
+    for args, kwargs in sequence:
+        leaves, spec = cache.flatten(args, kwargs)
+        want_leaves, want_spec = flatten_call(args, kwargs)
+        assert same(leaves, want_leaves) and spec == want_spec
+
+
+def test_a_leaf_and_a_one_tuple_in_one_cache():
+    cache = SpecCache()
+    calls_ = [((T,), {}), (((T,),), {}), ((T, (T, T)), {}), ((T, (T, T, T)), {})]
+    calls_ += [((), {"a": T}), ((), {"a": (T,)}), ((), {"a": (T, T)})]
+    for call in calls_ * 2:
+        assert cache.flatten(*call)[1] == flatten_call(*call)[1]
+
+
+def test_a_known_structure_is_not_walked_by_pytree_again(monkeypatch):
+    from cudagraphs.partial import contract
+
+    walked = []
+    real = contract.flatten_call
+    monkeypatch.setattr(contract, "flatten_call", lambda *a: walked.append(1) or real(*a))
+    cache = SpecCache()
+    for _ in range(3):
+        cache.flatten((T, (T, T)), {"mask": None, "pos": (T, 1)})
+    assert len(walked) == 1
+    assert SpecCache().limit == 16
+
+
+def test_a_tensor_subclass_registered_with_pytree_goes_to_pytree():
+    from torch.utils import _pytree as pytree
+
+    class Packed(torch.Tensor):
+        pass
+
+    pytree.register_pytree_node(
+        Packed, lambda p: ([p.as_subclass(torch.Tensor)], None), lambda xs, _: xs[0]
+    )
+    try:
+        packed = torch.zeros(2).as_subclass(Packed)
+        assert quick_flatten((packed,), {}) is None
+        assert quick_flatten((torch.zeros(2).as_subclass(torch.Tensor),), {}) is not None
+    finally:
+        pytree.SUPPORTED_NODES.pop(Packed)
