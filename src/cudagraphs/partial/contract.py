@@ -94,27 +94,25 @@ def quick_flatten(args: tuple, kwargs: dict) -> tuple[list, StructureKey] | None
     """
     leaves: list = []
     shape: list = []
-    for value in args:
-        if _plain_leaf(value):
-            leaves.append(value)
-            shape.append(-1)
-        elif type(value) is tuple and all(map(_plain_leaf, value)):
-            leaves.extend(value)
-            shape.append(len(value))
-        else:
-            return None
     names = sorted(kwargs)
-    for name in names:
-        value = kwargs[name]
-        if _plain_leaf(value):
-            leaves.append(value)
-            shape.append(-1)
-        elif type(value) is tuple and all(map(_plain_leaf, value)):
-            leaves.extend(value)
-            shape.append(len(value))
-        else:
+    for value in (*args, *(kwargs[name] for name in names)):
+        if not _take(value, leaves, shape):
             return None
     return leaves, (len(args), tuple(names), tuple(shape))
+
+
+def _take(value: Any, leaves: list, shape: list) -> bool:
+    # One argument: a leaf (marked -1, never a tuple length) or a plain tuple of
+    # leaves (marked by its length); False for anything pytree must walk.
+    if _plain_leaf(value):
+        leaves.append(value)
+        shape.append(-1)
+    elif type(value) is tuple and all(map(_plain_leaf, value)):
+        leaves.extend(value)
+        shape.append(len(value))
+    else:
+        return False
+    return True
 
 
 class SpecCache:
