@@ -1,6 +1,7 @@
 """Partial graphs for training: graph the fixed-shape pieces of each transformer block
-(attention, the MoE router, and modules named by ``include``) inside an otherwise
-eager training loop.
+inside an otherwise eager training loop: by default each block as widely as is safe
+(the whole layer, else its attention beside its MoE, router or MLP: :mod:`.scopes`),
+plus modules named by ``include``.
 
 :class:`PartialCudaGraphManager` records one eager step, captures the recorded calls
 through the core ``make_graphed_callables``, and replays a later call only when it

@@ -1,4 +1,5 @@
-"""PartialCudaGraphManager: graph attention and MoE routers inside eager training.
+"""PartialCudaGraphManager: graph decoder layers (whole, or their attention, MoE,
+router or MLP: :mod:`.scopes`) inside eager training.
 
 Life cycle (the constructor never captures):
 
