@@ -11,6 +11,9 @@
 * :mod:`cudagraphs.partial`: graphs of the static pieces of each decoder layer
   (attention, MoE router, MLP, whole MoE block or whole layer) inside eager training;
   :mod:`cudagraphs.integrations.hf` runs them from a ``transformers.Trainer`` callback.
+* :func:`graph_train_step` (:mod:`cudagraphs.train`): forward, backward, gradient
+  all-reduce, clipping and the optimizer step of a static-shape training step as one
+  graph.
 * :mod:`cudagraphs.serving`: the bucketed :class:`~cudagraphs.serving.GraphRunner`.
 * :mod:`cudagraphs.errors`: every error the package raises (all derive from
   :class:`CudaGraphsError`); :mod:`cudagraphs.settings`: ``CUDAGRAPHS_DISABLE`` and the
@@ -51,10 +54,15 @@ from .program import (
     TensorSignature,
     ValueTreeSignature,
 )
+from .train import GraphedTrainStep, all_reduce_gradients, graph_train_step, prepare_optimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GraphedTrainStep",
+    "all_reduce_gradients",
+    "graph_train_step",
+    "prepare_optimizer",
     "CopyHandle",
     "CudaGraphCaptureStats",
     "CudaGraphPool",

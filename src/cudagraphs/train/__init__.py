@@ -1,0 +1,28 @@
+"""The whole training step as CUDA graphs: :func:`graph_train_step`.
+
+* :mod:`.step`: warmup, capture and replay of forward, backward, all-reduce, clipping
+  and the optimizer step.
+* :mod:`.optimizers`: what makes an optimizer's step capturable, what the graph bakes
+  in, and keeping the captured state across ``load_state_dict``.
+* :mod:`.gradients`: the bucketed gradient all-reduce, captured or eager.
+
+A thin layer beside the others: it captures through :mod:`cudagraphs.capture` and
+stages batches through the program layer's fixed buffers.
+"""
+
+from .gradients import DEFAULT_BUCKET_MB, all_reduce_gradients, plan_buckets
+from .optimizers import GroupPlan, plan_optimizer, prepare_optimizer
+from .step import GraphedTrainStep, TrainStepOptions, TrainStepStats, graph_train_step
+
+__all__ = [
+    "DEFAULT_BUCKET_MB",
+    "GraphedTrainStep",
+    "GroupPlan",
+    "TrainStepOptions",
+    "TrainStepStats",
+    "all_reduce_gradients",
+    "graph_train_step",
+    "plan_buckets",
+    "plan_optimizer",
+    "prepare_optimizer",
+]

@@ -1,0 +1,470 @@
+"""The whole training iteration as one graph: forward, backward, gradient all-reduce,
+clipping and the optimizer step.
+
+Where the gradients live decides the design. Before capture every ``.grad`` is set to
+``None``, so the captured backward *creates* the gradients inside the graph's pool
+(autograd hands its result to ``.grad`` when there is none). Each replay then writes
+the step's gradients at those addresses afresh: no ``zero_grad`` kernel and no add per
+parameter, and ``.grad`` after a step holds that step's (clipped) gradients. With
+gradient accumulation a second graph is captured with the gradients present, so its
+backward adds into them, and a third holds the update.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..capture import capture_into_graph
+from ..checks import (
+    check_bool,
+    check_callable,
+    check_instance,
+    check_int,
+    check_number,
+    require_cuda,
+)
+from ..errors import (
+    CudaGraphCaptureError,
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+    GraphReleasedError,
+)
+from ..graph_pool import GraphPool, as_graph_pool, side_stream
+from ..program.buffer import ReusableValueBuffer
+from ..program.signature import ValueTreeSignature
+from ..settings import graphs_disabled
+from .gradients import DEFAULT_BUCKET_MB, GradientReducer
+from .optimizers import HyperparameterGuard, OptimizerSnapshot, StateKeeper, prepare_optimizer
+
+__all__ = ["GraphedTrainStep", "TrainStepOptions", "TrainStepStats", "graph_train_step"]
+
+logger = logging.getLogger(__name__)
+
+# torch warns once per optimizer when a capturable step runs eagerly; the warmup must.
+_CAPTURABLE_WARNING = ".*capturable=True.*"
+
+
+@dataclass(frozen=True)
+class TrainStepOptions:
+    """The keyword arguments of :func:`graph_train_step`, checked."""
+
+    max_grad_norm: float | None = None
+    accumulation_steps: int = 1
+    optimizer_impl: str = "auto"
+    all_reduce: bool | None = None
+    process_group: Any = None
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    warmup_steps: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_grad_norm is not None:
+            value = check_number("max_grad_norm", self.max_grad_norm)
+            if not value > 0:
+                raise CudaGraphsValueError(f"max_grad_norm must be positive, got {value!r}")
+        check_int("accumulation_steps", self.accumulation_steps, minimum=1)
+        check_int("warmup_steps", self.warmup_steps, minimum=1)
+        if self.all_reduce is not None:
+            check_bool("all_reduce", self.all_reduce)
+
+    def reduces(self) -> bool:
+        """Whether gradients are all-reduced: as asked, else when ``torch.distributed``
+        runs with more than one rank."""
+        if self.all_reduce is not None:
+            return self.all_reduce
+        dist = torch.distributed
+        return (
+            dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size(self.process_group) > 1
+        )
+
+
+@dataclass(frozen=True)
+class TrainStepStats:
+    """What :meth:`GraphedTrainStep.capture` did.
+
+    Attributes:
+        graphs: graphs captured (1 without accumulation, 3 with: first micro-batch,
+            later micro-batches, update); 0 when graphs are disabled.
+        warmup_seconds / capture_seconds: wall time of the warmup steps and captures.
+        all_reduce: whether gradients are averaged over ranks inside the step.
+        optimizer_changes: what :func:`~cudagraphs.train.prepare_optimizer` changed.
+    """
+
+    graphs: int
+    warmup_seconds: float
+    capture_seconds: float
+    accumulation_steps: int
+    all_reduce: bool
+    optimizer_changes: tuple[str, ...]
+
+
+@dataclass
+class _Captured:
+    """The graphs of one step and the tensors they write (borrowed outputs)."""
+
+    first: torch.cuda.CUDAGraph
+    first_loss: torch.Tensor
+    accumulate: torch.cuda.CUDAGraph | None = None
+    accumulate_loss: torch.Tensor | None = None
+    update: torch.cuda.CUDAGraph | None = None
+    grad_norm: torch.Tensor | None = None
+
+
+class GraphedTrainStep:
+    """A training step replayed as CUDA graphs. Built by :func:`graph_train_step`.
+
+    Workflow:
+
+    1. ``__init__`` checks the arguments and prepares the optimizer
+       (:func:`~cudagraphs.train.prepare_optimizer`); nothing is captured.
+    2. :meth:`capture` warms up on the pool's side stream (real steps on the sample
+       batch), captures, then restores parameters and optimizer state as they were:
+       the warmup leaves no trace in the model.
+    3. Each call copies the batch into the graph's input buffers (one fused copy per
+       dtype) and replays; it returns the loss, borrowed.
+    4. :meth:`reset` releases the graphs; eager training can go on.
+
+    It does NOT: take batches of another shape (use ``graph_stack`` or partial graphs
+    for dynamic shapes), restore module buffers the warmup updated (BatchNorm
+    statistics), replay random ops with the eager generator sequence (each replay
+    draws fresh numbers from the CUDA generator's graph-safe offsets), or follow
+    optimizer hyperparameters other than the learning rate after capture (a change
+    raises).
+    """
+
+    def __init__(
+        self,
+        step_fn: Callable[[Any], torch.Tensor],
+        sample_batch: Any,
+        optimizer: torch.optim.Optimizer,
+        options: TrainStepOptions,
+    ) -> None:
+        self.step_fn = check_callable("step_fn", step_fn)
+        self.optimizer = check_instance(
+            "optimizer", optimizer, torch.optim.Optimizer, "a torch optimizer"
+        )
+        self.options = options
+        self.signature = ValueTreeSignature.from_value(sample_batch, path="sample_batch")
+        if not self.signature.tensor_signatures():
+            raise CudaGraphsValueError("sample_batch holds no tensor; the step would read nothing")
+        self.sample_batch = sample_batch
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not self.params:
+            raise CudaGraphsValueError("the optimizer holds no parameters")
+        self.plans = prepare_optimizer(optimizer, options.optimizer_impl)
+        self.graphed = False
+        self.stats: TrainStepStats | None = None
+        self._captured: _Captured | None = None
+        self._buffer: ReusableValueBuffer | None = None
+        self._guard: HyperparameterGuard | None = None
+        self._keeper: StateKeeper | None = None
+        self._grads: list[torch.Tensor | None] = []
+        self._losses: torch.Tensor | None = None
+        self._released = False
+
+    # ---- the step's pieces: run by the warmup, the capture and the eager path ---------
+    def _micro(self, batch: Any) -> torch.Tensor:
+        loss = self.step_fn(batch)
+        if not isinstance(loss, torch.Tensor):
+            raise CudaGraphsTypeError(
+                f"step_fn must return the loss as a tensor (after calling backward on "
+                f"it); it returned {type(loss).__name__}"
+            )
+        # The loss's autograd graph is spent; keeping it would keep the parameters'
+        # AccumulateGrad nodes alive across captures.
+        return loss.detach()
+
+    def _update(self) -> torch.Tensor | None:
+        with_grad = [p for p in self.params if p.grad is not None]
+        if self.options.reduces():
+            GradientReducer(
+                [p.grad for p in with_grad], self.options.process_group, self.options.bucket_mb
+            )()
+        norm = None
+        if self.options.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(
+                with_grad, self.options.max_grad_norm, foreach=True
+            )
+        self.optimizer.step()
+        return norm
+
+    def _drop_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _eager_step(self, batches: Sequence[Any]) -> torch.Tensor:
+        self._drop_grads()
+        losses = [self._micro(b) for b in batches]
+        if not any(p.grad is not None for p in self.params):
+            raise CudaGraphsValueError(
+                "step_fn returned without a gradient for any parameter of the optimizer; "
+                "call loss.backward() inside step_fn"
+            )
+        self._update()
+        return losses[0] if len(losses) == 1 else torch.stack(losses)
+
+    # ---- capture -------------------------------------------------------------------
+    def capture(self, pool: GraphPool | Any = None) -> GraphedTrainStep:
+        """Warm up and capture (see the class docs). Returns ``self``.
+
+        With ``CUDAGRAPHS_DISABLE`` set, nothing is captured and each call runs the
+        same step eagerly.
+
+        Raises:
+            NoCudaDeviceError: no usable GPU.
+            CudaGraphsValueError: parameters off CUDA or on several devices.
+            CudaGraphCaptureError: the step cannot be captured (cause chained, with
+                fixes). Parameters, optimizer state and the pool are as before, and
+                ``.grad`` is ``None``: eager training can go on.
+        """
+        self._check_live()
+        if graphs_disabled():
+            logger.info("CUDAGRAPHS_DISABLE is set: the train step runs eagerly")
+            self.stats = TrainStepStats(
+                0,
+                0.0,
+                0.0,
+                self.options.accumulation_steps,
+                self.options.reduces(),
+                self._changes(),
+            )
+            return self
+        require_cuda("graph_train_step")
+        device = self._device()
+        pool = as_graph_pool(pool)
+        stream = pool.capture_stream(device)
+        self._buffer = ReusableValueBuffer(self.signature, device)
+        self._buffer.copy_from(self.sample_batch, path="sample_batch")
+        snapshot = OptimizerSnapshot.take(self.optimizer)
+        try:
+            t0 = time.perf_counter()
+            with side_stream(stream), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_CAPTURABLE_WARNING)
+                for _ in range(self.options.warmup_steps):
+                    self._eager_step([self._buffer.value] * self.options.accumulation_steps)
+            torch.cuda.synchronize(device)
+            t1 = time.perf_counter()
+            self._drop_grads()
+            self._captured = self._capture_graphs(pool, stream)
+            t2 = time.perf_counter()
+        except BaseException:
+            self._captured = None
+            self._drop_grads()
+            snapshot.restore(self.optimizer)
+            raise
+        snapshot.restore(self.optimizer)
+        del snapshot
+        self._grads = [p.grad for p in self.params]
+        self._guard = HyperparameterGuard.watch(self.optimizer)
+        self._keeper = StateKeeper.install(self.optimizer, self._guard.lrs)
+        n = self.options.accumulation_steps
+        if n > 1:
+            loss = self._captured.first_loss
+            self._losses = torch.empty((n, *loss.shape), dtype=loss.dtype, device=device)
+        self.graphed = True
+        self.stats = TrainStepStats(
+            1 if n == 1 else 3, t1 - t0, t2 - t1, n, self.options.reduces(), self._changes()
+        )
+        logger.info("train step captured: %s", self.stats)
+        return self
+
+    def _capture_graphs(self, pool: GraphPool, stream: torch.cuda.Stream) -> _Captured:
+        batch = self._buffer.value
+
+        def whole() -> tuple[torch.Tensor, torch.Tensor | None]:
+            return self._micro(batch), self._update()
+
+        def micro() -> torch.Tensor:
+            return self._micro(batch)
+
+        def capture(run: Callable[[], Any], what: str) -> tuple[torch.cuda.CUDAGraph, Any]:
+            try:
+                return capture_into_graph(run, pool, stream=stream, what=what)
+            except CudaGraphCaptureError as exc:
+                raise CudaGraphCaptureError(
+                    f"{exc} Parameters and optimizer state were restored to their values "
+                    "before graph_train_step and every .grad set to None: eager training "
+                    "can go on."
+                ) from exc.__cause__
+
+        if self.options.accumulation_steps == 1:
+            graph, (loss, norm) = capture(whole, "train step")
+            return _Captured(graph, loss, grad_norm=norm)
+        first, first_loss = capture(micro, "train step: first micro-batch")
+        accumulate, accumulate_loss = capture(micro, "train step: later micro-batches")
+        update, norm = capture(self._update, "train step: update")
+        return _Captured(first, first_loss, accumulate, accumulate_loss, update, norm)
+
+    def _device(self) -> torch.device:
+        devices = sorted({str(p.device) for p in self.params})
+        if len(devices) != 1 or not devices[0].startswith("cuda"):
+            raise CudaGraphsValueError(
+                f"graph_train_step needs every parameter of the optimizer on one CUDA "
+                f"device; they are on {devices}. Move the model with model.cuda() before "
+                "building the optimizer."
+            )
+        return self.params[0].device
+
+    def _changes(self) -> tuple[str, ...]:
+        return tuple(line for plan in self.plans for line in plan.changes)
+
+    # ---- replay --------------------------------------------------------------------
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The total gradient norm of the last step before clipping (borrowed), when
+        ``max_grad_norm`` is set and the step is graphed; else ``None``."""
+        return self._captured.grad_norm if self._captured is not None else None
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Run one training step on ``batch`` (with ``accumulation_steps > 1``: a list
+        or tuple of that many micro-batches).
+
+        Returns:
+            The loss (borrowed: the next step overwrites it); with accumulation, the
+            micro-batches' losses stacked along a new first dimension.
+
+        Raises:
+            CudaGraphInputError: a batch whose structure, shapes, strides or dtypes
+                differ from ``sample_batch`` (every difference named by path).
+            CudaGraphsStateError: optimizer hyperparameters other than the learning
+                rate changed after capture.
+            GraphReleasedError: after :meth:`reset`.
+        """
+        self._check_live()
+        batches = self._batches(batch)
+        sources = [
+            self.signature.flatten(b, path=f"batch[{i}]" if len(batches) > 1 else "batch")
+            for i, b in enumerate(batches)
+        ]
+        if not self.graphed:
+            return self._eager_step(batches)
+        self._guard.check()
+        if self.params[0].grad is not self._grads[0]:
+            # zero_grad() dropped the graph's gradients; they are ours and still written
+            # by every replay, so hand them out again.
+            for p, g in zip(self.params, self._grads):
+                p.grad = g
+        captured, buffer = self._captured, self._buffer
+        buffer.copy_tensors(sources[0])
+        captured.first.replay()
+        if captured.update is None:
+            return captured.first_loss
+        losses = self._losses
+        losses[0].copy_(captured.first_loss)
+        for i in range(1, len(sources)):
+            buffer.copy_tensors(sources[i])
+            captured.accumulate.replay()
+            losses[i].copy_(captured.accumulate_loss)
+        captured.update.replay()
+        return losses
+
+    def _batches(self, batch: Any) -> Sequence[Any]:
+        n = self.options.accumulation_steps
+        if n == 1:
+            return (batch,)
+        if not isinstance(batch, (list, tuple)) or len(batch) != n:
+            got = (
+                f"{type(batch).__name__} of {len(batch)}"
+                if isinstance(batch, (list, tuple))
+                else type(batch).__name__
+            )
+            raise CudaGraphsTypeError(
+                f"with accumulation_steps={n} a step takes a list or tuple of {n} "
+                f"micro-batches; got a {got}"
+            )
+        return batch
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise GraphReleasedError(
+                "this train step was reset(); build a new one with graph_train_step"
+            )
+
+    def reset(self) -> None:
+        """Release the graphs and stop watching the optimizer. Parameters, gradients and
+        optimizer state stay as the last step left them; train eagerly or graph again."""
+        if self._keeper is not None:
+            self._keeper.remove()
+        self._captured = self._buffer = self._guard = self._keeper = self._losses = None
+        self._grads = []
+        self.graphed = False
+        self._released = True
+
+
+def graph_train_step(
+    step_fn: Callable[[Any], torch.Tensor],
+    sample_batch: Any,
+    *,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float | None = None,
+    accumulation_steps: int = 1,
+    optimizer_impl: str = "auto",
+    all_reduce: bool | None = None,
+    process_group: Any = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    warmup_steps: int = 3,
+    pool: Any = None,
+) -> GraphedTrainStep:
+    """Capture a whole training step, optimizer included, and return it as a callable.
+
+    The step is, for each micro-batch, ``step_fn(batch)`` (forward and backward, on any
+    model; it returns the loss), then, once, the gradient all-reduce (when
+    distributed), clipping (when asked) and ``optimizer.step()``. Its eager
+    equivalent, for comparison, with the optimizer prepared the same way
+    (:func:`~cudagraphs.train.prepare_optimizer`)::
+
+        for p in params: p.grad = None
+        losses = [step_fn(b) for b in micro_batches]
+        all_reduce_gradients(params)                  # when distributed
+        clip_grad_norm_(params, max_grad_norm, foreach=True)  # when asked
+        optimizer.step()
+
+    Args:
+        step_fn: ``step_fn(batch) -> loss``; must call ``loss.backward()``. Scale the
+            loss by ``1 / accumulation_steps`` inside it if you want a mean.
+        sample_batch: one micro-batch as the step will get it (a tree of tensors:
+            tensors, tuples, lists, dicts, registered containers). Every later batch
+            must match its structure, shapes, strides and dtypes.
+        optimizer: ``torch.optim.Adam``, ``AdamW`` or ``SGD`` over the parameters on
+            one CUDA device. Changed in place: ``capturable=True`` for Adam/AdamW,
+            with ``optimizer_impl="auto"`` the fused implementation, and the learning
+            rate as a device tensor (schedulers keep working: they write it in place).
+        max_grad_norm: clip the gradients' total norm to this (no host sync); the norm
+            before clipping is :attr:`GraphedTrainStep.grad_norm`.
+        accumulation_steps: micro-batches per step; a call then takes a list of them.
+        optimizer_impl: ``"auto"`` (fused kernels where possible: fastest inside a
+            graph, for small and large models) or ``"keep"`` (only what capture needs).
+        all_reduce: average gradients over ranks inside the graph (one NCCL call per
+            bucket of ``bucket_mb`` MiB); ``None``: when ``torch.distributed`` is
+            initialized with more than one rank. Do not also wrap the model in DDP.
+        process_group: the group to reduce over (``None``: the default group).
+        warmup_steps: eager steps before capture (undone afterwards).
+        pool: a graph pool to share with other graphs (``None``: a new one).
+
+    Returns:
+        A captured :class:`GraphedTrainStep`.
+
+    Raises:
+        CudaGraphsTypeError: ``optimizer`` is not Adam, AdamW or SGD, ``step_fn`` not
+            callable, or ``step_fn`` returned no tensor.
+        CudaGraphsValueError: a bad option, or ``step_fn`` produced no gradient.
+        CudaGraphCaptureError: see :meth:`GraphedTrainStep.capture`.
+    """
+    options = TrainStepOptions(
+        max_grad_norm=max_grad_norm,
+        accumulation_steps=accumulation_steps,
+        optimizer_impl=optimizer_impl,
+        all_reduce=all_reduce,
+        process_group=process_group,
+        bucket_mb=bucket_mb,
+        warmup_steps=warmup_steps,
+    )
+    return GraphedTrainStep(step_fn, sample_batch, optimizer, options).capture(pool)
