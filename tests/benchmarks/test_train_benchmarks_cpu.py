@@ -184,9 +184,84 @@ def test_the_set_to_none_target_compares_the_default_with_the_helper(ts, config)
     def target(ms):
         return ts.compute_targets(config, "set_to_none", ms, {"eager": 0.1})
 
-    assert target({"cudagraphs": 5.0, ts.HELPER: 5.0}) == {key: True}
-    assert target({"cudagraphs": 5.0001, ts.HELPER: 5.0}) == {key: False}
-    assert target({ts.HELPER: 5.0}) == {key: None}
+    assert target({"cudagraphs": 5.0, ts.HELPER: 5.0})[key] is True
+    assert target({"cudagraphs": 5.0001, ts.HELPER: 5.0})[key] is False
+    assert target({ts.HELPER: 5.0})[key] is None
+
+
+def test_the_whole_step_targets_compare_with_the_raw_graphs_and_the_floor(ts):
+    ms = {"eager": 16.0, ts.HELPER: 5.0, ts.RAW: 2.4, ts.RAW_SAME: 2.0, ts.OURS: 2.0}
+    busy = {ts.OURS: 1.9}
+    t = ts.compute_targets("launch_bound", "set_to_none", ms, busy)
+    assert t["step_with_optimizer_le_raw_graph"] is True
+    assert t["step_with_optimizer_le_1.08x_kernel_busy"] is True  # 2.0 <= 1.08 * 1.9
+    assert "compute_bound_step_le_best_alternative" not in t
+    # Over the floor's 8%, and over the twin's noise allowance, and slower than raw.
+    assert (
+        ts.compute_targets("launch_bound", "set_to_none", ms, {ts.OURS: 1.85})[
+            "step_with_optimizer_le_1.08x_kernel_busy"
+        ]
+        is False
+    )
+    over_twin = {**ms, ts.OURS: 2.0 * ts.EQUAL_WORK_TOL + 0.001}
+    assert (
+        ts.compute_targets("launch_bound", "set_to_none", over_twin, busy)[
+            "step_with_optimizer_le_raw_graph"
+        ]
+        is False
+    )
+    over_raw = {**ms, ts.RAW: 1.99}
+    assert (
+        ts.compute_targets("launch_bound", "set_to_none", over_raw, busy)[
+            "step_with_optimizer_le_raw_graph"
+        ]
+        is False
+    )
+    assert (
+        ts.compute_targets("launch_bound", "set_to_none", ms, {})[
+            "step_with_optimizer_le_1.08x_kernel_busy"
+        ]
+        is None
+    )
+
+
+def test_the_compute_bound_target_takes_the_best_other_variant(ts):
+    key = "compute_bound_step_le_best_alternative"
+    ms = {"eager": 30.0, ts.HELPER: 10.7, ts.RAW: 14.3, ts.RAW_SAME: 10.0, ts.OURS: 10.1}
+    t = ts.compute_targets("compute_bound", "set_to_none", ms, {})
+    assert t[key] is True and "step_with_optimizer_le_1.08x_kernel_busy" not in t
+    # The eager_repeat twin and ours are not alternatives; the helper is.
+    assert ts.compute_targets("compute_bound", "set_to_none", {**ms, ts.NOISE: 1.0}, {})[key]
+    assert (
+        ts.compute_targets("compute_bound", "set_to_none", {**ms, ts.HELPER: 10.0}, {})[key]
+        is False
+    )
+    assert (
+        ts.compute_targets("compute_bound", "set_to_none", {**ms, ts.RAW_SAME: 9.8}, {})[key]
+        is False
+    )
+    missing = {k: v for k, v in ms.items() if k != ts.OURS}
+    assert ts.compute_targets("compute_bound", "set_to_none", missing, {})[key] is None
+
+
+def test_the_whole_step_variants_are_built_only_where_an_optimizer_runs(ts, monkeypatch):
+    built = []
+
+    def fake(name):
+        def build(cfg, regime):
+            built.append((name, regime))
+            return ts.Built(None, ts.TrainStep(lambda: None), 0.0)
+
+        return build
+
+    monkeypatch.setattr(ts, "builder", fake)
+    cfg = ts.CONFIGS["launch_bound"]
+    names = ts.variant_names([ts.OURS, ts.RAW_SAME, ts.HELPER])
+    ts.build_all(cfg, "accumulate", names)
+    ts.build_all(cfg, "set_to_none", names)
+    assert (ts.OURS, "accumulate") not in built and (ts.RAW_SAME, "accumulate") not in built
+    assert (ts.OURS, "set_to_none") in built and (ts.RAW_SAME, "set_to_none") in built
+    assert (ts.HELPER, "accumulate") in built
 
 
 def test_finish_regime_uses_medians_and_flattens_targets_by_config(ts):
@@ -206,7 +281,12 @@ def test_finish_regime_uses_medians_and_flattens_targets_by_config(ts):
     assert res["kernel_busy_ms"] == {"eager": 2.0, "cudagraphs": 2.5}
     assert res["ratios"]["cudagraphs/kernel_busy_own"] == 2.0
     assert res["ratios"][f"{ts.COMPILE_VARIANT}/eager"] is None
-    assert res["targets"] == {"default_le_torch_helper_set_to_none": True}
+    assert res["targets"] == {
+        "default_le_torch_helper_set_to_none": True,
+        # The whole-step variants did not run: their targets are unknown, not met.
+        "step_with_optimizer_le_raw_graph": None,
+        "step_with_optimizer_le_1.08x_kernel_busy": None,
+    }
     flat = ts.all_targets({"launch_bound": {"regimes": {"set_to_none": res}}})
     assert flat == {"launch_bound:default_le_torch_helper_set_to_none": True}
 
@@ -412,7 +492,11 @@ def test_one_regime_end_to_end_catches_planted_bugs(cpu, monkeypatch):
     assert "raises" not in check["grads"]
     assert res["regime"] == "set_to_none"
     assert res["ratios"]["eager_repeat/eager"] is not None
-    assert res["targets"] == {"default_le_torch_helper_set_to_none": None}
+    assert res["targets"] == {
+        "default_le_torch_helper_set_to_none": None,
+        "step_with_optimizer_le_raw_graph": None,
+        "compute_bound_step_le_best_alternative": None,
+    }
     json.dumps(res, allow_nan=False)
     report = {"configs": {"tiny": {"regimes": {"set_to_none": res}}}}
     failed = ts.failures(report)
