@@ -37,6 +37,9 @@ Variants (each gets its own stack, input and optimizer from the same seeds):
   of the whole step, given the same ``AdamW(foreach=True)`` as eager; it prepares the
   optimizer for capture (``optimizer_impl="auto"``: fused, capturable, a device
   learning rate). A step is one call: one staging copy and one replay.
+* ``eager_same_optimizer`` (``set_to_none`` only): eager with the optimizer prepared
+  as ours (``cudagraphs.prepare_optimizer``): the check's reference for ours and for
+  the raw graph of the same kernels (bit for bit).
 * ``raw_cuda_graph_same_optimizer`` (``set_to_none`` only): the raw whole-step graph
   with the optimizer prepared as ours (``cudagraphs.prepare_optimizer``): the same
   kernels as ours, without our wrapper; the like-for-like reference of
@@ -126,12 +129,20 @@ FAST = "cudagraphs_stack_in_graph"
 RAW = "raw_cuda_graph"
 OURS = "cudagraphs_train_step"  # the whole step, optimizer included (graph_train_step)
 RAW_SAME = "raw_cuda_graph_same_optimizer"  # the raw whole step with OURS's optimizer
-SET_TO_NONE_ONLY = (OURS, RAW_SAME)  # they run an optimizer: no accumulate regime
+EAGER_SAME = "eager_same_optimizer"  # eager with OURS's optimizer: OURS's check reference
+SET_TO_NONE_ONLY = (EAGER_SAME, OURS, RAW_SAME)  # they run an optimizer: not in accumulate
+# The check compares these with eager run with the same optimizer (bit for bit, as the
+# kernels are the same), not with eager's foreach AdamW, whose rounding differs.
+CHECK_REFERENCE = {OURS: EAGER_SAME, RAW_SAME: EAGER_SAME}
 # Two variants that run the same kernels (OURS and RAW_SAME) may differ by this much in
 # one run from timing noise alone; "no slower than" against such a twin allows it.
 EQUAL_WORK_TOL = 1.02
 COMPILE_VARIANT = "torch_compile_reduce_overhead"
 NOT_FATAL = (COMPILE_VARIANT,)  # not ours; its failure is recorded only
+# Parameter checks recorded, not fatal: the raw graph runs a capturable foreach AdamW,
+# whose bf16 updates round differently from eager's foreach AdamW (near-zero biases
+# land a few ulps apart after one step); the check has no eager twin of it.
+PARAMS_NOT_FATAL = (COMPILE_VARIANT, RAW)
 
 
 @dataclass(frozen=True)
@@ -232,7 +243,7 @@ def compute_targets(
         if config == "launch_bound":
             out["step_with_optimizer_le_1.08x_kernel_busy"] = at_most(ours, busy.get(OURS), 1.08)
         else:
-            others = [t for v, t in ms.items() if v not in (OURS, RAW_SAME, NOISE)]
+            others = [t for v, t in ms.items() if v not in (OURS, RAW_SAME, EAGER_SAME, NOISE)]
             checks = [at_most(ours, min(others) if others else None)]
             checks.append(at_most(ours, twin, EQUAL_WORK_TOL))
             out["compute_bound_step_le_best_alternative"] = None if None in checks else all(checks)
@@ -277,10 +288,11 @@ def failures(report: dict) -> list[str]:
             check = res.get("check", {})
             for kind in ("grads", "params"):
                 for v, c in check.get(kind, {}).items():
-                    if kind == "params" and v == COMPILE_VARIANT:
+                    if kind == "params" and v in PARAMS_NOT_FATAL:
                         continue
                     if not c.get("within_tol", True):
-                        failed.append(f"{where}/{v}: {kind} off eager's beyond tolerance")
+                        ref = check.get("reference", {}).get(v, EAGER)
+                        failed.append(f"{where}/{v}: {kind} off {ref}'s beyond tolerance")
     return failed
 
 
@@ -529,6 +541,15 @@ def build_train_step(cfg: BenchConfig, regime: str) -> Built:
     return Built(blocks, TrainStep(partial(graphed, x)), setup_s, graphed.reset, opt, notes)
 
 
+def build_eager_same_optimizer(cfg: BenchConfig, regime: str) -> Built:
+    blocks, x = make_stack(cfg, regime), make_input(cfg)
+    opt = make_optimizer(blocks)
+    cudagraphs.prepare_optimizer(opt)
+    compute = partial(loss_backward, partial(run_stack, blocks), x)
+    step = TrainStep(compute, opt, partial(opt.zero_grad, set_to_none=True))
+    return Built(blocks, step, 0.0, optimizer=opt, notes={"optimizer": "as ours, eager"})
+
+
 def build_raw_same_optimizer(cfg: BenchConfig, regime: str) -> Built:
     blocks, x = make_stack(cfg, regime), make_input(cfg)
     static_x = x.clone()
@@ -573,6 +594,7 @@ def build_compile(cfg: BenchConfig, regime: str) -> Built:
 
 VARIANTS: dict[str, Callable[[BenchConfig, str], Built]] = {
     EAGER: build_eager,
+    EAGER_SAME: build_eager_same_optimizer,
     HELPER: build_torch_helper,
     DEFAULT: build_ours,
     "cudagraphs_no_clone": build_ours_no_clone,
@@ -638,12 +660,14 @@ def initial_params(cfg: BenchConfig) -> dict[str, torch.Tensor]:
 
 
 def run_checks(built: dict[str, Built], regime: str, cfg: BenchConfig, results: dict) -> dict:
-    """Check every built variant against eager; a variant whose check raised is
-    recorded as failed in ``results`` and dropped from ``built``."""
+    """Check every built variant against eager (or, for the variants in
+    ``CHECK_REFERENCE``, against eager with the same optimizer); a variant whose check
+    raised is recorded as failed in ``results`` and dropped from ``built``."""
     initial = initial_params(cfg) if regime == "set_to_none" else {}
-    check: dict = {"steps": CHECK_STEPS, "grads": {}, "params": {}}
-    check["rule"] = "per tensor max|x - eager| / max|eager|; worst over all parameters"
-    ref = None
+    check: dict = {"steps": CHECK_STEPS, "grads": {}, "params": {}, "reference": {}}
+    check["rule"] = "per tensor max|x - ref| / max|ref|; worst over all parameters"
+    keep = {EAGER, *CHECK_REFERENCE.values()}
+    refs: dict[str, tuple[dict, dict]] = {}
     for name in list(built):
         try:
             values = check_values(built[name], regime, initial)
@@ -651,11 +675,16 @@ def run_checks(built: dict[str, Built], regime: str, cfg: BenchConfig, results: 
             results[name].update(describe_error(exc))
             release(built.pop(name))
             continue
+        if name in keep:
+            refs[name] = values
+        ref_name = CHECK_REFERENCE.get(name, EAGER)
+        ref = refs.get(ref_name)
         if name == EAGER:
-            ref = values
+            pass
         elif ref is None:
-            check["error"] = "no eager values to compare with"
+            check["error"] = f"no {ref_name} values to compare {name} with"
         else:
+            check["reference"][name] = ref_name
             check["grads"][name] = compare_tensors(values[0], ref[0], GRAD_REL_TOL)
             if regime == "set_to_none":
                 check["params"][name] = compare_params(
@@ -762,8 +791,10 @@ def profile_all(configs: list[BenchConfig], report: dict) -> None:
 
 
 def variant_names(selected: list[str]) -> list[str]:
-    """Eager and its repeat first (the references), then the selection in order."""
-    return [EAGER, NOISE, *(v for v in VARIANTS if v in selected and v != EAGER)]
+    """Eager and its repeat first (the references), then the selection in order; the
+    check reference of a selected variant comes with it, before it."""
+    wanted = set(selected) | {CHECK_REFERENCE[v] for v in selected if v in CHECK_REFERENCE}
+    return [EAGER, NOISE, *(v for v in VARIANTS if v in wanted and v != EAGER)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -320,14 +320,16 @@ def test_a_failed_check_fails_the_run_except_compiles_parameters(ts):
                 ts.COMPILE_VARIANT: off,
                 "eager_repeat": {"within_tol": True},
             },
-            "params": {ts.COMPILE_VARIANT: off, "raw_cuda_graph": off},
+            # The raw graph's optimizer has no eager twin: its parameters are recorded.
+            "params": {ts.COMPILE_VARIANT: off, "raw_cuda_graph": off, ts.OURS: off},
+            "reference": {ts.OURS: ts.EAGER_SAME},
         },
     }
     failed = ts.failures({"configs": {"c": {"regimes": {"set_to_none": res}}}})
     assert failed == [
         "c/set_to_none/cudagraphs: grads off eager's beyond tolerance",
         f"c/set_to_none/{ts.COMPILE_VARIANT}: grads off eager's beyond tolerance",
-        "c/set_to_none/raw_cuda_graph: params off eager's beyond tolerance",
+        f"c/set_to_none/{ts.OURS}: params off {ts.EAGER_SAME}'s beyond tolerance",
     ]
 
 
@@ -339,6 +341,8 @@ def test_variant_names_put_the_references_first(ts):
         ts.RAW,
     ]
     assert ts.variant_names(list(ts.VARIANTS))[:2] == ["eager", "eager_repeat"]
+    # The whole step brings its check reference (eager with the same optimizer) along.
+    assert ts.variant_names([ts.OURS]) == ["eager", "eager_repeat", ts.EAGER_SAME, ts.OURS]
 
 
 def test_the_docstring_states_the_default_iterations(ts, pt):

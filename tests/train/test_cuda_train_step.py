@@ -287,3 +287,16 @@ def test_hf_models_train_as_the_eager_loop(family):
     losses, norms = graphed_loop(step, batches)
     ref_losses, ref_norms = eager_loop(step_for(ref_model), ref_opt, batches, max_grad_norm=1.0)
     assert_same_training(model, opt, ref_model, ref_opt, losses, ref_losses)
+
+
+def test_gradients_are_handed_out_again_when_the_first_parameter_has_none():
+    model, opt, *_ = build("adamw_auto")
+    unused = torch.nn.Parameter(torch.zeros(3, device="cuda", dtype=torch.bfloat16))
+    opt.param_groups[0]["params"].insert(0, unused)  # never gets a gradient
+    batches = stack_batches(3)
+    step = cudagraphs.graph_train_step(stack_step(model), batches[0], optimizer=opt)
+    step(batches[0])
+    opt.zero_grad()
+    step(batches[1])
+    assert unused.grad is None
+    assert all(p.grad is not None for p in model.parameters())

@@ -22,6 +22,7 @@ SGD would read a tensor learning rate with a host sync.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -116,6 +117,16 @@ def plan_optimizer(
     kind = _kind(optimizer)
     plans = []
     for i, group in enumerate(optimizer.param_groups):
+        if kind == "sgd" and group.get("momentum", 0) and group.get("dampening", 0):
+            # SGD's first step sets the momentum buffer to the gradient; every later
+            # step (and so the graph, captured after warmup) scales the gradient by
+            # (1 - dampening). With dampening 0 both are the same, bit for bit.
+            raise CudaGraphsValueError(
+                f"param_groups[{i}]: SGD with momentum and dampening="
+                f"{group['dampening']} cannot be graphed: its first step treats the "
+                "gradient differently from the later ones, and the graph holds a later "
+                "one. Fixes: 1. dampening=0; 2. use Adam or AdamW."
+            )
         settings: dict[str, Any] = {}
         if device_type == "cuda":
             if kind == "adam":
@@ -234,16 +245,16 @@ class HyperparameterGuard:
 
     @classmethod
     def watch(cls, optimizer: torch.optim.Optimizer) -> HyperparameterGuard:
-        lrs = [
-            g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in optimizer.param_groups
-        ]
+        groups = optimizer.param_groups
+        lrs = [g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in groups]
+        # Copies of the plain values: a list edited in place must still differ.
         baked = [
-            tuple((k, v) for k, v in g.items() if k not in _NOT_BAKED)
-            for g in optimizer.param_groups
-        ]
-        baked = [
-            b + (("lr", g["lr"]),) if lr is None else b
-            for b, g, lr in zip(baked, optimizer.param_groups, lrs)
+            tuple(
+                (k, v if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                for k, v in g.items()
+                if k not in _NOT_BAKED or (k == "lr" and lr is None)
+            )
+            for g, lr in zip(groups, lrs)
         ]
         return cls(optimizer, lrs, baked)
 
@@ -279,8 +290,20 @@ class HyperparameterGuard:
                 f"param_groups[{i}]['lr'] was replaced by a tensor of {value.numel()} "
                 "elements; set a number or fill_ the existing learning rate"
             )
-        lr.fill_(float(value) if not isinstance(value, torch.Tensor) else value.reshape(()))
+        _load_into(lr, value)
         group["lr"] = lr
+
+
+def _load_into(tensor: torch.Tensor, value: Any) -> None:
+    """Write a loaded value into a captured tensor: a tensor is copied (reshaped to the
+    captured shape: a one-element learning rate saved as a number or a 0-dim tensor),
+    a number fills, ``None`` (no such state saved: fresh) zeroes."""
+    if isinstance(value, torch.Tensor):
+        tensor.copy_(value.reshape(tensor.shape))
+    elif value is None:
+        tensor.zero_()
+    else:
+        tensor.fill_(value)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -300,26 +323,29 @@ class StateKeeper:
     torch's ``load_state_dict`` builds new state tensors and new groups; the graph
     would go on updating the old ones, silently. A post-load hook copies the loaded
     values into the captured tensors (zeros where the loaded state has none, as for a
-    state saved before the first step), puts them back into ``optimizer.state``, and
-    puts back the device learning rates (holding the loaded value) and the prepared
-    implementation flags. Other loaded hyperparameters are checked by the
-    :class:`HyperparameterGuard` at the next step.
+    state saved before the first step) and puts them back into ``optimizer.state``;
+    in each group it does the same for every hyperparameter held as a tensor (the
+    device learning rate), and puts back the prepared implementation flags. Other
+    loaded hyperparameters are checked by the :class:`HyperparameterGuard` at the
+    next step.
     """
 
     optimizer: torch.optim.Optimizer
     tensors: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
-    lrs: list[torch.Tensor | None]
+    group_tensors: list[dict[str, torch.Tensor]]
     settings: list[dict[str, Any]]
     handle: Any = None
 
     @classmethod
-    def install(
-        cls, optimizer: torch.optim.Optimizer, lrs: list[torch.Tensor | None]
-    ) -> StateKeeper:
+    def install(cls, optimizer: torch.optim.Optimizer) -> StateKeeper:
         tensors = [(p, _state_tensors(optimizer, p)) for p in _params(optimizer)]
+        groups = optimizer.param_groups
+        group_tensors = [
+            {k: v for k, v in g.items() if isinstance(v, torch.Tensor)} for g in groups
+        ]
         keys = ("capturable", "fused", "foreach")
-        settings = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
-        keeper = cls(optimizer, tensors, lrs, settings)
+        settings = [{k: g[k] for k in keys if k in g} for g in groups]
+        keeper = cls(optimizer, tensors, group_tensors, settings)
         keeper.handle = optimizer.register_load_state_dict_post_hook(keeper._after_load)
         return keeper
 
@@ -328,23 +354,17 @@ class StateKeeper:
             for p, captured in self.tensors:
                 loaded = optimizer.state.get(p, {})
                 for key, tensor in captured.items():
-                    value = loaded.get(key)
-                    if isinstance(value, torch.Tensor):
-                        tensor.copy_(value)
-                    elif value is None:
-                        tensor.zero_()
-                    else:
-                        tensor.fill_(value)
+                    _load_into(tensor, loaded.get(key))
                 if captured:
                     optimizer.state[p].update(captured)
-            for group, lr, settings in zip(optimizer.param_groups, self.lrs, self.settings):
+            for group, ours, settings in zip(
+                optimizer.param_groups, self.group_tensors, self.settings
+            ):
                 group.update(settings)
-                if lr is not None and group["lr"] is not lr:
-                    value = group["lr"]
-                    lr.fill_(
-                        float(value) if not isinstance(value, torch.Tensor) else value.reshape(())
-                    )
-                    group["lr"] = lr
+                for key, tensor in ours.items():
+                    if group.get(key) is not tensor:
+                        _load_into(tensor, group.get(key))
+                        group[key] = tensor
 
     def remove(self) -> None:
         if self.handle is not None:

@@ -70,6 +70,8 @@ class TrainStepOptions:
                 raise CudaGraphsValueError(f"max_grad_norm must be positive, got {value!r}")
         check_int("accumulation_steps", self.accumulation_steps, minimum=1)
         check_int("warmup_steps", self.warmup_steps, minimum=1)
+        if not check_number("bucket_mb", self.bucket_mb) > 0:
+            raise CudaGraphsValueError(f"bucket_mb must be positive, got {self.bucket_mb!r}")
         if self.all_reduce is not None:
             check_bool("all_reduce", self.all_reduce)
 
@@ -263,8 +265,10 @@ class GraphedTrainStep:
         snapshot.restore(self.optimizer)
         del snapshot
         self._grads = [p.grad for p in self.params]
+        # One parameter with a gradient tells whether zero_grad() ran since the last step.
+        self._sentinel = next((p, g) for p, g in zip(self.params, self._grads) if g is not None)
         self._guard = HyperparameterGuard.watch(self.optimizer)
-        self._keeper = StateKeeper.install(self.optimizer, self._guard.lrs)
+        self._keeper = StateKeeper.install(self.optimizer)
         n = self.options.accumulation_steps
         if n > 1:
             loss = self._captured.first_loss
@@ -347,7 +351,8 @@ class GraphedTrainStep:
         if not self.graphed:
             return self._eager_step(batches)
         self._guard.check()
-        if self.params[0].grad is not self._grads[0]:
+        sentinel, grad = self._sentinel
+        if sentinel.grad is not grad:
             # zero_grad() dropped the graph's gradients; they are ours and still written
             # by every replay, so hand them out again.
             for p, g in zip(self.params, self._grads):
