@@ -19,6 +19,12 @@ the collectives are identities, nothing can disagree):
 * ``partial_fsdp2``: partial graphs (real capture) on a tiny HF Llama sharded with
   FSDP2 ``fully_shard`` across the ranks; 5 AdamW steps equal eager bitwise.
 
+* ``train_step_allreduce``: ``graph_train_step`` of a block stack with its in-graph
+  gradient all-reduce (on by default with more than one rank) and clipping, each rank
+  on its own batches; 20 steps equal, bitwise, the eager loop that calls
+  ``all_reduce_gradients``, clips and steps the same prepared AdamW; the parameters
+  end equal on every rank.
+
 * ``pipeline_order``: every rank is one pipeline stage holding one chunk of two
   layers graphed with ``make_graphed_callables(..., _order=...)`` for 3 microbatches
   (all forwards, then all backwards); activations and gradients cross stages by
@@ -174,6 +180,57 @@ def check_partial_fsdp2(rank: int, world: int) -> dict:
     return _ok(failures, stats=stats)
 
 
+def check_train_step_allreduce(rank: int, world: int) -> dict:
+    import copy
+
+    import cudagraphs
+    from cudagraphs.models import BlockConfig, make_block_stack
+
+    def stack_step(blocks):
+        def step(x):
+            for b in blocks:
+                x = b(x)
+            loss = x.float().pow(2).mean()
+            loss.backward()
+            return loss
+
+        return step
+
+    blocks = make_block_stack(2, BlockConfig(64, 4, 128), device="cuda", seed=3)
+    ref = copy.deepcopy(blocks)
+    opt = torch.optim.AdamW(blocks.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    cudagraphs.prepare_optimizer(ref_opt)
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    batches = [torch.randn(2, 16, 64, generator=gen).cuda().bfloat16() for _ in range(STEPS)]
+    step = cudagraphs.graph_train_step(
+        stack_step(blocks), batches[0], optimizer=opt, max_grad_norm=0.5
+    )
+    failures = []
+    if not step.stats.all_reduce:
+        failures.append("the step does not all-reduce with torch.distributed initialized")
+    ref_step, ref_params = stack_step(ref), list(ref.parameters())
+    for i, x in enumerate(batches):
+        loss = step(x).clone()
+        for p in ref_params:
+            p.grad = None
+        ref_loss = ref_step(x).detach()
+        cudagraphs.all_reduce_gradients(ref_params)
+        torch.nn.utils.clip_grad_norm_(ref_params, 0.5, foreach=True)
+        ref_opt.step()
+        if not torch.equal(loss, ref_loss):
+            failures.append(f"step {i}: loss")
+    for (n, p), q in zip(blocks.named_parameters(), ref_params):
+        if not torch.equal(p, q):
+            failures.append(f"parameter {n} differs from the eager loop")
+        theirs = p.detach().clone()
+        dist.broadcast(theirs, 0)
+        if not torch.equal(p, theirs):
+            failures.append(f"parameter {n} differs from rank 0's")
+    step.reset()
+    return _ok(failures, graphs=step.stats.graphs)
+
+
 PIPE_BATCH, PIPE_HIDDEN, PIPE_MICROBATCHES, PIPE_LAYERS = 4, 64, 3, 2
 
 
@@ -255,6 +312,7 @@ CHECKS = {
     "serving_agreement": check_serving_agreement,
     "partial_fsdp2": check_partial_fsdp2,
     "pipeline_order": check_pipeline_order,
+    "train_step_allreduce": check_train_step_allreduce,
 }
 
 
