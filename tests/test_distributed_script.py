@@ -25,6 +25,7 @@ def test_script_lists_the_issue_checks():
         "serving_agreement",
         "partial_fsdp2",
         "pipeline_order",
+        "train_step_allreduce",
     ]
 
 
