@@ -20,7 +20,8 @@ the collectives are identities, nothing can disagree):
   FSDP2 ``fully_shard`` across the ranks; 5 AdamW steps equal eager bitwise.
 
 * ``train_step_allreduce``: ``graph_train_step`` of a block stack with its in-graph
-  gradient all-reduce (on by default with more than one rank) and clipping, each rank
+  gradient all-reduce (on by default with more than one rank; asked for with one) and
+  clipping, each rank
   on its own batches; 20 steps equal, bitwise, the eager loop that calls
   ``all_reduce_gradients``, clips and steps the same prepared AdamW; the parameters
   end equal on every rank.
@@ -203,8 +204,14 @@ def check_train_step_allreduce(rank: int, world: int) -> dict:
     cudagraphs.prepare_optimizer(ref_opt)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     batches = [torch.randn(2, 16, 64, generator=gen).cuda().bfloat16() for _ in range(STEPS)]
+    # all_reduce=None (the default) turns the reduction on with more than one rank;
+    # asked for explicitly, one rank captures the NCCL call too.
     step = cudagraphs.graph_train_step(
-        stack_step(blocks), batches[0], optimizer=opt, max_grad_norm=0.5
+        stack_step(blocks),
+        batches[0],
+        optimizer=opt,
+        max_grad_norm=0.5,
+        all_reduce=None if world > 1 else True,
     )
     failures = []
     if not step.stats.all_reduce:
