@@ -149,6 +149,9 @@ def check_serving_agreement(rank: int, world: int) -> dict:
 
 def check_partial_fsdp2(rank: int, world: int) -> dict:
     from cudagraphs.partial import PartialCudaGraphManager
+
+    # The FSDP2 helpers live with the partial layer's tests (tests/partial).
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "partial"))
     from test_partial_fsdp import sharded_llama, step
 
     model, ref = sharded_llama("cuda"), sharded_llama("cuda")
