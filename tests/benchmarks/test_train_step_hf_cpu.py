@@ -1,0 +1,73 @@
+"""CPU tests of ``benchmarks/train_step_hf.py``'s pure logic: the per-model target,
+the loss check (relative to eager, exact against the raw graph of the same kernels),
+and which results fail the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def hf():
+    sys.path.insert(0, str(BENCH))
+    try:
+        for name in ("partial_train", "train_step_hf"):
+            if name not in sys.modules:
+                spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[name] = module
+                spec.loader.exec_module(module)
+        return sys.modules["train_step_hf"]
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_the_target_needs_8x_eager_and_no_slower_than_both_raw_graphs(hf):
+    key = "hf_llama_step_with_optimizer"
+    ms = {hf.EAGER: 24.0, hf.RAW: 3.6, hf.RAW_SAME: 2.99, hf.OURS: 3.0}
+    assert hf.model_targets("llama", ms) == {key: True}
+    assert hf.model_targets("llama", {**ms, hf.EAGER: 23.9})[key] is False  # 7.97x
+    assert hf.model_targets("llama", {**ms, hf.RAW: 2.9})[key] is False
+    over = {**ms, hf.OURS: 2.99 * hf.EQUAL_WORK_TOL + 0.001, hf.EAGER: 100.0}
+    assert hf.model_targets("llama", over)[key] is False
+    missing = {k: v for k, v in ms.items() if k != hf.RAW_SAME}
+    assert hf.model_targets("llama", missing)[key] is None
+
+
+def test_the_check_is_relative_to_eager_and_exact_against_the_twin(hf):
+    eager = [7.0, 6.5, 5.7]
+    losses = {hf.EAGER: eager, hf.RAW: [7.0, 6.51, 5.71], hf.RAW_SAME: eager, hf.OURS: eager}
+    out = hf.judge(losses)
+    assert out["ok"] and out["ours_equals_raw_same_optimizer"]
+    assert out["loss_rel_error"][hf.RAW] > 0
+    # One ulp-sized difference from the twin fails, though well within tolerance.
+    near = {**losses, hf.OURS: [7.0, 6.5, 5.7000001]}
+    assert not hf.judge(near)["ok"]
+    far = {**losses, hf.RAW: [7.0, 6.5, 6.0]}
+    assert not hf.judge(far)["ok"]
+    assert hf.judge({hf.OURS: eager})["ok"] is False
+
+
+def test_a_failed_variant_or_check_fails_the_run(hf):
+    report = {
+        "models": {
+            "llama": {"variants": {hf.OURS: {"error": "x"}, hf.EAGER: {}}, "check": {"ok": True}},
+            "qwen3_moe": {"variants": {hf.EAGER: {}}, "check": {"ok": False}},
+        }
+    }
+    assert hf.failures(report) == [f"llama/{hf.OURS}", "qwen3_moe: check"]
+
+
+def test_ratios_name_their_floor(hf):
+    ms = {hf.EAGER: 20.0, hf.RAW: 4.0, hf.RAW_SAME: 2.0, hf.OURS: 2.5}
+    r = hf.model_ratios(ms, {hf.OURS: 2.0})
+    assert r[f"{hf.EAGER}/{hf.OURS}"] == 8.0
+    assert r[f"{hf.OURS}/{hf.RAW_SAME}"] == 1.25
+    assert r[f"{hf.OURS}/kernel_busy_own"] == 1.25
+    assert r[f"{hf.RAW}/kernel_busy_own"] is None
