@@ -1122,3 +1122,53 @@ def test_options_refuse_a_bucket_size_that_is_not_positive():
         TrainStepOptions(bucket_mb=0)
     with pytest.raises(CudaGraphsTypeError, match="bucket_mb"):
         TrainStepOptions(bucket_mb="25")
+
+
+# ---- the reducer's packing, in process (a stand-in all_reduce plays the other ranks) --
+def test_the_reducer_packs_reduces_divides_and_unpacks_every_gradient(monkeypatch):
+    import torch.distributed as dist
+
+    from cudagraphs.train.gradients import GradientReducer
+
+    grads = [
+        torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        torch.full((4,), 2.0, dtype=torch.float32),
+        torch.arange(3, dtype=torch.float64),
+        torch.ones(2, 2, dtype=torch.float32).t(),  # non-contiguous
+    ]
+    originals = [g.clone() for g in grads]
+    # Two other "ranks" contribute 10x and 100x of this rank's values.
+    calls = []
+
+    def fake_all_reduce(flat, group=None):
+        calls.append((flat.dtype, flat.numel(), group))
+        flat.mul_(1 + 10 + 100)
+
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    reducer = GradientReducer(grads, group="g", bucket_mb=1e-4)  # 104 bytes per bucket
+    reducer()
+    for g, o in zip(grads, originals):
+        assert torch.allclose(g, o * 111 / 3), (g, o)
+    # One collective per bucket, each of one dtype, all on the given group.
+    assert [(d, n) for d, n, _ in calls] == [
+        (b.grads[0].dtype, sum(b.numels)) for b in reducer.buckets
+    ]
+    assert {grp for *_, grp in calls} == {"g"} and reducer.world_size == 3
+    assert len(reducer.buckets) >= 3  # the dtype change and the size cap both split
+
+
+def test_all_reduce_gradients_skips_parameters_without_a_gradient(monkeypatch):
+    import torch.distributed as dist
+
+    seen = []
+    monkeypatch.setattr(dist, "all_reduce", lambda flat, group=None: seen.append(flat.numel()))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(5))
+    a.grad = torch.full((3,), 4.0)
+    all_reduce_gradients([a, b])
+    assert seen == [3] and b.grad is None
+    assert torch.equal(a.grad, torch.full((3,), 2.0))  # the stand-in summed nothing
+    seen.clear()
+    all_reduce_gradients([b])  # no gradient at all: no collective
+    assert seen == []
