@@ -23,7 +23,8 @@ from cudagraphs.partial import (
     select_targets,
     unwrap_checkpoint,
 )
-from cudagraphs.partial.discovery import as_model_parts, include_predicate, why_nothing_found
+from cudagraphs.partial.planning import why_nothing_found
+from cudagraphs.partial.selectors import as_model_parts, include_predicate
 
 ATTN = "model.layers.{}.self_attn"
 ROUTER = "model.layers.{}.mlp.gate"
@@ -757,7 +758,7 @@ def test_a_declaration_held_nowhere_is_not_in_force_and_says_so(caplog, nested, 
 def test_each_skipped_and_narrowed_block_is_logged(caplog):
     model = nn.Module()
     model.layers = nn.ModuleList([_Layer(), _Layer()])  # experts implementation not stated
-    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.discovery"):
+    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.planning"):
         plan = plan_targets(model, scopes=("layer", "attention"))
         skipped = plan_targets(model, scopes=("mlp",)).skipped
     messages = [r.getMessage() for r in caplog.records]

@@ -90,7 +90,8 @@ def asked_weights(monkeypatch):
 
 def test_discovery_asks_one_probe_about_each_grouped_mm_layers_experts(monkeypatch):
     from _hf_models import tiny
-    from cudagraphs.partial.discovery import SCOPES, plan_targets
+    from cudagraphs.partial.planning import plan_targets
+    from cudagraphs.partial.scopes import SCOPES
 
     asked = asked_weights(monkeypatch)
     model = tiny("qwen3_moe")
@@ -106,7 +107,8 @@ def test_discovery_asks_one_probe_about_each_grouped_mm_layers_experts(monkeypat
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
 def test_other_experts_implementations_raise_no_device_question(monkeypatch, implementation):
     from _hf_models import tiny
-    from cudagraphs.partial.discovery import SCOPES, plan_targets
+    from cudagraphs.partial.planning import plan_targets
+    from cudagraphs.partial.scopes import SCOPES
 
     asked = asked_weights(monkeypatch)
     model = tiny("qwen3_moe")

@@ -14,27 +14,20 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from _hf_models import CONFIGS, tiny, tiny_arch
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
-from cudagraphs.partial.discovery import (
-    SCOPES,
-    DiscoveredBlock,
-    NarrowedBlock,
-    Target,
-    TargetPlan,
-    check_scopes,
-    discover_blocks,
-    plan_targets,
-    select_targets,
-    why_nothing_found,
-)
+from cudagraphs.partial.discovery import DiscoveredBlock, Target, discover_blocks
+from cudagraphs.partial.planning import TargetPlan, plan_targets, select_targets, why_nothing_found
 from cudagraphs.partial.scopes import (
+    SCOPES,
     BlockOffer,
     ScopeChoice,
+    check_scopes,
     choose_scopes,
     experts_implementation,
     find_mlp,
     scope_block,
     static_experts,
 )
+from cudagraphs.partial.skips import NarrowedBlock
 
 A, R, L, M, P = "attention", "router", "layer", "moe", "mlp"
 NO_SCOPE = "no_graph_safe_scope"

@@ -35,26 +35,21 @@ cannot take the scope asked for (experts with host-side shapes, no attention) is
 graphed at a narrower one, with the reason (:class:`NarrowedBlock`).
 """
 
+from ..errors import TargetSelectionError
 from .contract import CallContract, ContractSet, FallbackCounter
 from .discovery import (
-    SCOPES,
     DiscoveredBlock,
-    NarrowedBlock,
-    SkippedBlock,
     Target,
-    TargetPlan,
-    TargetSelectionError,
-    check_scopes,
     discover_blocks,
     find_attention,
     find_moe,
-    model_label,
-    plan_targets,
-    select_targets,
     unwrap_checkpoint,
 )
 from .entry import PartialGraphEntry
 from .manager import PartialCudaGraphManager, TargetsBackend
+from .planning import TargetPlan, model_label, plan_targets, select_targets
+from .scopes import SCOPES, check_scopes
+from .skips import NarrowedBlock, SkippedBlock
 from .speed import SpeedCheck, SpeedVerdict
 
 __all__ = [

@@ -12,9 +12,9 @@ from torch import nn
 
 from ..errors import TargetSelectionError
 from .contract import ContractSet
-from .discovery import plan_targets
 from .entry import PartialGraphEntry
 from .fsdp import check_target_parameters, fsdp_managed_modules
+from .planning import plan_targets
 from .selectors import Predicate
 from .skips import NarrowedBlock, SkippedBlock
 
@@ -44,7 +44,7 @@ def build_entries(
 
     Raises:
         TargetSelectionError: a module that is a target in two parts (one graph cannot
-            stand for both calls), or what :func:`~.discovery.plan_targets` and
+            stand for both calls), or what :func:`~.planning.plan_targets` and
             :func:`~.fsdp.check_target_parameters` raise.
         CudaGraphsValueError: meta-device parameters in a target.
     """

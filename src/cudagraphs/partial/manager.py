@@ -41,18 +41,13 @@ from ..errors import (
     CudaGraphsStateError,
     CudaGraphsTypeError,
     CudaGraphsValueError,
+    TargetSelectionError,
 )
 from ..forward_swap import swap_forward
 from ..settings import DISABLE_ENV, graphs_disabled
 from .build import build_entries, report_blocks, switch_experts_implementation
-from .discovery import (
-    Selector,
-    TargetSelectionError,
-    as_model_parts,
-    include_predicate,
-    why_nothing_found,
-)
 from .entry import PartialGraphEntry
+from .planning import why_nothing_found
 from .recording import (
     InferenceCalls,
     Recorder,
@@ -61,6 +56,7 @@ from .recording import (
     check_inference_calls,
 )
 from .scopes import SCOPES
+from .selectors import Selector, as_model_parts, include_predicate
 from .skips import NarrowedBlock, SkippedBlock
 from .speed import SpeedCheck, measure_group, speed_check_of, turn_off_slower
 
