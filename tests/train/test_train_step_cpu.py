@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from _asserts import assert_bitwise_equal
 from _spawn import run_ranks
@@ -1172,3 +1173,208 @@ def test_all_reduce_gradients_skips_parameters_without_a_gradient(monkeypatch):
     seen.clear()
     all_reduce_gradients([b])  # no gradient at all: no collective
     assert seen == []
+
+
+# ---- plan_optimizer: defaults, keys a group lacks, the fixes named -------------------
+def test_plan_defaults_to_auto_for_cuda():
+    opt = torch.optim.AdamW([_param(3)], lr=1e-3)
+    assert plan_optimizer(opt) == plan_optimizer(opt, "auto", "cuda")
+    assert plan_optimizer(opt)[0].settings == {"capturable": True, "fused": True, "foreach": False}
+
+
+def test_plan_reads_keys_a_group_lacks_as_torch_defaults():
+    # Groups are plain dicts (an optimizer subclass's own groups, a checkpoint of an
+    # older torch): a missing key means torch's default, not differentiable, no
+    # momentum, no dampening.
+    sgd = torch.optim.SGD([_param(3)], lr=0.1, momentum=0.9)
+    del sgd.param_groups[0]["differentiable"]
+    del sgd.param_groups[0]["dampening"]
+    (plan,) = plan_optimizer(sgd, "auto", "cuda")
+    assert plan.settings == {"fused": True, "foreach": False}
+    no_momentum = torch.optim.SGD([_param(3)], lr=0.1, dampening=0.5)
+    del no_momentum.param_groups[0]["momentum"]
+    (plan,) = plan_optimizer(no_momentum, "auto", "cuda")  # dampening without momentum
+    assert plan.settings == {"fused": True, "foreach": False}
+
+
+def test_plan_adam_already_capturable_still_gets_a_device_lr():
+    opt = torch.optim.Adam([_param(3)], lr=1e-3, capturable=True)
+    (plan,) = plan_optimizer(opt, "keep", "cuda")
+    assert plan.settings == {}
+    assert plan.device_lr is True  # capturable Adam reads a device lr
+    assert plan.changes == ("param_groups[0]['lr'] = a tensor on the device",)
+
+
+def test_plan_sgd_with_a_capturable_flag_still_bakes_its_lr():
+    # SGD has no capturable mode: a flag left in its group does not make the unfused
+    # kernels read a device learning rate.
+    opt = torch.optim.SGD([_param(3)], lr=0.1)
+    opt.param_groups[0]["capturable"] = True
+    (plan,) = plan_optimizer(opt, "keep", "cuda")
+    assert plan.settings == {}
+    assert plan.device_lr is False
+    assert plan.changes == ()
+
+
+def test_refusals_name_their_fixes():
+    with pytest.raises(
+        CudaGraphsTypeError,
+        match=r"Adam, AdamW and SGD.*use one of them.*cudagraphs\.graph_stack.*optimizer eagerly",
+    ):
+        plan_optimizer(torch.optim.RMSprop([_param(3)]), "auto", "cuda")
+    sgd = torch.optim.SGD([_param(3)], lr=0.1, momentum=0.9, dampening=0.5)
+    with pytest.raises(CudaGraphsValueError, match=r"1\. dampening=0; 2\. use Adam or AdamW"):
+        plan_optimizer(sgd, "auto", "cuda")
+    opt = torch.optim.SGD([_param(3)], lr=0.1)
+    guard = HyperparameterGuard.watch(opt)
+    opt.param_groups[0]["momentum"] = 0.5
+    with pytest.raises(
+        CudaGraphsStateError,
+        match=r"change only the learning rate.*cycle_momentum=False.*call reset\(\)",
+    ):
+        guard.check()
+
+
+# ---- prepare_optimizer on (fake) CUDA parameters -------------------------------------
+def _fake_cuda_param(*shape):
+    # Fake tensors hold metadata only, so they can claim a CUDA device on a machine
+    # without one (as in tests/core/test_canonicalize.py). Make and use them inside one
+    # FakeTensorMode: the tensors prepare_optimizer creates are fake too.
+    return torch.nn.Parameter(torch.empty(*shape, dtype=torch.float32, device="cuda"))
+
+
+@pytest.fixture
+def float64_default():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def test_prepare_on_cuda_parameters_applies_the_cuda_plan(float64_default):
+    with FakeTensorMode():
+        a, b = _fake_cuda_param(3), _fake_cuda_param(2, 2)
+        opt = torch.optim.AdamW([{"params": [a]}, {"params": [b]}], lr=0.25)
+        opt.add_param_group({"params": []})
+        # A step counter left on the CPU (a checkpoint loaded before preparing), in
+        # float64: it moves to its parameter's device, as float32. One already there
+        # stays as it is.
+        opt.state[a]["step"] = torch.tensor(3.0, dtype=torch.float64)
+        on_device = opt.state[b]["step"] = torch.tensor(3.0, dtype=torch.float32, device="cuda")
+        plans = prepare_optimizer(opt)
+    planned = {"capturable": True, "fused": True, "foreach": False}
+    assert [p.settings for p in plans] == [planned] * 3
+    assert all(p.device_lr for p in plans)
+    for group in opt.param_groups:
+        assert {k: group[k] for k in planned} == planned
+        assert isinstance(group["lr"], torch.Tensor)
+        # float32 whatever torch's default dtype (float64 here)
+        assert (group["lr"].dtype, group["lr"].shape) == (torch.float32, ())
+    assert opt.param_groups[0]["lr"].device.type == "cuda"
+    assert opt.param_groups[1]["lr"].device.type == "cuda"
+    # The group without parameters has no device: its learning rate sits on the CPU.
+    assert opt.param_groups[2]["lr"].device.type == "cpu"
+    step = opt.state[a]["step"]
+    assert (step.device.type, step.dtype) == ("cuda", torch.float32)
+    assert opt.state[b]["step"] is on_device
+
+
+def test_prepare_with_parameters_on_cuda_and_on_the_cpu_plans_nothing():
+    with FakeTensorMode():
+        cpu = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.Adam([{"params": [_fake_cuda_param(3)]}, {"params": [cpu]}], lr=0.1)
+        plans = prepare_optimizer(opt)
+    assert [p.settings for p in plans] == [{}, {}]
+    assert [p.device_lr for p in plans] == [False, False]
+    assert all(g["lr"] == 0.1 for g in opt.param_groups)
+
+
+# ---- HyperparameterGuard: tensors, nested values, None -------------------------------
+def test_guard_refuses_a_replaced_tensor_hyperparameter_even_of_the_same_value():
+    # The graph reads a tensor hyperparameter at its captured address: a write in
+    # place reaches it; a new tensor, or a number, put in its place does not.
+    opt = torch.optim.SGD([_param(3)], lr=0.1)
+    group = opt.param_groups[0]
+    group["decay_t"] = decay = torch.tensor(0.5)
+    guard = HyperparameterGuard.watch(opt)
+    guard.check()
+    decay.fill_(0.25)
+    guard.check()
+    for replacement in (torch.tensor(0.25), 0.25):
+        group["decay_t"] = replacement
+        with pytest.raises(
+            CudaGraphsStateError,
+            match=r"param_groups\[0\]\['decay_t'\]: captured tensor\(0\.2500\)",
+        ):
+            guard.check()
+    group["decay_t"] = decay  # the captured tensor back: accepted
+    guard.check()
+
+
+def test_guard_sees_a_nested_list_hyperparameter_edited_in_place():
+    opt = torch.optim.SGD([_param(3)], lr=0.1)
+    opt.param_groups[0]["schedule"] = [[0.9, 0.999], [0.5]]
+    guard = HyperparameterGuard.watch(opt)
+    guard.check()
+    opt.param_groups[0]["schedule"][0][0] = 0.8  # an inner list, in place
+    with pytest.raises(
+        CudaGraphsStateError,
+        match=r"\['schedule'\]: captured \[\[0\.9, 0\.999\], \[0\.5\]\], now \[\[0\.8",
+    ):
+        guard.check()
+
+
+def test_guard_refuses_a_hyperparameter_changed_from_none():
+    opt = torch.optim.SGD([_param(3)], lr=0.1)
+    assert opt.param_groups[0]["foreach"] is None  # torch picks the implementation
+    guard = HyperparameterGuard.watch(opt)
+    guard.check()
+    opt.param_groups[0]["foreach"] = True
+    with pytest.raises(CudaGraphsStateError, match=r"\['foreach'\]: captured None, now True"):
+        guard.check()
+
+
+def test_guard_counts_a_value_it_cannot_compare_as_changed():
+    class NoEquality:
+        def __eq__(self, other):
+            raise TypeError("no boolean equality")
+
+        __hash__ = object.__hash__
+
+    opt = torch.optim.SGD([_param(3)], lr=0.1)
+    opt.param_groups[0]["custom"] = NoEquality()
+    guard = HyperparameterGuard.watch(opt)
+    opt.param_groups[0]["custom"] = NoEquality()
+    with pytest.raises(CudaGraphsStateError, match=r"\['custom'\]: captured <"):
+        guard.check()
+
+
+# ---- StateKeeper: the implementation flags -------------------------------------------
+def test_keeper_puts_back_the_prepared_fused_flag():
+    params, opt, keeper = _adam_with_keeper()
+    assert keeper.optimizer is opt
+    assert opt.param_groups[0]["fused"] is None
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["fused"] = True
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["fused"] is None
+    keeper.remove()
+
+
+# ---- all_reduce_gradients: group and bucket size -------------------------------------
+def test_all_reduce_gradients_uses_the_given_group_and_bucket_size(monkeypatch):
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(
+        dist, "all_reduce", lambda flat, group=None: calls.append((flat.numel(), group))
+    )
+    # The group's world size, not the default group's.
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4 if group == "g" else 2)
+    params = [torch.nn.Parameter(torch.zeros(10)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.full((10,), 8.0)
+    all_reduce_gradients(params, group="g", bucket_mb=1e-4)  # 104 bytes: two 40-byte grads
+    assert calls == [(20, "g"), (10, "g")]
+    for p in params:
+        assert torch.equal(p.grad, torch.full((10,), 2.0))  # the stand-in summed nothing
