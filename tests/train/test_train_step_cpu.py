@@ -1378,3 +1378,32 @@ def test_all_reduce_gradients_uses_the_given_group_and_bucket_size(monkeypatch):
     assert calls == [(20, "g"), (10, "g")]
     for p in params:
         assert torch.equal(p.grad, torch.full((10,), 2.0))  # the stand-in summed nothing
+
+
+def test_guard_compares_values_without_a_boolean_equality_by_what_they_print():
+    class Elementwise:  # as a numpy array: == gives something bool() refuses
+        def __init__(self, values):
+            self.values = list(values)
+
+        def __eq__(self, other):
+            raise ValueError("truth value of an array is ambiguous")
+
+        __hash__ = object.__hash__
+
+        def __repr__(self):
+            return f"Elementwise({self.values})"
+
+    opt = torch.optim.SGD([_param(3)], lr=0.1)
+    opt.param_groups[0]["weights"] = Elementwise([1.0, 2.0])
+    guard = HyperparameterGuard.watch(opt)
+    guard.check()  # untouched: no false alarm
+    opt.param_groups[0]["weights"].values[0] = 3.0
+    with pytest.raises(CudaGraphsStateError, match=r"captured Elementwise\(\[1.0, 2.0\]\)"):
+        guard.check()
+
+
+def test_the_planned_device_lr_is_a_bool_whatever_the_flags_hold():
+    opt = torch.optim.SGD([_param(3)], lr=0.1, foreach=False)
+    opt.param_groups[0]["fused"] = 1  # truthy, not a bool
+    (plan,) = plan_optimizer(opt, "keep", "cuda")
+    assert plan.device_lr is True

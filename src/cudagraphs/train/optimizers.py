@@ -136,7 +136,7 @@ def plan_optimizer(
         settings = {k: v for k, v in settings.items() if group.get(k) != v}
         fused = settings.get("fused", group.get("fused")) or False
         capturable = settings.get("capturable", group.get("capturable")) or False
-        device_lr = (
+        device_lr = bool(
             device_type == "cuda"
             and not isinstance(group["lr"], torch.Tensor)
             and (fused or (kind == "adam" and capturable))
@@ -311,8 +311,10 @@ def _same(a: Any, b: Any) -> bool:
         return False  # identity was checked; tensors are compared by identity only
     try:
         return bool(a == b)
-    except Exception:  # an exotic value without a boolean equality
-        return False
+    except Exception:
+        # A value whose == is not a bool (a numpy array of several elements): compare
+        # what it prints, so that an untouched one is not reported as changed.
+        return repr(a) == repr(b)
 
 
 @dataclass
