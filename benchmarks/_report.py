@@ -13,7 +13,9 @@ import json
 import re
 import subprocess
 import sys
+import time
 import traceback
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -158,6 +160,16 @@ def free_memory() -> None:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def timed_setup(build: Callable[[], object]) -> tuple[object, float]:
+    """``(build(), seconds)``: a variant's setup time, with the device idle at both ends
+    so that queued work is neither counted nor left out."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    made = build()
+    torch.cuda.synchronize()
+    return made, time.perf_counter() - t0
 
 
 def describe_error(exc: BaseException) -> dict:

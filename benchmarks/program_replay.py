@@ -93,6 +93,7 @@ from _report import (  # noqa: E402
     environment,
     exit_code_without_gpu,
     free_memory,
+    timed_setup,
     write_report,
 )
 from cudagraphs import CudaGraphCaptureError, CudaGraphProgram  # noqa: E402
@@ -260,14 +261,6 @@ def _checked(step: Callable[[], object], output: Callable[[], object], want: obj
     return check
 
 
-def _timed_setup(build: Callable[[], object]) -> tuple[object, float]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    made = build()
-    torch.cuda.synchronize()
-    return made, time.perf_counter() - t0
-
-
 # ---- variants of the per-call cases ------------------------------------------------
 
 
@@ -284,7 +277,7 @@ def _build_raw(case: Case, copy: str | None, rotate: int = 1) -> Built:
     leaf). ``rotate`` > 1 cycles that many source trees, one per step."""
     static = case.make_args(EXAMPLE_SEED)
     sources = [case.make_args(SOURCE_SEED + k) for k in range(rotate)]
-    (graph, out), setup_s = _timed_setup(lambda: capture_raw(case.fn, static))
+    (graph, out), setup_s = timed_setup(lambda: capture_raw(case.fn, static))
     static_leaves = pytree.tree_leaves(static)
     flat_sources = [pytree.tree_leaves(src) for src in sources]
     turn = itertools.cycle(range(rotate))
@@ -343,7 +336,7 @@ def build_ours(case: Case, validate: bool = True, staging: str = "auto", rotate:
     in-graph staging every step changes the memcpy nodes' sources."""
     example = case.make_args(EXAMPLE_SEED)
     sources = [case.make_args(SOURCE_SEED + k) for k in range(rotate)]
-    program, setup_s = _timed_setup(
+    program, setup_s = timed_setup(
         lambda: CudaGraphProgram.capture(case.fn, example_inputs=example, staging=staging)
     )
 
@@ -379,7 +372,7 @@ def build_helper(case: Case) -> Built:
         return case.fn(*pytree.tree_unflatten(list(leaves), spec))
 
     sample = tuple(pytree.tree_leaves(example))
-    graphed, setup_s = _timed_setup(lambda: torch.cuda.make_graphed_callables(flat, sample))
+    graphed, setup_s = timed_setup(lambda: torch.cuda.make_graphed_callables(flat, sample))
 
     def step() -> object:
         return graphed(*pytree.tree_leaves(src))
@@ -406,7 +399,7 @@ def build_compile(case: Case) -> Built:
             step()
 
     try:
-        _, setup_s = _timed_setup(warm)
+        _, setup_s = timed_setup(warm)
     except BaseException:
         torch.compiler.reset()  # drop half-made compiled code and cudagraph trees
         raise
@@ -602,7 +595,7 @@ def make_rig(case: Case) -> tuple[PrefetchRig, float, list[str]]:
     expected = [case.fn(t) for t in gpu]
     del gpu
     example, notes = case.make_args(EXAMPLE_SEED), []
-    programs, setup_s = _timed_setup(
+    programs, setup_s = timed_setup(
         lambda: [capture_matmul_program(case.fn, example, notes) for _ in range(2)]
     )
     rig = PrefetchRig(programs, sources, expected, torch.cuda.Stream(), PREFETCH_STEPS)

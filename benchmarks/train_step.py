@@ -101,6 +101,7 @@ from _report import (  # noqa: E402
     environment,
     exit_code_without_gpu,
     free_memory,
+    timed_setup,
     write_report,
 )
 from cudagraphs.models import BlockConfig, make_block_stack  # noqa: E402
@@ -398,20 +399,12 @@ def build_eager(cfg: BenchConfig, regime: str) -> Built:
     return Built(blocks, step, 0.0, optimizer=step.optimizer)
 
 
-def _timed_setup(make: Callable[[], object]) -> tuple[object, float]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = make()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
-
-
 def _build_per_layer(cfg: BenchConfig, regime: str, graph_fn: Callable, **kwargs) -> Built:
     blocks, x = make_stack(cfg, regime), make_input(cfg)
     samples = sample_args(cfg)
     # Both helpers return the modules themselves with ``forward`` swapped, so the step
     # is the eager step, Python for Python.
-    _, setup_s = _timed_setup(partial(graph_fn, tuple(blocks), samples, **kwargs))
+    _, setup_s = timed_setup(partial(graph_fn, tuple(blocks), samples, **kwargs))
     del samples
 
     def release() -> None:
@@ -458,7 +451,7 @@ def build_ours_in_graph(cfg: BenchConfig, regime: str) -> Built:
 def _build_stack(cfg: BenchConfig, regime: str, **kwargs) -> Built:
     blocks, x = make_stack(cfg, regime), make_input(cfg)
     sample = (make_input(cfg, seed=0),)
-    stack, setup_s = _timed_setup(lambda: cudagraphs.graph_stack(list(blocks), sample, **kwargs))
+    stack, setup_s = timed_setup(lambda: cudagraphs.graph_stack(list(blocks), sample, **kwargs))
     step = regime_step(regime, blocks, partial(loss_backward, stack, x))
     notes = _in_graph_notes(regime) if kwargs.get("accumulate_grads_in_graph") else {}
     return Built(blocks, step, setup_s, stack.reset, step.optimizer, notes)
@@ -516,7 +509,7 @@ def build_raw_graph(cfg: BenchConfig, regime: str) -> Built:
     blocks, x = make_stack(cfg, regime), make_input(cfg)
     static_x = x.clone()
     opt = make_optimizer(blocks, capturable=True) if regime == "set_to_none" else None
-    graph, setup_s = _timed_setup(lambda: capture_whole_step(blocks, static_x, opt))
+    graph, setup_s = timed_setup(lambda: capture_whole_step(blocks, static_x, opt))
 
     def replay() -> None:
         static_x.copy_(x)
@@ -539,7 +532,7 @@ def build_train_step(cfg: BenchConfig, regime: str) -> Built:
     blocks, x = make_stack(cfg, regime), make_input(cfg)
     opt = make_optimizer(blocks)  # as eager's: graph_train_step prepares it
     step_fn = partial(loss_and_backward, blocks)
-    graphed, setup_s = _timed_setup(lambda: cudagraphs.graph_train_step(step_fn, x, optimizer=opt))
+    graphed, setup_s = timed_setup(lambda: cudagraphs.graph_train_step(step_fn, x, optimizer=opt))
     notes = {
         "optimizer": "AdamW(foreach=True) given; graph_train_step changed: "
         + "; ".join(graphed.stats.optimizer_changes),
@@ -562,7 +555,7 @@ def build_raw_same_optimizer(cfg: BenchConfig, regime: str) -> Built:
     static_x = x.clone()
     opt = make_optimizer(blocks)
     cudagraphs.prepare_optimizer(opt)
-    graph, setup_s = _timed_setup(lambda: capture_whole_step(blocks, static_x, opt))
+    graph, setup_s = timed_setup(lambda: capture_whole_step(blocks, static_x, opt))
 
     def replay() -> None:
         static_x.copy_(x)
@@ -591,7 +584,7 @@ def build_compile(cfg: BenchConfig, regime: str) -> Built:
             step()
 
     try:
-        _, setup_s = _timed_setup(warm)
+        _, setup_s = timed_setup(warm)
     except BaseException:
         torch.compiler.reset()  # drop half-made compiled code and cudagraph trees
         raise

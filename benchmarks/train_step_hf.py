@@ -54,6 +54,7 @@ from _report import (  # noqa: E402
     environment,
     exit_code_without_gpu,
     free_memory,
+    timed_setup,
     write_report,
 )
 from cudagraphs.timing import interleaved_samples_ms, summarize  # noqa: E402
@@ -124,14 +125,6 @@ def make_optimizer(net: nn.Module, **kwargs) -> torch.optim.AdamW:
     return torch.optim.AdamW(net.parameters(), lr=LR, foreach=True, **kwargs)
 
 
-def _timed(make: Callable[[], object]) -> tuple[object, float]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = make()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
-
-
 def build_eager(model: str) -> Built:
     net, ids = build_model(model), make_ids()
     opt = make_optimizer(net)
@@ -173,7 +166,7 @@ def _build_raw(model: str, prepare: bool) -> Built:
     opt = make_optimizer(net) if prepare else make_optimizer(net, capturable=True)
     if prepare:
         cudagraphs.prepare_optimizer(opt)
-    (graph, loss), setup_s = _timed(lambda: capture_whole_step(net, static_ids, opt))
+    (graph, loss), setup_s = timed_setup(lambda: capture_whole_step(net, static_ids, opt))
 
     def step() -> torch.Tensor:
         static_ids.copy_(ids)
@@ -187,7 +180,7 @@ def _build_raw(model: str, prepare: bool) -> Built:
 def build_ours(model: str) -> Built:
     net, ids = build_model(model), make_ids()
     opt = make_optimizer(net)
-    graphed, setup_s = _timed(
+    graphed, setup_s = timed_setup(
         lambda: cudagraphs.graph_train_step(partial(loss_and_backward, net), ids, optimizer=opt)
     )
     notes = {"optimizer": "; ".join(graphed.stats.optimizer_changes)}
