@@ -42,6 +42,7 @@ from .errors import (
     QuantizationNotSupportedError,
     SignatureMismatchError,
     TargetSelectionError,
+    UnsupportedModelError,
     UnsupportedTorchError,
 )
 from .program import (
@@ -86,6 +87,7 @@ __all__ = [
     "GraphReleasedError",
     "Mismatch",
     "MissingDependencyError",
+    "UnsupportedModelError",
     "UnsupportedTorchError",
     "NoCudaDeviceError",
     "QuantizationNotSupportedError",

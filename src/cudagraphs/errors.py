@@ -35,6 +35,7 @@ __all__ = [
     "GraphReleasedError",
     "Mismatch",
     "MissingDependencyError",
+    "UnsupportedModelError",
     "UnsupportedTorchError",
     "NoCudaDeviceError",
     "ProgramClosedError",
@@ -100,6 +101,11 @@ class NoCudaDeviceError(CudaGraphsStateError):
 class MissingDependencyError(CudaGraphsError, ImportError):
     """An optional dependency a feature needs is not installed (the message names the
     package and the extra that brings it)."""
+
+
+class UnsupportedModelError(CudaGraphsError, ValueError):
+    """A model lacks what a feature needs (a static KV cache of full-attention layers,
+    graph-safe experts); the message names what is missing and what to use instead."""
 
 
 class UnsupportedTorchError(CudaGraphsError, ImportError):

@@ -100,6 +100,16 @@ def test_the_pool_target(bench):
     assert bench.compute_targets(results)["pool_all_buckets_le_1.3x_largest_alone"] is False
 
 
+def test_the_capture_time_target(bench):
+    results = configs()
+    assert bench.compute_targets(results)["all_buckets_capture_le_2x_largest"] is None
+    results["default"]["runner"] = {"capture_s": 0.6}
+    results["default"]["runner_largest_alone"] = {"capture_s": 0.3}
+    assert bench.compute_targets(results)["all_buckets_capture_le_2x_largest"] is True
+    results["default"]["runner"] = {"capture_s": 0.61}
+    assert bench.compute_targets(results)["all_buckets_capture_le_2x_largest"] is False
+
+
 def test_ratios_use_each_variants_own_floor(bench):
     batch = timed(runner=0.2, raw_cuda_graph=0.1, raw_cuda_graph_at_bucket=0.15, eager=0.4)
     batch["kernel_busy_ms"] = {

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,9 +56,44 @@ from .measure import measure_bucket_cost
 from .memory import BucketCost, MemoryPlan, MemoryUse, plan_buckets
 from .static_inputs import InputSpec, StaticInputs, check_specs
 
-__all__ = ["GraphRunner"]
+__all__ = ["CaptureTime", "GraphRunner", "progress_bar", "warmup_runs"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CaptureTime:
+    """How long one bucket took to capture (host wall time, seconds)."""
+
+    warmup_runs: int
+    warmup_s: float
+    capture_s: float  # recording and instantiation
+
+
+def warmup_runs(index: int, warmup: int, compiled: bool) -> int:
+    """Eager runs before the capture of the ``index``-th bucket captured (0: the first).
+
+    Why not ``warmup`` for every bucket: measured on the H200 (16-layer decoder, 7
+    buckets), warmups were a third of the startup, and what they exist for happens once
+    (cuBLAS handles and workspaces on the capture stream, lazily built module state).
+    One run per later bucket still meets what is built per shape; a compiled forward
+    compiles per shape, in warmup, so every bucket gets the full count then.
+    """
+    if compiled or index == 0:
+        return warmup
+    return min(warmup, 1)
+
+
+def progress_bar(progress: bool | None, total: int, what: str) -> Any:
+    """A tqdm bar over ``total`` steps, or ``None``: ``progress=False``, tqdm not
+    installed, or (``None``) stderr not a terminal."""
+    if progress is False or total == 0:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=what, unit="bucket", disable=None if progress is None else False)
 
 
 class GraphRunner:
@@ -179,6 +216,9 @@ class GraphRunner:
         # buckets only: token buckets choose by num_tokens). Emptied with the graphs.
         self._steps: dict[int, ReplayStep] = {}
         self.dropped_buckets: dict[Bucket, str] = {}
+        #: Per captured bucket: warmup runs and the seconds its warmup and capture took.
+        self.capture_times: dict[Bucket, CaptureTime] = {}
+        self.compile_options = None if compile_options is None else dict(compile_options)
         #: Eager runs per cause: "no_graphs", "too_large", "pad_ratio".
         self.eager_runs: Counter[str] = Counter()
         #: Arguments ``run()`` accepted and ignored, per name ("num_tokens").
@@ -198,6 +238,7 @@ class GraphRunner:
         free_bytes: int | None = None,
         headroom_bytes: int = 0,
         measure: Callable[[Bucket], BucketCost] | None = None,
+        progress: bool | None = None,
     ) -> None:
         """Capture every configured bucket, largest first, into one pool.
 
@@ -207,7 +248,11 @@ class GraphRunner:
         Args:
             make_inputs: dummy inputs for a bucket (all its rows real), staged before
                 its warmup and capture.
-            warmup: eager runs per bucket before its capture.
+            warmup: eager runs before the first bucket's capture; later buckets run
+                ``min(warmup, 1)``: one-time costs (library handles, workspaces, lazy
+                state) fall on the first, and one run per shape still meets anything
+                made per shape. With ``compile_options`` every bucket runs ``warmup``
+                (each compiles its own shape).
             plan_memory: first measure every bucket (``measure``; by default an eager
                 step's peak, a thrown-away capture and the driver's executable memory)
                 and capture only the buckets :func:`plan_buckets` fits into
@@ -231,6 +276,10 @@ class GraphRunner:
             CudaGraphOutputError: an output tensor of some bucket or slot lacks the
                 bucket's rows in ``output_row_dim`` (naming its path and shape).
             CudaGraphCaptureError: a bucket was dropped and all are required.
+
+        Each bucket's warmup and capture seconds are in ``stats()["capture_seconds"]``
+        and said in an INFO line per bucket; ``progress`` shows a tqdm bar as well
+        (``None``: when tqdm is installed and stderr is a terminal).
         """
         check_callable("make_inputs", make_inputs)
         warmup = check_int("warmup", warmup, minimum=0)
@@ -247,6 +296,7 @@ class GraphRunner:
         self._check_device(disabled, plan_memory, free_bytes, measure)
         self.disabled = disabled
         self.dropped_buckets = {}
+        self.capture_times = {}
         self.memory_plan = self.memory_used = None
         if disabled:
             self._warn(
@@ -267,7 +317,7 @@ class GraphRunner:
         try:
             with nullcontext() if disabled else capture_scope():
                 self._capture_all(
-                    make_inputs, warmup, plan_memory, free_bytes, headroom_bytes, measure
+                    make_inputs, warmup, plan_memory, free_bytes, headroom_bytes, measure, progress
                 )
         except BaseException:
             self.close()
@@ -307,19 +357,31 @@ class GraphRunner:
         free_bytes: int | None,
         headroom_bytes: int,
         measure: Callable[[Bucket], BucketCost] | None,
+        progress: bool | None,
     ) -> None:
         chosen = set(self.config.buckets())
         if plan_memory:
             chosen = self._plan(make_inputs, free_bytes, headroom_bytes, measure)
         backend = eager_backend if self.disabled else self._backend
         local_ok = []
-        gc.collect()  # once before: no collection of old cycles during the captures
+        # No gc.collect() before: capture turns the collector off while a stream
+        # captures, and a full collection costs ~150 ms of a warm process's startup.
         before = self._memory_now() if plan_memory else None
-        for bucket in self.config.buckets():
+        buckets = self.config.buckets()
+        bar = progress_bar(progress, len(chosen), "capturing buckets")
+        runs = 0
+        for bucket in buckets:
             # Every rank walks every bucket, also after a local failure, so the
             # agreement below is one collective per rank.
-            ok = bucket in chosen and self._capture_bucket(bucket, make_inputs, warmup, backend)
+            ok = False
+            if bucket in chosen:
+                runs_here = warmup_runs(runs, warmup, self.compile_options is not None)
+                ok = self._capture_bucket(bucket, make_inputs, runs_here, backend)
+                runs += 1
+                self._said_captured(bucket, ok, runs, len(chosen), bar)
             local_ok.append(ok)
+        if bar is not None:
+            bar.close()
         if before is not None:
             after = self._memory_now()
             self.memory_used = MemoryUse(after[0] - before[0], before[1] - after[1])
@@ -383,19 +445,38 @@ class GraphRunner:
             return None
         return self._pool.capture_stream(self.device)
 
+    def _said_captured(self, bucket: Bucket, ok: bool, done: int, total: int, bar: Any) -> None:
+        took = self.capture_times.get(bucket)
+        if ok and took is not None:
+            logger.info(
+                "GraphRunner: captured %s (%d/%d): warmup %.3f s, capture %.3f s",
+                bucket,
+                done,
+                total,
+                took.warmup_s,
+                took.capture_s,
+            )
+        if bar is not None:
+            bar.update(1)
+
     def _capture_bucket(
         self, bucket: Bucket, make_inputs: Callable, warmup: int, backend: BucketBackend
     ) -> bool:
         captured: list[tuple[Any, Any, str]] = []
+        warmup_s = capture_s = 0.0
         try:
             for slot, static in enumerate(self.slot_inputs):
                 views = static.views(bucket)
                 static.stage(make_inputs(bucket), bucket, bucket.rows)
                 what = str(bucket) if self.slots == 1 else f"{bucket} slot {slot}"
                 with side_stream(self._capture_stream()):
+                    start = time.perf_counter()
                     for _ in range(warmup):
                         self.forward(**views)
+                    middle = time.perf_counter()
                     graph, output = backend(lambda v=views: self.forward(**v), self._pool, what)
+                    warmup_s += middle - start
+                    capture_s += time.perf_counter() - middle
                 captured.append((graph, output, what))
         except Exception as exc:
             release(graph for graph, _, _ in captured)
@@ -411,6 +492,7 @@ class GraphRunner:
             release(graph for graph, _, _ in captured)
             raise
         self.graphs[bucket] = BucketGraph(bucket, slots)
+        self.capture_times[bucket] = CaptureTime(warmup, warmup_s, capture_s)
         return True
 
     def _drop(self, bucket: Bucket, reason: str, how: str = "") -> None:
@@ -578,7 +660,9 @@ class GraphRunner:
             ``replays`` (per bucket: replays, or eager stand-in runs when disabled),
             ``eager_runs`` (per cause: ``no_graphs``, ``too_large``, ``pad_ratio``,
             and ``disabled`` for stand-in runs) and ``ignored_arguments`` (per
-            argument ``run()`` ignored: ``num_tokens``).
+            argument ``run()`` ignored: ``num_tokens``), ``capture_seconds`` (per
+            captured bucket: warmup runs, warmup and capture seconds, host wall time;
+            a capture's seconds include its instantiation).
         """
         replays = {str(b): g.replays for b, g in self.graphs.items()}
         eager = dict(self.eager_runs)
@@ -591,6 +675,10 @@ class GraphRunner:
             "replays": replays,
             "eager_runs": eager,
             "ignored_arguments": dict(self.ignored_arguments),
+            "capture_seconds": {
+                str(b): {"warmup_runs": t.warmup_runs, "warmup": t.warmup_s, "capture": t.capture_s}
+                for b, t in self.capture_times.items()
+            },
         }
 
     def close(self) -> None:

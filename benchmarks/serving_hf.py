@@ -1,0 +1,379 @@
+"""Serving Hugging Face models: ``cudagraphs.serving.hf.GraphedGenerator`` against HF's
+own ``generate``, eager and with the static cache compiled, in one run.
+
+Models (random weights from config, bf16, SDPA, eval mode, built on the GPU):
+
+* ``llama``: HF Llama, 16 layers, hidden 2048, 16 heads, 4 KV heads, FFN 5632, vocab
+  32000 (``serving_decode``'s default decoder, in HF's implementation).
+* ``qwen3_moe``: HF Qwen3-MoE, 8 layers, hidden 1024, 16 heads, 4 KV heads, head dim
+  64, 32 experts of width 512, top-4, vocab 32000, ``grouped_mm`` experts.
+
+A request: prompts of ``PROMPT_LEN`` random tokens (batch 1 and 8), ``NEW_TOKENS`` new
+tokens, greedy, no end-of-sequence id (every variant makes every token). ms per token
+is the request's wall time (prefill included, the same work in every variant) over the
+new tokens. Variants, all built first, then timed interleaved in shuffled rounds
+(``interleaved_samples_ms``, one request per sample; median, min, max):
+
+* ``hf_eager``: ``model.generate`` (dynamic cache).
+* ``hf_static_eager``: ``generate`` with a ``StaticCache`` of ``MAX_CACHE_LEN`` and
+  ``disable_compile=True``: the same kernels as ours, the reference of ``tokens_equal``.
+* ``hf_static_compiled``: ``generate(cache_implementation="static")``, which compiles
+  the forward; its first call per batch size (the compile) is recorded apart.
+* ``cudagraphs``: ``GraphedGenerator(model, (1, 2, 4, 8, 16, 32),
+  max_cache_len=MAX_CACHE_LEN)``, captured once per model (capture seconds and per
+  bucket recorded).
+
+Startup (Llama only), each in a fresh process so that nothing of this run is warm:
+the model is built on the GPU, then the clock runs from there to the first token of a
+batch-1 request (generator built, every bucket captured, prefill, one token); and the
+same with the largest bucket alone (its capture seconds).
+
+After all timing, ``cudagraphs``' own kernel-busy time per request (the profiler, last).
+
+Targets (``None`` when not measured):
+
+* ``tokens_equal``: ours equal ``hf_static_eager`` token for token, every model and
+  batch;
+* ``per_token_le_hf_compiled``: ours at most ``hf_static_compiled``'s median ms per
+  token, every model at batch 1 and 8;
+* ``startup_le_2s``: model built to first token, all buckets captured, Llama;
+* ``all_buckets_capture_le_2x_largest``: capture of all buckets at most twice that of
+  the largest alone, each the first capture of a fresh process (Llama).
+
+Prints one JSON object; ``--out`` also writes it. Without a CUDA device it says so and
+exits 0 (2 with ``--require-gpu``). Exits 1 when a variant or a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch  # noqa: E402
+
+import _report  # noqa: E402,F401  (first: puts this checkout's src on sys.path)
+from _report import (  # noqa: E402
+    add_common_arguments,
+    describe_error,
+    environment,
+    exit_code_without_gpu,
+    free_memory,
+    write_report,
+)
+from cudagraphs.timing import interleaved_samples_ms, kernel_busy_ms, summarize  # noqa: E402
+
+NAME = "serving_hf"
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+PROMPT_LEN, NEW_TOKENS = 32, 64
+MAX_CACHE_LEN = 256
+BATCHES = (1, 8)
+BUCKETS = (1, 2, 4, 8, 16, 32)
+MODEL_SEED, INPUT_SEED, SHUFFLE_SEED = 0, 1234, 0
+REPEATS = 5
+STARTUP_LIMIT_S = 2.0
+CAPTURE_RATIO = 2.0
+MODELS = {
+    "llama": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+    "qwen3_moe": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        moe_intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=32000,
+    ),
+}
+HF_EAGER, HF_STATIC, HF_COMPILED, OURS = (
+    "hf_eager",
+    "hf_static_eager",
+    "hf_static_compiled",
+    "cudagraphs",
+)
+
+
+def log(msg: str) -> None:
+    print(f"{NAME}: {msg}", file=sys.stderr, flush=True)
+
+
+def build_model(family: str) -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(MODEL_SEED)
+    config = transformers.AutoConfig.for_model(
+        family, **MODELS[family], attn_implementation="sdpa", dtype=DTYPE
+    )
+    with torch.device(DEVICE):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    if family == "qwen3_moe":
+        model.set_experts_implementation("grouped_mm")
+    model = model.to(DTYPE).eval()
+    # No end-of-sequence id: every variant makes NEW_TOKENS tokens.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompts(batch: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(INPUT_SEED + batch)
+    return torch.randint(3, 32000, (batch, PROMPT_LEN), generator=gen).to(DEVICE)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def hf_variants(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Callable]:
+    import transformers
+
+    keyword = cache_keyword(model)
+
+    def eager() -> torch.Tensor:
+        return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+    def static_eager() -> torch.Tensor:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
+        return model.generate(
+            ids,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            disable_compile=True,
+            **{keyword: cache},
+        )
+
+    def compiled() -> torch.Tensor:
+        return model.generate(
+            ids, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static"
+        )
+
+    return {HF_EAGER: eager, HF_STATIC: static_eager, HF_COMPILED: compiled}
+
+
+def run_model(family: str) -> dict:
+    from cudagraphs.serving.hf import GraphedGenerator
+
+    result: dict = {"config": MODELS[family], "batches": {}, "errors": {}}
+    model = build_model(family)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    gen = GraphedGenerator(model, BUCKETS, max_cache_len=MAX_CACHE_LEN)
+    gen.capture()
+    torch.cuda.synchronize()
+    result["capture_s"] = round(time.perf_counter() - t0, 3)
+    result["capture_seconds"] = gen.stats()["capture_seconds"]
+    with torch.no_grad():
+        for batch in BATCHES:
+            result["batches"][str(batch)] = run_batch(model, gen, batch)
+    result["stats"] = gen.stats()
+    gen.close()
+    del gen, model
+    free_memory()
+    return result
+
+
+def run_batch(model: torch.nn.Module, gen, batch: int) -> dict:
+    ids = prompts(batch)
+    steps = hf_variants(model, ids)
+    steps[OURS] = lambda: gen.generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    out: dict = {"first_call_s": {}, "errors": {}}
+    outputs = {}
+    for name, step in steps.items():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            outputs[name] = step()
+        except Exception as exc:  # recorded, the others still run
+            out["errors"][name] = describe_error(exc)
+            continue
+        torch.cuda.synchronize()
+        out["first_call_s"][name] = round(time.perf_counter() - t0, 3)
+        log(f"batch {batch}: {name} first call {out['first_call_s'][name]} s")
+    steps = {k: v for k, v in steps.items() if k in outputs}
+    ref = outputs.get(HF_STATIC)
+    out["tokens"] = {
+        name: {
+            "shape": list(o.shape),
+            "equal_hf_static_eager": None if ref is None else bool(torch.equal(o, ref)),
+            "new_tokens": o.shape[1] - PROMPT_LEN,
+        }
+        for name, o in outputs.items()
+    }
+    samples = interleaved_samples_ms(
+        steps, iters=1, warmup=1, repeats=REPEATS, shuffle_seed=SHUFFLE_SEED
+    )
+    out["request_ms"] = {k: summarize(v, 3) for k, v in samples.items()}
+    out["ms_per_token"] = {
+        k: {s: round(v / NEW_TOKENS, 4) for s, v in summary.items() if s != "rounds"}
+        for k, summary in out["request_ms"].items()
+    }
+    return out
+
+
+STARTUP_CHILD = r"""
+import json, sys, time, torch
+sys.path[:0] = [{bench!r}]
+import _report
+from serving_hf import build_model, prompts, BUCKETS, MAX_CACHE_LEN
+model = build_model("llama")
+ids = prompts(1)
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+from cudagraphs.serving.hf import GraphedGenerator
+gen = GraphedGenerator(model, {buckets}, max_cache_len=MAX_CACHE_LEN)
+t1 = time.perf_counter()
+gen.capture()
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+tok = gen.generate(ids, max_new_tokens=1, eos_token_id=[])
+torch.cuda.synchronize()
+t3 = time.perf_counter()
+print(json.dumps({{"startup_s": t3 - t0, "capture_s": t2 - t1, "first_token_s": t3 - t2,
+    "dynamo_loaded": "torch._dynamo" in sys.modules,
+    "capture_seconds": gen.stats()["capture_seconds"]}}))
+"""
+
+
+def startup(buckets: tuple[int, ...]) -> dict:
+    bench = os.path.dirname(os.path.abspath(__file__))
+    code = STARTUP_CHILD.format(bench=bench, buckets=buckets)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=bench
+    )
+    if proc.returncode:
+        return {"error": proc.stderr[-3000:]}
+    return {
+        k: (round(v, 3) if isinstance(v, float) else v)
+        for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()
+    }
+
+
+def profile_ours(report: dict) -> None:
+    """Our own kernel-busy ms per token, per model and batch (after all timing)."""
+    from cudagraphs.serving.hf import GraphedGenerator
+
+    for family in report["models"]:
+        model = build_model(family)
+        gen = GraphedGenerator(model, BUCKETS, max_cache_len=MAX_CACHE_LEN)
+        gen.capture()
+        with torch.no_grad():
+            for batch in BATCHES:
+                ids = prompts(batch)
+                request = partial(gen.generate, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+                busy = kernel_busy_ms(request, iters=3, warmup=1)
+                entry = report["models"][family]["batches"][str(batch)]
+                entry["kernel_busy_ms_per_token"] = round(busy / NEW_TOKENS, 4)
+        gen.close()
+        del gen, model
+        free_memory()
+
+
+def compute_targets(report: dict) -> dict:
+    models = report.get("models", {})
+    equal, faster = [], []
+    for result in models.values():
+        for entry in result.get("batches", {}).values():
+            equal.append((entry.get("tokens", {}).get(OURS) or {}).get("equal_hf_static_eager"))
+            per = entry.get("ms_per_token", {})
+            ours, compiled = per.get(OURS), per.get(HF_COMPILED)
+            faster.append(
+                None if ours is None or compiled is None else ours["median"] <= compiled["median"]
+            )
+    all_of = lambda xs: None if not xs or None in xs else all(xs)  # noqa: E731
+    start = report.get("startup", {})
+    full, alone = start.get("all_buckets", {}), start.get("largest_alone", {})
+    return {
+        "tokens_equal": all_of(equal),
+        "per_token_le_hf_compiled": all_of(faster),
+        "startup_le_2s": None if "startup_s" not in full else full["startup_s"] <= STARTUP_LIMIT_S,
+        "all_buckets_capture_le_2x_largest": None
+        if "capture_s" not in full or "capture_s" not in alone
+        else full["capture_s"] <= CAPTURE_RATIO * alone["capture_s"],
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(p)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--skip-kernel-busy", action="store_true")
+    p.add_argument("--skip-startup", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    code = exit_code_without_gpu(NAME, args.require_gpu)
+    if code is not None:
+        return code
+    import transformers
+
+    started = time.perf_counter()
+    report = environment(NAME, args.commit, args.run_label)
+    report["transformers"] = transformers.__version__
+    report["settings"] = {
+        "prompt_len": PROMPT_LEN,
+        "new_tokens": NEW_TOKENS,
+        "max_cache_len": MAX_CACHE_LEN,
+        "buckets": BUCKETS,
+        "batches": BATCHES,
+        "repeats": REPEATS,
+        "dtype": str(DTYPE),
+        "timing": "interleaved_samples_ms, one request per sample, shuffled rounds (seed 0)",
+        "startup": "fresh process; model built on the GPU, then the clock to the first token",
+    }
+    if not args.skip_startup:
+        report["startup"] = {
+            "all_buckets": startup(BUCKETS),
+            "largest_alone": startup((max(BUCKETS),)),
+        }
+        log(f"startup: {report['startup']}")
+    report["models"] = {}
+    for family in args.models:
+        try:
+            report["models"][family] = run_model(family)
+        except Exception as exc:
+            report["models"][family] = {"errors": {"run": describe_error(exc)}}
+        free_memory()
+    report["targets"] = compute_targets(report)
+    write_report(NAME, report, args.out, final=False)
+    if not args.skip_kernel_busy:
+        try:
+            profile_ours(report)
+        except Exception as exc:
+            report["kernel_busy_error"] = describe_error(exc)
+    report["elapsed_s"] = round(time.perf_counter() - started, 1)
+    write_report(NAME, report, args.out, final=True)
+    failed = [k for k, v in report["targets"].items() if v is False]
+    errors = [f for f, r in report["models"].items() if r.get("errors")]
+    errors += [
+        f"{f} batch {b}"
+        for f, r in report["models"].items()
+        for b, e in r.get("batches", {}).items()
+        if e.get("errors")
+    ]
+    if failed or errors:
+        print(f"{NAME}: failed targets {failed}, errors in {errors}", file=sys.stderr)
+    return 1 if failed or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

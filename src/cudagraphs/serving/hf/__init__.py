@@ -1,0 +1,34 @@
+"""Hugging Face causal LMs generating through the bucketed runner (the ``hf`` extra).
+
+:class:`GraphedGenerator` prefills eagerly into one static KV cache shared by every
+bucket and replays a captured decode step per token; greedy tokens equal HF's
+static-cache ``generate`` (compilation off) at the same batch size.
+"""
+
+from ...errors import MissingDependencyError
+
+try:
+    import transformers  # noqa: F401
+except ImportError as exc:  # pragma: no cover - the hf extra brings it
+    raise MissingDependencyError(
+        "cudagraphs.serving.hf needs transformers. Fix: pip install 'cudagraphs[hf]'"
+    ) from exc
+
+from .cache import LayerShape, SharedStaticCache
+from .generator import DEFAULT_GENERATE_BATCH_SIZES, GraphedGenerator, check_supported
+from .requests import Request, check_request, positions_from_mask
+from .sampling import Sampling, StopTokens, stop_tokens
+
+__all__ = [
+    "DEFAULT_GENERATE_BATCH_SIZES",
+    "GraphedGenerator",
+    "LayerShape",
+    "Request",
+    "Sampling",
+    "SharedStaticCache",
+    "StopTokens",
+    "check_request",
+    "check_supported",
+    "positions_from_mask",
+    "stop_tokens",
+]

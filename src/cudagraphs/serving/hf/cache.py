@@ -1,0 +1,194 @@
+"""One static KV cache shared by every bucket of a generator.
+
+HF's ``StaticCache`` allocates its keys and values lazily at the batch size of its first
+call, so a cache per bucket would hold the sum of all buckets' rows. Instead the keys
+and values of every layer are allocated once, ``[max_rows, heads, max_cache_len,
+head_dim]``, and each bucket (and each prefill) gets a ``StaticCache`` whose layers are
+bound to the leading rows of that storage: a slice of the batch dimension of a
+contiguous tensor, itself contiguous. All of them share one write counter per layer
+(HF's ``cumulative_length``, a device tensor that each update reads and advances), so a
+decode graph writes at the position the prefill reached, and replays advance it on the
+device with no host work. Resetting a request is zeroing the counters: positions a
+previous request wrote past the current length are hidden by the causal mask, and rows
+of other requests are never read.
+
+This binds HF's ``StaticLayer`` the way its own lazy initialization does (the same
+attributes); the layer type is checked to be exactly ``StaticLayer`` (full attention),
+and the GPU and CPU tests run against the transformers versions we support.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import CudaGraphsValueError, UnsupportedModelError
+
+__all__ = ["LayerShape", "SharedStaticCache", "cache_keyword", "layer_shapes", "static_layer_check"]
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What one layer's cache holds per row and position: heads, key and value widths and
+    the dtype."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword the model's forward takes its cache under: ``cache`` (transformers
+    5.24 and later) or ``past_key_values`` (earlier).
+
+    Raises:
+        UnsupportedModelError: the forward takes neither.
+    """
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise UnsupportedModelError(
+        f"{type(model).__name__}.forward takes no cache (neither 'cache' nor "
+        "'past_key_values'): it cannot decode from a static KV cache"
+    )
+
+
+def static_layer_check(model: Any, max_cache_len: int) -> int:
+    """The number of cache layers of the model's ``StaticCache``, checked to be all
+    full-attention ``StaticLayer`` s.
+
+    Raises:
+        UnsupportedModelError: layers of another kind (sliding window, linear attention,
+            quantized), naming them.
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    kinds = sorted(
+        {type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer}
+    )
+    if kinds:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s static cache has layers of kind {kinds}; the graphed "
+            "generator supports full-attention StaticLayer caches only (no sliding window "
+            "or linear-attention layers). Use model.generate for this model."
+        )
+    return len(cache.layers)
+
+
+def layer_shapes(model: Any, keyword: str) -> list[LayerShape]:
+    """Each cache layer's shape, read off one eager step of one token into a
+    ``DynamicCache`` (whatever the attention: grouped heads, different key and value
+    widths)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(
+            input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+            use_cache=True,
+            **{keyword: cache},
+        )
+    shapes = []
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        shapes.append(LayerShape(keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype))
+    return shapes
+
+
+class SharedStaticCache:
+    """Keys and values of every layer at ``max_rows`` rows and ``max_cache_len``
+    positions, with one write counter per layer, and ``StaticCache`` objects over the
+    leading rows (made once per row count).
+
+    Args:
+        model: the HF model (its config builds the ``StaticCache`` objects).
+        shapes: per layer, what :func:`layer_shapes` read.
+        max_rows: rows of the storage (the largest bucket, or a larger request).
+        max_cache_len: positions of the storage.
+        device: where the storage lives.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        shapes: list[LayerShape],
+        max_rows: int,
+        max_cache_len: int,
+        device: torch.device,
+    ) -> None:
+        if not shapes:
+            raise CudaGraphsValueError("a shared static cache needs at least one layer")
+        self.config = model.config
+        self.max_rows = max_rows
+        self.max_cache_len = max_cache_len
+        self.keys = [
+            torch.zeros(max_rows, s.heads, max_cache_len, s.key_dim, dtype=s.dtype, device=device)
+            for s in shapes
+        ]
+        self.values = [
+            torch.zeros(max_rows, s.heads, max_cache_len, s.value_dim, dtype=s.dtype, device=device)
+            for s in shapes
+        ]
+        self.counters = [torch.zeros((), dtype=torch.long, device=device) for _ in shapes]
+        self._caches: dict[int, Any] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def reset(self) -> None:
+        """Start a new request: every layer writes from position 0 again."""
+        for counter in self.counters:
+            counter.zero_()
+
+    def cache_for(self, rows: int) -> Any:
+        """A ``StaticCache`` over the leading ``rows`` rows (the same object for every
+        call with ``rows``: its tensors are the storage's, so graphs may hold them).
+
+        Raises:
+            CudaGraphsValueError: more rows than the storage holds.
+        """
+        cache = self._caches.get(rows)
+        if cache is None:
+            if not 1 <= rows <= self.max_rows:
+                raise CudaGraphsValueError(
+                    f"a cache of {rows} rows was asked of storage with {self.max_rows} rows"
+                )
+            cache = self._caches[rows] = self._bind(rows)
+        return cache
+
+    def _bind(self, rows: int) -> Any:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=self.config, max_cache_len=self.max_cache_len)
+        if len(cache.layers) != len(self.keys):
+            raise UnsupportedModelError(
+                f"the model's StaticCache has {len(cache.layers)} layers but one step filled "
+                f"{len(self.keys)}; its cache layout is not one layer per attention layer"
+            )
+        for layer, keys, values, counter in zip(
+            cache.layers, self.keys, self.values, self.counters
+        ):
+            _bind_layer(layer, keys[:rows], values[:rows], counter)
+        return cache
+
+
+def _bind_layer(
+    layer: Any, keys: torch.Tensor, values: torch.Tensor, counter: torch.Tensor
+) -> None:
+    # What StaticLayer.lazy_initialization sets, with our storage in place of its own
+    # allocation (and without torch._dynamo.mark_static_address: nothing is compiled).
+    layer.keys, layer.values = keys, values
+    layer.device, layer.dtype = keys.device, keys.dtype
+    layer.batch_size, layer.num_heads = keys.shape[0], keys.shape[1]
+    layer.k_head_dim, layer.v_head_dim = keys.shape[-1], values.shape[-1]
+    layer.cumulative_length = counter
+    layer.is_initialized = True

@@ -1,0 +1,419 @@
+"""GraphedGenerator: a Hugging Face causal LM generating through the bucketed runner.
+
+A request runs in two parts. The prefill (prompts of any length) runs eagerly through
+the model into the shared static cache (:mod:`.cache`). Then each decode step feeds the
+batch's last tokens through :class:`~cudagraphs.serving.GraphRunner`: the tightest
+bucket's graph replays over static ``input_ids [B, 1]``, ``position_ids [B, 1]`` and a
+boolean ``attention_mask [B, max_cache_len]``; the cache is fixed-address state the
+graph reads and writes, and its write counters advance inside the graph. The next token
+is chosen outside the graph (:mod:`.sampling`), with HF's logits processors when
+sampling.
+
+What makes the tokens HF's: the prefill is the model's own forward with the arguments
+HF's ``generate`` passes (positions from the mask, ``logits_to_keep=1``); the decode
+step is the same forward at one token, and the mask the model builds from ours equals
+the one HF builds from its growing mask (positions past the current one are hidden by
+causality in both). At a batch that is exactly a bucket the kernels are HF's; a padded
+batch runs the bucket's matmuls, whose rows agree to rounding.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...checks import check_instance, check_int
+from ...diagnostics import WarnOnce
+from ...errors import CudaGraphsStateError, CudaGraphsTypeError, UnsupportedModelError
+from ..buckets import Bucket, BucketConfig
+from ..graphs import BucketBackend
+from ..runner import GraphRunner
+from ..static_inputs import InputSpec
+from .cache import SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
+from .requests import Request, check_request, positions_from_mask
+from .sampling import Sampling, StopTokens, stop_tokens
+
+__all__ = ["DEFAULT_GENERATE_BATCH_SIZES", "GraphedGenerator"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GENERATE_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+# transformers' MoE experts that keep static shapes (the others loop over the experts hit
+# with host-side shapes, which a graph cannot hold).
+_STATIC_EXPERTS = ("grouped_mm", "batched_mm")
+
+
+class GraphedGenerator:
+    """Greedy and sampled generation of an HF causal LM, decode steps replayed from
+    per-batch-size graphs.
+
+    Workflow: ``GraphedGenerator(model, batch_sizes, max_cache_len=...)`` checks the
+    model and allocates nothing; ``capture()`` allocates the static cache once (largest
+    bucket x ``max_cache_len``) and captures a decode graph per bucket; ``generate(...)``
+    returns token ids shaped like ``model.generate``'s; ``close()`` releases the graphs
+    and the cache.
+
+    It does NOT: run beam search, assisted decoding or streaming; apply the logits
+    processors of ``model.generation_config`` other than temperature, top-k and top-p
+    (pass them as arguments); support sliding-window or linear-attention caches; let
+    several threads share one generator. Put the model in eval mode (as for
+    ``generate``); its weights are read by the graphs in place, so they may be updated
+    in place, not replaced.
+
+    Args:
+        model: a transformers causal LM (``AutoModelForCausalLM``) on a CUDA device
+            whose static cache has only full-attention layers.
+        batch_sizes: the decode buckets.
+        max_cache_len: cache positions: the longest prompt plus ``max_new_tokens`` - 1
+            any request may use.
+        max_pad_ratio: a batch that would pad its bucket more runs eagerly.
+        require_all_buckets, pool, capture_backend: as for :class:`GraphRunner`
+            (``capture_backend`` replaces the CUDA capture; the CPU tests pass an eager
+            stand-in).
+
+    Raises:
+        CudaGraphsTypeError: ``model`` not an ``nn.Module`` with a ``config``.
+        CudaGraphsValueError: bad ``batch_sizes``, ``max_cache_len`` or ratio.
+        UnsupportedModelError: an encoder-decoder or stateful model, a model HF does not
+            mark as graph-safe (``_can_compile_fullgraph``), a cache with other layers
+            than full attention, or MoE experts with host-side shapes (the fix is named).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch_sizes: Sequence[int] = DEFAULT_GENERATE_BATCH_SIZES,
+        *,
+        max_cache_len: int,
+        max_pad_ratio: float | None = None,
+        require_all_buckets: bool | None = None,
+        pool: Any = None,
+        capture_backend: BucketBackend | None = None,
+    ) -> None:
+        check_instance("model", model, nn.Module, "a transformers causal LM (nn.Module)")
+        if getattr(model, "config", None) is None:
+            raise CudaGraphsTypeError(
+                f"model must be a transformers causal LM with a config, got "
+                f"{type(model).__name__} without one"
+            )
+        self.max_cache_len = check_int("max_cache_len", max_cache_len, minimum=2)
+        check_supported(model)
+        self.model = model
+        self.layers = static_layer_check(model, self.max_cache_len)
+        self.device = next(model.parameters()).device
+        self._cache_keyword = cache_keyword(model)
+        params = inspect.signature(model.forward).parameters
+        self._logits_to_keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self.config = BucketConfig(batch_sizes, max_pad_ratio=max_pad_ratio)
+        rows = self.config.largest.rows
+        specs = [
+            InputSpec("input_ids", (rows, 1), torch.long),
+            InputSpec("position_ids", (rows, 1), torch.long),
+            # Padding rows attend to every position: finite junk, never NaN.
+            InputSpec("attention_mask", (rows, self.max_cache_len), torch.bool, pad_value=True),
+        ]
+        self.runner = GraphRunner(
+            self._decode,
+            specs,
+            self.config,
+            device=self.device,
+            require_all_buckets=require_all_buckets,
+            pool=pool,
+            capture_backend=capture_backend,
+        )
+        self.kv: SharedStaticCache | None = None
+        #: Requests per path: "graphs" (decode through the runner) and "too_large".
+        self.requests: Counter[str] = Counter()
+        self.tokens = 0
+        self._warn = WarnOnce(logger)
+
+    # ---- capture ---------------------------------------------------------------------
+    def capture(
+        self,
+        *,
+        warmup: int = 2,
+        plan_memory: bool = False,
+        free_bytes: int | None = None,
+        headroom_bytes: int = 0,
+        progress: bool | None = None,
+    ) -> None:
+        """Allocate the shared static cache and capture a decode graph per bucket.
+
+        Args:
+            warmup: eager decode steps before the first bucket's capture (later buckets
+                run one: :meth:`GraphRunner.capture`).
+            plan_memory, free_bytes, headroom_bytes: capture only the buckets that fit
+                (:meth:`GraphRunner.capture`); the cache is allocated first, so the plan
+                sees the memory left beside it.
+            progress: a log line per bucket and a tqdm bar when tqdm is installed
+                (``None``: the bar when the log level shows INFO).
+        """
+        if self.kv is None:
+            shapes = layer_shapes(self.model, self._cache_keyword)
+            self.kv = SharedStaticCache(
+                self.model, shapes, self.config.largest.rows, self.max_cache_len, self.device
+            )
+            logger.info(
+                "GraphedGenerator: static cache of %d layers x %d rows x %d positions: %.1f MiB",
+                len(shapes),
+                self.kv.max_rows,
+                self.max_cache_len,
+                self.kv.nbytes / 2**20,
+            )
+        with torch.no_grad():
+            self.runner.capture(
+                self._dummy_inputs,
+                warmup,
+                plan_memory=plan_memory,
+                free_bytes=free_bytes,
+                headroom_bytes=headroom_bytes,
+                progress=progress,
+            )
+        self.kv.reset()
+
+    def _dummy_inputs(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+        rows = bucket.rows
+        return {
+            "input_ids": torch.zeros(rows, 1, dtype=torch.long, device=self.device),
+            "position_ids": torch.zeros(rows, 1, dtype=torch.long, device=self.device),
+            "attention_mask": torch.ones(
+                rows, self.max_cache_len, dtype=torch.bool, device=self.device
+            ),
+        }
+
+    def _decode(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """One decode step at ``input_ids.shape[0]`` rows: the runner's forward."""
+        return self._decode_on(self.kv, input_ids, position_ids, attention_mask)
+
+    def _decode_on(
+        self,
+        kv: SharedStaticCache,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **{self._cache_keyword: kv.cache_for(input_ids.shape[0])},
+        )
+        # HF's generate reads the last position's logits in float32.
+        return out.logits[:, -1, :].float()
+
+    # ---- generate --------------------------------------------------------------------
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Generate up to ``max_new_tokens`` tokens per prompt.
+
+        Args:
+            input_ids: ``[batch, prompt_len]`` token ids, left-padded.
+            attention_mask: ``[batch, prompt_len]`` 0/1, 0 on the left padding
+                (default: no padding).
+            max_new_tokens: tokens to make per prompt.
+            do_sample, temperature, top_k, top_p: the decoding rule (greedy by default),
+                as in ``model.generate``.
+            eos_token_id, pad_token_id: stop and pad ids (default: the model's
+                ``generation_config``, as ``generate``); after a sequence's end-of-
+                sequence token, its later tokens are the pad id, and the request stops
+                when every sequence has ended.
+            generator: the ``torch.Generator`` sampling draws from (on the model's
+                device; default: torch's global one). The same seed gives the same
+                tokens.
+
+        Returns:
+            ``[batch, prompt_len + n]`` int64 on the model's device: the prompts and
+            ``n <= max_new_tokens`` new tokens (fewer when every sequence ended early).
+
+        Raises:
+            CudaGraphsStateError: before :meth:`capture` or after :meth:`close`.
+            CudaGraphsTypeError, CudaGraphsValueError, CudaGraphInputError: a bad
+                request (:func:`~cudagraphs.serving.hf.requests.check_request`, sampling
+                values, token ids), nothing run.
+        """
+        if self.kv is None or self.runner.static is None:
+            raise CudaGraphsStateError(
+                "GraphedGenerator.generate() before capture() (or after close()): call "
+                "capture() first"
+            )
+        request = check_request(
+            input_ids, attention_mask, max_new_tokens, self.max_cache_len, self.device
+        )
+        sampling = Sampling(do_sample, temperature, top_k, top_p)
+        stops = stop_tokens(
+            eos_token_id, pad_token_id, getattr(self.model, "generation_config", None), self.device
+        )
+        if request.batch <= self.kv.max_rows:
+            kv, step = self.kv, self.runner.run
+            self.requests["graphs"] += 1
+        else:
+            kv, step = self._too_large(request.batch)
+        with torch.no_grad():
+            out = self._generate(request, sampling, stops, generator, kv, step)
+        self.tokens += (out.shape[1] - request.prompt_len) * request.batch
+        return out
+
+    def _too_large(self, batch: int) -> tuple[SharedStaticCache, Callable]:
+        """A request above the largest bucket: its own cache, every step eager."""
+        self.requests["too_large"] += 1
+        self._warn(
+            "too_large",
+            "GraphedGenerator: a batch of %d is larger than the largest bucket (%d): it "
+            "and later ones like it decode eagerly, with a static cache of their own, "
+            "counted in stats()['requests']['too_large']",
+            batch,
+            self.kv.max_rows,
+        )
+        kv = SharedStaticCache(
+            self.model,
+            [_shape_of(k, v) for k, v in zip(self.kv.keys, self.kv.values)],
+            batch,
+            self.max_cache_len,
+            self.device,
+        )
+
+        def step(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            return self._decode_on(kv, **inputs)
+
+        return kv, step
+
+    def _generate(
+        self,
+        request: Request,
+        sampling: Sampling,
+        stops: StopTokens,
+        generator: torch.Generator | None,
+        kv: SharedStaticCache,
+        step: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
+    ) -> torch.Tensor:
+        batch, prompt_len, new = request.batch, request.prompt_len, request.max_new_tokens
+        kv.reset()
+        positions = positions_from_mask(request.attention_mask)
+        out = self.model(
+            input_ids=request.input_ids,
+            attention_mask=request.attention_mask.long(),
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_keyword: kv.cache_for(batch)},
+            **self._logits_to_keep,
+        )
+        logits = out.logits[:, -1, :].float()
+        del out
+        processors = sampling.processors()
+        tokens = torch.empty(batch, new, dtype=torch.long, device=self.device)
+        mask = torch.zeros(batch, self.max_cache_len, dtype=torch.bool, device=self.device)
+        mask[:, :prompt_len] = request.attention_mask
+        position = positions[:, -1:].clone()
+        unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
+        made = new
+        last = request.input_ids[:, -1:]  # replaced by the first chosen token before use
+        for t in range(new):
+            if t:
+                position += 1
+                mask[:, prompt_len + t - 1] = True
+                logits = step({"input_ids": last, "position_ids": position, "attention_mask": mask})
+            chosen = _choose(logits, request.input_ids, sampling, processors, generator)
+            if stops.active:
+                chosen = torch.where(unfinished, chosen, stops.pad)
+            tokens[:, t] = chosen
+            last = chosen[:, None]
+            if stops.active and t + 1 < new:
+                unfinished &= ~torch.isin(chosen, stops.eos)
+                if not bool(unfinished.any()):  # a sync per token, as in HF's generate
+                    made = t + 1
+                    break
+        return torch.cat([request.input_ids, tokens[:, :made]], dim=1)
+
+    # ---- reporting and teardown ------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The runner's stats (buckets, replays, eager runs, capture times) with
+        ``requests`` (per path), ``tokens`` (new tokens returned) and
+        ``cache_bytes`` (the shared static cache)."""
+        out = self.runner.stats()
+        out["requests"] = dict(self.requests)
+        out["tokens"] = self.tokens
+        out["cache_bytes"] = 0 if self.kv is None else self.kv.nbytes
+        return out
+
+    def close(self) -> None:
+        """Release the graphs and the static cache (idempotent); ``capture()`` may run
+        again."""
+        self.runner.close()
+        self.kv = None
+
+
+def _choose(
+    logits: torch.Tensor,
+    sequences: torch.Tensor,
+    sampling: Sampling,
+    processors: Any,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    scores = processors(sequences, logits) if processors else logits
+    if not sampling.do_sample:
+        return torch.argmax(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+
+def _shape_of(keys: torch.Tensor, values: torch.Tensor) -> Any:
+    from .cache import LayerShape
+
+    return LayerShape(keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype)
+
+
+def check_supported(model: nn.Module) -> None:
+    """Refuse models whose decode step cannot be one static graph (the fix named).
+
+    Raises:
+        UnsupportedModelError: encoder-decoder, stateful (recurrent state outside the
+            KV cache), not marked graph-safe by HF (``_can_compile_fullgraph``), or MoE
+            experts whose implementation has host-side shapes.
+    """
+    config, name = model.config, type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{name} is an encoder-decoder model; the graphed generator serves decoder-only "
+            "causal LMs"
+        )
+    if getattr(model, "_is_stateful", False):
+        raise UnsupportedModelError(
+            f"{name} keeps recurrent state outside a KV cache; it has no static cache to "
+            "decode from. Use model.generate"
+        )
+    if not getattr(model, "_can_compile_fullgraph", False):
+        raise UnsupportedModelError(
+            f"{name} does not support a static cache (transformers marks it "
+            "_can_compile_fullgraph=False: its forward is not graph-safe). Use "
+            "model.generate"
+        )
+    has_experts = any(hasattr(module, "experts") for module in model.modules())
+    implementation = getattr(config, "_experts_implementation", None)
+    if has_experts and isinstance(implementation, str) and implementation not in _STATIC_EXPERTS:
+        raise UnsupportedModelError(
+            f"{name}'s MoE experts use the {implementation!r} implementation, which loops "
+            "over the experts hit with host-side shapes and cannot be captured. Fix: "
+            "model.set_experts_implementation('grouped_mm') (or build the model with "
+            "experts_implementation='grouped_mm')"
+        )

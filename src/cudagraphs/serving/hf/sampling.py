@@ -1,0 +1,125 @@
+"""How the next token is chosen: greedy, or sampled through HF's own logits processors,
+and when a sequence stops. Mirrors ``GenerationMixin.generate`` step for step, so that
+greedy tokens equal HF's on the same logits:
+
+* the logits of the last position are taken in float32;
+* sampling applies temperature, then top-k, then top-p (HF's order), a softmax and
+  ``torch.multinomial`` (here with the caller's ``torch.Generator``, when given);
+* once a sequence has produced an end-of-sequence token, later tokens of it are the pad
+  token, and the request ends when every sequence has ended or ``max_new_tokens``
+  tokens were made.
+
+Values HF treats as "off" are off here too (temperature 1.0, top_k 0 or None, top_p
+1.0 or None), and, as in HF, they are ignored without ``do_sample``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...checks import check_bool, check_int, check_number
+from ...errors import CudaGraphsTypeError, CudaGraphsValueError
+
+__all__ = ["Sampling", "StopTokens", "stop_tokens"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The decoding rule of one request. Checked here.
+
+    Raises:
+        CudaGraphsTypeError: a value of the wrong type (naming it).
+        CudaGraphsValueError: temperature <= 0, top_k < 0, top_p outside (0, 1].
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        check_bool("do_sample", self.do_sample)
+        check_number("temperature", self.temperature)
+        if not self.temperature > 0:
+            raise CudaGraphsValueError(
+                f"temperature must be > 0, got {self.temperature}; for greedy decoding pass "
+                "do_sample=False"
+            )
+        if self.top_k is not None:
+            check_int("top_k", self.top_k, minimum=0)
+        if self.top_p is not None:
+            check_number("top_p", self.top_p)
+            if not 0.0 < self.top_p <= 1.0:
+                raise CudaGraphsValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def processors(self) -> Any:
+        """HF's ``LogitsProcessorList`` for this rule (empty for greedy decoding)."""
+        from transformers.generation.logits_process import (
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        out = LogitsProcessorList()
+        if not self.do_sample:
+            return out
+        if self.temperature != 1.0:
+            out.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k:
+            out.append(TopKLogitsWarper(top_k=self.top_k))
+        if self.top_p is not None and self.top_p < 1.0:
+            out.append(TopPLogitsWarper(top_p=self.top_p))
+        return out
+
+
+@dataclass(frozen=True)
+class StopTokens:
+    """End-of-sequence ids (a device tensor, possibly empty) and the pad id written after
+    a sequence ends (``None`` when there is no end-of-sequence id)."""
+
+    eos: torch.Tensor
+    pad: int | None
+
+    @property
+    def active(self) -> bool:
+        return self.eos.numel() > 0
+
+
+def stop_tokens(
+    eos_token_id: Any, pad_token_id: Any, defaults: Any, device: torch.device
+) -> StopTokens:
+    """The request's stop tokens: the arguments, else the model's ``generation_config``
+    (``defaults``), as HF does; the pad id falls back to the first end-of-sequence id.
+
+    Raises:
+        CudaGraphsTypeError: ids that are not ints (or a sequence of ints for EOS).
+    """
+    if eos_token_id is None:
+        eos_token_id = getattr(defaults, "eos_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = getattr(defaults, "pad_token_id", None)
+    eos = _id_list("eos_token_id", eos_token_id)
+    if pad_token_id is not None:
+        pad_token_id = check_int("pad_token_id", pad_token_id)
+    if eos and pad_token_id is None:
+        pad_token_id = eos[0]
+    return StopTokens(torch.tensor(eos, dtype=torch.long, device=device), pad_token_id)
+
+
+def _id_list(name: str, value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [check_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    raise CudaGraphsTypeError(
+        f"{name} must be an int or a list of ints, got {type(value).__name__} {value!r}"
+    )

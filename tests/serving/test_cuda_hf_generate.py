@@ -1,0 +1,191 @@
+"""GraphedGenerator on the GPU: greedy tokens equal HF's static-cache generate with
+compilation off, for batches at and between buckets and prompts of different lengths;
+seeded sampling repeats; requests do not leak into each other; every decode step
+replays a graph."""
+
+import inspect
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+transformers = pytest.importorskip("transformers")
+
+from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
+
+EOS, PAD = 2, 0
+MAX_CACHE_LEN = 96
+NEW = 24
+LLAMA = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=1024,
+)
+QWEN3_MOE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    head_dim=32,
+    vocab_size=1024,
+)
+
+
+def build(family, dtype, **extra):
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, **{**CONFIGS[family], **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    if family == "qwen3_moe":
+        model.set_experts_implementation("grouped_mm")
+    return model.to(device="cuda", dtype=dtype).eval()
+
+
+CONFIGS = {"llama": LLAMA, "qwen3_moe": QWEN3_MOE}
+
+
+def prompts(batch, seed, longest=12):
+    """Left-padded prompts of lengths longest, longest-1, ... (cycling), ids >= 3."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 1024, (batch, longest), generator=gen)
+    mask = torch.ones(batch, longest, dtype=torch.long)
+    for row in range(batch):
+        pad = row % 5
+        ids[row, :pad] = PAD
+        mask[row, :pad] = 0
+    return ids.cuda(), mask.cuda()
+
+
+def hf_static(model, ids, mask, new=NEW, **kwargs):
+    keyword = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
+    cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            disable_compile=True,
+            eos_token_id=kwargs.pop("eos_token_id", EOS),
+            pad_token_id=PAD,
+            **{keyword: cache},
+            **kwargs,
+        )
+
+
+def captured(model, sizes=(1, 2, 4, 8, 16, 32)):
+    gen = GraphedGenerator(model, sizes, max_cache_len=MAX_CACHE_LEN, require_all_buckets=True)
+    gen.capture()
+    return gen
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_tokens_equal_hf_static_cache_at_a_bucket_in_bf16(family, batch):
+    model = build(family, torch.bfloat16)
+    gen = captured(model)
+    ids, mask = prompts(batch, seed=batch)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    want = hf_static(model, ids, mask)
+    assert torch.equal(ours, want)
+    stats = gen.stats()
+    assert stats["eager_runs"] == {}
+    assert stats["replays"][f"bucket(bs={batch})"] == ours.shape[1] - ids.shape[1] - 1
+
+
+@pytest.mark.parametrize("batch", [3, 20])
+def test_greedy_tokens_equal_hf_static_cache_on_a_padded_bucket_in_fp32(batch):
+    # Bucket 4 or 32 serves the batch: the matmuls run at the bucket's rows, so the
+    # real rows agree with HF's to rounding; in fp32 (no TF32) that keeps argmax equal.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build("llama", torch.float32)
+    gen = captured(model)
+    ids, mask = prompts(batch, seed=batch)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_static(model, ids, mask))
+    bucket = 4 if batch == 3 else 32
+    assert gen.stats()["replays"][f"bucket(bs={bucket})"] > 0
+
+
+@pytest.mark.parametrize("batch", [3, 20])
+def test_greedy_tokens_equal_hf_static_cache_at_buckets_of_that_size_in_bf16(batch):
+    model = build("llama", torch.bfloat16)
+    gen = captured(model, sizes=(1, 3, 8, 20))
+    ids, mask = prompts(batch, seed=batch)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_static(model, ids, mask))
+
+
+def test_sequences_stop_at_eos_as_in_hf():
+    model = build("llama", torch.bfloat16)
+    gen = captured(model)
+    ids, mask = prompts(4, seed=7)
+    free = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=PAD)
+    eos = int(free[1, ids.shape[1] + 3])  # a token row 1 makes at its 4th step
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=PAD)
+    assert torch.equal(ours, hf_static(model, ids, mask, eos_token_id=eos))
+    row = ours[1, ids.shape[1] :]
+    first = int((row == eos).nonzero()[0])
+    assert (row[first + 1 :] == PAD).all()
+
+
+def test_seeded_sampling_repeats_and_the_seed_matters():
+    model = build("llama", torch.bfloat16)
+    gen = captured(model)
+    ids, mask = prompts(8, seed=3)
+
+    def sample(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return gen.generate(
+            ids,
+            mask,
+            max_new_tokens=NEW,
+            do_sample=True,
+            temperature=0.8,
+            top_k=50,
+            top_p=0.9,
+            eos_token_id=[],
+            generator=g,
+        )
+
+    first, again, other = sample(11), sample(11), sample(12)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_a_request_does_not_leak_into_the_next():
+    model = build("llama", torch.bfloat16)
+    gen = captured(model)
+    a_ids, a_mask = prompts(8, seed=1, longest=8)
+    b_ids, b_mask = prompts(8, seed=2, longest=30)
+    first = gen.generate(a_ids, a_mask, max_new_tokens=NEW, eos_token_id=[])
+    gen.generate(b_ids, b_mask, max_new_tokens=60, eos_token_id=[])
+    again = gen.generate(a_ids, a_mask, max_new_tokens=NEW, eos_token_id=[])
+    assert torch.equal(first, again)
+
+
+def test_a_batch_above_the_largest_bucket_decodes_eagerly_and_equals_hf():
+    model = build("llama", torch.bfloat16)
+    gen = captured(model, sizes=(1, 2, 4))
+    ids, mask = prompts(6, seed=5)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_static(model, ids, mask))
+    assert gen.stats()["requests"] == {"too_large": 1}
+
+
+def test_capture_times_are_reported_per_bucket():
+    model = build("llama", torch.bfloat16)
+    gen = captured(model)
+    times = gen.stats()["capture_seconds"]
+    assert set(times) == {f"bucket(bs={b})" for b in (1, 2, 4, 8, 16, 32)}
+    assert times["bucket(bs=32)"]["warmup_runs"] == 2
+    assert all(t["warmup_runs"] == 1 for k, t in times.items() if k != "bucket(bs=32)")
+    assert all(t["capture"] > 0 for t in times.values())
