@@ -2,9 +2,10 @@
 checks and HF's position rule, the sampling rule and stop tokens, the shared static
 cache, greedy and sampled tokens equal to HF's ``generate`` over a static cache (every
 batch size, left padding, EOS, batches above the largest bucket, MoE experts), the
-models it refuses, and the runner's per-bucket warmup counts, capture times and
-progress."""
+models it refuses, and the runner's per-bucket warmup counts, capture times, progress
+and the collector paused while it captures."""
 
+import gc
 import inspect
 import io
 import logging
@@ -46,7 +47,8 @@ from cudagraphs.serving.hf import (  # noqa: E402
     stop_tokens,
 )
 from cudagraphs.serving.hf.cache import cache_keyword, layer_shapes  # noqa: E402
-from cudagraphs.serving.runner import progress_bar, warmup_runs  # noqa: E402
+from cudagraphs.serving.hf.sampling import sampling_rule  # noqa: E402
+from cudagraphs.serving.runner import gc_paused, progress_bar, warmup_runs  # noqa: E402
 
 CPU = torch.device("cpu")
 L = 24  # max_cache_len of every generator here
@@ -511,9 +513,9 @@ def test_rows_after_their_eos_are_pad_and_equal_hf(model):
     ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=pad)
     expected = ended(free, {eos}, pad)
     assert torch.equal(ours[:, PROMPT:], expected)
+    assert ours.shape == (3, PROMPT + NEW)  # rows 1 and 2 never make this EOS
     assert int(ours[0, PROMPT + step]) == eos
-    if ours.shape[1] > PROMPT + step + 1:  # another row still ran: row 0 was padded
-        assert bool((ours[0, PROMPT + step + 1 :] == pad).all())
+    assert bool((ours[0, PROMPT + step + 1 :] == pad).all())
     ref = hf_generate(model, ids, mask, NEW, eos_token_id=eos, pad_token_id=pad)
     assert torch.equal(ours, ref)
 
@@ -579,7 +581,11 @@ def test_stop_tokens_default_to_the_models_generation_config():
         pad_token_id=model.generation_config.pad_token_id,
     )
     assert torch.equal(by_default, explicit)
-    assert not torch.equal(by_default[:, PROMPT:], free[:, : by_default.shape[1] - PROMPT])
+    expected = ended(
+        free, {model.generation_config.eos_token_id}, model.generation_config.pad_token_id
+    )
+    assert torch.equal(by_default[:, PROMPT:], expected)
+    assert not torch.equal(expected, free[:, : expected.shape[1]])  # the EOS changed something
 
 
 def test_sampling_with_a_seeded_generator_repeats_and_other_seeds_differ(model):
@@ -687,6 +693,17 @@ def test_stats_count_requests_tokens_cache_bytes_and_runner_keys(model):
         str(Bucket(2)): 1,
         str(Bucket(1)): 1,
     }
+
+
+def test_padding_rows_of_a_bucket_attend_everywhere_and_stay_finite(model):
+    gen = captured(model, (1, 2, 4))
+    ids, mask = prompts(3, seed=1)
+    gen.generate(ids, mask, max_new_tokens=4, eos_token_id=[])
+    staged = gen.runner.static.views(Bucket(4))
+    assert bool(staged["attention_mask"][3].all())  # the padding row: every position
+    assert staged["attention_mask"][:3, PROMPT + 3 :].sum() == 0  # real rows: not yet
+    logits = gen.runner.graphs[Bucket(4)].slots[0].output
+    assert logits.shape == (4, 128) and bool(torch.isfinite(logits).all())
 
 
 # ---- generator.py: models it refuses, MoE -----------------------------------------------
@@ -878,3 +895,77 @@ def test_capture_with_progress_shows_a_bar_over_the_buckets(capsys):
 def test_generator_capture_without_progress_shows_no_bar(model, capsys):
     captured(model, (1, 2))
     assert "capturing buckets" not in capsys.readouterr().err
+
+
+def test_collector_is_off_for_warmups_and_captures_and_back_on_after():
+    enabled = []
+
+    def forward(x):
+        enabled.append(gc.isenabled())
+        return x + 1.0
+
+    runner = GraphRunner(
+        forward,
+        [InputSpec("x", (2, HIDDEN), torch.float32)],
+        BucketConfig(batch_sizes=(1, 2)),
+        device="cpu",
+        capture_backend=eager_backend,
+    )
+    assert gc.isenabled()
+    runner.capture(dummy, 2, progress=False)
+    assert enabled == [False] * 5  # 2 + 1 runs for bucket 2, 1 + 1 for bucket 1
+    assert gc.isenabled()
+    runner.run({"x": torch.ones(1, HIDDEN)})
+    assert enabled[-1] is True  # replays run with the collector on
+
+
+def test_gc_paused_restores_the_collector_also_on_error():
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"), gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+def test_gc_paused_leaves_a_disabled_collector_disabled():
+    gc.disable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_sampling_rule_takes_unset_values_from_the_generation_config():
+    config = SimpleNamespace(do_sample=True, temperature=0.5, top_k=7, top_p=None)
+    rule = sampling_rule(config, None, None, None, 0.9)
+    assert rule == Sampling(do_sample=True, temperature=0.5, top_k=7, top_p=0.9)
+    assert sampling_rule(config, False, 1.5, 3, None) == Sampling(False, 1.5, 3, 1.0)
+
+
+def test_sampling_rule_without_a_config_uses_hf_defaults():
+    assert sampling_rule(None, None, None, None, None) == Sampling(False, 1.0, 50, 1.0)
+    assert sampling_rule(None, True, None, None, None).top_k == 50
+
+
+def test_sampling_without_top_k_equals_hf_generate_with_its_default_top_k(model):
+    gen = captured(model)
+    ids, mask = prompts(4)
+    torch.manual_seed(5)
+    ours = gen.generate(ids, mask, max_new_tokens=8, do_sample=True, eos_token_id=[])
+    torch.manual_seed(5)
+    want = hf_generate(model, ids, mask, 8, do_sample=True, eos_token_id=None)
+    assert torch.equal(ours, want)
+
+
+def test_sampling_follows_the_model_generation_config(model, monkeypatch):
+    gen = captured(model)
+    ids, mask = prompts(4)
+    monkeypatch.setattr(model.generation_config, "temperature", 0.5)
+    monkeypatch.setattr(model.generation_config, "top_k", 5)
+    torch.manual_seed(9)
+    ours = gen.generate(ids, mask, max_new_tokens=8, do_sample=True, eos_token_id=[])
+    torch.manual_seed(9)
+    want = hf_generate(model, ids, mask, 8, do_sample=True, eos_token_id=None)
+    assert torch.equal(ours, want)

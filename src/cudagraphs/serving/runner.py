@@ -97,8 +97,9 @@ def gc_paused() -> Iterator[None]:
 
 
 def progress_bar(progress: bool | None, total: int, what: str) -> Any:
-    """A tqdm bar over ``total`` steps, or ``None``: ``progress=False``, tqdm not
-    installed, or (``None``) stderr not a terminal."""
+    """A tqdm bar over ``total`` steps, or ``None`` (``progress=False``, nothing to
+    capture, or tqdm not installed). With ``progress=None`` the bar is tqdm's
+    ``disable=None``: it draws only when stderr is a terminal."""
     if progress is False or total == 0:
         return None
     try:
@@ -383,10 +384,12 @@ class GraphRunner:
         # to set off several. Cycles made meanwhile go at the next automatic one.
         before = self._memory_now() if plan_memory else None
         bar = progress_bar(progress, len(chosen), "capturing buckets")
-        with gc_paused():
-            self._capture_chosen(chosen, make_inputs, warmup, backend, bar, local_ok)
-        if bar is not None:
-            bar.close()
+        try:
+            with gc_paused():
+                self._capture_chosen(chosen, make_inputs, warmup, backend, bar, local_ok)
+        finally:
+            if bar is not None:
+                bar.close()
         if before is not None:
             after = self._memory_now()
             self.memory_used = MemoryUse(after[0] - before[0], before[1] - after[1])

@@ -37,7 +37,7 @@ from ..runner import GraphRunner
 from ..static_inputs import InputSpec
 from .cache import SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
 from .requests import Request, check_request, positions_from_mask
-from .sampling import Sampling, StopTokens, stop_tokens
+from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens
 
 __all__ = ["DEFAULT_GENERATE_BATCH_SIZES", "GraphedGenerator"]
 
@@ -61,7 +61,7 @@ class GraphedGenerator:
 
     It does NOT: run beam search, assisted decoding or streaming; apply the logits
     processors of ``model.generation_config`` other than temperature, top-k and top-p
-    (pass them as arguments); support sliding-window or linear-attention caches; let
+    (repetition penalty, min length, bad words, ...: they are ignored); support sliding-window or linear-attention caches; let
     several threads share one generator. Put the model in eval mode (as for
     ``generate``); its weights are read by the graphs in place, so they may be updated
     in place, not replaced.
@@ -151,8 +151,9 @@ class GraphedGenerator:
             plan_memory, free_bytes, headroom_bytes: capture only the buckets that fit
                 (:meth:`GraphRunner.capture`); the cache is allocated first, so the plan
                 sees the memory left beside it.
-            progress: a log line per bucket and a tqdm bar when tqdm is installed
-                (``None``: the bar when the log level shows INFO).
+            progress: a tqdm bar over the buckets when tqdm is installed (``None``: when
+                stderr is a terminal; ``False``: never). An INFO line per bucket is
+                logged either way.
         """
         if self.kv is None:
             shapes = layer_shapes(self.model, self._cache_keyword)
@@ -217,8 +218,8 @@ class GraphedGenerator:
         attention_mask: torch.Tensor | None = None,
         *,
         max_new_tokens: int,
-        do_sample: bool = False,
-        temperature: float = 1.0,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         eos_token_id: int | Sequence[int] | None = None,
@@ -232,8 +233,10 @@ class GraphedGenerator:
             attention_mask: ``[batch, prompt_len]`` 0/1, 0 on the left padding
                 (default: no padding).
             max_new_tokens: tokens to make per prompt.
-            do_sample, temperature, top_k, top_p: the decoding rule (greedy by default),
-                as in ``model.generate``.
+            do_sample, temperature, top_k, top_p: the decoding rule; ``None`` takes the
+                model's ``generation_config`` value, as ``model.generate`` does (so
+                sampling without ``top_k`` keeps HF's default top-k of 50; greedy
+                unless the config says ``do_sample``).
             eos_token_id, pad_token_id: stop and pad ids (default: the model's
                 ``generation_config``, as ``generate``); after a sequence's end-of-
                 sequence token, its later tokens are the pad id, and the request stops
@@ -260,7 +263,9 @@ class GraphedGenerator:
         request = check_request(
             input_ids, attention_mask, max_new_tokens, self.max_cache_len, self.device
         )
-        sampling = Sampling(do_sample, temperature, top_k, top_p)
+        sampling = sampling_rule(
+            getattr(self.model, "generation_config", None), do_sample, temperature, top_k, top_p
+        )
         stops = stop_tokens(
             eos_token_id, pad_token_id, getattr(self.model, "generation_config", None), self.device
         )

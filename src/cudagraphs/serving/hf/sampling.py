@@ -24,7 +24,7 @@ import torch
 from ...checks import check_bool, check_int, check_number
 from ...errors import CudaGraphsTypeError, CudaGraphsValueError
 
-__all__ = ["Sampling", "StopTokens", "stop_tokens"]
+__all__ = ["Sampling", "StopTokens", "sampling_rule", "stop_tokens"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,31 @@ class Sampling:
         if self.top_p is not None and self.top_p < 1.0:
             out.append(TopPLogitsWarper(top_p=self.top_p))
         return out
+
+
+def sampling_rule(
+    defaults: Any,
+    do_sample: bool | None,
+    temperature: float | None,
+    top_k: int | None,
+    top_p: float | None,
+) -> Sampling:
+    """The request's :class:`Sampling`: each argument, or where it is ``None`` the value
+    of ``defaults`` (the model's ``generation_config``), as ``generate`` merges them;
+    without a config, HF's own defaults (greedy; temperature 1.0, top-k 50, top-p 1.0)."""
+
+    def pick(value: Any, name: str, fallback: Any) -> Any:
+        if value is not None:
+            return value
+        stated = getattr(defaults, name, None)
+        return fallback if stated is None else stated
+
+    return Sampling(
+        do_sample=pick(do_sample, "do_sample", False),
+        temperature=pick(temperature, "temperature", 1.0),
+        top_k=pick(top_k, "top_k", 50),
+        top_p=pick(top_p, "top_p", 1.0),
+    )
 
 
 @dataclass(frozen=True)
