@@ -78,3 +78,17 @@ def test_no_module_but_the_seam_reaches_into_torch_private_namespaces():
         if PRIVATE.search(line.split("#")[0])
     ]
     assert offenders == [], offenders
+
+
+def test_dynamo_loaded_answers_without_importing_dynamo():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; from cudagraphs.torch_private import dynamo_loaded; "
+        "before = dynamo_loaded(); import torch._dynamo; "
+        "print(before, 'torch._dynamo' in sys.modules, dynamo_loaded())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == ["True", "True"]
+    assert out.stdout.split()[0] in ("True", "False")

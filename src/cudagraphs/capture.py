@@ -19,7 +19,6 @@ import contextlib
 import gc
 import inspect
 import logging
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -35,7 +34,7 @@ from .errors import (
     CudaGraphsValueError,
 )
 from .graph_pool import GraphPool, PoolHandle, as_graph_pool, new_pool, new_torch_graph, side_stream
-from .torch_private import end_allocate_to_pool
+from .torch_private import dynamo_loaded, end_allocate_to_pool
 
 __all__ = [
     "GraphPool",
@@ -84,7 +83,7 @@ def capture_environment() -> Iterator[None]:
         # and set_stance would import it, seconds of the first capture (measured on the
         # H200: 3.4 s of a 16-layer decoder's first capture went to that import).
         set_stance = getattr(torch.compiler, "set_stance", None)
-        if set_stance is not None and "torch._dynamo" in sys.modules:
+        if set_stance is not None and dynamo_loaded():
             stack.enter_context(set_stance("fail_on_recompile"))
         yield
 

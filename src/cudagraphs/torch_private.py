@@ -25,6 +25,7 @@ operators, versioned with torch's op schema.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,7 @@ __all__ = [
     "current_graph_task_id",
     "current_stream_key",
     "device_index",
+    "dynamo_loaded",
     "end_allocate_to_pool",
     "set_grad_enabled",
     "tensor_guards_class",
@@ -155,6 +157,12 @@ def current_stream_key() -> Callable[[int], Any]:
     """The function that returns ``(stream id, device, device type)`` of the current
     stream of a device index: cheaper per call than ``torch.cuda.current_stream``."""
     return torch._C._cuda_getCurrentStream
+
+
+def dynamo_loaded() -> bool:
+    """Whether ``torch._dynamo`` has been imported (then something may be compiled);
+    asked without importing it, which costs seconds."""
+    return "torch._dynamo" in sys.modules
 
 
 def tensor_guards_class() -> type | None:
