@@ -91,4 +91,4 @@ def test_dynamo_loaded_answers_without_importing_dynamo():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split()[-2:] == ["True", "True"]
-    assert out.stdout.split()[0] in ("True", "False")
+    assert out.stdout.split()[0] == "False"  # importing cudagraphs does not load dynamo
