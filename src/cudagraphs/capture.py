@@ -45,6 +45,7 @@ __all__ = [
     "capture_environment",
     "capture_into_graph",
     "capture_with_static_outputs",
+    "gc_paused",
     "new_pool",
     "side_stream",
 ]
@@ -54,6 +55,18 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The garbage collector off inside (restored to its previous state on exit)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager
@@ -71,14 +84,11 @@ def capture_environment() -> Iterator[None]:
 
     Every setting is restored on exit, also when the body raises.
     """
-    gc_was_enabled = gc.isenabled()
     cudnn_benchmark = torch.backends.cudnn.benchmark
     with contextlib.ExitStack() as stack:
-        gc.disable()
+        stack.enter_context(gc_paused())
         torch.backends.cudnn.benchmark = False
         stack.callback(torch.backends.cudnn.__setattr__, "benchmark", cudnn_benchmark)
-        if gc_was_enabled:
-            stack.callback(gc.enable)
         # Only when dynamo is loaded: nothing can be compiled (or recompile) otherwise,
         # and set_stance would import it, seconds of the first capture (measured on the
         # H200: 3.4 s of a 16-layer decoder's first capture went to that import).

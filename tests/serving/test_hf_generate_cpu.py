@@ -27,6 +27,7 @@ from transformers.generation.logits_process import (  # noqa: E402
     TopPLogitsWarper,
 )
 
+from cudagraphs.capture import gc_paused  # noqa: E402
 from cudagraphs.errors import (  # noqa: E402
     CudaGraphInputError,
     CudaGraphsStateError,
@@ -36,6 +37,7 @@ from cudagraphs.errors import (  # noqa: E402
     UnsupportedModelError,
 )
 from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec  # noqa: E402
+from cudagraphs.serving.buckets import warmup_runs  # noqa: E402
 from cudagraphs.serving.graphs import eager_backend  # noqa: E402
 from cudagraphs.serving.hf import (  # noqa: E402
     GraphedGenerator,
@@ -48,7 +50,7 @@ from cudagraphs.serving.hf import (  # noqa: E402
 )
 from cudagraphs.serving.hf.cache import cache_keyword, layer_shapes  # noqa: E402
 from cudagraphs.serving.hf.sampling import sampling_rule  # noqa: E402
-from cudagraphs.serving.runner import gc_paused, progress_bar, warmup_runs  # noqa: E402
+from cudagraphs.serving.runner import progress_bar  # noqa: E402
 
 CPU = torch.device("cpu")
 L = 24  # max_cache_len of every generator here

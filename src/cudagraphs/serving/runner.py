@@ -18,18 +18,17 @@ bucket serves runs eagerly: counted per cause and said once at WARNING.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..capture import GraphPool, side_stream
+from ..capture import GraphPool, gc_paused, side_stream
 from ..capturing import capture_scope
 from ..checks import check_callable, check_device, check_instance, check_int, require_cuda
 from ..diagnostics import WarnOnce
@@ -40,7 +39,7 @@ from ..errors import (
     CudaGraphsValueError,
 )
 from ..settings import DISABLE_ENV, graphs_disabled
-from .buckets import Bucket, BucketConfig, check_dropped_buckets, select_bucket
+from .buckets import Bucket, BucketConfig, check_dropped_buckets, select_bucket, warmup_runs
 from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
 from .graphs import (
     BucketBackend,
@@ -56,7 +55,7 @@ from .measure import measure_bucket_cost
 from .memory import BucketCost, MemoryPlan, MemoryUse, plan_buckets
 from .static_inputs import InputSpec, StaticInputs, check_specs
 
-__all__ = ["CaptureTime", "GraphRunner", "progress_bar", "warmup_runs"]
+__all__ = ["CaptureTime", "GraphRunner", "progress_bar"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,32 +67,6 @@ class CaptureTime:
     warmup_runs: int
     warmup_s: float
     capture_s: float  # recording and instantiation
-
-
-def warmup_runs(index: int, warmup: int, compiled: bool) -> int:
-    """Eager runs before the capture of the ``index``-th bucket captured (0: the first).
-
-    Why not ``warmup`` for every bucket: measured on the H200 (16-layer decoder, 7
-    buckets), warmups were a third of the startup, and what they exist for happens once
-    (cuBLAS handles and workspaces on the capture stream, lazily built module state).
-    One run per later bucket still meets what is built per shape; a compiled forward
-    compiles per shape, in warmup, so every bucket gets the full count then.
-    """
-    if compiled or index == 0:
-        return warmup
-    return min(warmup, 1)
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """The garbage collector off inside (restored to its previous state on exit)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def progress_bar(progress: bool | None, total: int, what: str) -> Any:

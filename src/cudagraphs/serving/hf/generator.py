@@ -35,7 +35,7 @@ from ..buckets import Bucket, BucketConfig
 from ..graphs import BucketBackend
 from ..runner import GraphRunner
 from ..static_inputs import InputSpec
-from .cache import SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
+from .cache import LayerShape, SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens
 
@@ -382,9 +382,7 @@ def _choose(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
 
 
-def _shape_of(keys: torch.Tensor, values: torch.Tensor) -> Any:
-    from .cache import LayerShape
-
+def _shape_of(keys: torch.Tensor, values: torch.Tensor) -> LayerShape:
     return LayerShape(keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype)
 
 
