@@ -18,6 +18,8 @@ def test_main_job_runs_and_every_demo_equals_eager(capsys):
     assert result["decode_tokens_equal"] is True, result
     if "partial_loss_equal" in result:  # with transformers installed
         assert result["partial_loss_equal"] is True and result["partial_fallbacks"] == 0, result
+        assert result["generate_tokens_equal"] is True, result
+        assert result["generate_graphed_tokens_per_s"] > result["generate_eager_tokens_per_s"]
     for key in ("eager_ms", "graphed_ms", "kernel_busy_ms", "program_replay_ms"):
         assert result[key] > 0, (key, result)
     assert rc == 0
