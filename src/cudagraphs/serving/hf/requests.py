@@ -137,17 +137,14 @@ def _checked_mask(attention_mask: Any, ids: torch.Tensor) -> torch.Tensor:
             f"{type(attention_mask).__name__}"
         )
     if tuple(attention_mask.shape) != tuple(ids.shape):
+        wrong = [Mismatch("attention_mask", "shape", tuple(ids.shape), tuple(attention_mask.shape))]
         raise CudaGraphInputError(
             describe_mismatches(
                 "attention_mask does not match input_ids",
-                [
-                    Mismatch(
-                        "attention_mask", "shape", tuple(ids.shape), tuple(attention_mask.shape)
-                    )
-                ],
+                wrong,
                 "Pass the mask the tokenizer returned with these ids (one 0/1 per token).",
             ),
-            [Mismatch("attention_mask", "shape", tuple(ids.shape), tuple(attention_mask.shape))],
+            wrong,
         )
     host = attention_mask.detach().to("cpu")
     problems = []
