@@ -123,6 +123,7 @@ def ended(free, eos, pad):
         ([[1, 1, 1]], [[0, 1, 2]]),
         ([[0, 0, 1, 1]], [[0, 0, 0, 1]]),
         ([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]], [[0, 0, 1, 2], [0, 1, 2, 3], [0, 0, 0, 0]]),
+        ([0, 1, 1], [0, 0, 1]),  # one row, unbatched: the count runs along the last dim
     ],
 )
 def test_positions_from_mask_follow_hf_rule(mask, expected):
@@ -142,6 +143,24 @@ def test_valid_request_without_mask_gets_an_all_true_bool_mask():
     assert request.input_ids.dtype == torch.long
     assert torch.equal(request.input_ids, ids.long())
     assert (request.batch, request.prompt_len, request.max_new_tokens) == (2, 6, 4)
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_request_is_moved_to_the_device_given(with_mask):
+    # the meta device stands in for a GPU: ids and mask both go to the device given
+    ids, mask = prompts(3)
+    meta = torch.device("meta")
+    request = check_request(ids, mask if with_mask else None, 2, 16, meta)
+    assert request.input_ids.device == meta and request.input_ids.dtype == torch.long
+    assert request.attention_mask.device == meta and request.attention_mask.dtype == torch.bool
+
+
+def test_a_missing_mask_is_made_on_the_device_given_not_the_default_device():
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with torch.device("meta"):  # torch's default device for new tensors
+        request = check_request(ids, None, 2, 16, CPU)
+    assert request.attention_mask.device == CPU
+    assert bool(request.attention_mask.all())
 
 
 def test_valid_mask_becomes_bool_with_the_same_pattern():
@@ -168,10 +187,14 @@ def test_request_longer_than_the_cache_names_positions_and_max_cache_len():
     assert "max_cache_len >= 9" in str(err.value)
 
 
-@pytest.mark.parametrize("ids", [[[1, 2, 3]], (1, 2), None])
-def test_non_tensor_ids_are_a_type_error(ids):
-    with pytest.raises(CudaGraphsTypeError, match="input_ids must be a torch.Tensor"):
+@pytest.mark.parametrize(
+    "ids, kind", [([[1, 2, 3]], "list"), ((1, 2), "tuple"), (None, "NoneType")]
+)
+def test_non_tensor_ids_are_a_type_error(ids, kind):
+    with pytest.raises(CudaGraphsTypeError, match="input_ids must be a torch.Tensor") as err:
         check_request(ids, None, 2, 16, CPU)
+    assert f"got {kind};" in str(err.value)
+    assert "return_tensors='pt'" in str(err.value)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bool])
@@ -181,14 +204,16 @@ def test_non_integer_ids_are_a_type_error(dtype):
 
 
 def test_one_dimensional_ids_suggest_unsqueeze():
-    with pytest.raises(CudaGraphsValueError, match=r"unsqueeze\(0\)"):
+    with pytest.raises(CudaGraphsValueError, match=r"unsqueeze\(0\)") as err:
         check_request(torch.ones(4, dtype=torch.long), None, 2, 16, CPU)
+    assert "got shape (4,) (one prompt: input_ids.unsqueeze(0))" in str(err.value)
 
 
 def test_three_dimensional_ids_are_refused_without_the_unsqueeze_hint():
     with pytest.raises(CudaGraphsValueError, match="must be 2-D") as err:
         check_request(torch.ones(1, 2, 3, dtype=torch.long), None, 2, 16, CPU)
     assert "unsqueeze" not in str(err.value)
+    assert str(err.value).endswith("got shape (1, 2, 3)")  # the shape received, no hint
 
 
 @pytest.mark.parametrize("shape", [(1, 0), (0, 3)])
@@ -203,11 +228,14 @@ def test_mask_of_another_shape_is_an_input_error_with_one_mismatch():
         check_request(ids, torch.ones(2, 4, dtype=torch.long), 2, 16, CPU)
     assert err.value.mismatches == [Mismatch("attention_mask", "shape", (2, 3), (2, 4))]
     assert "attention_mask: shape expected (2, 3), received (2, 4)" in str(err.value)
+    assert "attention_mask does not match input_ids" in str(err.value)
+    assert "Pass the mask the tokenizer returned with these ids" in str(err.value)
 
 
 def test_mask_that_is_not_a_tensor_is_a_type_error():
-    with pytest.raises(CudaGraphsTypeError, match="attention_mask must be a torch.Tensor"):
+    with pytest.raises(CudaGraphsTypeError, match="attention_mask must be a torch.Tensor") as err:
         check_request(torch.ones(1, 3, dtype=torch.long), [[1, 1, 1]], 2, 16, CPU)
+    assert str(err.value).endswith("got list")
 
 
 def test_mask_values_other_than_zero_and_one_are_refused():
@@ -228,6 +256,9 @@ def test_right_padding_or_holes_name_the_row_and_padding_side(bad_row):
     with pytest.raises(CudaGraphInputError, match=r"rows \[1\] have padding after") as err:
         check_request(torch.ones(2, 3, dtype=torch.long), mask, 2, 16, CPU)
     assert "padding_side = 'left'" in str(err.value)
+    assert str(err.value).endswith(
+        "the static cache needs left padding: tokenizer.padding_side = 'left'"
+    )
 
 
 def test_every_mask_problem_is_said_at_once():
@@ -236,6 +267,14 @@ def test_every_mask_problem_is_said_at_once():
         check_request(torch.ones(3, 3, dtype=torch.long), mask, 2, 16, CPU)
     assert "rows [0] have no real token" in str(err.value)
     assert "rows [1] have padding after" in str(err.value)
+    # all three kinds, one clause each after the headline, in the order they are checked
+    mask = torch.tensor([[0, 0, 0], [1, 2, 0], [0, 1, 1]])
+    with pytest.raises(CudaGraphInputError) as err:
+        check_request(torch.ones(3, 3, dtype=torch.long), mask, 2, 16, CPU)
+    assert (
+        "0/1 mask: it holds values other than 0 and 1; rows [0] have no real token; "
+        "rows [1] have padding after"
+    ) in str(err.value)
 
 
 def test_zero_new_tokens_is_a_value_error():
@@ -255,10 +294,10 @@ def test_non_int_new_tokens_is_a_type_error(new):
     [
         (dict(temperature=0.0), CudaGraphsValueError, "temperature must be > 0"),
         (dict(temperature=-0.5), CudaGraphsValueError, "temperature must be > 0"),
-        (dict(temperature="1"), CudaGraphsTypeError, "temperature"),
+        (dict(temperature="1"), CudaGraphsTypeError, "^temperature must be a number.* got str '1'"),
         (dict(top_p=0.0), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
-        (dict(top_p="0.5"), CudaGraphsTypeError, "top_p"),
+        (dict(top_p="0.5"), CudaGraphsTypeError, "^top_p must be a number.* got str '0.5'"),
         (dict(top_k=-1), CudaGraphsValueError, "top_k must be an int >= 0"),
         (dict(top_k=2.0), CudaGraphsTypeError, "top_k must be an int"),
         (dict(do_sample=1), CudaGraphsTypeError, "do_sample must be a bool"),
@@ -313,6 +352,12 @@ def test_stop_tokens_default_to_the_generation_config():
     assert stops.pad == 9 and stops.active
 
 
+def test_stop_tokens_are_on_the_device_given():
+    meta = torch.device("meta")  # stands in for a GPU
+    stops = stop_tokens([6, 4], None, None, meta)
+    assert stops.eos.device == meta and stops.eos.dtype == torch.long and stops.pad == 6
+
+
 def test_stop_token_arguments_override_the_generation_config():
     stops = stop_tokens(7, 1, SimpleNamespace(eos_token_id=5, pad_token_id=9), CPU)
     assert stops.eos.tolist() == [7] and stops.pad == 1
@@ -337,6 +382,7 @@ def test_stop_tokens_accept_a_tensor_of_eos_ids(eos):
 def test_without_eos_stop_tokens_are_inactive():
     stops = stop_tokens(None, None, None, CPU)
     assert not stops.active and stops.eos.numel() == 0 and stops.pad is None
+    assert stops.eos.dtype == torch.long  # token ids, even when there are none
     stops = stop_tokens([], 4, SimpleNamespace(eos_token_id=None, pad_token_id=None), CPU)
     assert not stops.active and stops.pad == 4
 
@@ -344,9 +390,9 @@ def test_without_eos_stop_tokens_are_inactive():
 @pytest.mark.parametrize(
     "eos, pad, text",
     [
-        ("2", None, "eos_token_id must be an int or a list of ints"),
-        (2.0, None, "eos_token_id must be an int or a list of ints"),
-        (True, None, "eos_token_id must be an int or a list of ints"),
+        ("2", None, "eos_token_id must be an int or a list of ints, got str '2'"),
+        (2.0, None, "eos_token_id must be an int or a list of ints, got float 2.0"),
+        (True, None, "eos_token_id must be an int or a list of ints, got bool True"),
         ([1, "a"], None, r"eos_token_id\[1\] must be an int"),
         (2, "0", "pad_token_id must be an int"),
         (2, 1.5, "pad_token_id must be an int"),
@@ -944,6 +990,8 @@ def test_sampling_rule_takes_unset_values_from_the_generation_config():
     rule = sampling_rule(config, None, None, None, 0.9)
     assert rule == Sampling(do_sample=True, temperature=0.5, top_k=7, top_p=0.9)
     assert sampling_rule(config, False, 1.5, 3, None) == Sampling(False, 1.5, 3, 1.0)
+    config = SimpleNamespace(do_sample=False, temperature=None, top_k=None, top_p=0.8)
+    assert sampling_rule(config, None, None, None, None) == Sampling(False, 1.0, 50, 0.8)
 
 
 def test_sampling_rule_without_a_config_uses_hf_defaults():
