@@ -61,7 +61,8 @@ class GraphPool:
         self._anchor: torch.cuda.CUDAGraph | None = None
         self._anchor_buffer: torch.Tensor | None = None
         self.retired: list[PoolHandle] = []  # handles given up after failed captures
-        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._streams: dict[int, torch.cuda.Stream] = {}  # capture streams per device
+        self._warmup_streams: dict[int, torch.cuda.Stream] = {}
         # Gradients the core lent to autograd out of this pool's memory, to be moved
         # before a replay overwrites them (cudagraphs.core.lent_grads).
         self.lent_grads: Any = None
@@ -91,17 +92,39 @@ class GraphPool:
         return handle
 
     def capture_stream(self, device: torch.device | int | None = None) -> torch.cuda.Stream:
-        """The side stream that captures into this pool use by default (one per device).
+        """The stream captures into this pool run on (one per device); never used for
+        eager work (warm up on :meth:`warmup_stream`).
 
-        Reusing one stream matters for memory: cuBLAS keeps a workspace per stream
-        (32 MiB on Hopper), created the first time a stream runs a matmul. Warm up on
-        this stream and the workspace is made once, outside the pool; capture each
-        graph on a fresh stream and every capture allocates another one inside it.
+        Why a stream of its own: cuBLAS keeps a workspace per stream (32 MiB on Hopper),
+        made by the first matmul on the stream. On this stream that first matmul is
+        inside the pool's first capture, so the workspace is allocated in the pool and
+        every later capture here reuses it. A workspace made eagerly would live in the
+        caching allocator's general memory, where torch alone owns it, and torch drops
+        its reference whenever it clears its workspaces: torch.compile's CUDA-graph
+        trees do so each time they record (their ``clear_cublas_manager``),
+        and newer torch does so per stream when a graph is destroyed. The memory then
+        goes to other tensors (or back to the driver on ``empty_cache``) while our
+        graphs still write their matmul scratch into it. Measured on the H200 with
+        torch 2.11: a graph warmed up on its capture stream hits an illegal memory
+        access after a clear and ``empty_cache``; warmed up on another stream it replays
+        correctly and corrupts nothing. Inside the pool, a cleared workspace stays
+        mapped as long as the pool's graphs live.
         """
+        return self._stream(self._streams, device)
+
+    def warmup_stream(self, device: torch.device | int | None = None) -> torch.cuda.Stream:
+        """The stream eager warmups before captures into this pool run on (one per
+        device). It has its own cuBLAS workspace, outside the pool, made once."""
+        return self._stream(self._warmup_streams, device)
+
+    @staticmethod
+    def _stream(
+        streams: dict[int, torch.cuda.Stream], device: torch.device | int | None
+    ) -> torch.cuda.Stream:
         index = device_index(device, optional=True)
-        stream = self._streams.get(index)
+        stream = streams.get(index)
         if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(index)
+            stream = streams[index] = torch.cuda.Stream(index)
         return stream
 
     def retire(self) -> None:
@@ -126,8 +149,9 @@ def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
     """Make ``stream`` current, ordered after the work already queued on the current
     stream, and order the current stream after it again on exit (also on error).
 
-    ``None`` is a no-op (CPU code paths). Warm up here on the stream the capture will
-    use, so per-stream library state is made outside any graph pool.
+    ``None`` is a no-op (CPU code paths). Warmups run here on the pool's
+    :meth:`GraphPool.warmup_stream`, never on its capture stream (see
+    :meth:`GraphPool.capture_stream` for why).
     """
     if stream is None:
         yield

@@ -320,16 +320,18 @@ def test_node_count_needs_keep_graph():
 
 def test_captures_into_one_pool_share_its_stream_and_add_no_workspaces():
     # cuBLAS makes a workspace (32 MiB on Hopper) per stream on the stream's first
-    # matmul. Warmed up on the pool's capture stream, later captures into the pool
-    # must not each allocate one inside it.
+    # matmul. The pool's first capture makes its capture stream's workspace inside the
+    # pool; later captures into the pool must not each allocate another.
     pool = cudagraphs.new_pool()
     stream = pool.capture_stream()
     assert pool.capture_stream(torch.cuda.current_device()) is stream
+    assert pool.warmup_stream() is not stream
+    assert pool.warmup_stream(torch.cuda.current_device()) is pool.warmup_stream()
     a = torch.randn(256, 256, device="cuda")
-    with cudagraphs.capture.side_stream(stream):
+    with cudagraphs.capture.side_stream(pool.warmup_stream()):
         (a @ a).sum()
     torch.cuda.synchronize()
-    graphs = [cudagraphs.capture_into_graph(lambda: a @ a, pool)]  # first pool segment
+    graphs = [cudagraphs.capture_into_graph(lambda: a @ a, pool)]  # workspace, first segment
     reserved = torch.cuda.memory_reserved()
     graphs += [cudagraphs.capture_into_graph(lambda: a @ a, pool) for _ in range(4)]
     grown = torch.cuda.memory_reserved() - reserved

@@ -284,12 +284,11 @@ def make_graphed_callables(
         return _eager_results(plan, main_grad_attr)
     grad_targets = _grad_targets(plan, main_grad_attr) if accumulate_grads_in_graph else ()
     with torch.cuda.device(device), capture_scope():
-        # Warmup and capture share the pool's side stream: libraries that create
-        # per-stream state lazily (cuBLAS workspaces) do so during warmup, not inside
-        # capture, and once per pool rather than once per call.
+        # Warmup on the pool's warmup stream, capture on its capture stream: the cuBLAS
+        # workspace the graphs use is then made inside the pool (GraphPool.capture_stream).
         stream = graph_pool.capture_stream(device)
         t0 = time.perf_counter()
-        with side_stream(stream):
+        with side_stream(graph_pool.warmup_stream(device)):
             run_warmup(
                 plan,
                 num_warmup_iters,

@@ -184,14 +184,23 @@ class CudaGraphProgram(Generic[OutputT]):
         self._staging: GraphStaging | None = None
         disabled = graphs_disabled()
         with torch.cuda.device(device), nullcontext() if disabled else capture_scope():
-            # Programs of one pool share its capture stream (and so one cuBLAS
-            # workspace, made during the first warmup rather than inside a capture).
+            # Programs of one pool share its capture stream, and so one cuBLAS
+            # workspace, made inside the pool (GraphPool.capture_stream); warmups run
+            # on its warmup stream.
             graph_pool = pool.graph_pool if pool is not None else GraphPool()
             stream = graph_pool.capture_stream(device)
             t0 = time.perf_counter()
             last = None
             if not disabled:
-                last = warm_up(function, signature, inputs, device, warmup, stream, name)
+                last = warm_up(
+                    function,
+                    signature,
+                    inputs,
+                    device,
+                    warmup,
+                    graph_pool.warmup_stream(device),
+                    name,
+                )
             t1 = time.perf_counter()
             self._buffer = ReusableValueBuffer(signature, device)
             self._buffer.copy_from(inputs, path="inputs")

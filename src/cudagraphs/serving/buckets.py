@@ -229,7 +229,7 @@ def warmup_runs(index: int, warmup: int, compiled: bool) -> int:
 
     Why not ``warmup`` for every bucket: measured on the H200 (16-layer decoder, 7
     buckets), warmups were a third of the startup, and what they exist for happens once
-    (cuBLAS handles and workspaces on the capture stream, lazily built module state).
+    (cuBLAS handles, the warmup stream's workspaces, lazily built module state).
     One run per later bucket still meets what is built per shape; a compiled forward
     compiles per shape, in warmup, so every bucket gets the full count then.
     """

@@ -27,9 +27,10 @@ def measure_bucket_cost(
     driver, its executable memory per node. Everything made here is released before
     returning, and the allocator cache is emptied so the next measurement starts clean.
 
-    The eager step and the capture run on ``stream`` (default: a new side stream), the
-    stream the real capture will use: per-stream library workspaces are then made by
-    the eager step and are not counted as pool bytes.
+    The eager step and the capture run on ``stream`` (default: a new side stream; the
+    runner passes its pool's warmup stream): the stream's cuBLAS workspace is then made
+    by the eager step and is not counted as pool bytes. The real captures add one
+    workspace to their pool, once (:meth:`~cudagraphs.capture.GraphPool.capture_stream`).
 
     Raises:
         Whatever the eager step raises, and CudaGraphCaptureError when the thrown-away

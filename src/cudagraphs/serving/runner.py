@@ -436,15 +436,15 @@ class GraphRunner:
         if measure is not None:
             return measure(bucket)
         views = self.static.views(bucket)
-        return measure_bucket_cost(bucket, lambda: self.forward(**views), self._capture_stream())
+        return measure_bucket_cost(bucket, lambda: self.forward(**views), self._warmup_stream())
 
-    def _capture_stream(self) -> torch.cuda.Stream | None:
-        # Warmup and capture of every bucket on the pool's one stream: cuBLAS makes its
-        # per-stream workspace once, in the first warmup, instead of once per bucket
-        # inside the pool (32 MiB each on Hopper). None on the CPU (tests).
+    def _warmup_stream(self) -> torch.cuda.Stream | None:
+        # Every bucket warms up (and is measured) on the pool's warmup stream and is
+        # captured on its capture stream, so the cuBLAS workspace of the graphs is made
+        # once, inside the pool (GraphPool.capture_stream). None on the CPU (tests).
         if self.device.type != "cuda":
             return None
-        return self._pool.capture_stream(self.device)
+        return self._pool.warmup_stream(self.device)
 
     def _said_captured(self, bucket: Bucket, ok: bool, done: int, total: int, bar: Any) -> None:
         took = self.capture_times.get(bucket)
@@ -470,7 +470,7 @@ class GraphRunner:
                 views = static.views(bucket)
                 static.stage(make_inputs(bucket), bucket, bucket.rows)
                 what = str(bucket) if self.slots == 1 else f"{bucket} slot {slot}"
-                with side_stream(self._capture_stream()):
+                with side_stream(self._warmup_stream()):
                     start = time.perf_counter()
                     for _ in range(warmup):
                         self.forward(**views)

@@ -248,7 +248,7 @@ class GraphedTrainStep:
         snapshot = OptimizerSnapshot.take(self.optimizer)
         try:
             t0 = time.perf_counter()
-            with side_stream(stream), warnings.catch_warnings():
+            with side_stream(pool.warmup_stream(device)), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_CAPTURABLE_WARNING)
                 for _ in range(self.options.warmup_steps):
                     self._eager_step([self._buffer.value] * self.options.accumulation_steps)

@@ -131,6 +131,7 @@ class GraphedGenerator:
         #: Requests per path: "graphs" (decode through the runner) and "too_large".
         self.requests: Counter[str] = Counter()
         self.tokens = 0
+        self._ended: _EndFlag | None = None
         self._warn = WarnOnce(logger)
 
     # ---- capture ---------------------------------------------------------------------
@@ -331,6 +332,7 @@ class GraphedGenerator:
         mask[:, :prompt_len] = request.attention_mask
         position = positions[:, -1:].clone()
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
+        ended = self._end_flag() if stops.active else None
         made = new
         last = request.input_ids[:, -1:]  # replaced by the first chosen token before use
         for t in range(new):
@@ -338,17 +340,31 @@ class GraphedGenerator:
                 position += 1
                 mask[:, prompt_len + t - 1] = True
                 logits = step({"input_ids": last, "position_ids": position, "attention_mask": mask})
+                # Read whether every sequence had ended after step t - 1 only now, with
+                # step t queued behind it: the GPU runs step t while the host waits and
+                # then prepares step t + 1, instead of idling through a sync per token
+                # (HF's generate syncs each step). When they had ended, step t's replay
+                # is dropped unread; nothing random was drawn for it.
+                if ended is not None and ended.read():
+                    made = t
+                    break
             chosen = _choose(logits, request.input_ids, sampling, processors, generator)
             if stops.active:
                 chosen = torch.where(unfinished, chosen, stops.pad)
             tokens[:, t] = chosen
             last = chosen[:, None]
-            if stops.active and t + 1 < new:
+            if ended is not None and t + 1 < new:
                 unfinished &= ~torch.isin(chosen, stops.eos)
-                if not bool(unfinished.any()):  # a sync per token, as in HF's generate
-                    made = t + 1
-                    break
+                ended.record(~unfinished.any())
         return torch.cat([request.input_ids, tokens[:, :made]], dim=1)
+
+    def _end_flag(self) -> _EndFlag:
+        # One per generator: pinned memory is slow to allocate, and requests run one
+        # at a time.
+        if self._ended is None:
+            self._ended = _EndFlag(self.device)
+        self._ended.pending = False
+        return self._ended
 
     # ---- reporting and teardown ------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -366,6 +382,32 @@ class GraphedGenerator:
         again."""
         self.runner.close()
         self.kv = None
+
+
+class _EndFlag:
+    """A device boolean read on the host one step late: copied into pinned memory
+    without blocking, with an event to wait on when it is read."""
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.host = torch.zeros((), dtype=torch.bool, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.pending = False
+
+    def record(self, value: torch.Tensor) -> None:
+        self.host.copy_(value, non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+        self.pending = True
+
+    def read(self) -> bool:
+        """The last recorded value (``False`` when none is pending)."""
+        if not self.pending:
+            return False
+        self.pending = False
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.host)
 
 
 def _choose(
