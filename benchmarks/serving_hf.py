@@ -22,11 +22,6 @@ new tokens. Variants, all built first, then timed interleaved in shuffled rounds
 * ``cudagraphs``: ``GraphedGenerator(model, (1, 2, 4, 8, 16, 32),
   max_cache_len=MAX_CACHE_LEN)``, captured once per model (capture seconds and per
   bucket recorded).
-* ``cudagraphs_compiled``: ``GraphedGenerator(model, BATCHES, ...,
-  compile_options={"fullgraph": True})``: inductor's kernels inside our bucket graphs
-  (its capture, compiles included, recorded apart; its tokens are compared with
-  ``hf_static_eager`` for information, not for ``tokens_equal``: fused kernels round
-  differently).
 
 Startup (Llama only), each in a fresh process so that nothing of this run is warm:
 the model is built on the GPU, then the clock runs from there to the first token of a
@@ -46,9 +41,7 @@ Targets (``None`` when not measured):
   token, every model at batch 1 and 8;
 * ``startup_le_2s``: model built to first token, all buckets captured, Llama;
 * ``all_buckets_capture_le_2x_largest``: capture of all buckets at most twice that of
-  the largest alone, each the first capture of a fresh process (Llama);
-* ``compiled_per_token_le_hf_compiled``: ``cudagraphs_compiled`` at most
-  ``hf_static_compiled``'s median ms per token, every model at batch 1 and 8.
+  the largest alone, each the first capture of a fresh process (Llama).
 
 Prints one JSON object; ``--out`` also writes it. Without a CUDA device it says so and
 exits 0 (2 with ``--require-gpu``). Exits 1 when a variant or a check failed.
@@ -113,12 +106,11 @@ MODELS = {
         vocab_size=32000,
     ),
 }
-HF_EAGER, HF_STATIC, HF_COMPILED, OURS, OURS_COMPILED = (
+HF_EAGER, HF_STATIC, HF_COMPILED, OURS = (
     "hf_eager",
     "hf_static_eager",
     "hf_static_compiled",
     "cudagraphs",
-    "cudagraphs_compiled",
 )
 
 
@@ -196,33 +188,15 @@ def run_model(family: str) -> dict:
         torch.cuda.synchronize()
         result["capture_s"] = round(time.perf_counter() - t0, 3)
         result["capture_seconds"] = gen.stats()["capture_seconds"]
-        compiled = None
-        try:
-            t0 = time.perf_counter()
-            compiled = GraphedGenerator(
-                model, BATCHES, max_cache_len=MAX_CACHE_LEN, compile_options={"fullgraph": True}
-            )
-            compiled.capture()
-            torch.cuda.synchronize()
-            result["compiled_capture_s"] = round(time.perf_counter() - t0, 3)
-        except Exception as exc:  # recorded; the other variants still run
-            result["errors"][OURS_COMPILED] = describe_error(exc)
-            compiled = None
         for batch in BATCHES:
             ids = prompts(batch)
             steps = hf_variants(model, ids)
             steps[OURS] = partial(gen.generate, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
-            if compiled is not None:
-                steps[OURS_COMPILED] = partial(
-                    compiled.generate, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[]
-                )
             steps, out, outputs = first_calls(steps, batch)
             result["batches"][str(batch)] = time_batch(steps, out, outputs)
     result["stats"] = gen.stats()
     gen.close()
-    if compiled is not None:
-        compiled.close()
-    del gen, compiled, model
+    del gen, model
     free_memory()
     return result
 
@@ -354,18 +328,15 @@ def profile_ours(report: dict) -> None:
 
 def compute_targets(report: dict) -> dict:
     models = report.get("models", {})
-    equal, faster, compiled_faster = [], [], []
-
-    def at_most(per: dict, mine: str) -> bool | None:
-        ours, compiled = per.get(mine), per.get(HF_COMPILED)
-        return None if ours is None or compiled is None else ours["median"] <= compiled["median"]
-
+    equal, faster = [], []
     for result in models.values():
         for entry in result.get("batches", {}).values():
             equal.append((entry.get("tokens", {}).get(OURS) or {}).get("equal_hf_static_eager"))
             per = entry.get("ms_per_token", {})
-            faster.append(at_most(per, OURS))
-            compiled_faster.append(at_most(per, OURS_COMPILED))
+            ours, compiled = per.get(OURS), per.get(HF_COMPILED)
+            faster.append(
+                None if ours is None or compiled is None else ours["median"] <= compiled["median"]
+            )
     all_of = lambda xs: None if not xs or None in xs else all(xs)  # noqa: E731
     start = report.get("startup", {})
     full, alone = start.get("all_buckets", {}), start.get("largest_alone", {})
@@ -376,7 +347,6 @@ def compute_targets(report: dict) -> dict:
         "all_buckets_capture_le_2x_largest": None
         if "capture_s" not in full or "capture_s" not in alone
         else full["capture_s"] <= CAPTURE_RATIO * alone["capture_s"],
-        "compiled_per_token_le_hf_compiled": all_of(compiled_faster),
     }
 
 

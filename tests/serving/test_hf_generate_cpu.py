@@ -516,28 +516,6 @@ def test_greedy_tokens_equal_hf_static_cache_generate(model, batch):
     assert torch.equal(ours[:, :PROMPT], ids)
 
 
-def test_compile_options_reach_the_runner_and_dynamo_traces_the_decode_step(model):
-    # backend="eager": dynamo traces the step (the shared cache, its write counters)
-    # and runs the traced ops as they are, so the tokens must stay HF's exactly.
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    gen = captured(model, (1, 2, 4), compile_options={"backend": "eager", "fullgraph": True})
-    assert gen.runner.compile_options == {"backend": "eager", "fullgraph": True}
-    assert gen.runner.forward is not gen.runner.eager_forward
-    ids, mask = prompts(3, seed=5)
-    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
-    ref = hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD)
-    assert torch.equal(ours, ref)
-    assert gen.stats()["eager_runs"] == {}
-    torch._dynamo.reset()
-
-
-def test_compile_options_must_be_a_mapping(model):
-    with pytest.raises(CudaGraphsTypeError, match="compile_options"):
-        GraphedGenerator(model, (1, 2), max_cache_len=L, compile_options="max-autotune")
-
-
 def test_request_filling_the_cache_exactly_equals_hf(model):
     gen = captured(model, (1, 2, 4))
     ids, mask = prompts(2, seed=11)

@@ -76,14 +76,6 @@ class GraphedGenerator:
         require_all_buckets, pool, capture_backend: as for :class:`GraphRunner`
             (``capture_backend`` replaces the CUDA capture; the CPU tests pass an eager
             stand-in).
-        compile_options: capture the decode step compiled with
-            ``torch.compile(**compile_options)`` (as :class:`GraphRunner`'s option):
-            inductor's fused kernels in place of the eager ones, so fewer and faster
-            kernels per token, at the price of a compile per bucket in
-            :meth:`capture` (tens of seconds each) and of tokens that equal HF's
-            compiled ``generate`` rather than its eager one (fused kernels round
-            differently). The prefill stays eager. Default ``None``: the model's own
-            eager kernels, captured in seconds.
 
     Raises:
         CudaGraphsTypeError: ``model`` not an ``nn.Module`` with a ``config``.
@@ -103,7 +95,6 @@ class GraphedGenerator:
         require_all_buckets: bool | None = None,
         pool: Any = None,
         capture_backend: BucketBackend | None = None,
-        compile_options: Mapping[str, Any] | None = None,
     ) -> None:
         check_instance("model", model, nn.Module, "a transformers causal LM (nn.Module)")
         if getattr(model, "config", None) is None:
@@ -135,7 +126,6 @@ class GraphedGenerator:
             require_all_buckets=require_all_buckets,
             pool=pool,
             capture_backend=capture_backend,
-            compile_options=compile_options,
         )
         self.kv: SharedStaticCache | None = None
         #: Requests per path: "graphs" (decode through the runner) and "too_large".
