@@ -681,6 +681,27 @@ def test_sampling_from_the_global_rng_equals_hf_sampling(model):
     assert torch.equal(ours, ref)
 
 
+def test_a_request_that_ends_early_draws_no_more_random_numbers_than_hf(model):
+    # Whether every sequence has ended is read one step late (the next step is already
+    # queued); the request must still stop before sampling that step, as HF does, or
+    # the next request from the same RNG would draw different tokens.
+    gen = captured(model, (1, 2, 4))
+    ids, mask = prompts(3, seed=10)
+    rule = dict(do_sample=True, temperature=1.5)
+    many = list(range(3, 100))  # most of the vocabulary ends a sequence: all end early
+    torch.manual_seed(6)
+    ours_a = gen.generate(
+        ids, mask, max_new_tokens=NEW, eos_token_id=many, pad_token_id=PAD, **rule
+    )
+    ours_b = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD, **rule)
+    torch.manual_seed(6)
+    ref_a = hf_generate(model, ids, mask, NEW, eos_token_id=many, pad_token_id=PAD, **rule)
+    ref_b = hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD, **rule)
+    assert ours_a.shape[1] < PROMPT + NEW, "the first request should end early"
+    assert torch.equal(ours_a, ref_a)
+    assert torch.equal(ours_b, ref_b)
+
+
 def test_no_state_leaks_between_requests(model):
     gen = captured(model, (1, 2, 4))
     ids_a, mask_a = prompts(2, prompt_len=4, seed=21)
