@@ -194,9 +194,10 @@ def test_program_pool_device_argument_is_typed(device):
         cudagraphs.CudaGraphPool(device)
 
 
-def test_programs_have_no_public_constructor():
+@pytest.mark.parametrize("argument", [(), (object(),)])
+def test_programs_are_built_from_a_capture_not_directly(argument):
     with pytest.raises(errors.CudaGraphsTypeError, match=r"CudaGraphProgram\.capture\(function"):
-        cudagraphs.CudaGraphProgram()
+        cudagraphs.CudaGraphProgram(*argument)
 
 
 # ---- lossless dtype conversion ----------------------------------------------------------

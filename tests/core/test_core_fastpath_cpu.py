@@ -154,7 +154,7 @@ def _in_graph_entry(weights):
         static_grad_inputs=(None,) * len(weights),
         grad_targets=targets,
     )
-    g.finalize()
+
     return g, GraphedCallable(g, eager=None, module=None, captured_training=None)
 
 

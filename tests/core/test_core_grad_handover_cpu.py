@@ -86,7 +86,7 @@ def _graphed(clone: bool = True, forward_overwrites_grad: bool = False):
         positional_only=True,
         lent=LentGrads(),
     )
-    graphs.finalize()
+
     return GraphedCallable(graphs, eager=lambda t: w * t, module=None, captured_training=None), w
 
 

@@ -7,7 +7,8 @@ before ``capture_into_graph`` is entered, post-hooks after it returned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from .lent_grads import lent_grads_of
 from .runtime import EntryGraphs
 from .warmup import differentiable_inputs
 
-__all__ = ["CaptureOptions", "capture_plan"]
+__all__ = ["BackwardCapture", "CaptureOptions", "ForwardCapture", "capture_plan"]
 
 
 @dataclass(frozen=True)
@@ -63,20 +64,20 @@ def _new_static_inputs(spec: EntrySpec) -> list[torch.Tensor]:
     ]
 
 
-def _entry_graphs(
+def _entry_inputs(
     plan: GraphPlan,
     index: int,
     static_inputs: list[torch.Tensor],
     opts: CaptureOptions | None,
-) -> EntryGraphs:
-    """The record of one entry before its graphs are captured; with ``opts=None`` an
-    entry that validates calls like a graphed one but runs them eagerly
-    (``CUDAGRAPHS_DISABLE``): no static buffers, no graphs."""
+) -> dict[str, Any]:
+    """The input side of one entry's :class:`EntryGraphs` (its fields by name); with
+    ``opts=None`` that of an entry that validates calls like a graphed one but runs
+    them eagerly (``CUDAGRAPHS_DISABLE``): no static buffers, no graphs."""
     spec = plan.entries[index]
     positional_only = not spec.kwargs and len(spec.leaves) == len(spec.args) == len(
         spec.tensor_positions
     )
-    return EntryGraphs(
+    return dict(
         name=_describe(plan, index),
         in_spec=spec.in_spec,
         leaves=list(spec.leaves),
@@ -98,30 +99,104 @@ def _entry_graphs(
 
 
 def eager_entry_graphs(plan: GraphPlan, index: int) -> EntryGraphs:
-    """See :func:`_entry_graphs` with ``opts=None``."""
-    return _entry_graphs(plan, index, [], None)
+    """See :func:`_entry_inputs` with ``opts=None``."""
+    return EntryGraphs(**_entry_inputs(plan, index, [], None))
 
 
-def _capture_forward(plan: GraphPlan, g: EntryGraphs, index: int, opts: CaptureOptions) -> None:
+@dataclass(frozen=True)
+class ForwardCapture:
+    """What the forward capture of one entry made: its graph and static outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    out_spec: pytree.TreeSpec
+    out_leaves: list[Any]
+    out_tensor_positions: tuple[int, ...]
+    out_differentiable: tuple[bool, ...]  # per tensor output
+
+    @property
+    def tensor_outputs(self) -> list[torch.Tensor]:
+        return [self.out_leaves[i] for i in self.out_tensor_positions]
+
+    def detached(self) -> ForwardCapture:
+        """The same capture with its static outputs cut from the captured autograd
+        graph (the same buffers)."""
+        leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in self.out_leaves]
+        return dataclasses.replace(self, out_leaves=leaves)
+
+
+@dataclass(frozen=True)
+class BackwardCapture:
+    """What the backward capture of one entry made (``graph`` is ``None`` when nothing
+    was differentiable: no graph, no buffers)."""
+
+    diff_input_positions: tuple[int, ...]
+    graph: torch.cuda.CUDAGraph | None = None
+    static_grad_outputs: list[torch.Tensor | None] = field(default_factory=list)
+    static_grad_inputs: tuple[torch.Tensor | None, ...] = ()
+    grad_targets: GradTargets | None = None
+
+
+@dataclass
+class _Pending:
+    """One entry while the schedule captures it: its input side, then its forward,
+    then (in training) its backward. Becomes an :class:`EntryGraphs` once, complete."""
+
+    inputs: dict[str, Any]
+    forward: ForwardCapture | None = None
+    backward: BackwardCapture | None = None
+
+    def release(self) -> None:
+        for capture in (self.forward, self.backward):
+            if capture is not None and capture.graph is not None:
+                capture.graph.reset()
+
+    def build(self) -> EntryGraphs:
+        fields: dict[str, Any] = dict(self.inputs)
+        if self.forward is not None:
+            fields.update(
+                fwd_graph=self.forward.graph,
+                out_spec=self.forward.out_spec,
+                out_leaves=self.forward.out_leaves,
+                out_tensor_positions=self.forward.out_tensor_positions,
+                out_differentiable=self.forward.out_differentiable,
+            )
+        if self.backward is not None:
+            fields.update(
+                bwd_graph=self.backward.graph,
+                diff_input_positions=self.backward.diff_input_positions,
+                static_grad_outputs=self.backward.static_grad_outputs,
+                static_grad_inputs=self.backward.static_grad_inputs,
+                grad_targets=self.backward.grad_targets,
+            )
+        return EntryGraphs(**fields)
+
+
+def _capture_forward(
+    plan: GraphPlan, inputs: dict[str, Any], index: int, opts: CaptureOptions
+) -> ForwardCapture:
     target = plan.callable_of(index)
-    leaves = list(g.leaves)
-    for pos, t in zip(g.tensor_positions, g.static_inputs):
+    leaves = list(inputs["leaves"])
+    for pos, t in zip(inputs["tensor_positions"], inputs["static_inputs"]):
         leaves[pos] = t
-    args, kwargs = pytree.tree_unflatten(leaves, g.in_spec)
+    args, kwargs = pytree.tree_unflatten(leaves, inputs["in_spec"])
     grad_mode = torch.enable_grad if plan.training else torch.no_grad
 
     def run() -> Any:
         with grad_mode():
             return target.fn(*args, **kwargs)
 
-    g.fwd_graph, output = capture_into_graph(
-        run, opts.pool, stream=opts.stream, what=f"forward of {g.name}"
+    graph, output = capture_into_graph(
+        run, opts.pool, stream=opts.stream, what=f"forward of {inputs['name']}"
     )
-    g.out_leaves, g.out_spec = pytree.tree_flatten(output)
-    g.out_tensor_positions = tuple(
-        i for i, x in enumerate(g.out_leaves) if isinstance(x, torch.Tensor)
+    out_leaves, out_spec = pytree.tree_flatten(output)
+    positions = tuple(i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor))
+    return ForwardCapture(
+        graph=graph,
+        out_spec=out_spec,
+        out_leaves=out_leaves,
+        out_tensor_positions=positions,
+        out_differentiable=tuple(out_leaves[i].requires_grad for i in positions),
     )
-    g.out_differentiable = tuple(g.out_leaves[i].requires_grad for i in g.out_tensor_positions)
 
 
 def _grad_output_buffers(
@@ -146,26 +221,26 @@ def _grad_output_buffers(
 
 
 def _capture_backward(
-    g: EntryGraphs,
+    inputs: dict[str, Any],
+    forward: ForwardCapture,
     opts: CaptureOptions,
     shared: list | None = None,
     targets: GradTargets | None = None,
-) -> None:
-    outs = [g.out_leaves[i] for i in g.out_tensor_positions]
-    positions, inputs = differentiable_inputs(g.static_inputs, g.params)
-    g.diff_input_positions = tuple(positions)
-    diff_outs = [o for o, d in zip(outs, g.out_differentiable) if d]
-    if not diff_outs or not inputs:
-        return
+) -> BackwardCapture:
+    outs = forward.tensor_outputs
+    positions, diff_inputs = differentiable_inputs(inputs["static_inputs"], inputs["params"])
+    diff_outs = [o for o, d in zip(outs, forward.out_differentiable) if d]
+    if not diff_outs or not diff_inputs:
+        return BackwardCapture(diff_input_positions=tuple(positions))
     # Incoming gradients are copied into these before each backward replay.
-    g.static_grad_outputs = _grad_output_buffers(outs, g.out_differentiable, shared)
-    grad_outputs = [s for s in g.static_grad_outputs if s is not None]
+    static_grad_outputs = _grad_output_buffers(outs, forward.out_differentiable, shared)
+    grad_outputs = [s for s in static_grad_outputs if s is not None]
     n_diff = len(positions)
 
     def run() -> tuple[torch.Tensor | None, ...]:
         grads = torch.autograd.grad(
             diff_outs,
-            inputs,
+            diff_inputs,
             grad_outputs=grad_outputs,
             allow_unused=opts.allow_unused_input,
             retain_graph=opts.retain_graph_in_backward,
@@ -178,19 +253,19 @@ def _capture_backward(
                     torch._foreach_add_([t for t, _ in pairs], [d for _, d in pairs])
         return grads
 
-    g.bwd_graph, grads = capture_into_graph(
-        run, opts.pool, stream=opts.stream, what=f"backward of {g.name}"
+    graph, grads = capture_into_graph(
+        run, opts.pool, stream=opts.stream, what=f"backward of {inputs['name']}"
     )
     if targets is not None:
         # Nothing to hand to autograd for the parameters: the graph added them.
         grads = (*grads[:n_diff], *(None,) * (len(grads) - n_diff))
-        g.grad_targets = targets
-    g.static_grad_inputs = tuple(grads)
-    if not opts.retain_graph_in_backward:
-        # Drop the captured autograd graph that the static outputs still hang on to.
-        # It holds the parameters' AccumulateGrad nodes, created on the capture stream;
-        # kept alive, autograd would reuse them, with that stream, in eager backwards.
-        g.out_leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in g.out_leaves]
+    return BackwardCapture(
+        diff_input_positions=tuple(positions),
+        graph=graph,
+        static_grad_outputs=static_grad_outputs,
+        static_grad_inputs=tuple(grads),
+        grad_targets=targets,
+    )
 
 
 def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
@@ -198,7 +273,7 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
 
     On failure every graph captured so far is released before the error propagates.
     """
-    graphs: dict[int, EntryGraphs] = {}
+    pending: dict[int, _Pending] = {}
     # Under _reuse_graph_input_output_buffers, entries of one slot (same callable, same
     # shapes, lifetimes that never overlap in the schedule) share their static inputs
     # and incoming-gradient buffers.
@@ -215,9 +290,11 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
                     static_inputs = slot_inputs.setdefault(slot, _new_static_inputs(spec))
                 else:
                     static_inputs = _new_static_inputs(spec)
-                g = graphs[step.entry] = _entry_graphs(plan, step.entry, static_inputs, opts)
+                p = pending[step.entry] = _Pending(
+                    _entry_inputs(plan, step.entry, static_inputs, opts)
+                )
                 hooks.run("forward_pre_hooks", target.fn)
-                _capture_forward(plan, g, step.entry, opts)
+                p.forward = _capture_forward(plan, p.inputs, step.entry, opts)
                 hooks.run("forward_hooks", target.fn)
             else:
                 hooks.run("backward_pre_hooks", target.fn)
@@ -225,12 +302,18 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
                 if plan.buffer_slots is not None:
                     shared = slot_grad_outputs.setdefault(plan.buffer_slots[step.entry], [])
                 targets = opts.grad_targets[step.callable_index] if opts.grad_targets else None
-                _capture_backward(graphs[step.entry], opts, shared, targets)
+                p = pending[step.entry]
+                p.backward = _capture_backward(p.inputs, p.forward, opts, shared, targets)
+                if p.backward.graph is not None and not opts.retain_graph_in_backward:
+                    # Drop the captured autograd graph that the static outputs still
+                    # hang on to. It holds the parameters' AccumulateGrad nodes,
+                    # created on the capture stream; kept alive, autograd would reuse
+                    # them, with that stream, in eager backwards.
+                    p.forward = p.forward.detached()
                 hooks.run("backward_hooks", target.fn)
     except BaseException:
-        for g in graphs.values():
-            g.release()
+        for p in pending.values():
+            p.release()
         raise
-    for g in graphs.values():
-        g.finalize()
+    graphs = {i: p.build() for i, p in pending.items()}
     return [graphs[i] for i in range(len(plan.entries))]

@@ -60,6 +60,10 @@ def copy_into(dsts: list[torch.Tensor], srcs: Any) -> None:
 class EntryGraphs:
     """The graphs and static buffers of one graphed entry (one ``sample_args`` element).
 
+    Built once, complete, after the entry's captures (``capture_phase``), or without
+    graphs for ``CUDAGRAPHS_DISABLE``; what each backward replay hands out is derived
+    from the fields at construction. Only :meth:`release` changes it afterwards.
+
     ``static_inputs`` are owned by this object (shared with entries of the same slot
     under ``_reuse_graph_input_output_buffers``); ``static_outputs`` and
     ``static_grad_inputs`` live in the shared pool and are overwritten by each replay.
@@ -88,10 +92,22 @@ class EntryGraphs:
     clone_param_grads: bool = True
     positional_only: bool = False  # captured call was f(t0, t1, ...) with tensors only
     grad_targets: GradTargets | None = None  # in-graph accumulation of param grads
-    autograd_params: tuple[torch.nn.Parameter, ...] = ()  # set by finalize()
     lent: LentGrads | None = None  # the pool's registry of gradients lent to autograd
-    released: bool = False
     eager_only: bool = False  # CUDAGRAPHS_DISABLE: validate calls, run them eagerly
+    released: bool = field(default=False, init=False)
+    # Derived by _derive() from the fields above, once: what replays hand out.
+    autograd_params: tuple[torch.nn.Parameter, ...] = field(init=False, repr=False)
+    _input_grads: tuple[tuple[int, torch.Tensor], ...] = field(init=False, repr=False)
+    _param_grad_slots: tuple[int, ...] = field(init=False, repr=False)
+    _param_grad_buffers: list[torch.Tensor] = field(init=False, repr=False)
+    _param_grad_params: list[torch.nn.Parameter] = field(init=False, repr=False)
+    _param_grad_ptrs: list[int] = field(init=False, repr=False)
+    _probe_accumulator: Any = field(init=False, repr=False)
+    _grad_output_buffers: list[torch.Tensor] = field(init=False, repr=False)
+    _grad_output_mask: tuple[bool, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._derive()
 
     # ---- validation -------------------------------------------------------------
     def user_tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -215,8 +231,9 @@ class EntryGraphs:
             leaves[pos] = t
         return pytree.tree_unflatten(leaves, self.out_spec)
 
-    def finalize(self) -> None:
-        """Precompute, once after capture, what each backward replay hands out."""
+    def _derive(self) -> None:
+        """Precompute what each backward replay hands out (at construction, and again
+        by :meth:`release` to drop the references to the buffers)."""
         n_user, n_diff = len(self.static_inputs), len(self.diff_input_positions)
         grads = self.static_grad_inputs
         if self.bwd_graph is None:
@@ -315,7 +332,7 @@ class EntryGraphs:
         self.out_leaves = []
         self.static_grad_outputs = []
         self.static_grad_inputs = ()
-        self.finalize()  # drops the precomputed references to the buffers
+        self._derive()  # drops the precomputed references to the buffers
         self.released = True
 
 

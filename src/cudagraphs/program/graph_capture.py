@@ -1,10 +1,13 @@
-"""Capturing a program's function: into its own pool, or into a shared pool with the
-outputs copied out of the shared scratch; with inputs staged by copies or inside the
-graph (:mod:`.staging`). Runs once per program, never on the replay path."""
+"""Capturing a program: warm up, fill the input buffer, capture the function into its
+own pool or into a shared one (outputs then copied out of the shared scratch), with
+inputs staged by copies or inside the graph (:mod:`.staging`); the result is one
+frozen :class:`CapturedProgram` that ``CudaGraphProgram``'s constructor takes. Runs
+once per program, never on the replay path."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,12 +22,19 @@ from ..capture import (
 )
 from ..settings import DISABLE_ENV
 from .buffer import ReusableValueBuffer
-from .capture_steps import check_output_device, detached, output_signature
+from .capture_steps import check_output_device, detached, output_signature, warm_up
 from .leaves import LeafTypes
+from .pool import CudaGraphPool
 from .signature import ValueTreeSignature
 from .staging import GraphStaging, choose_staging, runtime_for, staged_arguments
 
-__all__ = ["CapturedGraph", "capture_function", "run_function_eagerly"]
+__all__ = [
+    "CapturedGraph",
+    "CapturedProgram",
+    "capture_function",
+    "capture_program",
+    "run_function_eagerly",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +47,86 @@ class CapturedGraph:
     output: Any  # the borrowed output tree the graph writes
     out_sig: ValueTreeSignature
     staging: GraphStaging | None  # inputs the graph copies from the caller's tensors
+
+
+@dataclass(frozen=True)
+class CapturedProgram:
+    """Everything a program is made of, as its capture left it."""
+
+    function: Callable[..., Any]
+    name: str
+    device: torch.device
+    signature: ValueTreeSignature
+    leaf_types: LeafTypes | None
+    pool: CudaGraphPool | None  # shared scratch, or None
+    graph_pool: GraphPool | None  # the program's own pool; None in a shared one
+    buffer: ReusableValueBuffer  # the fixed input buffer, holding the example inputs
+    captured: CapturedGraph
+    last: Any  # the last warmup output (None without warmup)
+    warmup_iterations: int
+    warmup_seconds: float
+    capture_seconds: float
+
+
+def capture_program(
+    function: Callable[..., Any],
+    inputs: tuple,
+    signature: ValueTreeSignature,
+    device: torch.device,
+    *,
+    warmup: int,
+    pool: CudaGraphPool | None,
+    leaf_types: LeafTypes | None,
+    check_input_liveness: bool,
+    staging: str,
+    disabled: bool,
+) -> CapturedProgram:
+    """Warm up ``function`` on fresh buffers, copy ``inputs`` into the program's buffer
+    and capture (or, ``disabled``: set up the eager stand-in). Call with ``device``
+    current. Raises what warm-up and capture raise (``CudaGraphCaptureError``)."""
+    name = getattr(function, "__qualname__", type(function).__name__)
+    # Programs of one pool share its capture stream, and so one cuBLAS workspace, made
+    # inside the pool (GraphPool.capture_stream); warmups run on its warmup stream.
+    graph_pool = pool.graph_pool if pool is not None else GraphPool()
+    t0 = time.perf_counter()
+    last = None
+    if not disabled:
+        last = warm_up(
+            function, signature, inputs, device, warmup, graph_pool.warmup_stream(device), name
+        )
+    t1 = time.perf_counter()
+    buffer = ReusableValueBuffer(signature, device)
+    buffer.copy_from(inputs, path="inputs")
+    if disabled:
+        captured = run_function_eagerly(function, buffer, leaf_types, name)
+    else:
+        captured = capture_function(
+            function,
+            buffer,
+            last=last,
+            graph_pool=graph_pool,
+            stream=graph_pool.capture_stream(device),
+            shared_pool=pool is not None,
+            leaf_types=leaf_types,
+            name=name,
+            check_input_liveness=check_input_liveness,
+            staging=staging,
+        )
+    return CapturedProgram(
+        function=function,
+        name=name,
+        device=device,
+        signature=signature,
+        leaf_types=leaf_types,
+        pool=pool,
+        graph_pool=graph_pool if pool is None else None,
+        buffer=buffer,
+        captured=captured,
+        last=last,
+        warmup_iterations=warmup,
+        warmup_seconds=t1 - t0,
+        capture_seconds=time.perf_counter() - t1,
+    )
 
 
 def capture_function(

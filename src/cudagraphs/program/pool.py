@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -20,11 +20,16 @@ from ..errors import (
     CudaGraphsValueError,
     ProgramClosedError,
 )
-
-if TYPE_CHECKING:
-    from .program import CudaGraphProgram
+from .launch_order import LaunchOrder
 
 __all__ = ["CopyHandle", "CudaGraphCaptureStats", "CudaGraphPool", "ProgramClosedError"]
+
+
+class _Member(Protocol):
+    """What a pool asks of its programs (no import of the program module: it imports
+    this one)."""
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -115,10 +120,10 @@ class CudaGraphPool:
                 f"{type(pool).__name__}"
             )
         self._graph_pool = GraphPool() if pool is None else pool
-        self._members: weakref.WeakSet[CudaGraphProgram] = weakref.WeakSet()
-        self._launched = torch.cuda.Event()
-        self._record_launches = False
-        self._last_launch_stream: torch.cuda.Stream | None = None
+        self._members: weakref.WeakSet[_Member] = weakref.WeakSet()
+        #: Launches of member programs share the scratch: one on another stream than
+        #: the last waits for it (:class:`LaunchOrder`).
+        self.launch_order = LaunchOrder()
         self._closed = False
 
     @property
@@ -144,24 +149,13 @@ class CudaGraphPool:
         if self._closed:
             raise ProgramClosedError("this CudaGraphPool was closed; create a new pool")
 
-    def _before_launch(self, stream: torch.cuda.Stream) -> None:
-        # Scratch is shared: a launch on another stream than the last one must wait
-        # for it. Same stream (the common case): stream order suffices, no event.
-        last = self._last_launch_stream
-        if last is None or stream is last:
-            return
-        if not self._record_launches:
-            # First cross-stream use: record late, on the last launch's stream (orders
-            # after that launch and whatever followed it), and record at every launch
-            # from now on.
-            self._launched.record(last)
-            self._record_launches = True
-        stream.wait_event(self._launched)
+    def add_member(self, program: _Member) -> None:
+        """Register a program captured with this pool (held weakly), closed with it."""
+        self._members.add(program)
 
-    def _after_launch(self, stream: torch.cuda.Stream) -> None:
-        if self._record_launches:
-            self._launched.record(stream)
-        self._last_launch_stream = stream
+    def discard_member(self, program: _Member) -> None:
+        """Unregister a program (it is closing)."""
+        self._members.discard(program)
 
     def close(self) -> None:
         """Wait for all scratch users, then close the live member programs (idempotent)."""
@@ -172,4 +166,4 @@ class CudaGraphPool:
             program.close()
         self._closed = True
         self._graph_pool = None
-        self._last_launch_stream = None
+        self.launch_order.forget()

@@ -7,6 +7,7 @@ are cheap to capture again: give each concurrent worker its own program (and poo
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -14,20 +15,18 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ..capture import GraphPool
 from ..capturing import capture_scope
 from ..checks import require_cuda
 from ..errors import CudaGraphCaptureError, CudaGraphsTypeError
 from ..settings import graphs_disabled
 from ..torch_private import current_stream_key
-from .buffer import ReusableValueBuffer
-from .capture_steps import check_capture_arguments, detached, warm_up
-from .graph_capture import capture_function, run_function_eagerly
+from .capture_steps import check_capture_arguments, detached
+from .graph_capture import CapturedProgram, capture_program
+from .launch_order import LaunchOrder
 from .leaves import LeafTypes
 from .matcher import InputValidator
 from .pool import CopyHandle, CudaGraphCaptureStats, CudaGraphPool, ProgramClosedError
 from .signature import ValueTreeSignature
-from .staging import GraphStaging
 
 __all__ = [
     "CopyHandle",
@@ -39,9 +38,6 @@ __all__ = [
 
 OutputT = TypeVar("OutputT")
 
-# Only capture() builds programs; the constructor checks for this token.
-_PRIVATE = object()
-
 
 class CudaGraphProgram(Generic[OutputT]):
     """A function captured once, replayed on inputs copied into fixed buffers.
@@ -51,13 +47,51 @@ class CudaGraphProgram(Generic[OutputT]):
     usable eagerly; anything it closes over is static program state.
     """
 
-    def __init__(self, *, _token: object = None) -> None:
-        if _token is not _PRIVATE:
+    def __init__(self, captured: CapturedProgram | None = None) -> None:
+        """A program over what :func:`~.graph_capture.capture_program` captured; use
+        :meth:`capture`, which also checks the first replay.
+
+        Raises:
+            CudaGraphsTypeError: ``captured`` is not a ``CapturedProgram``.
+        """
+        if not isinstance(captured, CapturedProgram):
             raise CudaGraphsTypeError(
-                "CudaGraphProgram has no public constructor (a program is a captured "
-                "graph): build one with CudaGraphProgram.capture(function, "
-                "example_inputs=(...))"
+                "CudaGraphProgram is built from a capture, not directly: build one with "
+                "CudaGraphProgram.capture(function, example_inputs=(...))"
             )
+        self._function, self._name = captured.function, captured.name
+        self._device, self._signature = captured.device, captured.signature
+        self._validate = InputValidator(captured.signature)
+        self._pool, self._leaf_types = captured.pool, captured.leaf_types
+        # Kept alive with the program (None in a shared pool: the pool holds it).
+        self._graph_pool = captured.graph_pool
+        self._buffer = captured.buffer
+        graph = captured.captured
+        self._graph, self._output = graph.graph, graph.output
+        self._out_sig, self._staging = graph.out_sig, graph.staging
+        self._stats = CudaGraphCaptureStats(
+            warmup_iterations=captured.warmup_iterations,
+            warmup_seconds=captured.warmup_seconds,
+            capture_seconds=captured.capture_seconds,
+            first_replay_seconds=0.0,
+            memory_allocated_bytes=torch.cuda.memory_allocated(captured.device),
+            memory_reserved_bytes=torch.cuda.memory_reserved(captured.device),
+        )
+        # A fresh object per program: unlike id(self), never reused by another program.
+        self._generation, self._token = 0, object()
+        # Writers of the input buffer on another stream than the last replay wait for
+        # it (LaunchOrder). On the plain replay() path everything runs on one stream and
+        # no event is recorded; once the program prefetches (copy_inputs_from), every
+        # launch records one.
+        self._order = LaunchOrder()
+        self._last_copy: torch.cuda.Event | None = None
+        self._stream_key: object = None
+        self._get_stream_key = current_stream_key()  # (id, device, type)
+        self._device_index = captured.device.index
+        self._stream: torch.cuda.Stream | None = None
+        self._closed = False
+        if self._pool is not None:
+            self._pool.add_member(self)
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
@@ -132,110 +166,30 @@ class CudaGraphProgram(Generic[OutputT]):
         inputs, signature, device = check_capture_arguments(
             function, example_inputs, warmup, pool, leaf_types, staging
         )
-        program = cls(_token=_PRIVATE)
-        program._build(
-            function,
-            inputs,
-            signature,
-            device,
-            warmup,
-            pool,
-            leaf_types,
-            check_input_liveness,
-            check_first_replay,
-            staging,
-        )
-        return program
-
-    def _build(
-        self,
-        function: Callable[..., Any],
-        inputs: tuple,
-        signature: ValueTreeSignature,
-        device: torch.device,
-        warmup: int,
-        pool: CudaGraphPool | None,
-        leaf_types: LeafTypes | None,
-        check_input_liveness: bool,
-        check_first_replay: bool,
-        staging: str,
-    ) -> None:
-        name = getattr(function, "__qualname__", type(function).__name__)
-        self._function, self._device, self._signature = function, device, signature
-        self._validate = InputValidator(signature)
-        self._pool, self._leaf_types, self._name = pool, leaf_types, name
-        # A fresh object per program: unlike id(self), never reused by another program.
-        self._generation, self._token = 0, object()
-        # Overwrite protection. A buffer writer on another stream than the last replay
-        # must wait for that replay. On the plain replay() path everything runs on one
-        # stream, so no event is recorded per launch (a host call each); once the program
-        # prefetches (copy_inputs_from), every launch records ``_launched``. Before
-        # that, a cross-stream writer records it late, on the replay's stream, which
-        # orders after the replay and whatever followed it (conservative, correct).
-        self._launched = torch.cuda.Event()
-        self._record_launches = False
-        self._last_copy: torch.cuda.Event | None = None
-        self._last_replay_stream: torch.cuda.Stream | None = None
-        self._stream_key: object = None
-        self._get_stream_key = current_stream_key()  # (id, device, type)
-        self._device_index = device.index
-        self._stream: torch.cuda.Stream | None = None
-        self._closed = False
-        self._staging: GraphStaging | None = None
         disabled = graphs_disabled()
         with torch.cuda.device(device), nullcontext() if disabled else capture_scope():
-            # Programs of one pool share its capture stream, and so one cuBLAS
-            # workspace, made inside the pool (GraphPool.capture_stream); warmups run
-            # on its warmup stream.
-            graph_pool = pool.graph_pool if pool is not None else GraphPool()
-            stream = graph_pool.capture_stream(device)
+            captured = capture_program(
+                function,
+                inputs,
+                signature,
+                device,
+                warmup=warmup,
+                pool=pool,
+                leaf_types=leaf_types,
+                check_input_liveness=check_input_liveness,
+                staging=staging,
+                disabled=disabled,
+            )
+            program = cls(captured)
             t0 = time.perf_counter()
-            last = None
-            if not disabled:
-                last = warm_up(
-                    function,
-                    signature,
-                    inputs,
-                    device,
-                    warmup,
-                    graph_pool.warmup_stream(device),
-                    name,
-                )
-            t1 = time.perf_counter()
-            self._buffer = ReusableValueBuffer(signature, device)
-            self._buffer.copy_from(inputs, path="inputs")
-            if disabled:
-                captured = run_function_eagerly(function, self._buffer, leaf_types, name)
-            else:
-                captured = capture_function(
-                    function,
-                    self._buffer,
-                    last=last,
-                    graph_pool=graph_pool,
-                    stream=stream,
-                    shared_pool=pool is not None,
-                    leaf_types=leaf_types,
-                    name=name,
-                    check_input_liveness=check_input_liveness,
-                    staging=staging,
-                )
-            self._graph, self._output = captured.graph, captured.output
-            self._out_sig, self._staging = captured.out_sig, captured.staging
-            if pool is None:
-                self._graph_pool = graph_pool
-            t2 = time.perf_counter()
-            self._first_replay(last if check_first_replay else None)
-            t3 = time.perf_counter()
-            self._stats = CudaGraphCaptureStats(
-                warmup_iterations=warmup,
-                warmup_seconds=t1 - t0,
-                capture_seconds=t2 - t1,
-                first_replay_seconds=t3 - t2,
+            program._first_replay(captured.last if check_first_replay else None)
+            program._stats = dataclasses.replace(
+                program._stats,
+                first_replay_seconds=time.perf_counter() - t0,
                 memory_allocated_bytes=torch.cuda.memory_allocated(device),
                 memory_reserved_bytes=torch.cuda.memory_reserved(device),
             )
-        if pool is not None:
-            pool._members.add(self)
+        return program
 
     def _first_replay(self, last: Any) -> None:
         try:
@@ -319,18 +273,15 @@ class CudaGraphProgram(Generic[OutputT]):
     def _launch(self, stream: torch.cuda.Stream) -> None:
         pool = self._pool
         if pool is not None:
-            pool._before_launch(stream)
+            # Scratch is shared: a launch on another stream than the pool's last waits.
+            pool.launch_order.wait(stream, record_from_now=True)
         self._graph.replay()
-        if self._record_launches:
-            # One event, re-recorded per launch: a wait issued later always refers to
-            # the latest launch, which is what overwrite protection needs.
-            self._launched.record(stream)
-        self._last_replay_stream = stream
+        self._order.launched(stream)
         # The launch waited for the latest copy, so later buffer writers, which wait
         # for this launch, are ordered after that copy too.
         self._last_copy = None
         if pool is not None:
-            pool._after_launch(stream)
+            pool.launch_order.launched(stream)
 
     def _current_stream(self) -> torch.cuda.Stream:
         # torch.cuda.current_stream() builds a new Stream object per call; on the replay
@@ -345,11 +296,7 @@ class CudaGraphProgram(Generic[OutputT]):
         """Before ``stream`` writes the input buffer: wait for the last launched replay
         (it may still read the inputs) and the last prefetch copy (so buffer writes land
         in the order they were issued), whatever streams those ran on."""
-        last = self._last_replay_stream
-        if last is not None and stream is not last:
-            if not self._record_launches:
-                self._launched.record(last)  # late: see __init__
-            stream.wait_event(self._launched)
+        self._order.wait(stream, record_from_now=False)
         if self._last_copy is not None:
             stream.wait_event(self._last_copy)
 
@@ -398,7 +345,7 @@ class CudaGraphProgram(Generic[OutputT]):
         stream = self._current_stream()
         # Also when nothing is copied: the launch below is what later buffer writers
         # wait for, so it must come after any copy still pending into the buffer.
-        last = self._last_replay_stream
+        last = self._order.last_stream
         if self._last_copy is not None or (last is not stream and last is not None):
             self._order_buffer_write(stream)
         if sources is not None:
@@ -429,7 +376,7 @@ class CudaGraphProgram(Generic[OutputT]):
         sources = self._validate(inputs, "inputs")
         stream = torch.cuda.current_stream(self._device) if stream is None else stream
         self._order_buffer_write(stream)
-        self._record_launches = True  # a prefetching program: see __init__
+        self._order.recording = True  # a prefetching program: see __init__
         if self._staging is not None:
             self._staging.unbind()  # the graph reads the buffer this copy fills
         events = [wait_for] if isinstance(wait_for, torch.cuda.Event) else list(wait_for or ())
@@ -484,10 +431,11 @@ class CudaGraphProgram(Generic[OutputT]):
         if getattr(self, "_graph", None) is not None:
             self._graph.reset()
         self._graph = self._buffer = self._output = self._staging = None
-        self._last_replay_stream = self._last_copy = None
+        self._order.forget()
+        self._last_copy = None
         self._graph_pool = None
         if self._pool is not None:
-            self._pool._members.discard(self)
+            self._pool.discard_member(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.input_nbytes} input bytes"
