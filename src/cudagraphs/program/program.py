@@ -276,7 +276,12 @@ class CudaGraphProgram(Generic[OutputT]):
             # Scratch is shared: a launch on another stream than the pool's last waits.
             pool.launch_order.wait(stream, record_from_now=True)
         self._graph.replay()
-        self._order.launched(stream)
+        # LaunchOrder.launched, inline: this is the per-replay path, where a method
+        # call costs about as much as the rest of these lines.
+        order = self._order
+        if order.recording:
+            order.event.record(stream)
+        order.last_stream = stream
         # The launch waited for the latest copy, so later buffer writers, which wait
         # for this launch, are ordered after that copy too.
         self._last_copy = None
