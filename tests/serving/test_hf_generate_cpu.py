@@ -1,12 +1,10 @@
-"""The Hugging Face generator on the CPU, with the eager stand-in for CUDA capture: request
-checks and HF's position rule, the sampling rule and stop tokens, the shared static
-cache, greedy and sampled tokens equal to HF's ``generate`` over a static cache (every
-batch size, left padding, EOS, batches above the largest bucket, MoE experts), the
-models it refuses, and the runner's per-bucket warmup counts, capture times, progress
-and the collector paused while it captures."""
+"""The Hugging Face generator on the CPU, with the eager stand-in for CUDA capture: greedy
+and sampled tokens equal to HF's ``generate`` over a static cache (every batch size,
+left padding, EOS, batches above the largest bucket, MoE experts), the models it
+refuses, and the runner's per-bucket warmup counts, capture times, progress and the
+collector paused while it captures."""
 
 import gc
-import inspect
 import io
 import logging
 import sys
@@ -14,26 +12,26 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
 from _hf_models import tiny
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import StaticCache  # noqa: E402
-from transformers.generation.logits_process import (  # noqa: E402
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
+from _hf_generate import (  # noqa: E402
+    EOS,
+    PAD,
+    PROMPT,
+    L,
+    captured,
+    ended,
+    hf_generate,
+    prompts,
+)
 from cudagraphs.capture import gc_paused  # noqa: E402
 from cudagraphs.errors import (  # noqa: E402
-    CudaGraphInputError,
     CudaGraphsStateError,
-    CudaGraphsTypeError,
     CudaGraphsValueError,
-    Mismatch,
     UnsupportedModelError,
 )
 from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec  # noqa: E402
@@ -41,467 +39,20 @@ from cudagraphs.serving.buckets import warmup_runs  # noqa: E402
 from cudagraphs.serving.graphs import eager_backend  # noqa: E402
 from cudagraphs.serving.hf import (  # noqa: E402
     GraphedGenerator,
-    LayerShape,
     Sampling,
-    SharedStaticCache,
-    check_request,
-    positions_from_mask,
-    stop_tokens,
 )
-from cudagraphs.serving.hf.cache import cache_keyword, layer_shapes  # noqa: E402
 from cudagraphs.serving.hf.sampling import sampling_rule  # noqa: E402
 from cudagraphs.serving.runner import progress_bar  # noqa: E402
 
 CPU = torch.device("cpu")
-L = 24  # max_cache_len of every generator here
-PROMPT = 6
 NEW = 10
-EOS, PAD = 2, 0  # tiny llama's generation_config eos is 2; passed explicitly to both sides
 GENERATOR_LOG = "cudagraphs.serving.hf.generator"
 RUNNER_LOG = "cudagraphs.serving.runner"
 
 
-# ---- helpers ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model():
     return tiny("llama").eval()
-
-
-def prompts(batch, prompt_len=PROMPT, seed=0):
-    """Left-padded prompts: row r has r % 3 padding tokens (id 0) before real ids >= 3."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 128, (batch, prompt_len), generator=g)
-    mask = torch.ones(batch, prompt_len, dtype=torch.long)
-    for r in range(batch):
-        mask[r, : r % 3] = 0
-        ids[r, : r % 3] = 0
-    return ids, mask
-
-
-def hf_keyword(model):
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def hf_generate(model, ids, mask, max_new_tokens, **kw):
-    kw.setdefault("do_sample", False)
-    return model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        disable_compile=True,
-        **{hf_keyword(model): StaticCache(config=model.config, max_cache_len=L)},
-        **kw,
-    )
-
-
-def captured(model, batch_sizes=(1, 2, 4, 8), **kw):
-    gen = GraphedGenerator(model, batch_sizes, max_cache_len=L, capture_backend=eager_backend, **kw)
-    gen.capture(progress=False)
-    return gen
-
-
-def ended(free, eos, pad):
-    """What ``free`` (new tokens made without EOS) becomes with EOS ids ``eos``: a row's
-    tokens after its first EOS are ``pad``; the output ends when every row has ended."""
-    out = free.clone()
-    lengths = []
-    for r in range(free.shape[0]):
-        hits = [t for t in range(free.shape[1]) if int(free[r, t]) in eos]
-        if hits:
-            out[r, hits[0] + 1 :] = pad
-            lengths.append(hits[0] + 1)
-        else:
-            lengths.append(free.shape[1])
-    return out[:, : max(lengths)]
-
-
-# ---- requests.py -----------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "mask, expected",
-    [
-        ([[1, 1, 1]], [[0, 1, 2]]),
-        ([[0, 0, 1, 1]], [[0, 0, 0, 1]]),
-        ([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1]], [[0, 0, 1, 2], [0, 1, 2, 3], [0, 0, 0, 0]]),
-        ([0, 1, 1], [0, 0, 1]),  # one row, unbatched: the count runs along the last dim
-    ],
-)
-def test_positions_from_mask_follow_hf_rule(mask, expected):
-    mask = torch.tensor(mask)
-    hf_rule = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    assert torch.equal(positions_from_mask(mask), torch.tensor(expected))
-    assert torch.equal(positions_from_mask(mask), hf_rule)
-    assert torch.equal(positions_from_mask(mask.bool()), hf_rule)
-
-
-def test_valid_request_without_mask_gets_an_all_true_bool_mask():
-    ids = torch.arange(3, 15, dtype=torch.int32).reshape(2, 6)
-    request = check_request(ids, None, 4, 16, CPU)
-    assert request.attention_mask.dtype == torch.bool
-    assert request.attention_mask.shape == (2, 6)
-    assert bool(request.attention_mask.all())
-    assert request.input_ids.dtype == torch.long
-    assert torch.equal(request.input_ids, ids.long())
-    assert (request.batch, request.prompt_len, request.max_new_tokens) == (2, 6, 4)
-
-
-@pytest.mark.parametrize("with_mask", [True, False])
-def test_request_is_moved_to_the_device_given(with_mask):
-    # the meta device stands in for a GPU: ids and mask both go to the device given
-    ids, mask = prompts(3)
-    meta = torch.device("meta")
-    request = check_request(ids, mask if with_mask else None, 2, 16, meta)
-    assert request.input_ids.device == meta and request.input_ids.dtype == torch.long
-    assert request.attention_mask.device == meta and request.attention_mask.dtype == torch.bool
-
-
-def test_a_missing_mask_is_made_on_the_device_given_not_the_default_device():
-    ids = torch.ones(2, 3, dtype=torch.long)
-    with torch.device("meta"):  # torch's default device for new tensors
-        request = check_request(ids, None, 2, 16, CPU)
-    assert request.attention_mask.device == CPU
-    assert bool(request.attention_mask.all())
-
-
-def test_valid_mask_becomes_bool_with_the_same_pattern():
-    ids, mask = prompts(3)
-    request = check_request(ids, mask, 2, 16, CPU)
-    assert request.attention_mask.dtype == torch.bool
-    assert torch.equal(request.attention_mask, mask.bool())
-
-
-def test_positions_needed_is_prompt_plus_new_minus_one():
-    request = check_request(torch.ones(2, 5, dtype=torch.long), None, 7, 64, CPU)
-    assert request.positions_needed == 5 + 7 - 1
-
-
-def test_request_filling_the_cache_exactly_is_accepted():
-    request = check_request(torch.ones(1, 5, dtype=torch.long), None, 4, 8, CPU)
-    assert request.positions_needed == 8
-
-
-def test_request_longer_than_the_cache_names_positions_and_max_cache_len():
-    with pytest.raises(CudaGraphsValueError, match="needs 9 cache positions") as err:
-        check_request(torch.ones(1, 5, dtype=torch.long), None, 5, 8, CPU)
-    assert "max_cache_len=8" in str(err.value)
-    assert "max_cache_len >= 9" in str(err.value)
-
-
-@pytest.mark.parametrize(
-    "ids, kind", [([[1, 2, 3]], "list"), ((1, 2), "tuple"), (None, "NoneType")]
-)
-def test_non_tensor_ids_are_a_type_error(ids, kind):
-    with pytest.raises(CudaGraphsTypeError, match="input_ids must be a torch.Tensor") as err:
-        check_request(ids, None, 2, 16, CPU)
-    assert f"got {kind};" in str(err.value)
-    assert "return_tensors='pt'" in str(err.value)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bool])
-def test_non_integer_ids_are_a_type_error(dtype):
-    with pytest.raises(CudaGraphsTypeError, match="integer token ids"):
-        check_request(torch.ones(1, 3, dtype=dtype), None, 2, 16, CPU)
-
-
-def test_one_dimensional_ids_suggest_unsqueeze():
-    with pytest.raises(CudaGraphsValueError, match=r"unsqueeze\(0\)") as err:
-        check_request(torch.ones(4, dtype=torch.long), None, 2, 16, CPU)
-    assert "got shape (4,) (one prompt: input_ids.unsqueeze(0))" in str(err.value)
-
-
-def test_three_dimensional_ids_are_refused_without_the_unsqueeze_hint():
-    with pytest.raises(CudaGraphsValueError, match="must be 2-D") as err:
-        check_request(torch.ones(1, 2, 3, dtype=torch.long), None, 2, 16, CPU)
-    assert "unsqueeze" not in str(err.value)
-    assert str(err.value).endswith("got shape (1, 2, 3)")  # the shape received, no hint
-
-
-@pytest.mark.parametrize("shape", [(1, 0), (0, 3)])
-def test_empty_ids_are_refused(shape):
-    with pytest.raises(CudaGraphsValueError, match="empty"):
-        check_request(torch.ones(shape, dtype=torch.long), None, 2, 16, CPU)
-
-
-def test_mask_of_another_shape_is_an_input_error_with_one_mismatch():
-    ids = torch.ones(2, 3, dtype=torch.long)
-    with pytest.raises(CudaGraphInputError, match="attention_mask") as err:
-        check_request(ids, torch.ones(2, 4, dtype=torch.long), 2, 16, CPU)
-    assert err.value.mismatches == [Mismatch("attention_mask", "shape", (2, 3), (2, 4))]
-    assert "attention_mask: shape expected (2, 3), received (2, 4)" in str(err.value)
-    assert "attention_mask does not match input_ids" in str(err.value)
-    assert "Pass the mask the tokenizer returned with these ids" in str(err.value)
-
-
-def test_mask_that_is_not_a_tensor_is_a_type_error():
-    with pytest.raises(CudaGraphsTypeError, match="attention_mask must be a torch.Tensor") as err:
-        check_request(torch.ones(1, 3, dtype=torch.long), [[1, 1, 1]], 2, 16, CPU)
-    assert str(err.value).endswith("got list")
-
-
-def test_mask_values_other_than_zero_and_one_are_refused():
-    mask = torch.tensor([[1, 2, 1]])
-    with pytest.raises(CudaGraphInputError, match="values other than 0 and 1"):
-        check_request(torch.ones(1, 3, dtype=torch.long), mask, 2, 16, CPU)
-
-
-def test_a_row_without_real_tokens_is_named():
-    mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
-    with pytest.raises(CudaGraphInputError, match=r"rows \[1\] have no real token"):
-        check_request(torch.ones(2, 3, dtype=torch.long), mask, 2, 16, CPU)
-
-
-@pytest.mark.parametrize("bad_row", [[1, 1, 0], [1, 0, 1], [0, 1, 0]])
-def test_right_padding_or_holes_name_the_row_and_padding_side(bad_row):
-    mask = torch.tensor([[0, 1, 1], bad_row])
-    with pytest.raises(CudaGraphInputError, match=r"rows \[1\] have padding after") as err:
-        check_request(torch.ones(2, 3, dtype=torch.long), mask, 2, 16, CPU)
-    assert "padding_side = 'left'" in str(err.value)
-    assert str(err.value).endswith(
-        "the static cache needs left padding: tokenizer.padding_side = 'left'"
-    )
-
-
-def test_every_mask_problem_is_said_at_once():
-    mask = torch.tensor([[0, 0, 0], [1, 1, 0], [0, 1, 1]])
-    with pytest.raises(CudaGraphInputError) as err:
-        check_request(torch.ones(3, 3, dtype=torch.long), mask, 2, 16, CPU)
-    assert "rows [0] have no real token" in str(err.value)
-    assert "rows [1] have padding after" in str(err.value)
-    # all three kinds, one clause each after the headline, in the order they are checked
-    mask = torch.tensor([[0, 0, 0], [1, 2, 0], [0, 1, 1]])
-    with pytest.raises(CudaGraphInputError) as err:
-        check_request(torch.ones(3, 3, dtype=torch.long), mask, 2, 16, CPU)
-    assert (
-        "0/1 mask: it holds values other than 0 and 1; rows [0] have no real token; "
-        "rows [1] have padding after"
-    ) in str(err.value)
-
-
-def test_zero_new_tokens_is_a_value_error():
-    with pytest.raises(CudaGraphsValueError, match="max_new_tokens must be an int >= 1"):
-        check_request(torch.ones(1, 3, dtype=torch.long), None, 0, 16, CPU)
-
-
-@pytest.mark.parametrize("new", [2.0, "2", True, None])
-def test_non_int_new_tokens_is_a_type_error(new):
-    with pytest.raises(CudaGraphsTypeError, match="max_new_tokens must be an int"):
-        check_request(torch.ones(1, 3, dtype=torch.long), None, new, 16, CPU)
-
-
-# ---- sampling.py -----------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "kw, error, text",
-    [
-        (dict(temperature=0.0), CudaGraphsValueError, "temperature must be > 0"),
-        (dict(temperature=-0.5), CudaGraphsValueError, "temperature must be > 0"),
-        (dict(temperature="1"), CudaGraphsTypeError, "^temperature must be a number.* got str '1'"),
-        (dict(top_p=0.0), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
-        (dict(top_p=1.5), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
-        (dict(top_p="0.5"), CudaGraphsTypeError, "^top_p must be a number.* got str '0.5'"),
-        (dict(top_k=-1), CudaGraphsValueError, "top_k must be an int >= 0"),
-        (dict(top_k=2.0), CudaGraphsTypeError, "top_k must be an int"),
-        (dict(do_sample=1), CudaGraphsTypeError, "do_sample must be a bool"),
-        (dict(do_sample="yes"), CudaGraphsTypeError, "do_sample must be a bool"),
-    ],
-)
-def test_bad_sampling_values_are_refused(kw, error, text):
-    with pytest.raises(error, match=text):
-        Sampling(**kw)
-
-
-def test_sampling_accepts_the_edges_of_its_ranges():
-    rule = Sampling(do_sample=True, temperature=1e-3, top_k=0, top_p=1.0)
-    assert (rule.temperature, rule.top_k, rule.top_p) == (1e-3, 0, 1.0)
-
-
-def test_greedy_has_no_processors_whatever_the_sampling_values():
-    assert len(Sampling(False, temperature=0.5, top_k=10, top_p=0.9).processors()) == 0
-
-
-def test_sampling_processors_are_hfs_in_hfs_order():
-    processors = Sampling(True, temperature=0.5, top_k=10, top_p=0.9).processors()
-    assert [type(p) for p in processors] == [
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    ]
-    assert processors[0].temperature == 0.5
-    assert processors[1].top_k == 10
-    assert processors[2].top_p == 0.9
-
-
-@pytest.mark.parametrize(
-    "temperature, top_k, top_p, expected",
-    [
-        (1.0, None, None, []),
-        (1.0, 0, 1.0, []),
-        (0.7, 0, None, [TemperatureLogitsWarper]),
-        (1.0, 5, 1.0, [TopKLogitsWarper]),
-        (1.0, None, 0.5, [TopPLogitsWarper]),
-        (2.0, None, 0.5, [TemperatureLogitsWarper, TopPLogitsWarper]),
-    ],
-)
-def test_sampling_skips_values_hf_treats_as_off(temperature, top_k, top_p, expected):
-    processors = Sampling(True, temperature, top_k, top_p).processors()
-    assert [type(p) for p in processors] == expected
-
-
-def test_stop_tokens_default_to_the_generation_config():
-    stops = stop_tokens(None, None, SimpleNamespace(eos_token_id=5, pad_token_id=9), CPU)
-    assert stops.eos.tolist() == [5] and stops.eos.dtype == torch.long
-    assert stops.pad == 9 and stops.active
-
-
-def test_stop_tokens_are_on_the_device_given():
-    meta = torch.device("meta")  # stands in for a GPU
-    stops = stop_tokens([6, 4], None, None, meta)
-    assert stops.eos.device == meta and stops.eos.dtype == torch.long and stops.pad == 6
-
-
-def test_stop_token_arguments_override_the_generation_config():
-    stops = stop_tokens(7, 1, SimpleNamespace(eos_token_id=5, pad_token_id=9), CPU)
-    assert stops.eos.tolist() == [7] and stops.pad == 1
-
-
-def test_stop_tokens_take_a_list_and_pad_falls_back_to_the_first_eos():
-    stops = stop_tokens([6, 4], None, SimpleNamespace(eos_token_id=None, pad_token_id=None), CPU)
-    assert stops.eos.tolist() == [6, 4] and stops.pad == 6
-
-
-def test_stop_tokens_list_from_the_generation_config():
-    stops = stop_tokens(None, None, SimpleNamespace(eos_token_id=[3, 8], pad_token_id=None), CPU)
-    assert stops.eos.tolist() == [3, 8] and stops.pad == 3
-
-
-@pytest.mark.parametrize("eos", [torch.tensor([3, 4]), torch.tensor(3)])
-def test_stop_tokens_accept_a_tensor_of_eos_ids(eos):
-    stops = stop_tokens(eos, 0, None, CPU)
-    assert stops.eos.tolist() == torch.atleast_1d(eos).tolist() and stops.pad == 0
-
-
-def test_without_eos_stop_tokens_are_inactive():
-    stops = stop_tokens(None, None, None, CPU)
-    assert not stops.active and stops.eos.numel() == 0 and stops.pad is None
-    assert stops.eos.dtype == torch.long  # token ids, even when there are none
-    stops = stop_tokens([], 4, SimpleNamespace(eos_token_id=None, pad_token_id=None), CPU)
-    assert not stops.active and stops.pad == 4
-
-
-@pytest.mark.parametrize(
-    "eos, pad, text",
-    [
-        ("2", None, "eos_token_id must be an int or a list of ints, got str '2'"),
-        (2.0, None, "eos_token_id must be an int or a list of ints, got float 2.0"),
-        (True, None, "eos_token_id must be an int or a list of ints, got bool True"),
-        ([1, "a"], None, r"eos_token_id\[1\] must be an int"),
-        (2, "0", "pad_token_id must be an int"),
-        (2, 1.5, "pad_token_id must be an int"),
-    ],
-)
-def test_stop_tokens_of_bad_types_are_refused(eos, pad, text):
-    with pytest.raises(CudaGraphsTypeError, match=text):
-        stop_tokens(eos, pad, None, CPU)
-
-
-# ---- cache.py --------------------------------------------------------------------------
-class TakesCache(nn.Module):
-    def forward(self, input_ids, cache=None, use_cache=True):
-        return input_ids
-
-
-class TakesPastKeyValues(nn.Module):
-    def forward(self, input_ids, past_key_values=None, use_cache=True):
-        return input_ids
-
-
-class TakesBoth(nn.Module):
-    def forward(self, input_ids, past_key_values=None, cache=None):
-        return input_ids
-
-
-class TakesNoCache(nn.Module):
-    def forward(self, input_ids, attention_mask=None):
-        return input_ids
-
-
-@pytest.mark.parametrize(
-    "module, expected",
-    [(TakesCache, "cache"), (TakesPastKeyValues, "past_key_values"), (TakesBoth, "cache")],
-)
-def test_cache_keyword_follows_the_forward_signature(module, expected):
-    assert cache_keyword(module()) == expected
-
-
-def test_cache_keyword_refuses_a_forward_without_a_cache():
-    with pytest.raises(UnsupportedModelError, match="TakesNoCache.forward takes no cache"):
-        cache_keyword(TakesNoCache())
-
-
-def test_cache_keyword_of_the_installed_transformers(model):
-    assert cache_keyword(model) == hf_keyword(model)
-
-
-def test_layer_shapes_read_heads_and_widths(model):
-    shapes = layer_shapes(model, cache_keyword(model))
-    # tiny llama: 2 layers, 2 KV heads of 64 / 4 = 16
-    assert shapes == [LayerShape(2, 16, 16, torch.float32)] * 2
-
-
-@pytest.fixture
-def kv(model):
-    return SharedStaticCache(model, layer_shapes(model, cache_keyword(model)), 4, 16, CPU)
-
-
-def test_shared_cache_nbytes(kv):
-    assert kv.nbytes == 2 * 2 * (4 * 2 * 16 * 16) * 4  # layers x (k, v) x elements x fp32
-    assert kv.nbytes == sum(t.numel() * t.element_size() for t in kv.keys + kv.values)
-
-
-def test_cache_for_the_same_rows_is_the_same_object(kv):
-    assert kv.cache_for(2) is kv.cache_for(2)
-    assert kv.cache_for(2) is not kv.cache_for(4)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 4])
-def test_cache_for_rows_binds_the_leading_rows_of_the_storage(kv, rows):
-    cache = kv.cache_for(rows)
-    assert len(cache.layers) == 2
-    for i, layer in enumerate(cache.layers):
-        assert layer.keys.shape == (rows, 2, 16, 16)
-        assert layer.keys.data_ptr() == kv.keys[i][:rows].data_ptr()
-        assert layer.values.data_ptr() == kv.values[i][:rows].data_ptr()
-        assert layer.cumulative_length is kv.counters[i]
-
-
-def test_caches_of_all_row_counts_share_the_write_counters(model, kv):
-    small, large = kv.cache_for(2), kv.cache_for(4)
-    with torch.no_grad():
-        model(
-            input_ids=torch.randint(3, 128, (2, 3)),
-            use_cache=True,
-            **{cache_keyword(model): small},
-        )
-    assert [int(c) for c in kv.counters] == [3, 3]
-    for i, layer in enumerate(large.layers):
-        assert int(layer.cumulative_length) == 3
-        # the prefill wrote rows 0-1, positions 0-2 of the shared storage only
-        assert bool(kv.keys[i][:2, :, :3].ne(0).any())
-        assert not bool(kv.keys[i][2:].ne(0).any())
-        assert not bool(kv.keys[i][:, :, 3:].ne(0).any())
-    kv.reset()
-    assert [int(c) for c in kv.counters] == [0, 0]
-    assert all(int(layer.cumulative_length) == 0 for layer in small.layers)
-
-
-@pytest.mark.parametrize("rows", [0, 5, -1])
-def test_cache_for_rows_outside_the_storage_is_refused(kv, rows):
-    with pytest.raises(CudaGraphsValueError, match=f"a cache of {rows} rows"):
-        kv.cache_for(rows)
-
-
-def test_shared_cache_needs_a_layer(model):
-    with pytest.raises(CudaGraphsValueError, match="at least one layer"):
-        SharedStaticCache(model, [], 4, 16, CPU)
 
 
 # ---- generator.py: tokens equal HF's ----------------------------------------------------

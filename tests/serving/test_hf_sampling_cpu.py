@@ -1,0 +1,142 @@
+"""The Hugging Face generator's decoding rule on the CPU: sampling values merged with the
+model's generation_config as generate does, HF's processors in HF's order, and the stop
+and pad tokens."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.generation.logits_process import (  # noqa: E402
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from cudagraphs.errors import (  # noqa: E402
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+)
+from cudagraphs.serving.hf import (  # noqa: E402
+    Sampling,
+    stop_tokens,
+)
+
+CPU = torch.device("cpu")
+
+
+# ---- sampling.py -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, error, text",
+    [
+        (dict(temperature=0.0), CudaGraphsValueError, "temperature must be > 0"),
+        (dict(temperature=-0.5), CudaGraphsValueError, "temperature must be > 0"),
+        (dict(temperature="1"), CudaGraphsTypeError, "^temperature must be a number.* got str '1'"),
+        (dict(top_p=0.0), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
+        (dict(top_p="0.5"), CudaGraphsTypeError, "^top_p must be a number.* got str '0.5'"),
+        (dict(top_k=-1), CudaGraphsValueError, "top_k must be an int >= 0"),
+        (dict(top_k=2.0), CudaGraphsTypeError, "top_k must be an int"),
+        (dict(do_sample=1), CudaGraphsTypeError, "do_sample must be a bool"),
+        (dict(do_sample="yes"), CudaGraphsTypeError, "do_sample must be a bool"),
+    ],
+)
+def test_bad_sampling_values_are_refused(kw, error, text):
+    with pytest.raises(error, match=text):
+        Sampling(**kw)
+
+
+def test_sampling_accepts_the_edges_of_its_ranges():
+    rule = Sampling(do_sample=True, temperature=1e-3, top_k=0, top_p=1.0)
+    assert (rule.temperature, rule.top_k, rule.top_p) == (1e-3, 0, 1.0)
+
+
+def test_greedy_has_no_processors_whatever_the_sampling_values():
+    assert len(Sampling(False, temperature=0.5, top_k=10, top_p=0.9).processors()) == 0
+
+
+def test_sampling_processors_are_hfs_in_hfs_order():
+    processors = Sampling(True, temperature=0.5, top_k=10, top_p=0.9).processors()
+    assert [type(p) for p in processors] == [
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    ]
+    assert processors[0].temperature == 0.5
+    assert processors[1].top_k == 10
+    assert processors[2].top_p == 0.9
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, expected",
+    [
+        (1.0, None, None, []),
+        (1.0, 0, 1.0, []),
+        (0.7, 0, None, [TemperatureLogitsWarper]),
+        (1.0, 5, 1.0, [TopKLogitsWarper]),
+        (1.0, None, 0.5, [TopPLogitsWarper]),
+        (2.0, None, 0.5, [TemperatureLogitsWarper, TopPLogitsWarper]),
+    ],
+)
+def test_sampling_skips_values_hf_treats_as_off(temperature, top_k, top_p, expected):
+    processors = Sampling(True, temperature, top_k, top_p).processors()
+    assert [type(p) for p in processors] == expected
+
+
+def test_stop_tokens_default_to_the_generation_config():
+    stops = stop_tokens(None, None, SimpleNamespace(eos_token_id=5, pad_token_id=9), CPU)
+    assert stops.eos.tolist() == [5] and stops.eos.dtype == torch.long
+    assert stops.pad == 9 and stops.active
+
+
+def test_stop_tokens_are_on_the_device_given():
+    meta = torch.device("meta")  # stands in for a GPU
+    stops = stop_tokens([6, 4], None, None, meta)
+    assert stops.eos.device == meta and stops.eos.dtype == torch.long and stops.pad == 6
+
+
+def test_stop_token_arguments_override_the_generation_config():
+    stops = stop_tokens(7, 1, SimpleNamespace(eos_token_id=5, pad_token_id=9), CPU)
+    assert stops.eos.tolist() == [7] and stops.pad == 1
+
+
+def test_stop_tokens_take_a_list_and_pad_falls_back_to_the_first_eos():
+    stops = stop_tokens([6, 4], None, SimpleNamespace(eos_token_id=None, pad_token_id=None), CPU)
+    assert stops.eos.tolist() == [6, 4] and stops.pad == 6
+
+
+def test_stop_tokens_list_from_the_generation_config():
+    stops = stop_tokens(None, None, SimpleNamespace(eos_token_id=[3, 8], pad_token_id=None), CPU)
+    assert stops.eos.tolist() == [3, 8] and stops.pad == 3
+
+
+@pytest.mark.parametrize("eos", [torch.tensor([3, 4]), torch.tensor(3)])
+def test_stop_tokens_accept_a_tensor_of_eos_ids(eos):
+    stops = stop_tokens(eos, 0, None, CPU)
+    assert stops.eos.tolist() == torch.atleast_1d(eos).tolist() and stops.pad == 0
+
+
+def test_without_eos_stop_tokens_are_inactive():
+    stops = stop_tokens(None, None, None, CPU)
+    assert not stops.active and stops.eos.numel() == 0 and stops.pad is None
+    assert stops.eos.dtype == torch.long  # token ids, even when there are none
+    stops = stop_tokens([], 4, SimpleNamespace(eos_token_id=None, pad_token_id=None), CPU)
+    assert not stops.active and stops.pad == 4
+
+
+@pytest.mark.parametrize(
+    "eos, pad, text",
+    [
+        ("2", None, "eos_token_id must be an int or a list of ints, got str '2'"),
+        (2.0, None, "eos_token_id must be an int or a list of ints, got float 2.0"),
+        (True, None, "eos_token_id must be an int or a list of ints, got bool True"),
+        ([1, "a"], None, r"eos_token_id\[1\] must be an int"),
+        (2, "0", "pad_token_id must be an int"),
+        (2, 1.5, "pad_token_id must be an int"),
+    ],
+)
+def test_stop_tokens_of_bad_types_are_refused(eos, pad, text):
+    with pytest.raises(CudaGraphsTypeError, match=text):
+        stop_tokens(eos, pad, None, CPU)
