@@ -397,7 +397,9 @@ class _EndFlag:
     def record(self, value: torch.Tensor) -> None:
         self.host.copy_(value, non_blocking=self.event is not None)
         if self.event is not None:
-            self.event.record()
+            # The copy runs on the current stream of the value's device, which need not
+            # be the current device.
+            self.event.record(torch.cuda.current_stream(value.device))
         self.pending = True
 
     def read(self) -> bool:
