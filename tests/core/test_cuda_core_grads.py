@@ -1,0 +1,305 @@
+"""make_graphed_callables on a real GPU: who owns the gradients a backward replay hands
+out, and failed captures, reset and input checks.
+
+Graphed results must equal eager results exactly where the same kernels run, so every
+comparison here is ``torch.equal``. The eager reference is a deep copy taken before
+graphing, fed with identical inputs.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cudagraphs
+from _asserts import assert_bitwise_equal
+from _core_cuda import (
+    HIDDEN,
+    _assert_equal,
+    _assert_param_grads_equal,
+    _check_train_step,
+    _contain_failed_capture,
+    _mlp,
+    _randn,
+)
+from cudagraphs import (
+    CudaGraphCaptureError,
+    CudaGraphInputError,
+    GraphReleasedError,
+    make_graphed_callables,
+    new_pool,
+)
+
+pytestmark = pytest.mark.cuda
+
+BATCH = 4
+
+
+# ---- gradient ownership ----------------------------------------------------------------
+
+
+def _static_grad_ptrs(module):
+    return {t.data_ptr() for t in module.cuda_graph.graphs.static_grad_inputs if t is not None}
+
+
+def test_param_grads_are_handed_over_as_is_and_accumulate_like_eager():
+    # The first backward hands the static buffers out as .grad (no copy); the next
+    # replay would overwrite them, so it moves them to owned copies first, and the
+    # accumulated sum is eager's bit for bit.
+    module = _mlp()
+    eager = copy.deepcopy(module)
+    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
+    static = _static_grad_ptrs(module)
+    assert static, "the backward graph should produce parameter gradients"
+    for it in range(3):  # no zeroing in between: gradients accumulate
+        x = _randn(BATCH, HIDDEN, seed=10 + it)
+        grad = _randn(BATCH, HIDDEN, seed=20 + it)
+        module(x).backward(grad)
+        eager(x).backward(grad)
+        for name, p in module.named_parameters():
+            aliased = p.grad.data_ptr() in static
+            assert aliased == (it == 0), (
+                f"iteration {it}: {name}.grad {'aliases' if aliased else 'does not alias'} "
+                "its static gradient buffer"
+            )
+        _assert_param_grads_equal(module, eager, f"sum of {it + 1} replays")
+
+
+def test_param_grads_with_set_to_none_and_an_optimizer_match_eager_without_copies():
+    # torch's default regime: zero_grad(set_to_none=True) after every optimizer step,
+    # so each backward's gradients become .grad as views of the buffers, never copied.
+    module = _mlp()
+    eager = copy.deepcopy(module)
+    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
+    static = _static_grad_ptrs(module)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, foreach=True)
+    opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
+    for it in range(4):
+        x = _randn(BATCH, HIDDEN, seed=30 + it)
+        grad = _randn(BATCH, HIDDEN, seed=40 + it)
+        module(x).backward(grad)
+        eager(x).backward(grad)
+        assert all(p.grad.data_ptr() in static for p in module.parameters())
+        _assert_param_grads_equal(module, eager, f"step {it}")
+        opt.step()
+        opt_eager.step()
+        opt.zero_grad(set_to_none=True)
+        opt_eager.zero_grad(set_to_none=True)
+    for (name, p), q in zip(module.named_parameters(), eager.parameters()):
+        _assert_equal(p.detach(), q.detach(), f"{name} after 4 AdamW steps")
+
+
+def test_autograd_grad_returns_owned_param_grads():
+    module = _mlp()
+    eager = copy.deepcopy(module)
+    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
+    static = _static_grad_ptrs(module)
+    params, eager_params = list(module.parameters()), list(eager.parameters())
+    kept = []
+    for it in range(2):
+        x = _randn(BATCH, HIDDEN, seed=50 + it)
+        grad = _randn(BATCH, HIDDEN, seed=60 + it)
+        got = torch.autograd.grad(module(x), params, grad)
+        want = torch.autograd.grad(eager(x), eager_params, grad)
+        assert all(g.data_ptr() not in static for g in got), "autograd.grad returned a buffer"
+        kept.append((got, want))
+    for it, (got, want) in enumerate(kept):  # the second replay left the first's alone
+        for k, (g, w) in enumerate(zip(got, want)):
+            _assert_equal(g, w, f"autograd.grad call {it}, parameter {k}")
+    assert all(p.grad is None for p in params)
+
+
+def test_leaf_input_grads_are_owned_when_fresh_and_accumulate_like_eager():
+    # Leaf tensors passed as inputs (the partial-graph path passes parameters so): the
+    # first gradient becomes .grad and must be an owned copy; later ones are added.
+    w = torch.nn.Parameter(_randn(HIDDEN, HIDDEN, seed=2))
+    w_eager = torch.nn.Parameter(w.detach().clone())
+
+    def f(x, weight):
+        return torch.tanh(x @ weight)
+
+    graphed = make_graphed_callables(
+        f, (_randn(BATCH, HIDDEN, seed=1).requires_grad_(), w.detach().requires_grad_())
+    )
+    static = {t.data_ptr() for t in graphed.graphs.static_grad_inputs if t is not None}
+    for it in range(3):
+        x = _randn(BATCH, HIDDEN, seed=10 + it).requires_grad_()
+        x_eager = x.detach().clone().requires_grad_()
+        grad = _randn(BATCH, HIDDEN, seed=20 + it)
+        graphed(x, w).backward(grad)
+        f(x_eager, w_eager).backward(grad)
+        assert w.grad.data_ptr() not in static, f"iteration {it}: w.grad aliases a buffer"
+        assert x.grad.data_ptr() not in static, f"iteration {it}: x.grad aliases a buffer"
+        assert_bitwise_equal(x.grad, x_eager.grad, f"iteration {it}: input grad")
+        assert_bitwise_equal(w.grad, w_eager.grad, f"iteration {it}: accumulated weight grad")
+
+
+def test_param_grads_alias_static_buffers_without_cloning():
+    module = _mlp()
+    eager = copy.deepcopy(module)
+    make_graphed_callables(
+        module, (_randn(BATCH, HIDDEN, seed=1),), clone_param_grads_on_return=False
+    )
+    static = _static_grad_ptrs(module)
+    assert all(p.grad is None for p in module.parameters())
+    x = _randn(BATCH, HIDDEN, seed=10)
+    grad = _randn(BATCH, HIDDEN, seed=20)
+    module(x).backward(grad)
+    eager(x).backward(grad)
+    for name, p in module.named_parameters():
+        assert p.grad.data_ptr() in static, f"{name}.grad should alias its static gradient buffer"
+    _assert_param_grads_equal(module, eager, "aliased grads")
+
+
+def test_uncloned_param_grads_accumulate_into_existing_grads():
+    # The documented way to use clone_param_grads_on_return=False: gradients exist before
+    # the first backward and are zeroed in place.
+    module = _mlp()
+    eager = copy.deepcopy(module)
+    for p in list(module.parameters()) + list(eager.parameters()):
+        p.grad = torch.zeros_like(p)
+    make_graphed_callables(
+        module, (_randn(BATCH, HIDDEN, seed=1),), clone_param_grads_on_return=False
+    )
+    for step in range(2):
+        module.zero_grad(set_to_none=False)
+        eager.zero_grad(set_to_none=False)
+        for micro in range(2):
+            x = _randn(BATCH, HIDDEN, seed=10 * step + micro)
+            grad = _randn(BATCH, HIDDEN, seed=100 + 10 * step + micro)
+            module(x).backward(grad)
+            eager(x).backward(grad)
+        _assert_param_grads_equal(module, eager, f"step {step}: accumulated over 2 replays")
+
+
+# ---- failures, reset, input checks -----------------------------------------------------
+
+
+class _HostSync(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum().item() > 1e30:  # host sync: fine eagerly, illegal inside a capture
+            y = y * 0
+        return y
+
+
+@pytest.mark.parametrize("pool_kind", ["shared_pool", "own_pools"])
+def test_capture_failure_then_graphing_works_again(pool_kind):
+    # "shared_pool": both calls capture into one caller pool; "own_pools": each call
+    # makes its own pool (pool=None).
+    pool = new_pool() if pool_kind == "shared_pool" else None
+    bad = _HostSync().cuda()
+    good = _mlp()
+    eager = copy.deepcopy(good)
+    # Inputs are made before the failure (on the CPU generator anyway).
+    bad_sample = _randn(BATCH, HIDDEN, seed=1, requires_grad=True)
+    good_sample = _randn(BATCH, HIDDEN, seed=2, requires_grad=True)
+    stream_before = torch.cuda.current_stream()
+    try:
+        with pytest.raises(CudaGraphCaptureError) as info:
+            make_graphed_callables(bad, (bad_sample,), pool=pool)
+        assert info.value.__cause__ is not None, "the underlying error must be chained"
+        assert not torch.cuda.is_current_stream_capturing()
+        assert torch.cuda.current_stream() == stream_before
+        assert "forward" not in bad.__dict__ and not hasattr(bad, "cuda_graph"), (
+            "a failed graphing must leave the module unmodified"
+        )
+        assert bad(bad_sample).shape == (BATCH, HIDDEN), "the module still runs eagerly"
+
+        make_graphed_callables(good, (good_sample,), pool=pool)
+        for it in range(2):
+            good.zero_grad(set_to_none=True)
+            eager.zero_grad(set_to_none=True)
+            _check_train_step(
+                good, eager, 3 + it, 5 + it, (BATCH, HIDDEN), torch.float32, f"after failure {it}"
+            )
+    finally:
+        _contain_failed_capture(pool)
+
+
+def test_reset_restores_the_module_forward():
+    module = _mlp()
+    eager = copy.deepcopy(module)
+    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1, requires_grad=True),))
+    graphs = module.cuda_graph
+    module.reset()
+    assert graphs.graphs.released
+    assert "forward" not in module.__dict__, "reset() must restore the class forward"
+    assert not hasattr(module, "cuda_graph"), "reset() must remove module.cuda_graph"
+    x = _randn(BATCH, HIDDEN, seed=2, requires_grad=True)
+    out = module(x)
+    assert "Replay" not in type(out.grad_fn).__name__, "after reset() the forward is eager"
+    x_ref = x.detach().clone().requires_grad_(True)
+    out_ref = eager(x_ref)
+    _assert_equal(out, out_ref, "eager output after reset")
+    grad = _randn(BATCH, HIDDEN, seed=3)
+    out.backward(grad)
+    out_ref.backward(grad)
+    _assert_equal(x.grad, x_ref.grad, "eager input grad after reset")
+    _assert_param_grads_equal(module, eager, "after reset")
+    graphs.reset()  # idempotent
+
+
+def test_reset_removes_the_reset_attribute_it_installed():
+    module = _mlp()
+    assert not hasattr(module, "reset")
+    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
+    assert callable(module.reset), "a graphed module without its own reset() gets one"
+    module.reset()
+    assert "reset" not in module.__dict__, (
+        "reset() must remove the module.reset attribute that graphing installed"
+    )
+
+
+def _sin_times_two(a):
+    return a.sin() * 2
+
+
+def test_reset_of_a_function_releases_it():
+    a = _randn(16, seed=1, requires_grad=True)
+    graphed = make_graphed_callables(_sin_times_two, (a,))
+    x = _randn(16, seed=2, requires_grad=True)
+    _assert_equal(graphed(x), _sin_times_two(x.detach()), "replay before reset")
+    graphed.reset()
+    with pytest.raises(GraphReleasedError, match="released by reset"):
+        graphed(x)
+    with torch.no_grad(), pytest.raises(GraphReleasedError, match="released by reset"):
+        graphed(x)
+    graphed.reset()  # idempotent
+    assert "released" in repr(graphed)
+
+
+def test_mismatched_input_shape_is_an_input_error():
+    module = _mlp()
+    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1, requires_grad=True),))
+    wrong = _randn(2 * BATCH, HIDDEN, seed=2, requires_grad=True)
+    with pytest.raises(CudaGraphInputError) as info:
+        module(wrong)
+    message = str(info.value)
+    assert f"({2 * BATCH}, {HIDDEN})" in message, f"message should give the shape: {message}"
+    assert f"({BATCH}, {HIDDEN})" in message, f"message should give the captured shape: {message}"
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, cudagraphs.CudaGraphsError)
+    # The right shape still replays.
+    assert module(_randn(BATCH, HIDDEN, seed=3)).shape == (BATCH, HIDDEN)
+
+
+def test_function_with_dropout_gets_fresh_masks():
+    # A plain function with RNG and no grad inputs is captured forward-only.
+    def drop(x):
+        return F.dropout(x, p=0.25, training=True)
+
+    ones = torch.ones(128, 128, device="cuda")
+    graphed = make_graphed_callables(drop, (ones,))
+    first = graphed(ones).clone()
+    second = graphed(ones)
+    for name, out in (("first", first), ("second", second)):
+        zeros = (out == 0).float().mean().item()
+        assert 0.2 < zeros < 0.3, f"{name} replay dropped {zeros:.3f} (p=0.25)"
+    assert not torch.equal(first, second), "two replays used the same dropout mask"
