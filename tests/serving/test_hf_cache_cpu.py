@@ -2,6 +2,8 @@
 largest bucket, every bucket's StaticCache bound to its leading rows, shared write
 counters, and the layers it refuses."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -22,7 +24,11 @@ from cudagraphs.serving.hf import (  # noqa: E402
     LayerShape,
     SharedStaticCache,
 )
-from cudagraphs.serving.hf.cache import cache_keyword, layer_shapes  # noqa: E402
+from cudagraphs.serving.hf.cache import (  # noqa: E402
+    cache_keyword,
+    layer_shapes,
+    static_layer_check,
+)
 
 CPU = torch.device("cpu")
 
@@ -131,3 +137,114 @@ def test_cache_for_rows_outside_the_storage_is_refused(kv, rows):
 def test_shared_cache_needs_a_layer(model):
     with pytest.raises(CudaGraphsValueError, match="at least one layer"):
         SharedStaticCache(model, [], 4, 16, CPU)
+
+
+def _sliding_mistral():
+    config = transformers.AutoConfig.for_model(
+        "mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        sliding_window=4,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_a_static_cache_of_sliding_window_layers_is_refused_naming_model_and_kind():
+    with pytest.raises(UnsupportedModelError) as info:
+        static_layer_check(_sliding_mistral(), 16)
+    message = str(info.value)
+    assert message.startswith("MistralForCausalLM's static cache has layers of kind")
+    assert "['StaticSlidingWindowLayer']" in message
+    assert "Use model.generate for this model" in message
+
+
+def test_a_full_attention_static_cache_counts_its_layers(model):
+    assert static_layer_check(model, 16) == 2
+
+
+def test_bound_layers_carry_what_hfs_own_lazy_initialization_sets(model):
+    # Heads, key and value widths all different, in bf16: a mix-up of any two shows.
+    from transformers.cache_utils import StaticLayer
+
+    shapes = [LayerShape(3, 4, 5, torch.bfloat16)] * 2
+    kv = SharedStaticCache(model, shapes, 4, 8, CPU)
+    ref = StaticLayer(max_cache_len=8)
+    ref.lazy_initialization(
+        torch.zeros(2, 3, 1, 4, dtype=torch.bfloat16), torch.zeros(2, 3, 1, 5, dtype=torch.bfloat16)
+    )
+    for layer in kv.cache_for(2).layers:
+        for name, want in vars(ref).items():
+            if isinstance(want, torch.Tensor):
+                got = getattr(layer, name)
+                assert (got.shape, got.dtype) == (want.shape, want.dtype), name
+            else:
+                assert getattr(layer, name) == want, name
+        assert layer.dtype == torch.bfloat16
+
+
+def test_storage_takes_each_layers_dtype_and_the_given_device():
+    model = SimpleNamespace(config=None)
+    shapes = [LayerShape(2, 16, 8, torch.bfloat16), LayerShape(1, 4, 4, torch.float16)]
+    kv = SharedStaticCache(model, shapes, 3, 10, torch.device("meta"))
+    assert [(k.shape, k.dtype, k.device.type) for k in kv.keys] == [
+        ((3, 2, 10, 16), torch.bfloat16, "meta"),
+        ((3, 1, 10, 4), torch.float16, "meta"),
+    ]
+    assert [(v.shape, v.dtype, v.device.type) for v in kv.values] == [
+        ((3, 2, 10, 8), torch.bfloat16, "meta"),
+        ((3, 1, 10, 4), torch.float16, "meta"),
+    ]
+    assert [(c.shape, c.dtype, c.device.type) for c in kv.counters] == [
+        ((), torch.long, "meta"),
+        ((), torch.long, "meta"),
+    ]
+
+
+def test_layer_shapes_step_on_the_models_own_device():
+    meta = tiny("llama").eval().to("meta")  # a CPU input would not mix with meta weights
+    assert layer_shapes(meta, cache_keyword(meta)) == [LayerShape(2, 16, 16, torch.float32)] * 2
+
+
+def test_a_cache_layout_other_than_one_layer_per_attention_layer_is_refused(model):
+    kv = SharedStaticCache(model, [LayerShape(2, 16, 16, torch.float32)] * 3, 4, 16, CPU)
+    with pytest.raises(
+        UnsupportedModelError,
+        match="StaticCache has 2 layers but one step filled 3; its cache layout is not one "
+        "layer per attention layer",
+    ):
+        kv.cache_for(2)
+
+
+class OneStepRecorder(nn.Module):
+    """Records the step layer_shapes makes and fills one cache layer (keys 8 wide,
+    values 4), with its weights on the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = transformers.AutoConfig.for_model(
+            "llama",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+        self.weight = nn.Parameter(torch.zeros(1, device="meta"))
+        self.seen = []
+
+    def forward(self, input_ids, use_cache=False, cache=None):
+        self.seen.append((tuple(input_ids.shape), input_ids.dtype, input_ids.device, use_cache))
+        keys = torch.zeros(input_ids.shape[0], 2, input_ids.shape[1], 8, device=input_ids.device)
+        cache.update(keys, keys[..., :4], 0)
+        return None
+
+
+def test_layer_shapes_step_one_token_with_the_cache_on_the_models_device():
+    model = OneStepRecorder()
+    assert layer_shapes(model, "cache") == [LayerShape(2, 8, 4, torch.float32)]
+    assert model.seen == [((1, 1), torch.long, torch.device("meta"), True)]
