@@ -6,35 +6,9 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import pytest
 import torch
-
-from _train_bench import (
-    BENCH,
-    _load,
-)
-
-
-@pytest.fixture(scope="module")
-def ts():
-    # The scripts import their siblings (_report, train_step) by name.
-    sys.path.insert(0, str(BENCH))
-    try:
-        return _load("train_step")
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-@pytest.fixture(scope="module")
-def pt(ts):
-    sys.path.insert(0, str(BENCH))
-    try:
-        return _load("partial_train")
-    finally:
-        sys.path.remove(str(BENCH))
-
 
 # ---- compare_tensors -----------------------------------------------------------------
 

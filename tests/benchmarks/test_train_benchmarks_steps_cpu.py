@@ -4,45 +4,13 @@ interleaved steps, and the reset-and-check sequence of a step (planted bugs must
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
 from _train_bench import (
-    BENCH,
-    _load,
     _tiny,
 )
-
-
-@pytest.fixture(scope="module")
-def ts():
-    # The scripts import their siblings (_report, train_step) by name.
-    sys.path.insert(0, str(BENCH))
-    try:
-        return _load("train_step")
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-@pytest.fixture(scope="module")
-def pt(ts):
-    sys.path.insert(0, str(BENCH))
-    try:
-        return _load("partial_train")
-    finally:
-        sys.path.remove(str(BENCH))
-
-
-@pytest.fixture
-def cpu(ts, monkeypatch):
-    """The benchmark's CUDA calls made harmless on the CPU: device ``cpu``, no-op
-    synchronize (the timing helper and ``free_memory`` call it)."""
-    monkeypatch.setattr(ts, "DEVICE", "cpu")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    return ts
-
 
 # ---- guarded steps -------------------------------------------------------------------
 

@@ -116,34 +116,6 @@ def test_a_two_position_cache_serves_a_one_token_prompt_and_two_new_tokens(model
 
 
 # ---- check_supported ---------------------------------------------------------------------
-def _encoder_decoder(model):
-    model.config.is_encoder_decoder = True
-
-
-def _stateful(model):
-    model._is_stateful = True
-
-
-def _not_graph_safe(model):
-    model._can_compile_fullgraph = False
-
-
-@pytest.mark.parametrize(
-    "change, text",
-    [
-        (_encoder_decoder, "LlamaForCausalLM is an encoder-decoder model"),
-        (_stateful, "LlamaForCausalLM keeps recurrent state outside a KV cache"),
-        (_not_graph_safe, "LlamaForCausalLM does not support a static cache"),
-    ],
-)
-def test_a_refused_model_is_named_by_its_class(change, text):
-    model = tiny("llama").eval()
-    change(model)
-    with pytest.raises(UnsupportedModelError) as err:
-        GraphedGenerator(model, (1, 2), max_cache_len=L, capture_backend=eager_backend)
-    assert str(err.value).startswith(text)
-
-
 def test_refused_moe_experts_are_named_with_the_models_class():
     model = tiny("qwen3_moe").eval()
     model.set_experts_implementation("eager")
