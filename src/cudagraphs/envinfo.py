@@ -29,9 +29,9 @@ def _package_version(name: str) -> str:
 
 
 def _driver_version() -> str:
-    from .introspect import driver_backend
+    from .cuda_binding import cuda_binding
 
-    backend = driver_backend()
+    backend = cuda_binding()
     if backend is None:
         return "no NVIDIA driver found"
     try:
@@ -51,19 +51,20 @@ def _flag(name: str) -> str:
 def _cuda_fields() -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"cuda_device": "none (torch.cuda.is_available() is False)"}
-    from ._cudart import cuda_runtime
+    from .cuda_binding import cuda_binding
 
     index = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    runtime = cuda_runtime()
+    binding = cuda_binding()
+    staging_ok = binding is not None and binding.has_runtime
     return {
         "cuda_device": f"{props.name} (cuda:{index} of {torch.cuda.device_count()})",
         "compute_capability": f"{props.major}.{props.minor}",
         "gpu_memory_gib": round(props.total_memory / 2**30, 1),
         "cuda_driver": _driver_version(),
-        "cudart_loaded": runtime.path if runtime is not None else "none found",
+        "cuda_binding": binding.describe() if binding is not None else "none found",
         # What staging="auto" resolves to for a program of one input tensor.
-        "program_staging_auto": "graph" if runtime is not None else "copy",
+        "program_staging_auto": "graph" if staging_ok else "copy",
     }
 
 

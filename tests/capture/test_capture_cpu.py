@@ -7,7 +7,8 @@ import torch
 
 from cudagraphs import NoCudaDeviceError, capture_into_graph
 from cudagraphs.capture import _describe_mismatch, capture_environment
-from cudagraphs.introspect import GraphMemory, driver_backend
+from cudagraphs.cuda_binding import cuda_binding
+from cudagraphs.introspect import GraphMemory
 from cudagraphs.timing import _union_length
 
 
@@ -79,7 +80,7 @@ def test_union_of_intervals():
 
 
 def test_driver_backend_never_raises():
-    backend = driver_backend()
+    backend = cuda_binding()
     assert backend is None or backend.name in ("ctypes", "cuda.bindings")
 
 

@@ -7,11 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cudagraphs._cudart import MemcpyNode, _loaded_cudart_path, cuda_runtime
+from cudagraphs.cuda_binding import MemcpyNode, _loaded_cudart_path
 from cudagraphs.program.staging import (
     AUTO_GRAPH_STAGING_MAX_TENSORS,
     GraphStaging,
     choose_staging,
+    runtime_for,
     stageable,
 )
 
@@ -28,12 +29,16 @@ class FakeRuntime:
         assert graph == 11
         return self.nodes
 
-    def set_memcpy_source(self, graph_exec, node, dst, src, nbytes):
+    def memcpy_source_setter(self, graph_exec, node):
         assert graph_exec == 22
-        if src in self.refuse:
-            return 1  # cudaErrorInvalidValue
-        self.calls.append((node, src))
-        return 0
+
+        def set_source(src):
+            if src in self.refuse:
+                return "cudaErrorInvalidValue (1)"
+            self.calls.append((node.handle, src))
+            return None
+
+        return set_source
 
 
 FAKE_GRAPH = SimpleNamespace(raw_cuda_graph=lambda: 11, raw_cuda_graph_exec=lambda: 22)
@@ -65,7 +70,7 @@ def test_policy_modes():
 def test_policy_refusals_say_what_to_do():
     with pytest.raises(ValueError, match="staging must be one of"):
         choose_staging("fast", [torch.zeros(4)], True)
-    with pytest.raises(ValueError, match="libcudart.*staging='copy'"):
+    with pytest.raises(ValueError, match="cuda-bindings.*libcudart.*staging='copy'"):
         choose_staging("graph", [torch.zeros(4)], False)
     with pytest.raises(ValueError, match="contiguous, non-empty"):
         choose_staging("graph", [torch.zeros(4, 3).t(), torch.zeros(0)], True)
@@ -155,7 +160,7 @@ def test_refusing_to_point_back_at_the_buffer_raises():
     staging, runtime = _staging(buffers, with_nodes=(0,))
     staging.bind([torch.ones(4)])
     runtime.refuse.add(buffers[0].data_ptr())
-    with pytest.raises(RuntimeError, match="staging='copy'"):
+    with pytest.raises(RuntimeError, match=r"refused \(cudaErrorInvalidValue \(1\)\).*staging='copy'"):
         staging.unbind()
 
 
@@ -170,7 +175,7 @@ def test_inputs_without_a_matching_node_stay_copy_fed():
 def test_no_runtime_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only answer")
-    assert cuda_runtime() is None
+    assert runtime_for("auto") is None and runtime_for("graph") is None
     assert _loaded_cudart_path() is None or "libcudart" in _loaded_cudart_path()
 
 

@@ -15,7 +15,8 @@ How:
 * After capture the node of each staged input is found in the kept ``cudaGraph_t`` by
   its (source, destination) addresses.
 * Replay: a source on the graph's device, contiguous, of the staged dtype and size,
-  becomes the node's source (``cudaGraphExecMemcpyNodeSetParams1D``; CUDA applies it
+  becomes the node's source (``cudaGraphExecMemcpyNodeSetParams1D`` through
+  :mod:`cudagraphs.cuda_binding`, handles wrapped once at capture; CUDA applies it
   to later launches only, so launches still queued keep theirs). Anything else (a CPU
   or other-device source, or a refused update) is copied into ``home`` as before and
   the node pointed back at ``home``.
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .._cudart import CudaRuntime, cuda_runtime
+from ..cuda_binding import CudaBinding, SourceSetter, cuda_binding
 from ..errors import CudaCallError, CudaGraphsValueError
 
 __all__ = [
@@ -79,9 +80,10 @@ def choose_staging(mode: str, buffers: list[torch.Tensor], runtime_available: bo
     if mode == "graph":
         if not runtime_available:
             raise CudaGraphsValueError(
-                "staging='graph' needs the CUDA runtime library torch loaded (libcudart), "
-                "and none was found in this process (a statically linked torch?); use "
-                "staging='copy' or 'auto'"
+                "staging='graph' needs the CUDA runtime: cuda-bindings (pip install "
+                "cudagraphs[speedups]) or the libcudart torch loaded, and neither was "
+                "found in this process (a statically linked torch?); install "
+                "cuda-bindings, or use staging='copy' or 'auto'"
             )
         if not usable:
             raise CudaGraphsValueError(
@@ -99,7 +101,7 @@ class StagedInput:
     index: int  # position among the program's input tensors (flatten order)
     home: torch.Tensor  # the input buffer tensor (the node's source when copy-fed)
     numel: int
-    node: int  # cudaGraphNode_t of the memcpy node
+    set_source: SourceSetter  # points the memcpy node at an address (None: done)
     dst: int  # address the node writes (the graph-internal copy)
     nbytes: int
     current: int  # the node's source address now
@@ -123,17 +125,16 @@ def staged_arguments(buffers: list[torch.Tensor]) -> tuple[list[torch.Tensor], d
 
 
 class GraphStaging:
-    """The staged inputs of one instantiated graph and the runtime that updates them."""
+    """The staged inputs of one instantiated graph and the binding that updates them."""
 
     def __init__(
         self,
-        runtime: CudaRuntime,
+        runtime: CudaBinding,
         graph: torch.cuda.CUDAGraph,
         buffers: list[torch.Tensor],
         inner_ptrs: dict[int, int],
     ) -> None:
-        self._runtime = runtime
-        self._exec = int(graph.raw_cuda_graph_exec())
+        graph_exec = int(graph.raw_cuda_graph_exec())
         by_edge = {(n.src, n.dst): n for n in runtime.memcpy_nodes(int(graph.raw_cuda_graph()))}
         staged = []
         for i, dst in inner_ptrs.items():
@@ -144,8 +145,9 @@ class GraphStaging:
                 # copies from ``home``, so the input stays copy-fed and correct.
                 logger.debug("input tensor %d: no 1-D memcpy node found; staged by copy", i)
                 continue
+            setter = runtime.memcpy_source_setter(graph_exec, node)
             staged.append(
-                StagedInput(i, home, home.numel(), node.handle, dst, home.nbytes, home.data_ptr())
+                StagedInput(i, home, home.numel(), setter, dst, home.nbytes, home.data_ptr())
             )
         self.inputs: tuple[StagedInput, ...] = tuple(staged)
         self._covers_all = len(staged) == len(buffers)
@@ -176,7 +178,7 @@ class GraphStaging:
                 # A source overlapping the node's destination (a program output that
                 # is its own input, fed back) cannot be a memcpy source: copy it.
                 overlaps_dst = ptr < s.dst + s.nbytes and s.dst < ptr + s.nbytes
-                if not overlaps_dst and (ptr == s.current or self._point(s, ptr)):
+                if not overlaps_dst and (ptr == s.current or self._point(s, ptr) is None):
                     held.append(src)
                     continue
             self._point_home(s)  # the copy into home feeds the node
@@ -197,27 +199,33 @@ class GraphStaging:
         self._held = []
 
     def _point_home(self, s: StagedInput) -> None:
-        if not self._point(s, s.home.data_ptr()):
+        error = self._point(s, s.home.data_ptr())
+        if error is not None:
             # The node still reads a caller's tensor: replaying would read stale data.
             raise CudaCallError(
-                f"input tensor {s.index}: CUDA refused to point its memcpy node back at "
-                "the program's own buffer (the address it was captured with); the "
+                f"input tensor {s.index}: CUDA refused ({error}) to point its memcpy node "
+                "back at the program's own buffer (the address it was captured with); the "
                 "program cannot replay safely. Close it and capture again with "
                 "staging='copy', and please report this."
             )
 
-    def _point(self, s: StagedInput, ptr: int) -> bool:
+    def _point(self, s: StagedInput, ptr: int) -> str | None:
+        """Point ``s``'s node at ``ptr``: ``None`` when it does, else CUDA's error."""
         if ptr == s.current:
-            return True
-        status = self._runtime.set_memcpy_source(self._exec, s.node, s.dst, ptr, s.nbytes)
-        if status:
-            logger.debug("memcpy node update refused (cudaError %d); staging by copy", status)
-            return False
+            return None
+        error = s.set_source(ptr)
+        if error is not None:
+            logger.debug("input tensor %d: memcpy node update refused (%s)", s.index, error)
+            return error
         s.current = ptr
         self.rebinds += 1
-        return True
+        return None
 
 
-def runtime_for(mode: str) -> CudaRuntime | None:
-    """The runtime when ``mode`` may stage in the graph (looked up once per capture)."""
-    return None if mode == "copy" else cuda_runtime()
+def runtime_for(mode: str) -> CudaBinding | None:
+    """The CUDA binding when ``mode`` may stage in the graph and it can reach the
+    runtime (looked up once per capture)."""
+    if mode == "copy" or not torch.cuda.is_available():
+        return None
+    binding = cuda_binding()
+    return binding if binding is not None and binding.has_runtime else None
