@@ -341,8 +341,10 @@ def _loaded_cudart_path() -> str | None:
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
-                path = line.rsplit(None, 1)[-1]
-                if "/libcudart" in path and ".so" in path:
+                # address perms offset device inode path: the path may hold spaces.
+                fields = line.split(None, 5)
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if "/libcudart" in path and ".so" in path and not path.endswith("(deleted)"):
                     return path
     except OSError:
         return None
