@@ -31,6 +31,8 @@ capture example, in the caller's default grad mode (no input requires grad):
 * ``cudagraphs_program_copy``: ``staging="copy"``: one fused copy per call.
 * ``cudagraphs_program_rotating``: the default, fed 4 source trees in turn, so that
   in-graph staging updates its memcpy nodes at every step.
+* ``cudagraphs_program_rotating_ctypes``: the same with the updates made through the
+  ``ctypes`` binding instead of ``cuda.bindings`` (``cudagraphs/cuda_binding.py``).
 * ``naive_wrapper``: what one writes by hand: ``pytree.tree_leaves`` of the tree, one
   ``copy_`` per leaf, ``graph.replay()``.
 * ``torch_make_graphed_callables``: the torch helper around a wrapper taking the leaves
@@ -79,6 +81,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -97,6 +100,8 @@ from _report import (  # noqa: E402
     write_report,
 )
 from cudagraphs import CudaGraphCaptureError, CudaGraphProgram  # noqa: E402
+from cudagraphs.cuda_binding import cuda_binding  # noqa: E402
+from cudagraphs.settings import BINDING_ENV  # noqa: E402
 from cudagraphs.timing import (  # noqa: E402
     interleaved_samples_ms,
     kernel_busy_ms,
@@ -331,14 +336,31 @@ def _build_raw(case: Case, copy: str | None, rotate: int = 1) -> Built:
     return Built(step, setup_s, graph.reset, check, keep=static)
 
 
-def build_ours(case: Case, validate: bool = True, staging: str = "auto", rotate: int = 1) -> Built:
+def build_ours(
+    case: Case,
+    validate: bool = True,
+    staging: str = "auto",
+    rotate: int = 1,
+    binding: str = "auto",
+) -> Built:
     """``rotate`` > 1 feeds that many different source trees in turn, so that under
-    in-graph staging every step changes the memcpy nodes' sources."""
+    in-graph staging every step changes the memcpy nodes' sources. ``binding`` is the
+    CUDA binding in-graph staging updates the nodes through (``CUDAGRAPHS_CUDA_BINDING``
+    during capture; the program keeps what it was given)."""
     example = case.make_args(EXAMPLE_SEED)
     sources = [case.make_args(SOURCE_SEED + k) for k in range(rotate)]
-    program, setup_s = timed_setup(
-        lambda: CudaGraphProgram.capture(case.fn, example_inputs=example, staging=staging)
-    )
+    before = os.environ.get(BINDING_ENV)
+    os.environ[BINDING_ENV] = binding
+    try:
+        program, setup_s = timed_setup(
+            lambda: CudaGraphProgram.capture(case.fn, example_inputs=example, staging=staging)
+        )
+    finally:
+        if before is None:
+            del os.environ[BINDING_ENV]
+        else:
+            os.environ[BINDING_ENV] = before
+    found = cuda_binding(binding)
 
     def check() -> dict:
         results = []
@@ -359,7 +381,11 @@ def build_ours(case: Case, validate: bool = True, staging: str = "auto", rotate:
         def step() -> object:
             return program.replay(*next(turn), validate=validate)
 
-    extra = {"stats": dataclasses.asdict(program.stats), "staging": program.staging}
+    extra = {
+        "stats": dataclasses.asdict(program.stats),
+        "staging": program.staging,
+        "cuda_binding": found.describe() if found is not None else None,
+    }
     return Built(step, setup_s, program.close, check, extra)
 
 
@@ -430,6 +456,9 @@ VARIANTS: dict[str, Callable[[Case], Built]] = {
     # A different source tree at every step (4 in turn): under in-graph staging each
     # step updates the memcpy nodes, where the default variant reuses one source.
     f"{OURS}_rotating": lambda case: build_ours(case, rotate=4),
+    # The same with the node updates made through ctypes rather than cuda.bindings
+    # (identical to the above where cuda-bindings is not installed).
+    f"{OURS}_rotating_ctypes": lambda case: build_ours(case, rotate=4, binding="ctypes"),
     "naive_wrapper": lambda case: _build_raw(case, "naive"),
     HELPER_VARIANT: build_helper,
     COMPILE_VARIANT: build_compile,

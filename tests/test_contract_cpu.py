@@ -16,7 +16,7 @@ import cudagraphs
 from cudagraphs import errors
 from cudagraphs.checks import check_callable, check_int, check_number
 from cudagraphs.dtypes import converts_losslessly
-from cudagraphs.settings import DISABLE_ENV, env_flag, graphs_disabled
+from cudagraphs.settings import DISABLE_ENV, env_choice, env_flag, graphs_disabled
 
 SRC = pathlib.Path(cudagraphs.__file__).parent
 
@@ -124,6 +124,27 @@ def test_env_flag_other_values_are_an_error_naming_the_variable(monkeypatch, raw
     monkeypatch.setenv("CUDAGRAPHS_TEST_FLAG", raw)
     with pytest.raises(errors.CudaGraphsValueError, match=f"CUDAGRAPHS_TEST_FLAG={raw!r}"):
         env_flag("CUDAGRAPHS_TEST_FLAG")
+
+
+@pytest.mark.parametrize(
+    "raw, want", [(None, "b"), ("", "b"), ("  ", "b"), ("a", "a"), (" C.D ", "c.d"), ("B", "b")]
+)
+def test_env_choice_values(monkeypatch, raw, want):
+    if raw is None:
+        monkeypatch.delenv("CUDAGRAPHS_TEST_CHOICE", raising=False)
+    else:
+        monkeypatch.setenv("CUDAGRAPHS_TEST_CHOICE", raw)
+    assert env_choice("CUDAGRAPHS_TEST_CHOICE", ("a", "b", "c.d"), "b") == want
+
+
+def test_env_choice_other_values_are_an_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("CUDAGRAPHS_TEST_CHOICE", "e")
+    with pytest.raises(errors.CudaGraphsValueError) as info:
+        env_choice("CUDAGRAPHS_TEST_CHOICE", ("a", "b"), "a")
+    assert str(info.value) == (
+        "environment variable CUDAGRAPHS_TEST_CHOICE='e' is not one of a, b; "
+        "set it to one of them, or unset it"
+    )
 
 
 def test_disable_switch_is_read_each_time(monkeypatch):
@@ -323,7 +344,7 @@ def test_the_staging_copy_converts_a_lossless_dtype():
 
 # ---- CUDAGRAPHS_DISABLE: the same path, eagerly ----------------------------------------
 def test_disabled_core_entries_validate_then_run_eagerly():
-    from cudagraphs.core.runtime import GraphedCallable
+    from cudagraphs.core.graphed import GraphedCallable
 
     def f(x, y):
         return x * y + 1
@@ -340,7 +361,7 @@ def test_disabled_core_entries_validate_then_run_eagerly():
 
 
 def test_disabled_core_entries_keep_autograd_eager():
-    from cudagraphs.core.runtime import GraphedCallable
+    from cudagraphs.core.graphed import GraphedCallable
 
     layer = nn.Linear(3, 2)
     plan, entry = _entry(layer, (torch.ones(4, 3),))
@@ -446,6 +467,12 @@ def test_env_command_prints_what_a_bug_report_needs(capsys, monkeypatch):
     assert report["cudagraphs"] == cudagraphs.__version__
     assert report["torch"] == torch.__version__
     assert report[DISABLE_ENV].startswith("invalid") and "maybe" in report[DISABLE_ENV]
+    assert report["CUDAGRAPHS_CUDA_BINDING"] == "auto"
+    monkeypatch.setenv("CUDAGRAPHS_CUDA_BINDING", "cupy")  # reported, not raised
+    assert main(["env", "--json"]) == 0
+    bad = json.loads(capsys.readouterr().out)["CUDAGRAPHS_CUDA_BINDING"]
+    assert bad.startswith("invalid") and "cupy" in bad
+    monkeypatch.delenv("CUDAGRAPHS_CUDA_BINDING")
     for key in ("python", "cuda_device", "cuda-bindings", "transformers", "torch_cuda"):
         assert key in report
     if not torch.cuda.is_available():

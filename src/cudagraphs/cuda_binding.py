@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .errors import CudaCallError, CudaGraphsValueError
+from .settings import BINDING_ENV, env_choice
 
 __all__ = ["BINDINGS", "CudaBinding", "MemcpyNode", "SourceSetter", "cuda_binding"]
 
@@ -137,6 +138,14 @@ class _Bindings(CudaBinding):
         self._runtime = runtime
         self._driver_ok = driver.CUresult.CUDA_SUCCESS
         self._runtime_ok = runtime.cudaError_t.cudaSuccess
+
+    def device_error(self) -> str | None:
+        """``None`` when the runtime reaches a device, else the CUDA error's name."""
+        status, _count = self._runtime.cudaGetDeviceCount()
+        if status == self._runtime_ok:
+            return None
+        self._runtime.cudaGetLastError()
+        return _enum_name(status)
 
     def describe(self) -> str:
         try:
@@ -351,6 +360,18 @@ def _loaded_cudart_path() -> str | None:
     return None
 
 
+def _bindings_binding() -> _Bindings | None:
+    binding = _Bindings()  # ImportError without cuda-bindings
+    # Importing proves little: without a driver, or with a cuda-bindings built for a
+    # newer CUDA than the driver's, calls fail. Ask the runtime once, so such a machine
+    # falls back to ctypes instead of failing at capture.
+    error = binding.device_error()
+    if error is not None:
+        logger.debug("CUDA binding cuda.bindings cannot reach a device: %s", error)
+        return None
+    return binding
+
+
 def _ctypes_binding() -> _Ctypes:
     driver = ctypes.CDLL("libcuda.so.1")  # OSError without an NVIDIA driver
     runtime, path = None, None
@@ -366,25 +387,36 @@ def _ctypes_binding() -> _Ctypes:
     return _Ctypes(driver, runtime, path)
 
 
-_MAKERS: dict[str, Callable[[], CudaBinding]] = {
-    "cuda.bindings": _Bindings,
+_MAKERS: dict[str, Callable[[], CudaBinding | None]] = {
+    "cuda.bindings": _bindings_binding,
     "ctypes": _ctypes_binding,
 }
 
 
-def cuda_binding(prefer: str = "auto") -> CudaBinding | None:
-    """The binding to use: ``cuda.bindings`` when it imports, else ``ctypes``, else
-    ``None`` (no NVIDIA driver on this machine). Never raises for a missing library.
+def cuda_binding(prefer: str | None = None) -> CudaBinding | None:
+    """The binding to use: ``cuda.bindings`` when it imports and reaches a device,
+    else ``ctypes``, else ``None`` (no NVIDIA driver on this machine). Never raises
+    for a missing library.
 
-    ``prefer`` names one binding to use alone (``"cuda.bindings"`` or ``"ctypes"``,
-    for comparing them); ``"auto"`` tries them in that order. Looked up on each call
-    (an import and a read of the memory map); callers look it up once per capture.
+    ``prefer`` names one binding to use alone (``"cuda.bindings"`` or ``"ctypes"``)
+    or ``"auto"`` (try them in that order); ``None`` reads ``CUDAGRAPHS_CUDA_BINDING``
+    (default ``auto``), so a machine where one binding misbehaves can be switched to
+    the other without code. Looked up on each call (an import and a read of the
+    memory map); callers look it up once per capture.
+
+    Raises:
+        CudaGraphsValueError: ``prefer`` or the variable names no binding.
     """
+    if prefer is None:
+        prefer = env_choice(BINDING_ENV, ("auto", *BINDINGS), "auto")
     if prefer != "auto" and prefer not in BINDINGS:
         raise CudaGraphsValueError(f"prefer must be 'auto' or one of {BINDINGS}, got {prefer!r}")
     for name in BINDINGS if prefer == "auto" else (prefer,):
         try:
-            return _MAKERS[name]()
+            found = _MAKERS[name]()
         except (ImportError, OSError, AttributeError) as exc:
             logger.debug("CUDA binding %s unavailable: %s", name, exc)
+            continue
+        if found is not None:
+            return found
     return None

@@ -16,7 +16,7 @@ import torch
 
 from . import __version__
 from .errors import CudaCallError, CudaGraphsValueError
-from .settings import DISABLE_ENV, STRICT_BUCKETS_ENV, env_flag
+from .settings import BINDING_ENV, DISABLE_ENV, STRICT_BUCKETS_ENV, env_choice, env_flag
 
 __all__ = ["collect", "format_report"]
 
@@ -28,10 +28,26 @@ def _package_version(name: str) -> str:
         return "not installed"
 
 
-def _driver_version() -> str:
+def _binding() -> Any:
     from .cuda_binding import cuda_binding
 
-    backend = cuda_binding()
+    try:
+        return cuda_binding()
+    except CudaGraphsValueError:  # a malformed CUDAGRAPHS_CUDA_BINDING, reported below
+        return cuda_binding("auto")
+
+
+def _binding_choice() -> str:
+    from .cuda_binding import BINDINGS
+
+    try:
+        return env_choice(BINDING_ENV, ("auto", *BINDINGS), "auto")
+    except CudaGraphsValueError as exc:
+        return f"invalid ({exc})"
+
+
+def _driver_version() -> str:
+    backend = _binding()
     if backend is None:
         return "no NVIDIA driver found"
     try:
@@ -51,11 +67,9 @@ def _flag(name: str) -> str:
 def _cuda_fields() -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"cuda_device": "none (torch.cuda.is_available() is False)"}
-    from .cuda_binding import cuda_binding
-
     index = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
-    binding = cuda_binding()
+    binding = _binding()
     staging_ok = binding is not None and binding.has_runtime
     return {
         "cuda_device": f"{props.name} (cuda:{index} of {torch.cuda.device_count()})",
@@ -82,6 +96,7 @@ def collect() -> dict[str, Any]:
         "accelerate": _package_version("accelerate"),
         DISABLE_ENV: _flag(DISABLE_ENV),
         STRICT_BUCKETS_ENV: _flag(STRICT_BUCKETS_ENV),
+        BINDING_ENV: _binding_choice(),
     }
 
 

@@ -4,6 +4,9 @@
   (argument checks and per-call validation included, capture skipped), for comparing
   graphed against eager results while debugging.
 * ``CUDAGRAPHS_REQUIRE_ALL_BUCKETS``: a serving bucket dropped at startup is an error.
+* ``CUDAGRAPHS_CUDA_BINDING``: which binding makes the package's direct CUDA calls
+  (:mod:`cudagraphs.cuda_binding`): ``auto`` (the default: ``cuda.bindings`` when it
+  imports and reaches the driver, else ``ctypes``), ``cuda.bindings`` or ``ctypes``.
 
 A flag is read when it matters (at capture), never cached in a module global, so a
 test or a debugging session can change it between captures. Values: ``1``, ``true``,
@@ -17,10 +20,18 @@ import os
 
 from .errors import CudaGraphsValueError
 
-__all__ = ["DISABLE_ENV", "STRICT_BUCKETS_ENV", "env_flag", "graphs_disabled"]
+__all__ = [
+    "BINDING_ENV",
+    "DISABLE_ENV",
+    "STRICT_BUCKETS_ENV",
+    "env_choice",
+    "env_flag",
+    "graphs_disabled",
+]
 
 DISABLE_ENV = "CUDAGRAPHS_DISABLE"
 STRICT_BUCKETS_ENV = "CUDAGRAPHS_REQUIRE_ALL_BUCKETS"
+BINDING_ENV = "CUDAGRAPHS_CUDA_BINDING"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -44,6 +55,26 @@ def env_flag(name: str, default: bool = False) -> bool:
     raise CudaGraphsValueError(
         f"environment variable {name}={raw!r} is not a boolean; set it to one of "
         f"{'/'.join(_TRUE)} or {'/'.join(_FALSE)}, or unset it"
+    )
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The environment variable ``name``, one of ``choices`` (compared without case
+    or surrounding spaces); unset or empty gives ``default``.
+
+    Raises:
+        CudaGraphsValueError: any other value (naming the variable and the choices).
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = raw.strip().lower()
+    for choice in choices:
+        if value == choice.lower():
+            return choice
+    raise CudaGraphsValueError(
+        f"environment variable {name}={raw!r} is not one of {', '.join(choices)}; "
+        "set it to one of them, or unset it"
     )
 
 

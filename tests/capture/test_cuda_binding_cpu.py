@@ -114,7 +114,7 @@ class FakeRuntime:
 
     def __init__(self, nodes=(), fail=()):
         self.nodes, self.fail, self.calls, self.made = dict(nodes), set(fail), [], []
-        self.pending = self.set_status = cudaError_t.cudaSuccess
+        self.pending = self.set_status = self.device_status = cudaError_t.cudaSuccess
         self.cleared = 0
         for name in ("cudaGraph_t", "cudaGraphNode_t", "cudaGraphExec_t"):
             setattr(self, name, _handle_type(name, self.made))
@@ -130,6 +130,11 @@ class FakeRuntime:
         self.cleared += 1
         error, self.pending = self.pending, cudaError_t.cudaSuccess
         return (error,)
+
+    def cudaGetDeviceCount(self):
+        if self.device_status:
+            self.pending = self.device_status
+        return (self.device_status, 1)
 
     def cudaGraphGetNodes(self, graph, count):
         nodes = [Raw(h) for h in self.nodes] if count else []
@@ -261,7 +266,7 @@ def test_no_driver_and_no_bindings_gives_none(prefer):
     assert cb.cuda_binding(prefer) is None
 
 
-@pytest.mark.parametrize("prefer", ["cuda-python", "", "CTYPES", "bindings", None])
+@pytest.mark.parametrize("prefer", ["cuda-python", "", "CTYPES", "bindings"])
 def test_bad_prefer_is_a_value_error_naming_it(prefer):
     with pytest.raises(CudaGraphsValueError) as info:
         cb.cuda_binding(prefer)
@@ -276,6 +281,47 @@ def test_auto_prefers_cuda_bindings(monkeypatch):
     found = cb.cuda_binding()
     assert isinstance(found, cb._Bindings) and found.name == "cuda.bindings"
     assert type(cb.cuda_binding("cuda.bindings")) is cb._Bindings
+
+
+def test_bindings_that_cannot_reach_a_device_give_way_to_ctypes(monkeypatch, caplog):
+    # cuda.bindings imports, but its runtime answers "insufficient driver" (a
+    # cuda-bindings newer than the driver): auto takes ctypes, and the error is cleared.
+    runtime = FakeRuntime()
+    runtime.device_status = cudaError_t.cudaErrorInvalidValue
+    _install(monkeypatch, runtime=runtime)
+    monkeypatch.setitem(cb._MAKERS, "ctypes", lambda: "the ctypes one")
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        assert cb.cuda_binding() == "the ctypes one"
+    assert runtime.cleared == 1 and runtime.pending == cudaError_t.cudaSuccess
+    assert "cannot reach a device: cudaErrorInvalidValue (1)" in caplog.text
+    assert cb.cuda_binding("cuda.bindings") is None
+
+
+@pytest.mark.parametrize(
+    "value, chosen",
+    [
+        ("ctypes", "ctypes"),
+        (" CUDA.Bindings ", "cuda.bindings"),
+        ("", "cuda.bindings"),
+        ("auto", "cuda.bindings"),
+    ],
+)
+def test_the_environment_picks_the_binding(monkeypatch, value, chosen):
+    monkeypatch.setenv("CUDAGRAPHS_CUDA_BINDING", value)
+    monkeypatch.setitem(cb._MAKERS, "cuda.bindings", lambda: "cuda.bindings")
+    monkeypatch.setitem(cb._MAKERS, "ctypes", lambda: "ctypes")
+    assert cb.cuda_binding() == chosen
+    assert cb.cuda_binding("ctypes") == "ctypes"  # an explicit prefer wins
+
+
+def test_a_bad_environment_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("CUDAGRAPHS_CUDA_BINDING", "cupy")
+    with pytest.raises(CudaGraphsValueError) as info:
+        cb.cuda_binding()
+    assert str(info.value) == (
+        "environment variable CUDAGRAPHS_CUDA_BINDING='cupy' is not one of auto, "
+        "cuda.bindings, ctypes; set it to one of them, or unset it"
+    )
 
 
 def test_auto_falls_back_to_ctypes_when_the_import_fails(monkeypatch, caplog):

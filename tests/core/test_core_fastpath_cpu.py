@@ -119,7 +119,8 @@ def _in_graph_entry(weights):
     gradient into its accumulation target, as an in-graph-accumulating capture does."""
     from torch.utils import _pytree as pytree
 
-    from cudagraphs.core.runtime import EntryGraphs, GraphedCallable
+    from cudagraphs.core.graphed import GraphedCallable
+    from cudagraphs.core.runtime import EntryGraphs
 
     x_buf, out_buf, go_buf = torch.zeros(3), torch.zeros(3), torch.zeros(3)
     targets = prepare_grad_targets(

@@ -14,8 +14,9 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.core.lent_grads import LentGrads
-from cudagraphs.core.runtime import EntryGraphs, GraphedCallable
+from cudagraphs.core.runtime import EntryGraphs
 
 
 class _Ops(TorchDispatchMode):

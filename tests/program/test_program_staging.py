@@ -160,7 +160,9 @@ def test_refusing_to_point_back_at_the_buffer_raises():
     staging, runtime = _staging(buffers, with_nodes=(0,))
     staging.bind([torch.ones(4)])
     runtime.refuse.add(buffers[0].data_ptr())
-    with pytest.raises(RuntimeError, match=r"refused \(cudaErrorInvalidValue \(1\)\).*staging='copy'"):
+    with pytest.raises(
+        RuntimeError, match=r"refused \(cudaErrorInvalidValue \(1\)\).*staging='copy'"
+    ):
         staging.unbind()
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cudagraphs.errors import CudaGraphInputError
-from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec, StaticInputs
+from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec, StaticInputs, full_path
 from cudagraphs.serving import runner as runner_module
 
 HIDDEN = 3
@@ -202,7 +202,8 @@ def test_token_buckets_take_the_full_path():
 def test_rank_agreement_takes_the_full_path(monkeypatch):
     runner = make_runner()
     monkeypatch.setattr(runner_module, "is_distributed", lambda group=None: True)
-    monkeypatch.setattr(runner_module, "agree_on_batch_size", lambda n, group=None: 7)
+    monkeypatch.setattr(full_path, "is_distributed", lambda group=None: True)
+    monkeypatch.setattr(full_path, "agree_on_batch_size", lambda n, group=None: 7)
     inputs = batch(3)
     assert torch.equal(runner.run(inputs), forward(**inputs))
     assert runner.stats()["replays"][str(Bucket(8))] == 1  # the agreed size's bucket

@@ -5,8 +5,8 @@ canonicalize -> schedule -> warmup -> capture -> autograd wrapper, one module ea
 
 from .api import make_graphed_callables
 from .grad_targets import GradTargets, prepare_grad_targets
+from .graphed import GraphedCallable
 from .hooks import HOOK_GROUPS, CaptureTimeHooks, canonicalize_capture_time_hooks
-from .runtime import GraphedCallable
 from .schedule import Entry, Layout, Step, assign_buffer_slots, build_layout, build_schedule
 from .stack import GraphedStack, graph_stack
 

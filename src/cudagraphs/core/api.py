@@ -18,7 +18,8 @@ from ..settings import DISABLE_ENV, graphs_disabled
 from .canonicalize import GraphPlan, canonicalize, check_devices
 from .capture_phase import CaptureOptions, capture_plan, eager_entry_graphs
 from .grad_targets import GradTargets, prepare_grad_targets
-from .runtime import EntryGraphs, GraphedCallable
+from .graphed import GraphedCallable
+from .runtime import EntryGraphs
 from .te_compat import check_fifth_argument, check_quantization_off
 from .warmup import run_warmup
 

@@ -1,6 +1,6 @@
 """The replay side of ``make_graphed_callables``: one :class:`EntryGraphs` per graphed
-entry, the autograd Function that replays it, and the :class:`GraphedCallable` users
-call.
+entry (the autograd Function that replays it and the :class:`GraphedCallable` users
+call are in :mod:`.graphed`).
 
 The replay path does per call only what cannot be done at capture: one comparison of
 each input's shape/dtype/requires_grad against the captured ones, one fused copy of
@@ -11,18 +11,16 @@ the static outputs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
 from ..dtypes import converts_losslessly
 from ..errors import (
     CudaGraphInputError,
-    CudaGraphsStateError,
     GraphReleasedError,
     Mismatch,
     describe_mismatches,
@@ -30,8 +28,9 @@ from ..errors import (
 from ..torch_private import will_engine_execute_node
 from .grad_targets import GradTargets
 from .lent_grads import LentGrads, move_aliased_grads
+from .tree_diff import structure_mismatches
 
-__all__ = ["EntryGraphs", "GraphedCallable"]
+__all__ = ["EntryGraphs"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +125,7 @@ class EntryGraphs:
         if spec != self.in_spec:
             self._raise(
                 "call structure differs from the captured one",
-                _structure_mismatches(self.in_spec, spec),
+                structure_mismatches(self.in_spec, spec),
                 "Pass arguments with the same nesting and keyword names as sample_args/"
                 "sample_kwargs.",
             )
@@ -356,162 +355,3 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"{type(value).__name__} {tuple(value.shape)} {value.dtype} at {value.data_ptr():#x}"
     return type(value).__name__
-
-
-def _structure_mismatches(captured: pytree.TreeSpec, received: pytree.TreeSpec) -> list[Mismatch]:
-    """Where two call structures part, walking both specs from the root
-    ``(args, kwargs)``: one record per differing node."""
-    out: list[Mismatch] = []
-    want_args, want_kwargs = _spec_children(captured)
-    got_args, got_kwargs = _spec_children(received)
-    _spec_diff(want_args, got_args, "args", out)
-    _spec_diff(want_kwargs, got_kwargs, "kwargs", out)
-    return out
-
-
-def _spec_children(spec: pytree.TreeSpec) -> list[pytree.TreeSpec]:
-    # torch 2.13 deprecates the children_specs attribute for a children() method that
-    # older versions do not have.
-    children = getattr(type(spec), "children", None)
-    return list(spec.children()) if callable(children) else list(spec.children_specs)
-
-
-def _spec_name(spec: pytree.TreeSpec) -> str:
-    return "a leaf (tensor or constant)" if spec.is_leaf() else spec.type.__name__
-
-
-def _spec_diff(want: pytree.TreeSpec, got: pytree.TreeSpec, path: str, out: list) -> None:
-    if want.is_leaf() or got.is_leaf() or want.type is not got.type:
-        if want.is_leaf() != got.is_leaf() or want.type is not got.type:
-            out.append(Mismatch(path, "type", _spec_name(want), _spec_name(got)))
-        return
-    if want.type is dict:
-        if want.context != got.context:
-            out.append(Mismatch(path, "keys", list(want.context), list(got.context)))
-            return
-        keys = [f"[{k!r}]" for k in want.context]
-    elif want.num_children != got.num_children:
-        out.append(Mismatch(path, "length", want.num_children, got.num_children))
-        return
-    elif want.context != got.context:
-        out.append(Mismatch(path, "context", want.context, got.context))
-        return
-    else:
-        keys = [f"[{i}]" for i in range(want.num_children)]
-    for key, w, g in zip(keys, _spec_children(want), _spec_children(got)):
-        _spec_diff(w, g, path + key, out)
-
-
-class _ReplayFunction(torch.autograd.Function):
-    """Autograd node for one graphed entry: forward replays the forward graph,
-    backward the backward graph. Inputs: the entry, then user tensors, then the
-    parameters autograd tracks (``EntryGraphs.autograd_params``)."""
-
-    @staticmethod
-    def forward(ctx: Any, graphs: EntryGraphs, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n_user = len(graphs.static_inputs)
-        graphs.replay_forward(inputs[:n_user])
-        ctx.graphs = graphs
-        # Leaf inputs (parameters passed as inputs, say) may need an owned gradient:
-        # see replay_backward.
-        ctx.leaves = tuple(t if t.is_leaf else None for t in inputs[:n_user])
-        outs = graphs.output_tensors()
-        non_diff = [o for o, d in zip(outs, graphs.out_differentiable) if not d]
-        if non_diff:
-            ctx.mark_non_differentiable(*non_diff)
-        return outs
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return (None, *ctx.graphs.replay_backward(grads, ctx.leaves))
-
-
-class GraphedCallable:
-    """What ``make_graphed_callables`` returns for one entry (or installs as a module's
-    ``forward``).
-
-    Calling it replays the captured graphs when the call matches the capture, and
-    raises :class:`~cudagraphs.errors.CudaGraphInputError` naming every difference
-    otherwise. For a module whose ``training`` flag differs from the one it was
-    captured with, it runs the original forward eagerly instead.
-
-    Outputs are borrowed: views of static buffers that the next replay of this entry
-    overwrites. Clone what must outlive it.
-    """
-
-    def __init__(
-        self,
-        graphs: EntryGraphs,
-        eager: Callable[..., Any],
-        module: torch.nn.Module | None,
-        captured_training: bool | None,
-        on_reset: Callable[[], None] | None = None,
-    ) -> None:
-        self.graphs = graphs
-        self._eager = eager
-        self._module = module
-        self._captured_training = captured_training
-        self._on_reset = on_reset
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._module
-        if module is not None and module.training != self._captured_training:
-            return self._eager(*args, **kwargs)
-        graphs = self.graphs
-        tensors = graphs.user_tensors(args, kwargs)
-        if graphs.eager_only:
-            graphs._live()
-            return self._eager(*args, **kwargs)
-        return self._replay(tensors)
-
-    def replay_checked(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """Replay with a call's tensor leaves, in the order ``pytree`` flattens the
-        captured call's ``(args, kwargs)`` (keywords sorted), for a caller that has
-        already checked the call against the capture: the same structure and
-        non-tensor values, and tensors of the captured shapes, dtypes and
-        ``requires_grad``. Only the parameters read in place are checked here.
-
-        For a layer that matches each call against a stricter contract of its own
-        (partial graphs match strides, devices and aliasing too): the call is then
-        flattened and checked once rather than twice.
-
-        Raises:
-            CudaGraphInputError: a parameter read in place was replaced.
-            CudaGraphsStateError: the graphs were made under ``CUDAGRAPHS_DISABLE``
-                (there is nothing to replay; call the callable with its arguments).
-        """
-        graphs = self.graphs
-        if graphs.eager_only:
-            raise CudaGraphsStateError(
-                f"{graphs.name}: made under CUDAGRAPHS_DISABLE, so there is no graph to "
-                "replay; call it with its arguments, which runs it eagerly"
-            )
-        graphs.check_pinned(tensors)
-        return self._replay(tensors)
-
-    def _replay(self, tensors: Sequence[torch.Tensor]) -> Any:
-        graphs = self.graphs
-        if graphs.bwd_graph is not None and torch.is_grad_enabled():
-            outs = _ReplayFunction.apply(graphs, *tensors, *graphs.autograd_params)
-            return graphs.output_tree(outs)
-        # Forward-only graph (inference capture) or grad disabled: no autograd node, so
-        # outputs do not require grad and a stray backward() fails loudly instead of
-        # silently leaving parameter gradients untouched.
-        graphs.replay_forward(tensors)
-        return graphs.output_tree(graphs.output_tensors())
-
-    def reset(self) -> None:
-        """Release this entry's graphs and buffers; a module gets its eager forward back.
-
-        Idempotent. Calling the graphed callable afterwards raises
-        :class:`~cudagraphs.errors.GraphReleasedError` (a module runs eagerly).
-        """
-        self.graphs.release()
-        if self._on_reset is not None:
-            self._on_reset()
-            self._on_reset = None
-
-    def __repr__(self) -> str:
-        state = "released" if self.graphs.released else "live"
-        return f"GraphedCallable({self.graphs.name}, {state})"

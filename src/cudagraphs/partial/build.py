@@ -1,5 +1,6 @@
-"""From model parts to a manager's entries: discovery per part (:mod:`.discovery`),
-FSDP2 detection and parameter checks per target (:mod:`.fsdp`), one
+"""From model parts to a manager's entries: the argument checks of
+:meth:`~.manager.PartialCudaGraphManager.from_model_parts`, discovery per part
+(:mod:`.discovery`), FSDP2 detection and parameter checks per target (:mod:`.fsdp`), one
 :class:`~.entry.PartialGraphEntry` per target, and the blocks that yield none."""
 
 from __future__ import annotations
@@ -10,15 +11,26 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..checks import check_bool, check_callable, check_int
 from ..errors import TargetSelectionError
 from .contract import ContractSet
 from .entry import PartialGraphEntry
 from .fsdp import check_target_parameters, fsdp_managed_modules
-from .planning import plan_targets
-from .selectors import Predicate
+from .graphing import TargetsBackend
+from .planning import plan_targets, why_nothing_found
+from .recording import InferenceCalls, check_inference_calls
+from .scopes import SCOPES
+from .selectors import Predicate, Selector, as_model_parts, include_predicate
 from .skips import NarrowedBlock, SkippedBlock
+from .speed import SpeedCheck, speed_check_of
 
-__all__ = ["BuiltEntries", "build_entries", "report_blocks", "switch_experts_implementation"]
+__all__ = [
+    "BuiltEntries",
+    "build_entries",
+    "entries_from_model_parts",
+    "report_blocks",
+    "switch_experts_implementation",
+]
 
 
 @dataclass
@@ -157,3 +169,75 @@ def report_blocks(
                 key,
                 "\n  ".join(f"{b.name} ({b.block_type}): {b.detail}" for b in blocks),
             )
+
+
+def entries_from_model_parts(
+    model_parts: nn.Module | Sequence[nn.Module],
+    *,
+    activation_checkpointing: bool,
+    attention: bool,
+    router: bool,
+    include: Selector | None,
+    max_variants: int,
+    capture_backend: TargetsBackend | None,
+    inference_calls: InferenceCalls,
+    speed_check: bool | SpeedCheck,
+    experts_implementation: str | None,
+    scopes: Sequence[str] | None,
+    logger: logging.Logger,
+) -> tuple[list[nn.Module], BuiltEntries] | None:
+    """The work of :meth:`~.manager.PartialCudaGraphManager.from_model_parts` before
+    the manager is made (its docs describe the arguments): check them, switch the
+    experts implementation, build the entries, and say on ``logger`` what was found.
+
+    Returns:
+        The model parts as a list and what was built, or ``None`` when nothing is
+        graphable (said at WARNING).
+
+    Raises:
+        What ``from_model_parts`` documents.
+    """
+    parts = as_model_parts(model_parts)
+    for name, flag in (
+        ("activation_checkpointing", activation_checkpointing),
+        ("attention", attention),
+        ("router", router),
+    ):
+        check_bool(name, flag)
+    max_variants = check_int("max_variants", max_variants, minimum=1)
+    check_inference_calls(inference_calls)
+    speed_check_of(speed_check)
+    if experts_implementation is not None:
+        switched = switch_experts_implementation(parts, experts_implementation)
+        logger.info(
+            "partial graphs: experts implementation of %s set to %r",
+            switched,
+            experts_implementation,
+        )
+    if capture_backend is not None:
+        check_callable("capture_backend", capture_backend)
+    asked = scopes is not None
+    if not asked and attention and router:
+        scopes = SCOPES  # the default: the widest graph-safe scope of each layer
+    built = build_entries(
+        parts,
+        attention=attention,
+        router=router,
+        include=include_predicate(include),
+        max_variants=max_variants,
+        scopes=scopes,
+    )
+    entries = built.entries
+    if not entries:
+        logger.warning(
+            "partial graphs: nothing graphable found (%s); the model trains eagerly "
+            "and from_model_parts returns None",
+            why_nothing_found(
+                parts, attention=attention, router=router, include=include, scopes=scopes
+            ),
+        )
+        return None
+    logger.info("partial graphs: %d target(s): %s", len(entries), [e.name for e in entries])
+    # Narrowing is a WARNING when scopes were asked for, news (INFO) by default.
+    report_blocks(built, logger, narrowed_level=logging.WARNING if asked else logging.INFO)
+    return parts, built

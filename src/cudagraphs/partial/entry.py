@@ -12,12 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.runtime import GraphedCallable
+from ..core.graphed import GraphedCallable
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphInputError, describe_mismatches
 from ..forward_swap import ForwardSwap
-from .contract import CallContract, ContractSet, FallbackCounter, flatten_call
+from .contract import CallContract, ContractSet, FallbackCounter
 from .discovery import Target
+from .flatten import flatten_call
 from .recording import is_inference_call
 
 __all__ = ["PartialGraphEntry"]

@@ -28,61 +28,32 @@ Every error raised here derives from :class:`~cudagraphs.errors.CudaGraphsError`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
-from typing import Any
+from collections.abc import Sequence
 
 from torch import nn
 
-from ..capturing import capture_scope
-from ..checks import check_bool, check_callable, check_int
+from ..checks import check_bool, check_callable
 from ..diagnostics import WarnOnce
-from ..errors import (
-    CudaGraphsStateError,
-    CudaGraphsTypeError,
-    CudaGraphsValueError,
-    TargetSelectionError,
-)
+from ..errors import CudaGraphsStateError, CudaGraphsTypeError
 from ..forward_swap import swap_forward
-from ..settings import DISABLE_ENV, graphs_disabled
-from .build import build_entries, report_blocks, switch_experts_implementation
+from .build import entries_from_model_parts
 from .entry import PartialGraphEntry
-from .planning import why_nothing_found
-from .recording import (
-    InferenceCalls,
-    Recorder,
-    capture_groups,
-    capture_modes,
-    check_inference_calls,
+from .graphing import (
+    TargetsBackend,
+    _default_backend,
+    calls_to_capture,
+    capture_calls,
+    read_disabled,
 )
-from .scopes import SCOPES
-from .selectors import Selector, as_model_parts, include_predicate
+from .recording import InferenceCalls, Recorder, check_inference_calls
+from .selectors import Selector, as_model_parts
 from .skips import NarrowedBlock, SkippedBlock
-from .speed import SpeedCheck, measure_group, speed_check_of, turn_off_slower
+from .speed import SpeedCheck, speed_check_of, turn_off_slower
+from .stats import stats_of
 
 __all__ = ["TargetsBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
 
 logger = logging.getLogger(__name__)
-
-#: How a manager turns recorded calls into graphed callables:
-#: ``backend(callables, sample_args, sample_kwargs) -> graphed callables`` (one each).
-#: (Serving's bucket backend, ``cudagraphs.serving.graphs.BucketBackend``, is another
-#: contract: one graph per call.)
-TargetsBackend = Callable[[tuple, tuple, list], Sequence[Callable[..., Any]]]
-
-
-def _default_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) -> Sequence[Any]:
-    from ..core import make_graphed_callables
-
-    result = make_graphed_callables(callables, sample_args, sample_kwargs=sample_kwargs)
-    return result if isinstance(result, tuple) else (result,)
-
-
-def _eager_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) -> Sequence[Any]:
-    """The backend under ``CUDAGRAPHS_DISABLE=1``: each adapter is its own "graph",
-    called with the arguments a graph would get (parameters first) and run eagerly."""
-    del sample_args, sample_kwargs
-    return list(callables)
 
 
 class PartialCudaGraphManager:
@@ -285,51 +256,25 @@ class PartialCudaGraphManager:
                 DTensor parameters that FSDP2 does not manage.
         """
         del pipeline_parallel  # see docstring (type-checked below all the same)
-        parts = as_model_parts(model_parts)
-        for name, flag in (
-            ("activation_checkpointing", activation_checkpointing),
-            ("attention", attention),
-            ("router", router),
-        ):
-            check_bool(name, flag)
-        max_variants = check_int("max_variants", max_variants, minimum=1)
-        check_inference_calls(inference_calls)
-        speed_check_of(speed_check)
-        if experts_implementation is not None:
-            switched = switch_experts_implementation(parts, experts_implementation)
-            logger.info(
-                "partial graphs: experts implementation of %s set to %r",
-                switched,
-                experts_implementation,
-            )
-        if capture_backend is not None:
-            check_callable("capture_backend", capture_backend)
-        asked = scopes is not None
-        if not asked and attention and router:
-            scopes = SCOPES  # the default: the widest graph-safe scope of each layer
-        built = build_entries(
-            parts,
+        found = entries_from_model_parts(
+            model_parts,
+            activation_checkpointing=activation_checkpointing,
             attention=attention,
             router=router,
-            include=include_predicate(include),
+            include=include,
             max_variants=max_variants,
+            capture_backend=capture_backend,
+            inference_calls=inference_calls,
+            speed_check=speed_check,
+            experts_implementation=experts_implementation,
             scopes=scopes,
+            logger=logger,
         )
-        entries = built.entries
-        if not entries:
-            logger.warning(
-                "partial graphs: nothing graphable found (%s); the model trains eagerly "
-                "and from_model_parts returns None",
-                why_nothing_found(
-                    parts, attention=attention, router=router, include=include, scopes=scopes
-                ),
-            )
+        if found is None:
             return None
-        logger.info("partial graphs: %d target(s): %s", len(entries), [e.name for e in entries])
-        # Narrowing is a WARNING when scopes were asked for, news (INFO) by default.
-        report_blocks(built, logger, narrowed_level=logging.WARNING if asked else logging.INFO)
+        parts, built = found
         return cls(
-            entries,
+            built.entries,
             skipped=built.skipped,
             narrowed=built.narrowed,
             capture_backend=capture_backend,
@@ -396,128 +341,29 @@ class PartialCudaGraphManager:
         propagates; the recorded calls are kept, so ``capture()`` can run again.
         """
         self._check_open()
-        disabled = self._read_disabled()
+        disabled = read_disabled(self._disabled)
         self.stop_recording()
-        repeated = [e.name for e in self.entries if e.repeats]
-        if repeated:
-            where = (
-                "within one forward of the model"
-                if self._recorder.clock is not None
-                else "while recording (this manager was built without its model parts, so "
-                "forwards cannot be told apart and gradient accumulation looks the same; "
-                "build it with from_model_parts to record several micro-batches)"
-            )
-            raise TargetSelectionError(
-                f"{repeated} ran more than once {where}; one graph cannot stand for "
-                "several calls of one forward (the second replay would overwrite the "
-                "first one's outputs and saved activations). Fix: leave these modules "
-                "out of the targets (attention=False / router=False, or an include that "
-                "does not name them)."
-            )
-        todo = [
-            (entry, i)
-            for entry in self._recorder.order
-            for i, variant in enumerate(entry.variants)
-            if variant.graph is None and entry.off_reason is None
-        ]
-        if not todo and not any(e.variants for e in self.entries):
-            raise CudaGraphsStateError(
-                "nothing was recorded, so there is nothing to capture. Fix: call "
-                "start_recording(), run one training step (forward and backward), then "
-                "capture()."
-            )
+        todo = calls_to_capture(self.entries, self._recorder)
         self._disabled = disabled
-        if disabled:
-            self._warn_once(
-                "disabled",
-                "partial graphs are disabled (%s=1): the %d target(s) of this manager run "
-                "eagerly through the same recording, contract matching and counting, and "
-                "no graph is captured; stats()['disabled'] is 1. Unset %s to graph them.",
-                DISABLE_ENV,
-                len(self.entries),
-                DISABLE_ENV,
-            )
-        verdicts: list = []
-        if todo:
-            backend = _eager_backend if disabled else self._backend
-            for group in capture_groups(todo, self.activation_checkpointing):
-                verdicts += self._capture_group(group, backend)
-            logger.info(
-                "partial graphs: %s %d call(s)%s",
-                "prepared eagerly (disabled)" if disabled else "captured",
-                len(todo),
-                ", one pool each (activation checkpointing)"
-                if self.activation_checkpointing
-                else "",
-            )
+        verdicts = capture_calls(
+            todo,
+            self._backend,
+            disabled=disabled,
+            pooled=self.activation_checkpointing,
+            speed_check=self._speed_check,
+            targets=len(self.entries),
+            warn_once=self._warn_once,
+            logger=logger,
+        )
         for entry in self.entries:
             if entry.swap is None and entry.graphs():
                 entry.swap = swap_forward(entry.target.module, entry.dispatch)
         turn_off_slower(verdicts, logger)
 
-    def _read_disabled(self) -> bool:
-        disabled = graphs_disabled()
-        if self._disabled is not None and disabled != self._disabled:
-            was, now = ("disabled", "enabled") if self._disabled else ("enabled", "disabled")
-            raise CudaGraphsStateError(
-                f"{DISABLE_ENV} changed since this manager's first capture() (graphs were "
-                f"{was} then, {now} now); one manager does not mix graphed and eager "
-                f"targets. Fixes: 1. set {DISABLE_ENV} before the first capture() and keep "
-                "it; 2. close() this manager and build a new one."
-            )
-        return disabled
-
-    def _capture_group(self, group: list[tuple[PartialGraphEntry, int]], backend: Any) -> list:
-        callables, sample_args, sample_kwargs = [], [], []
-        for entry, i in group:
-            variant = entry.variants[i]
-            args, kwargs = variant.args, variant.kwargs
-            callables.append(entry.adapter())
-            sample_args.append((tuple(entry.capture_params(i)), *args))
-            sample_kwargs.append(kwargs)
-        first = group[0][0].contracts.variants[group[0][1]]
-        modules = [entry.target.module for entry, _ in group]
-        scope = nullcontext() if self._disabled else capture_scope()
-        modes = capture_modes(first.grad_enabled, first.training, modules, first.autocast)
-        with modes:
-            with scope:
-                graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))
-            if len(graphed) != len(group):
-                raise CudaGraphsValueError(
-                    f"capture_backend returned {len(graphed)} callable(s) for "
-                    f"{len(group)} call(s) ({[e.name for e, _ in group]}); it must "
-                    "return one graphed callable per call, in order"
-                )
-            measure = not self._disabled and len(graphed) == len(group)
-            verdicts = measure_group(self._speed_check, group, graphed) if measure else []
-        for (entry, i), g in zip(group, graphed):
-            entry.variants[i].captured(g, tuple(entry.capture_params(i)))
-        return verdicts
-
     # ---- reporting and teardown -------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Totals over all targets (keys: see the class docs)."""
-        graphs = sum(len(e.graphs()) for e in self.entries)
-        out: dict[str, int] = {
-            "captured": 0 if self._disabled else graphs,
-            "disabled": int(bool(self._disabled)),
-            "replayed": 0,
-            "fallbacks": 0,
-        }
-        for entry in self.entries:
-            for key, n in entry.counter.as_dict().items():
-                out[key] = out.get(key, 0) + n
-        for block in self.skipped:
-            key = f"skipped_{block.reason}"
-            out[key] = out.get(key, 0) + 1
-        for block in self.narrowed:
-            key = f"narrowed_{block.reason}"
-            out[key] = out.get(key, 0) + 1
-        for entry in self.entries:
-            if entry.off_reason is not None:
-                key = f"off_{entry.off_reason}"
-                out[key] = out.get(key, 0) + 1
-        return out
+        return stats_of(self.entries, self.skipped, self.narrowed, self._disabled)
 
     def log_stats(self, phase: str) -> None:
         """Log :meth:`stats` at INFO, labelled with ``phase``."""

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..errors import CudaGraphsValueError
 from ..torch_private import current_graph_task_id
-from .contract import AutocastState
+from .autocast import AutocastState
 
 if TYPE_CHECKING:
     from .entry import PartialGraphEntry

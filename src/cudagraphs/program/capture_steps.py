@@ -17,6 +17,7 @@ from .signature import ValueTreeSignature
 from .staging import check_staging_mode
 
 __all__ = [
+    "first_replay_mismatch",
     "check_capture_arguments",
     "check_examples",
     "check_output_device",
@@ -132,3 +133,21 @@ def warm_up(
     except Exception as exc:
         raise CudaGraphCaptureError(f"warmup of program {name} failed: {exc}") from exc
     return last
+
+
+def first_replay_mismatch(
+    out_sig: ValueTreeSignature, output: Any, last: Any, leaf_types: LeafTypes | None, name: str
+) -> str | None:
+    """Why the first replay's ``output`` is not the last warmup's ``last``, or ``None``."""
+    got = out_sig.flatten(output, path="output")
+    want = out_sig.flatten(detached(last, leaf_types), path="output")
+    bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+    if not bad:
+        return None
+    return (
+        f"program {name}: the first replay's output differs from the last "
+        f"warmup output at output tensors {bad} (in flatten order). The function is "
+        "not a fixed schedule (host-side control flow, random numbers, reading "
+        "state outside its inputs?). For functions that draw random numbers pass "
+        "check_first_replay=False."
+    )

@@ -1,5 +1,5 @@
-"""CudaGraphProgram and CudaGraphPool: a fixed function captured once and replayed on
-reusable fixed-address inputs.
+"""CudaGraphProgram: a fixed function captured once and replayed on reusable
+fixed-address inputs (its pool of shared scratch is :mod:`.pool`).
 
 Threading contract: one host thread drives a program (and a pool) at a time. Programs
 are cheap to capture again: give each concurrent worker its own program (and pool).
@@ -8,6 +8,7 @@ are cheap to capture again: give each concurrent worker its own program (and poo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -20,7 +21,7 @@ from ..checks import require_cuda
 from ..errors import CudaGraphCaptureError, CudaGraphsTypeError
 from ..settings import graphs_disabled
 from ..torch_private import current_stream_key
-from .capture_steps import check_capture_arguments, detached
+from .capture_steps import check_capture_arguments, first_replay_mismatch
 from .graph_capture import CapturedProgram, capture_program
 from .launch_order import LaunchOrder
 from .leaves import LeafTypes
@@ -152,15 +153,10 @@ class CudaGraphProgram(Generic[OutputT]):
                 chained); the pool stays usable.
         """
         if function is None:
-            return lambda fn: cls.capture(
-                fn,
-                example_inputs=example_inputs,
-                warmup=warmup,
-                check_input_liveness=check_input_liveness,
-                pool=pool,
-                leaf_types=leaf_types,
-                check_first_replay=check_first_replay,
-                staging=staging,
+            options = dict(warmup=warmup, check_input_liveness=check_input_liveness, pool=pool)
+            options.update(leaf_types=leaf_types, check_first_replay=check_first_replay)
+            return functools.partial(
+                cls.capture, example_inputs=example_inputs, staging=staging, **options
             )
         require_cuda("CudaGraphProgram.capture")
         inputs, signature, device = check_capture_arguments(
@@ -202,18 +198,12 @@ class CudaGraphProgram(Generic[OutputT]):
             ) from exc
         if last is None:
             return
-        got = self._out_sig.flatten(self._output, path="output")
-        want = self._out_sig.flatten(detached(last, self._leaf_types), path="output")
-        bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
-        if bad:
+        problem = first_replay_mismatch(
+            self._out_sig, self._output, last, self._leaf_types, self._name
+        )
+        if problem is not None:
             self.close()
-            raise CudaGraphCaptureError(
-                f"program {self._name}: the first replay's output differs from the last "
-                f"warmup output at output tensors {bad} (in flatten order). The function is "
-                "not a fixed schedule (host-side control flow, random numbers, reading "
-                "state outside its inputs?). For functions that draw random numbers pass "
-                "check_first_replay=False."
-            )
+            raise CudaGraphCaptureError(problem)
 
     # ---- properties -------------------------------------------------------------------
     @property

@@ -27,9 +27,10 @@ from .buckets import (
 )
 from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
 from .graphs import BucketGraph, SlotGraph
+from .input_specs import InputSpec, infer_row_dim
 from .memory import BucketCost, MemoryPlan, MemoryUse, plan_buckets
 from .runner import GraphRunner
-from .static_inputs import InputSpec, StaticInputs, infer_row_dim
+from .static_inputs import StaticInputs
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",

@@ -15,7 +15,8 @@ from torch.utils import _pytree as pytree
 from ..capture import GraphPool, capture_eagerly, capture_into_graph, capture_with_static_outputs
 from ..errors import CudaGraphOutputError, Mismatch, describe_mismatches
 from .buckets import Bucket
-from .static_inputs import PLAN_CACHE_SIZE, Said, StagePlan
+from .input_specs import Said
+from .static_inputs import PLAN_CACHE_SIZE, StagePlan
 
 __all__ = [
     "BucketGraph",

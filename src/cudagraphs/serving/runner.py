@@ -19,67 +19,28 @@ bucket serves runs eagerly: counted per cause and said once at WARNING.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..capture import GraphPool, gc_paused, side_stream
-from ..capturing import capture_scope
-from ..checks import check_callable, check_device, check_instance, check_int, require_cuda
+from ..capture import GraphPool
+from ..checks import check_callable, check_device, check_instance, check_int
 from ..diagnostics import WarnOnce
-from ..errors import (
-    CudaGraphOutputError,
-    CudaGraphsStateError,
-    CudaGraphsTypeError,
-    CudaGraphsValueError,
-)
-from ..settings import DISABLE_ENV, graphs_disabled
-from .buckets import Bucket, BucketConfig, check_dropped_buckets, select_bucket, warmup_runs
-from .distributed import agree_on_batch_size, agree_on_captured, is_distributed
-from .graphs import (
-    BucketBackend,
-    BucketGraph,
-    ReplayStep,
-    default_backend,
-    eager_backend,
-    release,
-    slot_graph,
-    static_outputs_backend,
-)
-from .measure import measure_bucket_cost
-from .memory import BucketCost, MemoryPlan, MemoryUse, plan_buckets
-from .static_inputs import InputSpec, StaticInputs, check_specs
+from ..errors import CudaGraphsStateError, CudaGraphsTypeError
+from .buckets import Bucket, BucketConfig, select_bucket
+from .distributed import is_distributed
+from .full_path import run_checked
+from .graphs import BucketBackend, BucketGraph, ReplayStep, default_backend, static_outputs_backend
+from .input_specs import InputSpec, check_specs
+from .memory import BucketCost, MemoryPlan, MemoryUse
+from .startup import BucketCapture, CaptureTime, progress_bar
+from .static_inputs import StaticInputs
 
 __all__ = ["CaptureTime", "GraphRunner", "progress_bar"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CaptureTime:
-    """How long one bucket took to capture (host wall time, seconds)."""
-
-    warmup_runs: int
-    warmup_s: float
-    capture_s: float  # recording and instantiation
-
-
-def progress_bar(progress: bool | None, total: int, what: str) -> Any:
-    """A tqdm bar over ``total`` steps, or ``None`` (``progress=False``, nothing to
-    capture, or tqdm not installed). With ``progress=None`` the bar is tqdm's
-    ``disable=None``: it draws only when stderr is a terminal."""
-    if progress is False or total == 0:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc=what, unit="bucket", disable=None if progress is None else False)
 
 
 class GraphRunner:
@@ -278,36 +239,9 @@ class GraphRunner:
             raise CudaGraphsStateError(
                 "GraphRunner.capture() on a runner that is captured already; close() it first"
             )
-        disabled = graphs_disabled()
-        self._check_device(disabled, plan_memory, free_bytes, measure)
-        self.disabled = disabled
-        self.dropped_buckets = {}
-        self.capture_times = {}
-        self.memory_plan = self.memory_used = None
-        if disabled:
-            self._warn(
-                "disabled",
-                "GraphRunner: %s=1: every bucket runs eagerly through the runner's path (an "
-                "eager stand-in per bucket, no graph); warmup%s skipped",
-                DISABLE_ENV,
-                " and the memory plan" if plan_memory else "",
-            )
-            warmup, plan_memory = 0, False
-        largest = self.config.largest
-        self.slot_inputs = [
-            StaticInputs(self.specs, largest.rows, self.device) for _ in range(self.slots)
-        ]
-        self.static = self.slot_inputs[0]
-        if self._pool is None:
-            self._pool = GraphPool()
-        try:
-            with nullcontext() if disabled else capture_scope():
-                self._capture_all(
-                    make_inputs, warmup, plan_memory, free_bytes, headroom_bytes, measure, progress
-                )
-        except BaseException:
-            self.close()
-            raise
+        BucketCapture(self).capture(
+            make_inputs, warmup, plan_memory, free_bytes, headroom_bytes, measure, progress
+        )
         self._steps = {}
         if not self.graphs:
             self._warn(
@@ -316,196 +250,6 @@ class GraphRunner:
                 "batch runs eagerly, counted in stats()['eager_runs']['no_graphs']",
                 len(self.dropped_buckets),
             )
-
-    def _check_device(
-        self, disabled: bool, plan_memory: bool, free_bytes: int | None, measure: Any
-    ) -> None:
-        if self.device.type == "cuda":
-            require_cuda("GraphRunner.capture")
-            return
-        where = f"GraphRunner(device='{self.device}')"
-        if self._capture_backend is None and not disabled:
-            raise CudaGraphsValueError(
-                f"{where}: CUDA graphs need a CUDA device. Fixes: 1. pass device='cuda' (or "
-                f"'cuda:N'); 2. set {DISABLE_ENV}=1 to run eagerly through the runner."
-            )
-        if plan_memory and not disabled and (measure is None or free_bytes is None):
-            raise CudaGraphsValueError(
-                f"{where}: capture(plan_memory=True) measures CUDA memory; off CUDA pass "
-                "both measure= and free_bytes="
-            )
-
-    def _capture_all(
-        self,
-        make_inputs: Callable,
-        warmup: int,
-        plan_memory: bool,
-        free_bytes: int | None,
-        headroom_bytes: int,
-        measure: Callable[[Bucket], BucketCost] | None,
-        progress: bool | None,
-    ) -> None:
-        chosen = set(self.config.buckets())
-        if plan_memory:
-            chosen = self._plan(make_inputs, free_bytes, headroom_bytes, measure)
-        backend = eager_backend if self.disabled else self._backend
-        local_ok = []
-        # The collector stays off for all warmups and captures, and no collection is
-        # forced before or after: with torch.compile or transformers imported a full
-        # collection takes 70-210 ms (measured on the H200 host), a tenth of a 16-layer
-        # decoder's whole startup, and warmups of an HF model allocate enough objects
-        # to set off several. Cycles made meanwhile go at the next automatic one.
-        before = self._memory_now() if plan_memory else None
-        bar = progress_bar(progress, len(chosen), "capturing buckets")
-        try:
-            with gc_paused():
-                self._capture_chosen(chosen, make_inputs, warmup, backend, bar, local_ok)
-        finally:
-            if bar is not None:
-                bar.close()
-        if before is not None:
-            after = self._memory_now()
-            self.memory_used = MemoryUse(after[0] - before[0], before[1] - after[1])
-            logger.info("%s", self.memory_used.against(self.memory_plan))
-        self._agree(local_ok)
-        check_dropped_buckets(self.dropped_buckets, self.require_all_buckets)
-
-    def _capture_chosen(
-        self,
-        chosen: set[Bucket],
-        make_inputs: Callable,
-        warmup: int,
-        backend: BucketBackend,
-        bar: Any,
-        local_ok: list[bool],
-    ) -> None:
-        runs = 0
-        for bucket in self.config.buckets():
-            # Every rank walks every bucket, also after a local failure, so the
-            # agreement below is one collective per rank.
-            ok = False
-            if bucket in chosen:
-                runs_here = warmup_runs(runs, warmup, self.compile_options is not None)
-                ok = self._capture_bucket(bucket, make_inputs, runs_here, backend)
-                runs += 1
-                self._said_captured(bucket, ok, runs, len(chosen), bar)
-            local_ok.append(ok)
-
-    def _memory_now(self) -> tuple[int, int] | None:
-        """(reserved bytes, device free bytes), or None off CUDA. Empties the cache
-        first, so blocks cached by the eager warmups are not counted as graph memory."""
-        if self.device.type != "cuda":
-            return None
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        return torch.cuda.memory_reserved(self.device), torch.cuda.mem_get_info(self.device)[0]
-
-    def _plan(
-        self,
-        make_inputs: Callable,
-        free_bytes: int | None,
-        headroom_bytes: int,
-        measure: Callable[[Bucket], BucketCost] | None,
-    ) -> set[Bucket]:
-        costs = []
-        for bucket in self.config.buckets():
-            try:
-                cost = self._measure(bucket, make_inputs, measure)
-            except Exception as exc:
-                # A sync or a failing step at this size only: the real capture would
-                # fail the same way, so the bucket goes and the others are planned.
-                self._drop(bucket, f"memory measurement failed: {type(exc).__name__}: {exc}")
-                continue
-            if not isinstance(cost, BucketCost):
-                raise CudaGraphsTypeError(
-                    f"measure({bucket}) must return a BucketCost, got {type(cost).__name__}"
-                )
-            costs.append(cost)
-        if free_bytes is None:
-            free_bytes = torch.cuda.mem_get_info(self.device)[0]
-        self.memory_plan = plan = plan_buckets(costs, free_bytes, headroom_bytes=headroom_bytes)
-        logger.info("%s", plan.describe())
-        for bucket, why in plan.dropped.items():
-            self._drop(bucket, f"memory plan: {why}")
-        return set(plan.chosen)
-
-    def _measure(
-        self, bucket: Bucket, make_inputs: Callable, measure: Callable[[Bucket], BucketCost] | None
-    ) -> BucketCost:
-        self.static.stage(make_inputs(bucket), bucket, bucket.rows)
-        if measure is not None:
-            return measure(bucket)
-        views = self.static.views(bucket)
-        return measure_bucket_cost(bucket, lambda: self.forward(**views), self._warmup_stream())
-
-    def _warmup_stream(self) -> torch.cuda.Stream | None:
-        # Every bucket warms up (and is measured) on the pool's warmup stream and is
-        # captured on its capture stream, so the cuBLAS workspace of the graphs is made
-        # once, inside the pool (GraphPool.capture_stream). None on the CPU (tests).
-        if self.device.type != "cuda":
-            return None
-        return self._pool.warmup_stream(self.device)
-
-    def _said_captured(self, bucket: Bucket, ok: bool, done: int, total: int, bar: Any) -> None:
-        took = self.capture_times.get(bucket)
-        if ok and took is not None:
-            logger.info(
-                "GraphRunner: captured %s (%d/%d): warmup %.3f s, capture %.3f s",
-                bucket,
-                done,
-                total,
-                took.warmup_s,
-                took.capture_s,
-            )
-        if bar is not None:
-            bar.update(1)
-
-    def _capture_bucket(
-        self, bucket: Bucket, make_inputs: Callable, warmup: int, backend: BucketBackend
-    ) -> bool:
-        captured: list[tuple[Any, Any, str]] = []
-        warmup_s = capture_s = 0.0
-        try:
-            for slot, static in enumerate(self.slot_inputs):
-                views = static.views(bucket)
-                static.stage(make_inputs(bucket), bucket, bucket.rows)
-                what = str(bucket) if self.slots == 1 else f"{bucket} slot {slot}"
-                with side_stream(self._warmup_stream()):
-                    start = time.perf_counter()
-                    for _ in range(warmup):
-                        self.forward(**views)
-                    middle = time.perf_counter()
-                    graph, output = backend(lambda v=views: self.forward(**v), self._pool, what)
-                    warmup_s += middle - start
-                    capture_s += time.perf_counter() - middle
-                captured.append((graph, output, what))
-        except Exception as exc:
-            release(graph for graph, _, _ in captured)
-            self._drop(bucket, f"{type(exc).__name__}: {exc}", "its capture failed: ")
-            return False
-        try:
-            # A configuration error, not a failure of this bucket: raised, not dropped.
-            slots = [
-                slot_graph(graph, output, bucket, self.output_row_dim, what)
-                for graph, output, what in captured
-            ]
-        except CudaGraphOutputError:
-            release(graph for graph, _, _ in captured)
-            raise
-        self.graphs[bucket] = BucketGraph(bucket, slots)
-        self.capture_times[bucket] = CaptureTime(warmup, warmup_s, capture_s)
-        return True
-
-    def _drop(self, bucket: Bucket, reason: str, how: str = "") -> None:
-        self.dropped_buckets[bucket] = reason
-        logger.error("GraphRunner: dropping %s: %s%s", bucket, how, reason)
-
-    def _agree(self, local_ok: list[bool]) -> None:
-        agreed = agree_on_captured(local_ok, self.group)
-        for bucket, ok, all_ok in zip(self.config.buckets(), local_ok, agreed):
-            if ok and not all_ok:
-                self.graphs.pop(bucket).reset()
-                self._drop(bucket, "dropped on another rank", "another rank could not capture it: ")
 
     # ---- run -------------------------------------------------------------------------
     def select(self, batch_size: int, num_tokens: int | None = None) -> Bucket | None:
@@ -561,7 +305,7 @@ class GraphRunner:
                     entry.next_slot = (index + 1) % self.slots
                     step.staging[index].write(inputs)
                     return self._replay(entry, index, rows, copy_output)
-        return self._run_checked(inputs, batch_size, num_tokens, copy_output)
+        return run_checked(self, inputs, batch_size, num_tokens, copy_output)
 
     def _replay_step(self, rows: int) -> ReplayStep | None:
         """The replay of an exactly matching batch of ``rows`` rows (kept), or ``None``
@@ -580,76 +324,6 @@ class GraphRunner:
         slot.graph.replay()
         entry.replays += 1
         return slot.real_rows(rows, entry.bucket.rows, copy_output)
-
-    def _run_checked(
-        self,
-        inputs: Mapping[str, torch.Tensor],
-        batch_size: int | None,
-        num_tokens: int | None,
-        copy_output: bool,
-    ) -> Any:
-        static = self.static
-        rows = static.batch_rows(inputs)
-        batch = rows if batch_size is None else check_int("batch_size", batch_size, minimum=1)
-        if num_tokens is not None and not self._token_buckets:
-            num_tokens = self._ignore_num_tokens(num_tokens)
-        if is_distributed(self.group):
-            # All ranks pick the same bucket: a graph holding a collective must be
-            # replayed by every rank or by none.
-            batch = agree_on_batch_size(batch, self.group)
-        bucket = self.select(batch, num_tokens)
-        if bucket is None:
-            return self._run_eagerly(inputs, rows, batch, num_tokens)
-        entry = self.graphs[bucket]
-        index = entry.next_slot
-        entry.next_slot = (index + 1) % self.slots
-        self.slot_inputs[index].stage(inputs, bucket, rows)
-        return self._replay(entry, index, rows, copy_output)
-
-    def _ignore_num_tokens(self, num_tokens: int) -> None:
-        self.ignored_arguments["num_tokens"] += 1
-        self._warn(
-            "num_tokens",
-            "GraphRunner: run(num_tokens=%s) is ignored: the config has no token buckets "
-            "(BucketConfig(token_counts=...)), so buckets are chosen by batch size alone",
-            num_tokens,
-        )
-
-    def _run_eagerly(
-        self, inputs: Mapping[str, torch.Tensor], rows: int, batch: int, num_tokens: int | None
-    ) -> Any:
-        static = self.static
-        static.validate(inputs, None, rows)
-        self.eager_runs[self._eager_cause(batch, num_tokens)] += 1
-        return self.eager_forward(**static.in_spec_dtypes(inputs))
-
-    def _eager_cause(self, batch: int, num_tokens: int | None) -> str:
-        if not self.graphs:
-            return "no_graphs"  # said at the end of capture
-        size = f"{batch}" if num_tokens is None else f"{batch} ({num_tokens} tokens)"
-        if select_bucket(self.graphs, batch, num_tokens) is None:
-            largest = max(self.graphs, key=lambda b: (b.rows, b.batch_size))
-            self._warn(
-                "too_large",
-                "GraphRunner: a batch of %s fits no captured bucket (the largest is %s%s): "
-                "it and later ones like it run eagerly, counted in "
-                "stats()['eager_runs']['too_large']",
-                size,
-                largest,
-                f"; dropped: {', '.join(map(str, self.dropped_buckets))}"
-                if self.dropped_buckets
-                else "",
-            )
-            return "too_large"
-        self._warn(
-            "pad_ratio",
-            "GraphRunner: a batch of %s would pad its bucket by more than max_pad_ratio=%s: "
-            "it and later ones like it run eagerly, counted in "
-            "stats()['eager_runs']['pad_ratio']",
-            size,
-            self.config.max_pad_ratio,
-        )
-        return "pad_ratio"
 
     # ---- reporting and teardown ------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The whole training step as CUDA graphs: :func:`graph_train_step`.
 
 * :mod:`.step`: warmup, capture and replay of forward, backward, all-reduce, clipping
-  and the optimizer step.
+  and the optimizer step (its graphs captured by :mod:`.step_capture`, its options and
+  statistics in :mod:`.records`).
 * :mod:`.optimizers`: what makes an optimizer's step capturable, what the graph bakes
   in, and keeping the captured state across ``load_state_dict``.
 * :mod:`.gradients`: the bucketed gradient all-reduce, captured or eager.
@@ -12,7 +13,8 @@ stages batches through the program layer's fixed buffers.
 
 from .gradients import DEFAULT_BUCKET_MB, all_reduce_gradients, plan_buckets
 from .optimizers import GroupPlan, plan_optimizer, prepare_optimizer
-from .step import GraphedTrainStep, TrainStepOptions, TrainStepStats, graph_train_step
+from .records import TrainStepOptions, TrainStepStats
+from .step import GraphedTrainStep, graph_train_step
 
 __all__ = [
     "DEFAULT_BUCKET_MB",

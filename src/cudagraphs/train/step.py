@@ -16,108 +16,27 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..capture import capture_into_graph
-from ..checks import (
-    check_bool,
-    check_callable,
-    check_instance,
-    check_int,
-    check_number,
-    require_cuda,
-)
-from ..errors import (
-    CudaGraphCaptureError,
-    CudaGraphsTypeError,
-    CudaGraphsValueError,
-    GraphReleasedError,
-)
+from ..checks import check_callable, check_instance, require_cuda
+from ..errors import CudaGraphsTypeError, CudaGraphsValueError, GraphReleasedError
 from ..graph_pool import GraphPool, as_graph_pool, side_stream
 from ..program.buffer import ReusableValueBuffer
 from ..program.signature import ValueTreeSignature
 from ..settings import graphs_disabled
 from .gradients import DEFAULT_BUCKET_MB, GradientReducer
 from .optimizers import HyperparameterGuard, OptimizerSnapshot, StateKeeper, prepare_optimizer
+from .records import TrainStepOptions, TrainStepStats
+from .step_capture import CapturedStep, capture_step_graphs
 
-__all__ = ["GraphedTrainStep", "TrainStepOptions", "TrainStepStats", "graph_train_step"]
+__all__ = ["GraphedTrainStep", "graph_train_step"]
 
 logger = logging.getLogger(__name__)
 
 # torch warns once per optimizer when a capturable step runs eagerly; the warmup must.
 _CAPTURABLE_WARNING = ".*capturable=True.*"
-
-
-@dataclass(frozen=True)
-class TrainStepOptions:
-    """The keyword arguments of :func:`graph_train_step`, checked."""
-
-    max_grad_norm: float | None = None
-    accumulation_steps: int = 1
-    optimizer_impl: str = "auto"
-    all_reduce: bool | None = None
-    process_group: Any = None
-    bucket_mb: float = DEFAULT_BUCKET_MB
-    warmup_steps: int = 3
-
-    def __post_init__(self) -> None:
-        if self.max_grad_norm is not None:
-            value = check_number("max_grad_norm", self.max_grad_norm)
-            if not value > 0:
-                raise CudaGraphsValueError(f"max_grad_norm must be positive, got {value!r}")
-        check_int("accumulation_steps", self.accumulation_steps, minimum=1)
-        check_int("warmup_steps", self.warmup_steps, minimum=1)
-        if not check_number("bucket_mb", self.bucket_mb) > 0:
-            raise CudaGraphsValueError(f"bucket_mb must be positive, got {self.bucket_mb!r}")
-        if self.all_reduce is not None:
-            check_bool("all_reduce", self.all_reduce)
-
-    def reduces(self) -> bool:
-        """Whether gradients are all-reduced: as asked, else when ``torch.distributed``
-        runs with more than one rank."""
-        if self.all_reduce is not None:
-            return self.all_reduce
-        dist = torch.distributed
-        return (
-            dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size(self.process_group) > 1
-        )
-
-
-@dataclass(frozen=True)
-class TrainStepStats:
-    """What :meth:`GraphedTrainStep.capture` did.
-
-    Attributes:
-        graphs: graphs captured (1 without accumulation, 3 with: first micro-batch,
-            later micro-batches, update); 0 when graphs are disabled.
-        warmup_seconds / capture_seconds: wall time of the warmup steps and captures.
-        all_reduce: whether gradients are averaged over ranks inside the step.
-        optimizer_changes: what :func:`~cudagraphs.train.prepare_optimizer` changed.
-    """
-
-    graphs: int
-    warmup_seconds: float
-    capture_seconds: float
-    accumulation_steps: int
-    all_reduce: bool
-    optimizer_changes: tuple[str, ...]
-
-
-@dataclass
-class _Captured:
-    """The graphs of one step and the tensors they write (borrowed outputs)."""
-
-    first: torch.cuda.CUDAGraph
-    first_loss: torch.Tensor
-    accumulate: torch.cuda.CUDAGraph | None = None
-    accumulate_loss: torch.Tensor | None = None
-    update: torch.cuda.CUDAGraph | None = None
-    grad_norm: torch.Tensor | None = None
 
 
 class GraphedTrainStep:
@@ -164,7 +83,7 @@ class GraphedTrainStep:
         self.plans = prepare_optimizer(optimizer, options.optimizer_impl)
         self.graphed = False
         self.stats: TrainStepStats | None = None
-        self._captured: _Captured | None = None
+        self._captured: CapturedStep | None = None
         self._buffer: ReusableValueBuffer | None = None
         self._guard: HyperparameterGuard | None = None
         self._keeper: StateKeeper | None = None
@@ -255,7 +174,14 @@ class GraphedTrainStep:
             torch.cuda.synchronize(device)
             t1 = time.perf_counter()
             self._drop_grads()
-            self._captured = self._capture_graphs(pool, stream)
+            self._captured = capture_step_graphs(
+                self._micro,
+                self._update,
+                self._buffer.value,
+                self.options.accumulation_steps,
+                pool,
+                stream,
+            )
             t2 = time.perf_counter()
         except BaseException:
             self._captured = None
@@ -279,33 +205,6 @@ class GraphedTrainStep:
         )
         logger.info("train step captured: %s", self.stats)
         return self
-
-    def _capture_graphs(self, pool: GraphPool, stream: torch.cuda.Stream) -> _Captured:
-        batch = self._buffer.value
-
-        def whole() -> tuple[torch.Tensor, torch.Tensor | None]:
-            return self._micro(batch), self._update()
-
-        def micro() -> torch.Tensor:
-            return self._micro(batch)
-
-        def capture(run: Callable[[], Any], what: str) -> tuple[torch.cuda.CUDAGraph, Any]:
-            try:
-                return capture_into_graph(run, pool, stream=stream, what=what)
-            except CudaGraphCaptureError as exc:
-                raise CudaGraphCaptureError(
-                    f"{exc} Parameters and optimizer state were restored to their values "
-                    "before graph_train_step and every .grad set to None: eager training "
-                    "can go on."
-                ) from exc.__cause__
-
-        if self.options.accumulation_steps == 1:
-            graph, (loss, norm) = capture(whole, "train step")
-            return _Captured(graph, loss, grad_norm=norm)
-        first, first_loss = capture(micro, "train step: first micro-batch")
-        accumulate, accumulate_loss = capture(micro, "train step: later micro-batches")
-        update, norm = capture(self._update, "train step: update")
-        return _Captured(first, first_loss, accumulate, accumulate_loss, update, norm)
 
     def _device(self) -> torch.device:
         devices = sorted({str(p.device) for p in self.params})

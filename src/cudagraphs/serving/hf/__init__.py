@@ -15,9 +15,10 @@ except ImportError as exc:  # pragma: no cover - the hf extra brings it
     ) from exc
 
 from .cache import LayerShape, SharedStaticCache
-from .generator import DEFAULT_GENERATE_BATCH_SIZES, GraphedGenerator, check_supported
+from .generator import DEFAULT_GENERATE_BATCH_SIZES, GraphedGenerator
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, stop_tokens
+from .support import check_supported
 
 __all__ = [
     "DEFAULT_GENERATE_BATCH_SIZES",

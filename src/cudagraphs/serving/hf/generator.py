@@ -30,23 +30,22 @@ from torch import nn
 
 from ...checks import check_instance, check_int
 from ...diagnostics import WarnOnce
-from ...errors import CudaGraphsStateError, CudaGraphsTypeError, UnsupportedModelError
+from ...errors import CudaGraphsStateError, CudaGraphsTypeError
 from ..buckets import Bucket, BucketConfig
 from ..graphs import BucketBackend
+from ..input_specs import InputSpec
 from ..runner import GraphRunner
-from ..static_inputs import InputSpec
 from .cache import LayerShape, SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
+from .per_token import _choose, _EndFlag
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens
+from .support import check_supported
 
 __all__ = ["DEFAULT_GENERATE_BATCH_SIZES", "GraphedGenerator"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GENERATE_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-# transformers' MoE experts that keep static shapes (the others loop over the experts hit
-# with host-side shapes, which a graph cannot hold).
-_STATIC_EXPERTS = ("grouped_mm", "batched_mm")
 
 
 class GraphedGenerator:
@@ -384,83 +383,5 @@ class GraphedGenerator:
         self.kv = None
 
 
-class _EndFlag:
-    """A device boolean read on the host one step late: copied into pinned memory
-    without blocking, with an event to wait on when it is read."""
-
-    def __init__(self, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        self.host = torch.zeros((), dtype=torch.bool, pin_memory=cuda)
-        self.event = torch.cuda.Event() if cuda else None
-        self.pending = False
-
-    def record(self, value: torch.Tensor) -> None:
-        self.host.copy_(value, non_blocking=self.event is not None)
-        if self.event is not None:
-            # The copy runs on the current stream of the value's device, which need not
-            # be the current device.
-            self.event.record(torch.cuda.current_stream(value.device))
-        self.pending = True
-
-    def read(self) -> bool:
-        """The last recorded value (``False`` when none is pending)."""
-        if not self.pending:
-            return False
-        self.pending = False
-        if self.event is not None:
-            self.event.synchronize()
-        return bool(self.host)
-
-
-def _choose(
-    logits: torch.Tensor,
-    sequences: torch.Tensor,
-    sampling: Sampling,
-    processors: Any,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    scores = processors(sequences, logits) if processors else logits
-    if not sampling.do_sample:
-        return torch.argmax(scores, dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
-
-
 def _shape_of(keys: torch.Tensor, values: torch.Tensor) -> LayerShape:
     return LayerShape(keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype)
-
-
-def check_supported(model: nn.Module) -> None:
-    """Refuse models whose decode step cannot be one static graph (the fix named).
-
-    Raises:
-        UnsupportedModelError: encoder-decoder, stateful (recurrent state outside the
-            KV cache), not marked graph-safe by HF (``_can_compile_fullgraph``), or MoE
-            experts whose implementation has host-side shapes.
-    """
-    config, name = model.config, type(model).__name__
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(
-            f"{name} is an encoder-decoder model; the graphed generator serves decoder-only "
-            "causal LMs"
-        )
-    if getattr(model, "_is_stateful", False):
-        raise UnsupportedModelError(
-            f"{name} keeps recurrent state outside a KV cache; it has no static cache to "
-            "decode from. Use model.generate"
-        )
-    if not getattr(model, "_can_compile_fullgraph", False):
-        raise UnsupportedModelError(
-            f"{name} does not support a static cache (transformers marks it "
-            "_can_compile_fullgraph=False: its forward is not graph-safe). Use "
-            "model.generate"
-        )
-    has_experts = any(hasattr(module, "experts") for module in model.modules())
-    implementation = getattr(config, "_experts_implementation", None)
-    if has_experts and isinstance(implementation, str) and implementation not in _STATIC_EXPERTS:
-        raise UnsupportedModelError(
-            f"{name}'s MoE experts use the {implementation!r} implementation, which loops "
-            "over the experts hit with host-side shapes and cannot be captured. Fix: "
-            "model.set_experts_implementation('grouped_mm') (or build the model with "
-            "experts_implementation='grouped_mm')"
-        )

@@ -1,0 +1,184 @@
+"""The work of one :meth:`~.manager.PartialCudaGraphManager.capture`: which recorded calls
+to graph, graphing them group by group through a backend, and the backends.
+
+Separate from :mod:`.manager` so that the manager holds the life cycle and its
+documentation, and this module the capture transaction of each group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+from ..capturing import capture_scope
+from ..diagnostics import WarnOnce
+from ..errors import CudaGraphsStateError, CudaGraphsValueError, TargetSelectionError
+from ..settings import DISABLE_ENV, graphs_disabled
+from .entry import PartialGraphEntry
+from .recording import Recorder, capture_groups, capture_modes
+from .speed import SpeedCheck, measure_group
+
+__all__ = ["TargetsBackend", "calls_to_capture", "capture_calls", "read_disabled"]
+
+#: How a manager turns recorded calls into graphed callables:
+#: ``backend(callables, sample_args, sample_kwargs) -> graphed callables`` (one each).
+#: (Serving's bucket backend, ``cudagraphs.serving.graphs.BucketBackend``, is another
+#: contract: one graph per call.)
+TargetsBackend = Callable[[tuple, tuple, list], Sequence[Callable[..., Any]]]
+
+
+def _default_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) -> Sequence[Any]:
+    from ..core import make_graphed_callables
+
+    result = make_graphed_callables(callables, sample_args, sample_kwargs=sample_kwargs)
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _eager_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) -> Sequence[Any]:
+    """The backend under ``CUDAGRAPHS_DISABLE=1``: each adapter is its own "graph",
+    called with the arguments a graph would get (parameters first) and run eagerly."""
+    del sample_args, sample_kwargs
+    return list(callables)
+
+
+def read_disabled(fixed: bool | None) -> bool:
+    """``CUDAGRAPHS_DISABLE`` now (:func:`~cudagraphs.settings.graphs_disabled`), which
+    must equal ``fixed``: what a manager's first capture read (``None`` before it).
+
+    Raises:
+        CudaGraphsStateError: the flag changed since the first capture.
+        CudaGraphsValueError: the flag is not a boolean.
+    """
+    disabled = graphs_disabled()
+    if fixed is not None and disabled != fixed:
+        was, now = ("disabled", "enabled") if fixed else ("enabled", "disabled")
+        raise CudaGraphsStateError(
+            f"{DISABLE_ENV} changed since this manager's first capture() (graphs were "
+            f"{was} then, {now} now); one manager does not mix graphed and eager "
+            f"targets. Fixes: 1. set {DISABLE_ENV} before the first capture() and keep "
+            "it; 2. close() this manager and build a new one."
+        )
+    return disabled
+
+
+def calls_to_capture(
+    entries: Sequence[PartialGraphEntry], recorder: Recorder
+) -> list[tuple[PartialGraphEntry, int]]:
+    """The recorded calls not graphed yet, as ``(entry, variant index)`` in the real
+    forward order ``recorder`` saw, leaving out targets turned off.
+
+    Raises:
+        TargetSelectionError: a target ran more than once in one recorded forward (or,
+            without model parts, while recording).
+        CudaGraphsStateError: nothing was recorded.
+    """
+    repeated = [e.name for e in entries if e.repeats]
+    if repeated:
+        where = (
+            "within one forward of the model"
+            if recorder.clock is not None
+            else "while recording (this manager was built without its model parts, so "
+            "forwards cannot be told apart and gradient accumulation looks the same; "
+            "build it with from_model_parts to record several micro-batches)"
+        )
+        raise TargetSelectionError(
+            f"{repeated} ran more than once {where}; one graph cannot stand for "
+            "several calls of one forward (the second replay would overwrite the "
+            "first one's outputs and saved activations). Fix: leave these modules "
+            "out of the targets (attention=False / router=False, or an include that "
+            "does not name them)."
+        )
+    todo = [
+        (entry, i)
+        for entry in recorder.order
+        for i, variant in enumerate(entry.variants)
+        if variant.graph is None and entry.off_reason is None
+    ]
+    if not todo and not any(e.variants for e in entries):
+        raise CudaGraphsStateError(
+            "nothing was recorded, so there is nothing to capture. Fix: call "
+            "start_recording(), run one training step (forward and backward), then "
+            "capture()."
+        )
+    return todo
+
+
+def capture_calls(
+    todo: list[tuple[PartialGraphEntry, int]],
+    backend: TargetsBackend,
+    *,
+    disabled: bool,
+    pooled: bool,
+    speed_check: SpeedCheck | bool,
+    targets: int,
+    warn_once: WarnOnce,
+    logger: logging.Logger,
+) -> list:
+    """Graph ``todo`` through ``backend`` (the eager backend when ``disabled``, said
+    once through ``warn_once`` with the manager's number of ``targets``), in the groups
+    :func:`~.recording.capture_groups` makes (one pool per call when ``pooled``:
+    activation checkpointing), and say how many on ``logger``.
+
+    Returns:
+        The speed verdicts of the groups (:func:`~.speed.measure_group`).
+
+    Raises:
+        CudaGraphsValueError: the backend returned the wrong number of callables.
+    """
+    if disabled:
+        warn_once(
+            "disabled",
+            "partial graphs are disabled (%s=1): the %d target(s) of this manager run "
+            "eagerly through the same recording, contract matching and counting, and "
+            "no graph is captured; stats()['disabled'] is 1. Unset %s to graph them.",
+            DISABLE_ENV,
+            targets,
+            DISABLE_ENV,
+        )
+    verdicts: list = []
+    if todo:
+        backend = _eager_backend if disabled else backend
+        for group in capture_groups(todo, pooled):
+            verdicts += _capture_group(group, backend, disabled, speed_check)
+        logger.info(
+            "partial graphs: %s %d call(s)%s",
+            "prepared eagerly (disabled)" if disabled else "captured",
+            len(todo),
+            ", one pool each (activation checkpointing)" if pooled else "",
+        )
+    return verdicts
+
+
+def _capture_group(
+    group: list[tuple[PartialGraphEntry, int]],
+    backend: Any,
+    disabled: bool,
+    speed_check: SpeedCheck | bool,
+) -> list:
+    callables, sample_args, sample_kwargs = [], [], []
+    for entry, i in group:
+        variant = entry.variants[i]
+        args, kwargs = variant.args, variant.kwargs
+        callables.append(entry.adapter())
+        sample_args.append((tuple(entry.capture_params(i)), *args))
+        sample_kwargs.append(kwargs)
+    first = group[0][0].contracts.variants[group[0][1]]
+    modules = [entry.target.module for entry, _ in group]
+    scope = nullcontext() if disabled else capture_scope()
+    modes = capture_modes(first.grad_enabled, first.training, modules, first.autocast)
+    with modes:
+        with scope:
+            graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))
+        if len(graphed) != len(group):
+            raise CudaGraphsValueError(
+                f"capture_backend returned {len(graphed)} callable(s) for "
+                f"{len(group)} call(s) ({[e.name for e, _ in group]}); it must "
+                "return one graphed callable per call, in order"
+            )
+        measure = not disabled and len(graphed) == len(group)
+        verdicts = measure_group(speed_check, group, graphed) if measure else []
+    for (entry, i), g in zip(group, graphed):
+        entry.variants[i].captured(g, tuple(entry.capture_params(i)))
+    return verdicts

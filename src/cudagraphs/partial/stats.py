@@ -1,0 +1,47 @@
+"""The totals a :class:`~.manager.PartialCudaGraphManager` reports in ``stats()``:
+graphs held, replays and fallbacks per reason, and the blocks skipped, narrowed or
+turned off.
+
+Separate from :mod:`.manager` because it is a pure function of the targets and blocks,
+while the manager holds their life cycle (the keys are listed in its class docs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .entry import PartialGraphEntry
+from .skips import NarrowedBlock, SkippedBlock
+
+__all__ = ["stats_of"]
+
+
+def stats_of(
+    entries: Sequence[PartialGraphEntry],
+    skipped: Sequence[SkippedBlock],
+    narrowed: Sequence[NarrowedBlock],
+    disabled: bool | None,
+) -> dict[str, int]:
+    """Totals over ``entries`` and the blocks (keys: see the manager's class docs);
+    ``disabled`` is what the manager's first capture read (``None`` before it)."""
+    graphs = sum(len(e.graphs()) for e in entries)
+    out: dict[str, int] = {
+        "captured": 0 if disabled else graphs,
+        "disabled": int(bool(disabled)),
+        "replayed": 0,
+        "fallbacks": 0,
+    }
+    for entry in entries:
+        for key, n in entry.counter.as_dict().items():
+            out[key] = out.get(key, 0) + n
+    for block in skipped:
+        key = f"skipped_{block.reason}"
+        out[key] = out.get(key, 0) + 1
+    for block in narrowed:
+        key = f"narrowed_{block.reason}"
+        out[key] = out.get(key, 0) + 1
+    for entry in entries:
+        if entry.off_reason is not None:
+            key = f"off_{entry.off_reason}"
+            out[key] = out.get(key, 0) + 1
+    return out
