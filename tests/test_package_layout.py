@@ -4,6 +4,8 @@ module imports, at load time, a module that imports it back) and modules stay sm
 import ast
 from pathlib import Path
 
+import pytest
+
 import cudagraphs
 
 SRC = Path(cudagraphs.__file__).parent
@@ -78,6 +80,9 @@ def test_the_cycle_finder_sees_relative_imports():
     assert "cudagraphs.cuda_binding" in graph["cudagraphs.program.staging"]
 
 
+@pytest.mark.skipif(
+    "mutants" in SRC.parts, reason="mutmut's copies of the sources carry its trampolines"
+)
 def test_no_module_is_far_over_the_size_rule():
     sizes = {str(p.relative_to(SRC)): len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
     too_big = {name: n for name, n in sizes.items() if n > MAX_LINES}
