@@ -24,7 +24,7 @@ from ..settings import DISABLE_ENV
 from .buffer import ReusableValueBuffer
 from .capture_steps import check_output_device, detached, output_signature, warm_up
 from .leaves import LeafTypes
-from .pool import CudaGraphPool
+from .pool import CudaGraphCaptureStats, CudaGraphPool
 from .signature import ValueTreeSignature
 from .staging import GraphStaging, choose_staging, runtime_for, staged_arguments
 
@@ -66,6 +66,17 @@ class CapturedProgram:
     warmup_iterations: int
     warmup_seconds: float
     capture_seconds: float
+
+    def stats(self, first_replay_seconds: float = 0.0) -> CudaGraphCaptureStats:
+        """The capture's costs, with the allocator's figures as of now."""
+        return CudaGraphCaptureStats(
+            warmup_iterations=self.warmup_iterations,
+            warmup_seconds=self.warmup_seconds,
+            capture_seconds=self.capture_seconds,
+            first_replay_seconds=first_replay_seconds,
+            memory_allocated_bytes=torch.cuda.memory_allocated(self.device),
+            memory_reserved_bytes=torch.cuda.memory_reserved(self.device),
+        )
 
 
 def capture_program(

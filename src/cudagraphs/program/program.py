@@ -7,7 +7,6 @@ are cheap to capture again: give each concurrent worker its own program (and poo
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -70,14 +69,7 @@ class CudaGraphProgram(Generic[OutputT]):
         graph = captured.captured
         self._graph, self._output = graph.graph, graph.output
         self._out_sig, self._staging = graph.out_sig, graph.staging
-        self._stats = CudaGraphCaptureStats(
-            warmup_iterations=captured.warmup_iterations,
-            warmup_seconds=captured.warmup_seconds,
-            capture_seconds=captured.capture_seconds,
-            first_replay_seconds=0.0,
-            memory_allocated_bytes=torch.cuda.memory_allocated(captured.device),
-            memory_reserved_bytes=torch.cuda.memory_reserved(captured.device),
-        )
+        self._stats = captured.stats()
         # A fresh object per program: unlike id(self), never reused by another program.
         self._generation, self._token = 0, object()
         # Writers of the input buffer on another stream than the last replay wait for
@@ -179,12 +171,7 @@ class CudaGraphProgram(Generic[OutputT]):
             program = cls(captured)
             t0 = time.perf_counter()
             program._first_replay(captured.last if check_first_replay else None)
-            program._stats = dataclasses.replace(
-                program._stats,
-                first_replay_seconds=time.perf_counter() - t0,
-                memory_allocated_bytes=torch.cuda.memory_allocated(device),
-                memory_reserved_bytes=torch.cuda.memory_reserved(device),
-            )
+            program._stats = captured.stats(first_replay_seconds=time.perf_counter() - t0)
         return program
 
     def _first_replay(self, last: Any) -> None:
@@ -375,17 +362,7 @@ class CudaGraphProgram(Generic[OutputT]):
         if self._staging is not None:
             self._staging.unbind()  # the graph reads the buffer this copy fills
         events = [wait_for] if isinstance(wait_for, torch.cuda.Event) else list(wait_for or ())
-        for event in events:
-            stream.wait_event(event)
-        with torch.cuda.stream(stream):
-            self._buffer.copy_tensors(sources, non_blocking=non_blocking)
-        for src in sources:
-            if src.is_cuda:
-                # The caller may drop a CUDA source at once; its memory must not be
-                # reused before this stream has read it.
-                src.record_stream(stream)
-        done = torch.cuda.Event()
-        done.record(stream)
+        done = self._buffer.copy_on(stream, sources, non_blocking=non_blocking, wait_for=events)
         self._generation += 1
         self._last_copy = done
         return CopyHandle(self._token, self._generation, done, tuple(sources))
