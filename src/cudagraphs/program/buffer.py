@@ -99,6 +99,29 @@ class ReusableValueBuffer:
         with self._below_autograd:
             _copy_groups(groups, sources, non_blocking)
 
+    def copy_on(
+        self,
+        stream: torch.cuda.Stream,
+        sources: list[torch.Tensor],
+        *,
+        non_blocking: bool,
+        wait_for: list[torch.cuda.Event],
+    ) -> torch.cuda.Event:
+        """Copy ``sources`` in on ``stream`` once ``wait_for`` have happened; the
+        returned event marks the copy's end (a prefetch, off the replay path)."""
+        for event in wait_for:
+            stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            self.copy_tensors(sources, non_blocking=non_blocking)
+        for src in sources:
+            if src.is_cuda:
+                # The caller may drop a CUDA source at once; its memory must not be
+                # reused before this stream has read it.
+                src.record_stream(stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+        return done
+
     def __repr__(self) -> str:
         return (
             f"ReusableValueBuffer({len(self.tensors)} tensors, {self.nbytes} bytes on "
@@ -133,26 +156,3 @@ def _dtype_groups(targets: list[torch.Tensor]) -> list[tuple[list[torch.Tensor],
         by_dtype.setdefault(t.dtype, []).append(i)
     single = len(by_dtype) == 1
     return [([targets[i] for i in idx], None if single else idx) for idx in by_dtype.values()]
-
-    def copy_on(
-        self,
-        stream: torch.cuda.Stream,
-        sources: list[torch.Tensor],
-        *,
-        non_blocking: bool,
-        wait_for: list[torch.cuda.Event],
-    ) -> torch.cuda.Event:
-        """Copy ``sources`` in on ``stream`` once ``wait_for`` have happened; the
-        returned event marks the copy's end (a prefetch, off the replay path)."""
-        for event in wait_for:
-            stream.wait_event(event)
-        with torch.cuda.stream(stream):
-            self.copy_tensors(sources, non_blocking=non_blocking)
-        for src in sources:
-            if src.is_cuda:
-                # The caller may drop a CUDA source at once; its memory must not be
-                # reused before this stream has read it.
-                src.record_stream(stream)
-        done = torch.cuda.Event()
-        done.record(stream)
-        return done
