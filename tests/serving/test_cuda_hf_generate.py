@@ -189,3 +189,43 @@ def test_capture_times_are_reported_per_bucket():
     assert times["bucket(bs=32)"]["warmup_runs"] == 2
     assert all(t["warmup_runs"] == 1 for k, t in times.items() if k != "bucket(bs=32)")
     assert all(t["capture"] > 0 for t in times.values())
+
+
+def test_plan_memory_drops_the_costly_buckets_and_tokens_stay_equal():
+    # A first capture with room for everything gives the plan's own figures; a second
+    # with half of the graphs' predicted bytes free must drop the costly (large)
+    # buckets, keep bucket 1, say why, and decode as HF does through what is left.
+    torch.backends.cuda.matmul.allow_tf32 = False  # padded rows: see the fp32 test
+    model = build("llama", torch.float32)
+    sizes = (1, 2, 4, 8, 16, 32)
+    roomy = GraphedGenerator(model, sizes, max_cache_len=MAX_CACHE_LEN)
+    roomy.capture(plan_memory=True, free_bytes=1 << 40)
+    plan = roomy.runner.memory_plan
+    assert {b.batch_size for b in plan.chosen} == set(sizes) and not plan.dropped
+    assert plan.predicted_pool_bytes > 0 and roomy.runner.memory_used is not None
+    roomy.close()
+
+    tight = GraphedGenerator(model, sizes, max_cache_len=MAX_CACHE_LEN)
+    tight.capture(plan_memory=True, free_bytes=plan.eager_reserve_bytes + plan.predicted_bytes // 2)
+    stats = tight.stats()
+    assert 0 < len(stats["dropped"]) < len(sizes), stats["dropped"]
+    assert all(why.startswith("memory plan: does not fit") for why in stats["dropped"].values())
+    assert "bucket(bs=1)" in stats["captured"]
+    assert "bucket(bs=32)" in stats["dropped"]  # the most expensive goes first
+    for batch in (1, 8):
+        ids, mask = prompts(batch, seed=40 + batch)
+        ours = tight.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(ours, hf_static(model, ids, mask)), f"batch {batch}"
+    assert tight.stats()["replays"]["bucket(bs=1)"] > 0
+
+
+def test_disabled_generator_decodes_eagerly_through_the_same_path(monkeypatch):
+    monkeypatch.setenv("CUDAGRAPHS_DISABLE", "1")
+    model = build("llama", torch.bfloat16)
+    gen = captured(model, sizes=(1, 2, 4, 8))
+    ids, mask = prompts(4, seed=9)  # at a bucket: the same kernels as HF's batch of 4
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_static(model, ids, mask))
+    stats = gen.stats()
+    assert stats["disabled"] is True and stats["captured"] == []
+    assert stats["eager_runs"].get("disabled", 0) == ours.shape[1] - ids.shape[1] - 1
