@@ -7,7 +7,7 @@ and said once. Separate from the runner's fast path, which stays small on purpos
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,11 +15,14 @@ from ..checks import check_int
 from .buckets import select_bucket
 from .distributed import agree_on_batch_size, is_distributed
 
+if TYPE_CHECKING:  # the runner imports this module
+    from .runner import GraphRunner
+
 __all__ = ["run_checked"]
 
 
 def run_checked(
-    runner: Any,
+    runner: GraphRunner,
     inputs: Mapping[str, torch.Tensor],
     batch_size: int | None,
     num_tokens: int | None,
@@ -61,7 +64,7 @@ def run_checked(
     return runner._replay(entry, index, rows, copy_output)
 
 
-def _ignore_num_tokens(runner: Any, num_tokens: int) -> None:
+def _ignore_num_tokens(runner: GraphRunner, num_tokens: int) -> None:
     runner.ignored_arguments["num_tokens"] += 1
     runner._warn(
         "num_tokens",
@@ -72,7 +75,11 @@ def _ignore_num_tokens(runner: Any, num_tokens: int) -> None:
 
 
 def _run_eagerly(
-    runner: Any, inputs: Mapping[str, torch.Tensor], rows: int, batch: int, num_tokens: int | None
+    runner: GraphRunner,
+    inputs: Mapping[str, torch.Tensor],
+    rows: int,
+    batch: int,
+    num_tokens: int | None,
 ) -> Any:
     static = runner.static
     static.validate(inputs, None, rows)
@@ -80,7 +87,7 @@ def _run_eagerly(
     return runner.eager_forward(**static.in_spec_dtypes(inputs))
 
 
-def _eager_cause(runner: Any, batch: int, num_tokens: int | None) -> str:
+def _eager_cause(runner: GraphRunner, batch: int, num_tokens: int | None) -> str:
     if not runner.graphs:
         return "no_graphs"  # said at the end of capture
     size = f"{batch}" if num_tokens is None else f"{batch} ({num_tokens} tokens)"

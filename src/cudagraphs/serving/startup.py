@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from .graphs import BucketBackend, BucketGraph, eager_backend, release, slot_gra
 from .measure import measure_bucket_cost
 from .memory import BucketCost, MemoryUse, plan_buckets
 from .static_inputs import StaticInputs
+
+if TYPE_CHECKING:  # the runner imports this module
+    from .runner import GraphRunner
 
 __all__ = ["BucketCapture", "CaptureTime", "progress_bar"]
 
@@ -70,7 +73,7 @@ class BucketCapture:
             Borrowed.
     """
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: GraphRunner) -> None:
         self.runner = runner
 
     def capture(
