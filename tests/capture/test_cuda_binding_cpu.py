@@ -513,6 +513,15 @@ def test_ctypes_memcpy_nodes_keeps_plain_1d_copies():
     assert cb._Ctypes(CDriver(), CRuntime(nodes={}), None).memcpy_nodes(1) == []
 
 
+def test_ctypes_reads_a_null_address_as_zero():
+    # ctypes reads a NULL c_void_p field as None; the node record holds ints, so a
+    # NULL source or destination is 0 (never an address a buffer can have).
+    nodes = {0x80: (1, _params(0, 0, 16))}
+    found = cb._Ctypes(CDriver(), CRuntime(nodes=nodes), "libcudart.so").memcpy_nodes(7)
+    assert found == [cb.MemcpyNode(0x80, 0, 0, 16)]
+    assert all(type(v) is int for v in (found[0].src, found[0].dst, found[0].nbytes))
+
+
 @pytest.mark.parametrize(
     "fail, call, name, shown",
     [
