@@ -1,12 +1,11 @@
 """In-graph staging policy and bookkeeping on the CPU, with a fake CUDA runtime."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _staging import FAKE_GRAPH, FakeRuntime
 from cudagraphs.cuda_binding import MemcpyNode, _loaded_cudart_path
 from cudagraphs.program.staging import (
     AUTO_GRAPH_STAGING_MAX_TENSORS,
@@ -16,32 +15,6 @@ from cudagraphs.program.staging import (
     stageable,
 )
 
-
-class FakeRuntime:
-    """Records node updates; refuses sources listed in ``refuse``."""
-
-    def __init__(self, nodes):
-        self.nodes = nodes
-        self.calls = []
-        self.refuse = set()
-
-    def memcpy_nodes(self, graph):
-        assert graph == 11
-        return self.nodes
-
-    def memcpy_source_setter(self, graph_exec, node):
-        assert graph_exec == 22
-
-        def set_source(src):
-            if src in self.refuse:
-                return "cudaErrorInvalidValue (1)"
-            self.calls.append((node.handle, src))
-            return None
-
-        return set_source
-
-
-FAKE_GRAPH = SimpleNamespace(raw_cuda_graph=lambda: 11, raw_cuda_graph_exec=lambda: 22)
 INNER = [0x1000, 0x2000]  # addresses of the graph-internal copies
 
 

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _staging import FAKE_GRAPH, REFUSAL, FakeRuntime
 from cudagraphs.cuda_binding import MemcpyNode
 from cudagraphs.program import staging as staging_module
 from cudagraphs.program.staging import (
@@ -16,29 +17,6 @@ from cudagraphs.program.staging import (
 )
 
 LOGGER = "cudagraphs.program.staging"
-FAKE_GRAPH = SimpleNamespace(raw_cuda_graph=lambda: 11, raw_cuda_graph_exec=lambda: 22)
-REFUSAL = "cudaErrorInvalidValue (1)"
-
-
-class FakeRuntime:
-    """Memcpy nodes of a fake graph; refuses sources listed in ``refuse``."""
-
-    def __init__(self, nodes):
-        self.nodes = nodes
-        self.calls = []
-        self.refuse = set()
-
-    def memcpy_nodes(self, graph):
-        return self.nodes
-
-    def memcpy_source_setter(self, graph_exec, node):
-        def set_source(src):
-            if src in self.refuse:
-                return REFUSAL
-            self.calls.append((node.handle, src))
-            return None
-
-        return set_source
 
 
 def _staging(buffers, inner, nodes):
