@@ -22,6 +22,11 @@ new tokens. Variants, all built first, then timed interleaved in shuffled rounds
 * ``cudagraphs``: ``GraphedGenerator(model, (1, 2, 4, 8, 16, 32),
   max_cache_len=MAX_CACHE_LEN)``, captured once per model (capture seconds and per
   bucket recorded).
+* ``cudagraphs_compiled``: the same with ``compile_options=COMPILE_OPTIONS``: inductor's
+  kernels recorded in our bucket graphs. Its capture (compiles included) is recorded
+  apart; its tokens are compared with both HF static variants for information (the
+  leading new tokens equal in every row), not for ``tokens_equal``: fused kernels round
+  differently.
 
 Startup (Llama only), each in a fresh process so that nothing of this run is warm:
 the model is built on the GPU, then the clock runs from there to the first token of a
@@ -29,7 +34,9 @@ batch-1 request (generator built, every bucket captured, prefill, one token); an
 same with the largest bucket alone (its capture seconds). ``STARTUP_REPEATS`` of each,
 alternating, after one thrown-away process (the OS page cache then holds the CUDA
 libraries, as on a server that has run before); the median run is reported, with all
-runs beside it.
+runs beside it. Then the compiled generator's startup, once with an empty inductor
+cache (``TORCHINDUCTOR_CACHE_DIR`` a new directory: a first start) and once more with
+the cache that run left (a restart).
 
 After all timing, ``cudagraphs``' own kernel-busy time per request (the profiler, last).
 
@@ -41,7 +48,9 @@ Targets (``None`` when not measured):
   token, every model at batch 1 and 8;
 * ``startup_le_2s``: model built to first token, all buckets captured, Llama;
 * ``all_buckets_capture_le_2x_largest``: capture of all buckets at most twice that of
-  the largest alone, each the first capture of a fresh process (Llama).
+  the largest alone, each the first capture of a fresh process (Llama);
+* ``compiled_per_token_le_hf_compiled``: ``cudagraphs_compiled`` at most
+  ``hf_static_compiled``'s median ms per token, every model at batch 1 and 8.
 
 Prints one JSON object; ``--out`` also writes it. Without a CUDA device it says so and
 exits 0 (2 with ``--require-gpu``). Exits 1 when a variant or a check failed.
@@ -55,6 +64,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -106,12 +116,15 @@ MODELS = {
         vocab_size=32000,
     ),
 }
-HF_EAGER, HF_STATIC, HF_COMPILED, OURS = (
+HF_EAGER, HF_STATIC, HF_COMPILED, OURS, OURS_COMPILED = (
     "hf_eager",
     "hf_static_eager",
     "hf_static_compiled",
     "cudagraphs",
+    "cudagraphs_compiled",
 )
+# Inductor's default kernels (no mode: the modes with graphs of their own are refused).
+COMPILE_OPTIONS = {"fullgraph": True}
 
 
 def log(msg: str) -> None:
@@ -188,15 +201,40 @@ def run_model(family: str) -> dict:
         torch.cuda.synchronize()
         result["capture_s"] = round(time.perf_counter() - t0, 3)
         result["capture_seconds"] = gen.stats()["capture_seconds"]
+        compiled = None
+        try:
+            t0 = time.perf_counter()
+            compiled = GraphedGenerator(
+                model,
+                BUCKETS,
+                max_cache_len=MAX_CACHE_LEN,
+                require_all_buckets=True,
+                compile_options=COMPILE_OPTIONS,
+            )
+            compiled.capture()
+            torch.cuda.synchronize()
+            result["compiled_capture_s"] = round(time.perf_counter() - t0, 3)
+            result["compiled_capture_seconds"] = compiled.stats()["capture_seconds"]
+            log(f"{family}: compiled generator captured in {result['compiled_capture_s']} s")
+        except Exception as exc:  # recorded; the other variants still run
+            result["errors"][OURS_COMPILED] = describe_error(exc)
+            compiled = None
         for batch in BATCHES:
             ids = prompts(batch)
             steps = hf_variants(model, ids)
             steps[OURS] = partial(gen.generate, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+            if compiled is not None:
+                steps[OURS_COMPILED] = partial(
+                    compiled.generate, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[]
+                )
             steps, out, outputs = first_calls(steps, batch)
             result["batches"][str(batch)] = time_batch(steps, out, outputs)
     result["stats"] = gen.stats()
     gen.close()
-    del gen, model
+    if compiled is not None:
+        result["compiled_stats"] = compiled.stats()
+        compiled.close()
+    del gen, compiled, model
     free_memory()
     return result
 
@@ -220,13 +258,25 @@ def first_calls(steps: dict[str, Callable], batch: int) -> tuple[dict, dict, dic
     return {k: v for k, v in steps.items() if k in outputs}, out, outputs
 
 
+def equal_prefix(a: torch.Tensor, b: torch.Tensor | None) -> int | None:
+    """How many leading new tokens ``a`` and ``b`` share in every row (greedy decoding
+    diverges for good at the first different token)."""
+    if b is None or a.shape[0] != b.shape[0]:
+        return None
+    n = min(a.shape[1], b.shape[1])
+    same = (a[:, PROMPT_LEN:n] == b[:, PROMPT_LEN:n]).all(dim=0).tolist()
+    return next((i for i, ok in enumerate(same) if not ok), len(same))
+
+
 def time_batch(steps: dict[str, Callable], out: dict, outputs: dict) -> dict:
-    ref = outputs.get(HF_STATIC)
+    ref, compiled = outputs.get(HF_STATIC), outputs.get(HF_COMPILED)
     out["tokens"] = {
         name: {
             "shape": list(o.shape),
             "equal_hf_static_eager": None if ref is None else bool(torch.equal(o, ref)),
             "new_tokens": o.shape[1] - PROMPT_LEN,
+            "equal_prefix_hf_static_eager": equal_prefix(o, ref),
+            "equal_prefix_hf_static_compiled": equal_prefix(o, compiled),
         }
         for name, o in outputs.items()
     }
@@ -254,7 +304,7 @@ prof = cProfile.Profile() if os.environ.get("SERVING_HF_PROFILE") else None
 if prof: prof.enable()
 t0 = time.perf_counter()
 from cudagraphs.serving.hf import GraphedGenerator
-gen = GraphedGenerator(model, {buckets}, max_cache_len=MAX_CACHE_LEN)
+gen = GraphedGenerator(model, {buckets}, max_cache_len=MAX_CACHE_LEN, **{extra})
 t1 = time.perf_counter()
 gen.capture()
 torch.cuda.synchronize()
@@ -270,11 +320,16 @@ print(json.dumps({{"startup_s": t3 - t0, "capture_s": t2 - t1, "first_token_s": 
 """
 
 
-def startup(buckets: tuple[int, ...]) -> dict:
+def startup(buckets: tuple[int, ...], extra: dict | None = None, env: dict | None = None) -> dict:
     bench = os.path.dirname(os.path.abspath(__file__))
-    code = STARTUP_CHILD.format(bench=bench, buckets=buckets)
+    code = STARTUP_CHILD.format(bench=bench, buckets=buckets, extra=extra or {})
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=bench
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=bench,
+        env=None if env is None else {**os.environ, **env},
     )
     if proc.returncode:
         return {"error": proc.stderr[-3000:]}
@@ -306,6 +361,19 @@ def startup_runs() -> dict:
     return out
 
 
+def compiled_startups() -> dict:
+    """The compiled generator's startup in a fresh process: with an empty inductor cache
+    (a first start: every compile runs), then again with the cache it left (a restart:
+    dynamo still traces, inductor loads its kernels)."""
+    extra = {"compile_options": COMPILE_OPTIONS}
+    with tempfile.TemporaryDirectory(prefix="serving_hf_inductor_") as cache_dir:
+        env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir}
+        return {
+            "empty_inductor_cache": startup(BUCKETS, extra, env),
+            "warm_inductor_cache": startup(BUCKETS, extra, env),
+        }
+
+
 def profile_ours(report: dict) -> None:
     """Our own kernel-busy ms per token, per model and batch (after all timing)."""
     from cudagraphs.serving.hf import GraphedGenerator
@@ -328,15 +396,18 @@ def profile_ours(report: dict) -> None:
 
 def compute_targets(report: dict) -> dict:
     models = report.get("models", {})
-    equal, faster = [], []
+    equal, faster, compiled_faster = [], [], []
+
+    def at_most(per: dict, mine: str) -> bool | None:
+        ours, compiled = per.get(mine), per.get(HF_COMPILED)
+        return None if ours is None or compiled is None else ours["median"] <= compiled["median"]
+
     for result in models.values():
         for entry in result.get("batches", {}).values():
             equal.append((entry.get("tokens", {}).get(OURS) or {}).get("equal_hf_static_eager"))
             per = entry.get("ms_per_token", {})
-            ours, compiled = per.get(OURS), per.get(HF_COMPILED)
-            faster.append(
-                None if ours is None or compiled is None else ours["median"] <= compiled["median"]
-            )
+            faster.append(at_most(per, OURS))
+            compiled_faster.append(at_most(per, OURS_COMPILED))
     all_of = lambda xs: None if not xs or None in xs else all(xs)  # noqa: E731
     start = report.get("startup", {})
     full, alone = start.get("all_buckets", {}), start.get("largest_alone", {})
@@ -347,6 +418,7 @@ def compute_targets(report: dict) -> dict:
         "all_buckets_capture_le_2x_largest": None
         if "capture_s" not in full or "capture_s" not in alone
         else full["capture_s"] <= CAPTURE_RATIO * alone["capture_s"],
+        "compiled_per_token_le_hf_compiled": all_of(compiled_faster),
     }
 
 
@@ -383,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_startup:
         report["startup"] = startup_runs()
         log(f"startup: {report['startup']}")
+        report["compiled_startup"] = compiled_startups()
+        log(f"compiled startup: {report['compiled_startup']}")
     report["models"] = {}
     for family in args.models:
         try:

@@ -229,3 +229,36 @@ def test_disabled_generator_decodes_eagerly_through_the_same_path(monkeypatch):
     stats = gen.stats()
     assert stats["disabled"] is True and stats["captured"] == []
     assert stats["eager_runs"].get("disabled", 0) == ours.shape[1] - ids.shape[1] - 1
+
+
+def test_compiled_decode_steps_are_captured_and_keep_hfs_greedy_tokens_in_fp32():
+    # compile_options: inductor's fused kernels are what the bucket graphs record.
+    # Fused kernels round differently from eager ones, so the comparison is in fp32 (no
+    # TF32), at a bucket (4, 1) and on a padded one (3 on 4), against HF's eager
+    # static-cache generate.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build("llama", torch.float32)
+    sizes = (1, 2, 4, 8)
+    gen = GraphedGenerator(
+        model,
+        sizes,
+        max_cache_len=MAX_CACHE_LEN,
+        require_all_buckets=True,
+        compile_options={"fullgraph": True},
+    )
+    gen.capture()
+    times = gen.stats()["capture_seconds"]
+    assert set(times) == {f"bucket(bs={b})" for b in sizes}
+    assert all(t["warmup_runs"] == 2 for t in times.values())  # each compiles its shape
+    for batch in (4, 3, 1):
+        ids, mask = prompts(batch, seed=batch)
+        ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(ours, hf_static(model, ids, mask)), batch
+    stats = gen.stats()
+    assert stats["eager_runs"] == {}
+    assert stats["replays"]["bucket(bs=4)"] > 0 and stats["replays"]["bucket(bs=1)"] > 0
+    gen.close()
+    torch._dynamo.reset()

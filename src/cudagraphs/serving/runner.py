@@ -30,6 +30,7 @@ from ..checks import check_callable, check_device, check_instance, check_int
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError
 from .buckets import Bucket, BucketConfig, select_bucket
+from .compiling import check_compile_options
 from .distributed import is_distributed
 from .full_path import run_checked
 from .graphs import BucketBackend, BucketGraph, ReplayStep, default_backend, static_outputs_backend
@@ -97,14 +98,20 @@ class GraphRunner:
             once, before capture; warmup compiles each bucket's shapes, and a
             recompilation inside a capture fails that capture early with torch's
             account of the guard that broke (the capture runs under the
-            ``fail_on_recompile`` stance).
+            ``fail_on_recompile`` stance). Not the modes that record CUDA graphs of
+            their own (``reduce-overhead``, ``max-autotune``).
+        compiled_inside: ``forward`` calls a ``torch.compile``-d function itself (a
+            compiled model inside a forward that also does eager work): as with
+            ``compile_options``, every bucket runs the full warmup, since each
+            bucket's shape compiles in its first run.
 
     Raises:
         CudaGraphsTypeError: an argument of the wrong type (naming it): ``forward`` or
             ``plan`` not callable, ``config`` not a ``BucketConfig``, ``inputs`` not a
             sequence of ``InputSpec``, ``output_row_dim`` or ``slots`` not an int,
             ``compile_options`` not a mapping, ``pool`` not a ``GraphPool``.
-        CudaGraphsValueError: ``slots`` below 1, a device torch does not know, input
+        CudaGraphsValueError: ``compile_options`` whose mode records CUDA graphs of
+            its own, ``slots`` below 1, a device torch does not know, input
             specs that repeat names or lack the largest bucket's rows.
     """
 
@@ -124,6 +131,7 @@ class GraphRunner:
         slots: int = 1,
         plan: Callable[[Bucket, int], None] | None = None,
         compile_options: Mapping[str, Any] | None = None,
+        compiled_inside: bool = False,
     ) -> None:
         self.eager_forward = check_callable("forward", forward)
         self.config = _checked_config(config)
@@ -136,9 +144,8 @@ class GraphRunner:
         )
         check_instance("static_outputs", static_outputs, bool, "a bool")
         check_instance("pool", pool, (GraphPool, type(None)), "a GraphPool or None")
-        check_instance(
-            "compile_options", compile_options, (Mapping, type(None)), "a mapping of keywords"
-        )
+        self.compile_options = check_compile_options("GraphRunner", compile_options)
+        check_instance("compiled_inside", compiled_inside, bool, "a bool")
         if capture_backend is not None:
             check_callable("capture_backend", capture_backend)
         self.specs = check_specs(inputs, self.config.largest.rows)
@@ -165,7 +172,8 @@ class GraphRunner:
         self.dropped_buckets: dict[Bucket, str] = {}
         #: Per captured bucket: warmup runs and the seconds its warmup and capture took.
         self.capture_times: dict[Bucket, CaptureTime] = {}
-        self.compile_options = None if compile_options is None else dict(compile_options)
+        #: Every bucket warms up fully: forward is compiled here or compiles inside.
+        self.compiles = compile_options is not None or compiled_inside
         #: Eager runs per cause: "no_graphs", "too_large", "pad_ratio".
         self.eager_runs: Counter[str] = Counter()
         #: Arguments ``run()`` accepted and ignored, per name ("num_tokens").
@@ -198,8 +206,8 @@ class GraphRunner:
             warmup: eager runs before the first bucket's capture; later buckets run
                 ``min(warmup, 1)``: one-time costs (library handles, workspaces, lazy
                 state) fall on the first, and one run per shape still meets anything
-                made per shape. With ``compile_options`` every bucket runs ``warmup``
-                (each compiles its own shape).
+                made per shape. With ``compile_options`` or ``compiled_inside`` every
+                bucket runs ``warmup`` (each compiles its own shape).
             plan_memory: first measure every bucket (``measure``; by default an eager
                 step's peak, a thrown-away capture and the driver's executable memory)
                 and capture only the buckets :func:`plan_buckets` fits into

@@ -199,7 +199,7 @@ class BucketCapture:
             # agreement below is one collective per rank.
             ok = False
             if bucket in chosen:
-                runs_here = warmup_runs(runs, warmup, runner.compile_options is not None)
+                runs_here = warmup_runs(runs, warmup, runner.compiles)
                 ok = self._capture_bucket(bucket, make_inputs, runs_here, backend)
                 runs += 1
                 self._said_captured(bucket, ok, runs, len(chosen), bar)

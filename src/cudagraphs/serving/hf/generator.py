@@ -32,6 +32,7 @@ from ...checks import check_instance, check_int
 from ...diagnostics import WarnOnce
 from ...errors import CudaGraphsStateError, CudaGraphsTypeError
 from ..buckets import Bucket, BucketConfig
+from ..compiling import check_compile_options
 from ..graphs import BucketBackend
 from ..input_specs import InputSpec
 from ..runner import GraphRunner
@@ -75,10 +76,21 @@ class GraphedGenerator:
         require_all_buckets, pool, capture_backend: as for :class:`GraphRunner`
             (``capture_backend`` replaces the CUDA capture; the CPU tests pass an eager
             stand-in).
+        compile_options: decode through ``torch.compile(model, **compile_options)``:
+            inductor's fused kernels are what the bucket graphs record, so fewer and
+            shorter kernels per token. Costs a compile per new shape in
+            :meth:`capture` (tens of seconds for a large model: with torch's automatic
+            dynamic shapes, about three compiles for six buckets), and greedy tokens
+            then agree with HF's eager ones up to the rounding of fused kernels, not
+            token for token. The prefill and batches above every bucket stay eager.
+            Default ``None``: the model's own kernels, captured in about a second.
+            Not the modes that record CUDA graphs of their own (``reduce-overhead``,
+            ``max-autotune``).
 
     Raises:
         CudaGraphsTypeError: ``model`` not an ``nn.Module`` with a ``config``.
-        CudaGraphsValueError: bad ``batch_sizes``, ``max_cache_len`` or ratio.
+        CudaGraphsValueError: bad ``batch_sizes``, ``max_cache_len`` or ratio, or
+            ``compile_options`` whose mode records CUDA graphs of its own.
         UnsupportedModelError: an encoder-decoder or stateful model, a model HF does not
             mark as graph-safe (``_can_compile_fullgraph``), a cache with other layers
             than full attention, or MoE experts with host-side shapes (the fix is named).
@@ -94,6 +106,7 @@ class GraphedGenerator:
         require_all_buckets: bool | None = None,
         pool: Any = None,
         capture_backend: BucketBackend | None = None,
+        compile_options: Mapping[str, Any] | None = None,
     ) -> None:
         check_instance("model", model, nn.Module, "a transformers causal LM (nn.Module)")
         if getattr(model, "config", None) is None:
@@ -103,7 +116,14 @@ class GraphedGenerator:
             )
         self.max_cache_len = check_int("max_cache_len", max_cache_len, minimum=2)
         check_supported(model)
+        self.compile_options = check_compile_options("GraphedGenerator", compile_options)
         self.model = model
+        # Only the model is compiled: the decode step's own work (looking the bucket's
+        # cache up, slicing the logits) stays outside the traced code, so one traced
+        # forward serves every bucket, with the batch size as a dynamic dimension.
+        self._step_model: Callable[..., Any] = (
+            model if compile_options is None else torch.compile(model, **compile_options)
+        )
         self.layers = static_layer_check(model, self.max_cache_len)
         self.device = next(model.parameters()).device
         self._cache_keyword = cache_keyword(model)
@@ -125,6 +145,7 @@ class GraphedGenerator:
             require_all_buckets=require_all_buckets,
             pool=pool,
             capture_backend=capture_backend,
+            compiled_inside=compile_options is not None,
         )
         self.kv: SharedStaticCache | None = None
         #: Requests per path: "graphs" (decode through the runner) and "too_large".
@@ -147,7 +168,8 @@ class GraphedGenerator:
 
         Args:
             warmup: eager decode steps before the first bucket's capture (later buckets
-                run one: :meth:`GraphRunner.capture`).
+                run one: :meth:`GraphRunner.capture`; with ``compile_options`` every
+                bucket runs ``warmup``, its shape compiling in the first).
             plan_memory, free_bytes, headroom_bytes: capture only the buckets that fit
                 (:meth:`GraphRunner.capture`); the cache is allocated first, so the plan
                 sees the memory left beside it.
@@ -167,6 +189,11 @@ class GraphedGenerator:
                 self.max_cache_len,
                 self.kv.nbytes / 2**20,
             )
+        # Every bucket's cache view is made here, not in its first decode step: a
+        # compiled step must find them made (binding one is Python work dynamo would
+        # trace, and a lazy ``from transformers import`` inside it does not trace).
+        for bucket in self.config.buckets():
+            self.kv.cache_for(bucket.rows)
         with torch.no_grad():
             self.runner.capture(
                 self._dummy_inputs,
@@ -192,16 +219,17 @@ class GraphedGenerator:
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
         """One decode step at ``input_ids.shape[0]`` rows: the runner's forward."""
-        return self._decode_on(self.kv, input_ids, position_ids, attention_mask)
+        return self._decode_on(self._step_model, self.kv, input_ids, position_ids, attention_mask)
 
     def _decode_on(
         self,
+        model: Callable[..., Any],
         kv: SharedStaticCache,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor,
     ) -> torch.Tensor:
-        out = self.model(
+        out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -299,7 +327,8 @@ class GraphedGenerator:
         )
 
         def step(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-            return self._decode_on(kv, **inputs)
+            # The eager model: a compiled one would compile this shape mid-request.
+            return self._decode_on(self.model, kv, **inputs)
 
         return kv, step
 

@@ -1,0 +1,101 @@
+"""The pure parts of ``benchmarks/serving_hf.py`` on the CPU: its targets from synthetic
+results (the compiled generator's own target beside the eager one's), the shared-prefix
+count of two token outputs, and the exit without a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "serving_hf_under_test", REPO / "benchmarks" / "serving_hf.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return module
+
+
+def batch(bench, equal=True, **ms):
+    return {
+        "tokens": {bench.OURS: {"equal_hf_static_eager": equal}},
+        "ms_per_token": {k: {"median": v, "min": v, "max": v} for k, v in ms.items()},
+    }
+
+
+def report(bench, *batches, startup=None):
+    return {"models": {"llama": {"batches": dict(enumerate(batches))}}, "startup": startup or {}}
+
+
+def test_each_generator_has_its_own_per_token_target(bench):
+    fast = batch(bench, hf_static_compiled=2.4, cudagraphs=2.5, cudagraphs_compiled=1.5)
+    targets = bench.compute_targets(report(bench, fast))
+    assert targets["per_token_le_hf_compiled"] is False
+    assert targets["compiled_per_token_le_hf_compiled"] is True
+    slow = batch(bench, hf_static_compiled=2.4, cudagraphs=2.4, cudagraphs_compiled=2.41)
+    targets = bench.compute_targets(report(bench, fast, slow))
+    assert targets["per_token_le_hf_compiled"] is False  # one batch over is enough
+    assert targets["compiled_per_token_le_hf_compiled"] is False
+    tie = batch(bench, hf_static_compiled=2.4, cudagraphs=2.4, cudagraphs_compiled=2.4)
+    targets = bench.compute_targets(report(bench, tie))
+    assert targets["per_token_le_hf_compiled"] is True
+    assert targets["compiled_per_token_le_hf_compiled"] is True
+
+
+def test_unmeasured_targets_are_none_not_true(bench):
+    without_compiled = batch(bench, hf_static_compiled=2.4, cudagraphs=2.3)
+    targets = bench.compute_targets(report(bench, without_compiled))
+    assert targets["per_token_le_hf_compiled"] is True
+    assert targets["compiled_per_token_le_hf_compiled"] is None
+    assert targets["startup_le_2s"] is None
+    assert targets["all_buckets_capture_le_2x_largest"] is None
+    assert bench.compute_targets({"models": {}})["tokens_equal"] is None
+    unequal = batch(bench, equal=False, hf_static_compiled=2.4, cudagraphs=2.3)
+    assert bench.compute_targets(report(bench, unequal))["tokens_equal"] is False
+
+
+def test_startup_targets(bench):
+    start = {
+        "all_buckets": {"startup_s": 1.9, "capture_s": 0.8},
+        "largest_alone": {"capture_s": 0.4},
+    }
+    targets = bench.compute_targets(report(bench, startup=start))
+    assert targets["startup_le_2s"] is True and targets["all_buckets_capture_le_2x_largest"] is True
+    start["all_buckets"] = {"startup_s": 2.1, "capture_s": 0.81}
+    targets = bench.compute_targets(report(bench, startup=start))
+    assert (
+        targets["startup_le_2s"] is False and targets["all_buckets_capture_le_2x_largest"] is False
+    )
+
+
+def test_equal_prefix_counts_leading_new_tokens_equal_in_every_row(bench):
+    p = bench.PROMPT_LEN
+    a = torch.zeros(2, p + 5, dtype=torch.long)
+    assert bench.equal_prefix(a, a.clone()) == 5
+    b = a.clone()
+    b[1, p + 3] = 7  # row 1 differs at the fourth new token
+    assert bench.equal_prefix(a, b) == 3
+    b[0, p] = 7
+    assert bench.equal_prefix(a, b) == 0
+    assert bench.equal_prefix(a, a[:, : p + 2]) == 2  # the shorter output bounds it
+    assert bench.equal_prefix(a, None) is None
+    assert bench.equal_prefix(a, a[:1]) is None
+
+
+def test_without_a_gpu_it_says_so_and_exits_0(bench, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main([]) == 0
+    assert bench.main(["--require-gpu"]) == 2

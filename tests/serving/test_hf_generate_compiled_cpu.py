@@ -1,0 +1,137 @@
+"""GraphedGenerator(compile_options=...) on the CPU, with the eager stand-in for CUDA
+capture and a counting dynamo backend: the decode step runs through the compiled model
+(tokens still HF's: the backend runs what dynamo traced as it is), the prefill and
+batches above every bucket stay eager, every bucket warms up in full, and options that
+would make inductor record CUDA graphs of its own are refused."""
+
+import pytest
+import torch
+
+from _hf_models import tiny
+
+transformers = pytest.importorskip("transformers")
+
+from _hf_generate import EOS, PAD, captured, hf_generate, prompts  # noqa: E402
+from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError  # noqa: E402
+from cudagraphs.serving import BucketConfig, GraphRunner, InputSpec  # noqa: E402
+from cudagraphs.serving.compiling import check_compile_options  # noqa: E402
+from cudagraphs.serving.graphs import eager_backend  # noqa: E402
+from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
+
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny("llama").eval()
+
+
+@pytest.fixture
+def dynamo():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield torch._dynamo
+    torch._dynamo.reset()
+
+
+class CountingBackend:
+    """A dynamo backend that runs the traced graph as it is and records the shape of
+    every graph input it was compiled for."""
+
+    def __init__(self):
+        self.compiles = []
+
+    def __call__(self, gm, example_inputs):
+        self.compiles.append([tuple(x.shape) for x in example_inputs if hasattr(x, "shape")])
+        return gm.forward
+
+
+def test_decode_steps_run_the_compiled_model_and_tokens_stay_hfs(model, dynamo):
+    backend = CountingBackend()
+    gen = captured(model, (1, 2, 4), compile_options={"backend": backend, "fullgraph": True})
+    compiled = len(backend.compiles)
+    assert compiled >= 1  # the warmups traced the decode step
+    times = gen.stats()["capture_seconds"]
+    assert [t["warmup_runs"] for t in times.values()] == [2, 2, 2]
+    for batch in (3, 4, 1):
+        ids, mask = prompts(batch, seed=batch)
+        ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+        ref = hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(ours, ref), batch
+    # Requests compiled nothing more: the prefill (any prompt length) is eager, and
+    # every decode step met a shape its bucket's warmup compiled.
+    ids, mask = prompts(2, prompt_len=9, seed=9)
+    gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert len(backend.compiles) == compiled
+    assert gen.stats()["eager_runs"] == {}
+
+
+def test_a_batch_above_every_bucket_decodes_with_the_eager_model(model, dynamo):
+    backend = CountingBackend()
+    gen = captured(model, (1, 2), compile_options={"backend": backend})
+    compiled = len(backend.compiles)
+    ids, mask = prompts(5, seed=5)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
+    assert len(backend.compiles) == compiled  # a new shape mid-request compiled nothing
+    assert gen.stats()["requests"] == {"too_large": 1}
+
+
+def test_compile_options_must_be_a_mapping(model):
+    with pytest.raises(CudaGraphsTypeError, match="compile_options must be a mapping"):
+        GraphedGenerator(model, (1, 2), max_cache_len=16, compile_options="max-autotune")
+
+
+@pytest.mark.parametrize(
+    "options, said",
+    [
+        ({"mode": "reduce-overhead"}, "mode='reduce-overhead'"),
+        ({"mode": "max-autotune", "fullgraph": True}, "mode='max-autotune'"),
+        ({"options": {"triton.cudagraphs": True}}, "triton.cudagraphs=True"),
+    ],
+)
+def test_modes_that_record_graphs_of_their_own_are_refused_with_the_fix(model, options, said):
+    with pytest.raises(CudaGraphsValueError) as info:
+        GraphedGenerator(model, (1, 2), max_cache_len=16, compile_options=options)
+    text = str(info.value)
+    assert text.startswith(f"GraphedGenerator: compile_options with {said} make inductor")
+    assert "mode='max-autotune-no-cudagraphs'" in text and "leave 'mode' out" in text
+    spec = [InputSpec("x", (2, 4), torch.float32)]
+    with pytest.raises(CudaGraphsValueError, match=f"^GraphRunner: compile_options with {said}"):
+        GraphRunner(lambda x: x, spec, BucketConfig((1, 2)), device="cpu", compile_options=options)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        None,
+        {},
+        {"mode": "default"},
+        {"mode": "max-autotune-no-cudagraphs", "dynamic": False},
+        {"options": {"triton.cudagraphs": False}},
+    ],
+)
+def test_options_without_graphs_of_their_own_pass_as_a_copy(options):
+    out = check_compile_options("here", options)
+    assert out == options
+    assert out is None or out is not options
+
+
+def test_compiled_inside_gives_every_bucket_the_full_warmup():
+    calls = []
+
+    def forward(x):
+        calls.append(x.shape[0])
+        return x * 2
+
+    spec = [InputSpec("x", (4, 3), torch.float32)]
+    config = BucketConfig((1, 2, 4))
+    runner = GraphRunner(
+        forward, spec, config, device="cpu", capture_backend=eager_backend, compiled_inside=True
+    )
+    assert runner.compiles and runner.forward is forward  # nothing compiled by the runner
+    runner.capture(lambda b: {"x": torch.ones(b.rows, 3)}, warmup=3)
+    assert [t.warmup_runs for t in runner.capture_times.values()] == [3, 3, 3]
+    with pytest.raises(CudaGraphsTypeError, match="compiled_inside must be a bool"):
+        GraphRunner(forward, spec, config, device="cpu", compiled_inside=1)
