@@ -425,9 +425,12 @@ def compute_targets(report: dict) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(p)
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument(
+        "--models", nargs="*", default=list(MODELS), choices=list(MODELS), help="none: startup only"
+    )
     p.add_argument("--skip-kernel-busy", action="store_true")
-    p.add_argument("--skip-startup", action="store_true")
+    p.add_argument("--skip-startup", action="store_true", help="the eager generator's startup")
+    p.add_argument("--skip-compiled-startup", action="store_true")
     return p.parse_args(argv)
 
 
@@ -455,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_startup:
         report["startup"] = startup_runs()
         log(f"startup: {report['startup']}")
+    if not args.skip_compiled_startup:
         report["compiled_startup"] = compiled_startups()
         log(f"compiled startup: {report['compiled_startup']}")
     report["models"] = {}

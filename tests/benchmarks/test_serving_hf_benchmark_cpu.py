@@ -99,3 +99,11 @@ def test_without_a_gpu_it_says_so_and_exits_0(bench, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main([]) == 0
     assert bench.main(["--require-gpu"]) == 2
+
+
+def test_startups_and_models_are_chosen_apart(bench):
+    args = bench.parse_args(["--models", "--skip-startup"])
+    assert args.models == [] and args.skip_startup and not args.skip_compiled_startup
+    args = bench.parse_args(["--models", "llama", "--skip-compiled-startup"])
+    assert args.models == ["llama"] and args.skip_compiled_startup and not args.skip_startup
+    assert bench.parse_args([]).models == list(bench.MODELS)
