@@ -1,6 +1,7 @@
-"""Fixtures of the training benchmarks' CPU tests: the benchmark scripts loaded as
-modules (``ts``: ``benchmarks/train_step.py``, ``pt``: ``benchmarks/partial_train.py``)
-and ``cpu``, their CUDA calls made harmless on the CPU."""
+"""Fixtures of the benchmarks' CPU tests: the benchmark scripts loaded as modules
+(``ts``: ``benchmarks/train_step.py``, ``pt``: ``benchmarks/partial_train.py``,
+``serving_decode`` and ``serving_hf``) and ``cpu``, the training scripts' CUDA calls
+made harmless on the CPU."""
 
 import sys
 
@@ -10,23 +11,34 @@ import torch
 from _train_bench import BENCH, _load
 
 
-@pytest.fixture(scope="module")
-def ts():
+def script(name: str):
+    """``benchmarks/<name>.py`` loaded as the module ``name`` (once per session)."""
     # The scripts import their siblings (_report, train_step) by name.
     sys.path.insert(0, str(BENCH))
     try:
-        return _load("train_step")
+        return _load(name)
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def ts():
+    return script("train_step")
 
 
 @pytest.fixture(scope="module")
 def pt(ts):
-    sys.path.insert(0, str(BENCH))
-    try:
-        return _load("partial_train")
-    finally:
-        sys.path.remove(str(BENCH))
+    return script("partial_train")
+
+
+@pytest.fixture(scope="module")
+def serving_decode():
+    return script("serving_decode")
+
+
+@pytest.fixture(scope="module")
+def serving_hf():
+    return script("serving_hf")
 
 
 @pytest.fixture

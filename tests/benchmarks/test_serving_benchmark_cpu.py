@@ -3,30 +3,13 @@ failures from synthetic results, the argument checks, and the exit without a GPU
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "serving_decode_under_test", REPO / "benchmarks" / "serving_decode.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        # dataclasses resolve their annotations through sys.modules
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
-    return module
+def bench(serving_decode):
+    return serving_decode
 
 
 def timed(**ms):

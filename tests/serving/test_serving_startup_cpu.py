@@ -18,7 +18,7 @@ from cudagraphs.serving import (
     MemoryUse,
     startup,
 )
-from cudagraphs.serving.startup import BucketCapture, CaptureTime
+from cudagraphs.serving.startup import BucketCapture, CaptureArgs, CaptureTime
 from test_serving_runner import (
     HIDDEN,
     EagerGraph,
@@ -262,7 +262,9 @@ def test_the_plan_reads_the_devices_free_memory_when_not_given(monkeypatch):
     runner = make_runner(backend=eager_backend())
     runner.capture(dummy)
     calls = fake_cuda_memory(monkeypatch, free=134 * MIB, total=1 << 40)
-    chosen = BucketCapture(runner)._plan(dummy, None, 0, synthetic_cost)
+    chosen = BucketCapture(runner)._plan(
+        CaptureArgs(dummy, 2, plan_memory=True, measure=synthetic_cost)
+    )
     assert calls == [("info", runner.device)]
     assert runner.memory_plan.budget_bytes == 134 * MIB
     assert chosen == {Bucket(b) for b in (16, 8, 4, 2, 1)}
@@ -281,7 +283,7 @@ def test_the_default_measure_runs_the_staged_bucket_on_the_warmup_stream(monkeyp
     runner.capture(dummy)
     monkeypatch.setattr(BucketCapture, "_warmup_stream", lambda self: stream)
     inputs = {"x": torch.arange(16.0).reshape(4, HIDDEN), "scale": torch.full((4, 1), 2.0)}
-    cost = BucketCapture(runner)._measure(Bucket(4), lambda b: inputs, None)
+    cost = BucketCapture(runner)._measure(Bucket(4), CaptureArgs(lambda b: inputs, 2))
     assert cost == BucketCost(Bucket(4), 1, 2, 3, 4.0)
     ((bucket, out, used),) = seen
     assert bucket == Bucket(4) and used is stream

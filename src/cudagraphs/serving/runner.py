@@ -36,7 +36,7 @@ from .full_path import run_checked
 from .graphs import BucketBackend, BucketGraph, ReplayStep, default_backend, static_outputs_backend
 from .input_specs import InputSpec, check_specs
 from .memory import BucketCost, MemoryPlan, MemoryUse
-from .startup import BucketCapture, CaptureTime, progress_bar
+from .startup import BucketCapture, CaptureArgs, CaptureTime, progress_bar
 from .static_inputs import StaticInputs
 
 __all__ = ["CaptureTime", "GraphRunner", "progress_bar"]
@@ -248,7 +248,9 @@ class GraphRunner:
                 "GraphRunner.capture() on a runner that is captured already; close() it first"
             )
         BucketCapture(self).capture(
-            make_inputs, warmup, plan_memory, free_bytes, headroom_bytes, measure, progress
+            CaptureArgs(
+                make_inputs, warmup, plan_memory, free_bytes, headroom_bytes, measure, progress
+            )
         )
         self._steps = {}
         if not self.graphs:

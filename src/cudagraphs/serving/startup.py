@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,11 +30,25 @@ from .static_inputs import StaticInputs
 if TYPE_CHECKING:  # the runner imports this module
     from .runner import GraphRunner
 
-__all__ = ["BucketCapture", "CaptureTime", "progress_bar"]
+__all__ = ["BucketCapture", "CaptureArgs", "CaptureTime", "progress_bar"]
 
 # The runner's logger: what startup says (captured buckets, dropped ones, the memory
 # plan) is filtered and captured under the runner's name, as before this module existed.
 logger = logging.getLogger("cudagraphs.serving.runner")
+
+
+@dataclass(frozen=True)
+class CaptureArgs:
+    """What one ``GraphRunner.capture()`` was asked, its arguments already checked (see
+    that method for each)."""
+
+    make_inputs: Callable[[Bucket], Mapping[str, torch.Tensor]]
+    warmup: int
+    plan_memory: bool = False
+    free_bytes: int | None = None
+    headroom_bytes: int = 0
+    measure: Callable[[Bucket], BucketCost] | None = None
+    progress: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -76,20 +90,11 @@ class BucketCapture:
     def __init__(self, runner: GraphRunner) -> None:
         self.runner = runner
 
-    def capture(
-        self,
-        make_inputs: Callable[[Bucket], Mapping[str, torch.Tensor]],
-        warmup: int,
-        plan_memory: bool,
-        free_bytes: int | None,
-        headroom_bytes: int,
-        measure: Callable[[Bucket], BucketCost] | None,
-        progress: bool | None,
-    ) -> None:
+    def capture(self, args: CaptureArgs) -> None:
         """Capture every configured bucket, largest first, into the runner's pool.
 
         A transaction: on any exception the runner is closed and the exception raised
-        again. The arguments are ``GraphRunner.capture()``'s, already checked.
+        again. ``args`` are ``GraphRunner.capture()``'s, already checked.
 
         Raises:
             As ``GraphRunner.capture()`` past its argument checks: a device that is not
@@ -98,7 +103,7 @@ class BucketCapture:
         """
         runner = self.runner
         disabled = graphs_disabled()
-        self._check_device(disabled, plan_memory, free_bytes, measure)
+        self._check_device(disabled, args)
         runner.disabled = disabled
         runner.dropped_buckets = {}
         runner.capture_times = {}
@@ -109,9 +114,9 @@ class BucketCapture:
                 "GraphRunner: %s=1: every bucket runs eagerly through the runner's path (an "
                 "eager stand-in per bucket, no graph); warmup%s skipped",
                 DISABLE_ENV,
-                " and the memory plan" if plan_memory else "",
+                " and the memory plan" if args.plan_memory else "",
             )
-            warmup, plan_memory = 0, False
+            args = replace(args, warmup=0, plan_memory=False)
         largest = runner.config.largest
         runner.slot_inputs = [
             StaticInputs(runner.specs, largest.rows, runner.device) for _ in range(runner.slots)
@@ -121,16 +126,12 @@ class BucketCapture:
             runner._pool = GraphPool()
         try:
             with nullcontext() if disabled else capture_scope():
-                self._capture_all(
-                    make_inputs, warmup, plan_memory, free_bytes, headroom_bytes, measure, progress
-                )
+                self._capture_all(args)
         except BaseException:
             runner.close()
             raise
 
-    def _check_device(
-        self, disabled: bool, plan_memory: bool, free_bytes: int | None, measure: Any
-    ) -> None:
+    def _check_device(self, disabled: bool, args: CaptureArgs) -> None:
         runner = self.runner
         if runner.device.type == "cuda":
             require_cuda("GraphRunner.capture")
@@ -141,26 +142,17 @@ class BucketCapture:
                 f"{where}: CUDA graphs need a CUDA device. Fixes: 1. pass device='cuda' (or "
                 f"'cuda:N'); 2. set {DISABLE_ENV}=1 to run eagerly through the runner."
             )
-        if plan_memory and not disabled and (measure is None or free_bytes is None):
+        if args.plan_memory and not disabled and (args.measure is None or args.free_bytes is None):
             raise CudaGraphsValueError(
                 f"{where}: capture(plan_memory=True) measures CUDA memory; off CUDA pass "
                 "both measure= and free_bytes="
             )
 
-    def _capture_all(
-        self,
-        make_inputs: Callable,
-        warmup: int,
-        plan_memory: bool,
-        free_bytes: int | None,
-        headroom_bytes: int,
-        measure: Callable[[Bucket], BucketCost] | None,
-        progress: bool | None,
-    ) -> None:
+    def _capture_all(self, args: CaptureArgs) -> None:
         runner = self.runner
         chosen = set(runner.config.buckets())
-        if plan_memory:
-            chosen = self._plan(make_inputs, free_bytes, headroom_bytes, measure)
+        if args.plan_memory:
+            chosen = self._plan(args)
         backend = eager_backend if runner.disabled else runner._backend
         local_ok = []
         # The collector stays off for all warmups and captures, and no collection is
@@ -168,11 +160,11 @@ class BucketCapture:
         # collection takes 70-210 ms (measured on the H200 host), a tenth of a 16-layer
         # decoder's whole startup, and warmups of an HF model allocate enough objects
         # to set off several. Cycles made meanwhile go at the next automatic one.
-        before = self._memory_now() if plan_memory else None
-        bar = progress_bar(progress, len(chosen), "capturing buckets")
+        before = self._memory_now() if args.plan_memory else None
+        bar = progress_bar(args.progress, len(chosen), "capturing buckets")
         try:
             with gc_paused():
-                self._capture_chosen(chosen, make_inputs, warmup, backend, bar, local_ok)
+                self._capture_chosen(chosen, args, backend, bar, local_ok)
         finally:
             if bar is not None:
                 bar.close()
@@ -186,8 +178,7 @@ class BucketCapture:
     def _capture_chosen(
         self,
         chosen: set[Bucket],
-        make_inputs: Callable,
-        warmup: int,
+        args: CaptureArgs,
         backend: BucketBackend,
         bar: Any,
         local_ok: list[bool],
@@ -199,8 +190,8 @@ class BucketCapture:
             # agreement below is one collective per rank.
             ok = False
             if bucket in chosen:
-                runs_here = warmup_runs(runs, warmup, runner.compiles)
-                ok = self._capture_bucket(bucket, make_inputs, runs_here, backend)
+                runs_here = warmup_runs(runs, args.warmup, runner.compiles)
+                ok = self._capture_bucket(bucket, args.make_inputs, runs_here, backend)
                 runs += 1
                 self._said_captured(bucket, ok, runs, len(chosen), bar)
             local_ok.append(ok)
@@ -215,18 +206,12 @@ class BucketCapture:
         torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(runner.device), torch.cuda.mem_get_info(runner.device)[0]
 
-    def _plan(
-        self,
-        make_inputs: Callable,
-        free_bytes: int | None,
-        headroom_bytes: int,
-        measure: Callable[[Bucket], BucketCost] | None,
-    ) -> set[Bucket]:
+    def _plan(self, args: CaptureArgs) -> set[Bucket]:
         runner = self.runner
         costs = []
         for bucket in runner.config.buckets():
             try:
-                cost = self._measure(bucket, make_inputs, measure)
+                cost = self._measure(bucket, args)
             except Exception as exc:
                 # A sync or a failing step at this size only: the real capture would
                 # fail the same way, so the bucket goes and the others are planned.
@@ -237,21 +222,22 @@ class BucketCapture:
                     f"measure({bucket}) must return a BucketCost, got {type(cost).__name__}"
                 )
             costs.append(cost)
+        free_bytes = args.free_bytes
         if free_bytes is None:
             free_bytes = torch.cuda.mem_get_info(runner.device)[0]
-        runner.memory_plan = plan = plan_buckets(costs, free_bytes, headroom_bytes=headroom_bytes)
+        runner.memory_plan = plan = plan_buckets(
+            costs, free_bytes, headroom_bytes=args.headroom_bytes
+        )
         logger.info("%s", plan.describe())
         for bucket, why in plan.dropped.items():
             self._drop(bucket, f"memory plan: {why}")
         return set(plan.chosen)
 
-    def _measure(
-        self, bucket: Bucket, make_inputs: Callable, measure: Callable[[Bucket], BucketCost] | None
-    ) -> BucketCost:
+    def _measure(self, bucket: Bucket, args: CaptureArgs) -> BucketCost:
         runner = self.runner
-        runner.static.stage(make_inputs(bucket), bucket, bucket.rows)
-        if measure is not None:
-            return measure(bucket)
+        runner.static.stage(args.make_inputs(bucket), bucket, bucket.rows)
+        if args.measure is not None:
+            return args.measure(bucket)
         views = runner.static.views(bucket)
         return measure_bucket_cost(bucket, lambda: runner.forward(**views), self._warmup_stream())
 
