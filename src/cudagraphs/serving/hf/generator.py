@@ -41,6 +41,7 @@ from .per_token import _choose, _EndFlag
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens
 from .support import check_supported
+from .unapplied import unapplied_settings
 
 __all__ = ["DEFAULT_GENERATE_BATCH_SIZES", "GraphedGenerator"]
 
@@ -61,8 +62,9 @@ class GraphedGenerator:
 
     It does NOT: run beam search, assisted decoding or streaming; apply the logits
     processors of ``model.generation_config`` other than temperature, top-k and top-p
-    (repetition penalty, min length, bad words, ...: they are ignored); support sliding-window or linear-attention caches; let
-    several threads share one generator. Put the model in eval mode (as for
+    (repetition penalty, min length, bad words, ...: a request under a config that
+    sets them says so once at WARNING, naming them); support sliding-window or
+    linear-attention caches; let several threads share one generator. Put the model in eval mode (as for
     ``generate``); its weights are read by the graphs in place, so they may be updated
     in place, not replaced.
 
@@ -291,12 +293,10 @@ class GraphedGenerator:
         request = check_request(
             input_ids, attention_mask, max_new_tokens, self.max_cache_len, self.device
         )
-        sampling = sampling_rule(
-            getattr(self.model, "generation_config", None), do_sample, temperature, top_k, top_p
-        )
-        stops = stop_tokens(
-            eos_token_id, pad_token_id, getattr(self.model, "generation_config", None), self.device
-        )
+        defaults = getattr(self.model, "generation_config", None)
+        sampling = sampling_rule(defaults, do_sample, temperature, top_k, top_p)
+        stops = stop_tokens(eos_token_id, pad_token_id, defaults, self.device)
+        self._say_unapplied(defaults, sampling.do_sample)
         if request.batch <= self.kv.max_rows:
             kv, step = self.kv, self.runner.run
             self.requests["graphs"] += 1
@@ -306,6 +306,20 @@ class GraphedGenerator:
             out = self._generate(request, sampling, stops, generator, kv, step)
         self.tokens += (out.shape[1] - request.prompt_len) * request.batch
         return out
+
+    def _say_unapplied(self, defaults: Any, do_sample: bool) -> None:
+        unapplied = unapplied_settings(defaults, do_sample)
+        if not unapplied:
+            return
+        said = ", ".join(f"{name}={value!r}" for name, value in unapplied.items())
+        self._warn(
+            f"unapplied {said}",
+            "GraphedGenerator: the model's generation_config sets %s, which this generator "
+            "does not apply (it applies temperature, top_k, top_p and the stop and pad "
+            "ids): its tokens can differ from model.generate()'s. Fix: unset them in "
+            "model.generation_config (None), or generate with model.generate.",
+            said,
+        )
 
     def _too_large(self, batch: int) -> tuple[SharedStaticCache, Callable]:
         """A request above the largest bucket: its own cache, every step eager."""
