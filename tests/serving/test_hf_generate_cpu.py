@@ -593,3 +593,46 @@ def test_sampling_follows_the_model_generation_config(model, monkeypatch):
     torch.manual_seed(9)
     want = hf_generate(model, ids, mask, 8, do_sample=True, eos_token_id=None)
     assert torch.equal(ours, want)
+
+
+def test_replaced_weights_are_a_state_error_naming_them_and_capture_again_cures_it():
+    model = tiny("llama").eval()
+    gen = captured(model, (1, 2))
+    ids, mask = prompts(2, seed=21)
+    with torch.no_grad():
+        for p in model.parameters():  # in place: the graphs still read these tensors
+            p.mul_(1.0)
+    gen.generate(ids, mask, max_new_tokens=3, eos_token_id=EOS, pad_token_id=PAD)
+    layer = model.model.layers[0].mlp.up_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+    with pytest.raises(CudaGraphsStateError) as info:
+        gen.generate(ids, mask, max_new_tokens=3, eos_token_id=EOS, pad_token_id=PAD)
+    text = str(info.value)
+    assert "tensors were replaced since capture() (model.layers.0.mlp.up_proj.weight)" in text
+    assert "load_state_dict() without assign" in text and "close() and capture() again" in text
+    assert gen.stats()["requests"] == {"graphs": 1}  # the refused request ran nothing
+    gen.close()
+    gen.capture(progress=False)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
+
+
+def test_many_replaced_weights_are_counted_past_the_third(monkeypatch):
+    model = tiny("llama").eval()
+    gen = captured(model, (1,))
+    for module in model.model.layers[0].self_attn.children():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(module.weight.detach().clone())
+    ids, mask = prompts(1, seed=1)
+    with pytest.raises(CudaGraphsStateError, match=r"self_attn\.[a-z_]+\.weight and 1 more\)"):
+        gen.generate(ids, mask, max_new_tokens=2, eos_token_id=EOS, pad_token_id=PAD)
+
+
+def test_a_disabled_generator_reads_the_model_as_it_is_now(monkeypatch):
+    monkeypatch.setenv("CUDAGRAPHS_DISABLE", "1")
+    model = tiny("llama").eval()
+    gen = captured(model, (1, 2))
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    ids, mask = prompts(2, seed=3)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))

@@ -40,7 +40,7 @@ from .cache import LayerShape, SharedStaticCache, cache_keyword, layer_shapes, s
 from .per_token import _choose, _EndFlag
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens
-from .support import check_supported
+from .support import WeightAddresses, check_supported
 from .unapplied import unapplied_settings
 
 __all__ = ["DEFAULT_GENERATE_BATCH_SIZES", "GraphedGenerator"]
@@ -154,6 +154,7 @@ class GraphedGenerator:
         self.requests: Counter[str] = Counter()
         self.tokens = 0
         self._ended: _EndFlag | None = None
+        self._weights = WeightAddresses((), ())  # taken at capture
         self._warn = WarnOnce(logger)
 
     # ---- capture ---------------------------------------------------------------------
@@ -206,6 +207,7 @@ class GraphedGenerator:
                 progress=progress,
             )
         self.kv.reset()
+        self._weights = WeightAddresses.of(self.model)
 
     def _dummy_inputs(self, bucket: Bucket) -> dict[str, torch.Tensor]:
         rows = bucket.rows
@@ -280,7 +282,9 @@ class GraphedGenerator:
             ``n <= max_new_tokens`` new tokens (fewer when every sequence ended early).
 
         Raises:
-            CudaGraphsStateError: before :meth:`capture` or after :meth:`close`.
+            CudaGraphsStateError: before :meth:`capture` or after :meth:`close`, or a
+                parameter or buffer of the model replaced since :meth:`capture` (the
+                graphs would read the old memory; named, with the fix).
             CudaGraphsTypeError, CudaGraphsValueError, CudaGraphInputError: a bad
                 request (:func:`~cudagraphs.serving.hf.requests.check_request`, sampling
                 values, token ids), nothing run.
@@ -298,6 +302,8 @@ class GraphedGenerator:
         stops = stop_tokens(eos_token_id, pad_token_id, defaults, self.device)
         self._say_unapplied(defaults, sampling.do_sample)
         if request.batch <= self.kv.max_rows:
+            if not self.runner.disabled:
+                self._weights.check(self.model)
             kv, step = self.kv, self.runner.run
             self.requests["graphs"] += 1
         else:

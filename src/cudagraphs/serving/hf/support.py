@@ -1,15 +1,18 @@
-"""The refusal checks of the graphed generator: which HF models' decode step cannot be
-one static graph, and the fix for each. Kept apart from the generator itself
-because they read only the model and its config, before anything is allocated.
+"""The checks of the graphed generator on the model: which HF models' decode step
+cannot be one static graph (the fix for each), read before anything is allocated; and
+whether the model's tensors are still those its graphs read.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import chain
+
 from torch import nn
 
-from ...errors import UnsupportedModelError
+from ...errors import CudaGraphsStateError, UnsupportedModelError
 
-__all__ = ["check_supported"]
+__all__ = ["WeightAddresses", "check_supported"]
 
 # transformers' MoE experts that keep static shapes (the others loop over the experts hit
 # with host-side shapes, which a graph cannot hold).
@@ -49,4 +52,47 @@ def check_supported(model: nn.Module) -> None:
             "over the experts hit with host-side shapes and cannot be captured. Fix: "
             "model.set_experts_implementation('grouped_mm') (or build the model with "
             "experts_implementation='grouped_mm')"
+        )
+
+
+@dataclass(frozen=True)
+class WeightAddresses:
+    """Where each parameter and buffer of the model lived when the graphs were captured.
+
+    The graphs read the model's tensors at those addresses; a tensor replaced since
+    (``model.to()``, ``load_state_dict(assign=True)``, a new tensor assigned to a
+    module) leaves them reading the old memory, which is silently wrong, so each
+    request compares (a pointer per tensor: microseconds against a request's
+    milliseconds).
+    """
+
+    names: tuple[str, ...]
+    pointers: tuple[int, ...]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> WeightAddresses:
+        named = list(chain(model.named_parameters(), model.named_buffers()))
+        return cls(tuple(n for n, _ in named), tuple(t.data_ptr() for _, t in named))
+
+    def check(self, model: nn.Module) -> None:
+        """Raises:
+        CudaGraphsStateError: a parameter or buffer replaced, added or removed since
+            these addresses were taken (naming up to three).
+        """
+        now = WeightAddresses.of(model)
+        if now.pointers == self.pointers and now.names == self.names:
+            return
+        before = dict(zip(self.names, self.pointers))
+        after = dict(zip(now.names, now.pointers))
+        changed = [n for n in after if before.get(n) != after[n]]
+        changed += [n for n in before if n not in after]
+        shown = ", ".join(changed[:3]) + (
+            f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        )
+        raise CudaGraphsStateError(
+            f"GraphedGenerator.generate(): the model's tensors were replaced since capture() "
+            f"({shown}), e.g. by model.to(), load_state_dict(assign=True) or assigning a new "
+            "tensor; the graphs would read the old memory. Fix: update weights in place "
+            "(load_state_dict() without assign, param.data.copy_()), or close() and "
+            "capture() again."
         )
