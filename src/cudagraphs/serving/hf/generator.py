@@ -64,9 +64,10 @@ class GraphedGenerator:
     processors of ``model.generation_config`` other than temperature, top-k and top-p
     (repetition penalty, min length, bad words, ...: a request under a config that
     sets them says so once at WARNING, naming them); support sliding-window or
-    linear-attention caches; let several threads share one generator. Put the model in eval mode (as for
-    ``generate``); its weights are read by the graphs in place, so they may be updated
-    in place, not replaced.
+    linear-attention caches; let several threads share one generator. Put the model in
+    eval mode (as for ``generate``); its weights are read by the graphs in place, so
+    they may be updated in place, not replaced (a request after a replacement is a
+    ``CudaGraphsStateError`` naming the tensors).
 
     Args:
         model: a transformers causal LM (``AutoModelForCausalLM``) on a CUDA device
