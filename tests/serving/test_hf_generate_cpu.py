@@ -595,6 +595,10 @@ def test_sampling_follows_the_model_generation_config(model, monkeypatch):
     assert torch.equal(ours, want)
 
 
+def _replace(module, name="weight"):
+    setattr(module, name, torch.nn.Parameter(getattr(module, name).detach().clone()))
+
+
 def test_replaced_weights_are_a_state_error_naming_them_and_capture_again_cures_it():
     model = tiny("llama").eval()
     gen = captured(model, (1, 2))
@@ -603,8 +607,7 @@ def test_replaced_weights_are_a_state_error_naming_them_and_capture_again_cures_
         for p in model.parameters():  # in place: the graphs still read these tensors
             p.mul_(1.0)
     gen.generate(ids, mask, max_new_tokens=3, eos_token_id=EOS, pad_token_id=PAD)
-    layer = model.model.layers[0].mlp.up_proj
-    layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+    _replace(model.model.layers[0].mlp.up_proj)
     with pytest.raises(CudaGraphsStateError) as info:
         gen.generate(ids, mask, max_new_tokens=3, eos_token_id=EOS, pad_token_id=PAD)
     text = str(info.value)
@@ -617,14 +620,41 @@ def test_replaced_weights_are_a_state_error_naming_them_and_capture_again_cures_
     assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
 
 
-def test_many_replaced_weights_are_counted_past_the_third(monkeypatch):
+@pytest.mark.parametrize(
+    "count, said",
+    [
+        (
+            3,
+            "(model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.k_proj.weight, "
+            "model.layers.0.self_attn.v_proj.weight)",
+        ),
+        (
+            4,
+            "(model.layers.0.self_attn.q_proj.weight, model.layers.0.self_attn.k_proj.weight, "
+            "model.layers.0.self_attn.v_proj.weight and 1 more)",
+        ),
+    ],
+)
+def test_replaced_weights_are_named_up_to_three_then_counted(count, said):
     model = tiny("llama").eval()
     gen = captured(model, (1,))
-    for module in model.model.layers[0].self_attn.children():
-        if isinstance(module, torch.nn.Linear):
-            module.weight = torch.nn.Parameter(module.weight.detach().clone())
+    attn = model.model.layers[0].self_attn
+    for module in [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj][:count]:
+        _replace(module)
     ids, mask = prompts(1, seed=1)
-    with pytest.raises(CudaGraphsStateError, match=r"self_attn\.[a-z_]+\.weight and 1 more\)"):
+    with pytest.raises(CudaGraphsStateError) as info:
+        gen.generate(ids, mask, max_new_tokens=2, eos_token_id=EOS, pad_token_id=PAD)
+    assert f"replaced since capture() {said}, e.g. by" in str(info.value)
+
+
+def test_a_replaced_buffer_is_named_too():
+    model = tiny("llama").eval()
+    gen = captured(model, (1,))
+    name, buffer = next(iter(model.named_buffers()))  # the rotary table (inv_freq)
+    owner = model.get_submodule(name.rpartition(".")[0])
+    owner.register_buffer(name.rpartition(".")[2], buffer.clone(), persistent=False)
+    ids, mask = prompts(1, seed=1)
+    with pytest.raises(CudaGraphsStateError, match=f"replaced since capture\\(\\) \\({name}\\)"):
         gen.generate(ids, mask, max_new_tokens=2, eos_token_id=EOS, pad_token_id=PAD)
 
 
@@ -632,7 +662,7 @@ def test_a_disabled_generator_reads_the_model_as_it_is_now(monkeypatch):
     monkeypatch.setenv("CUDAGRAPHS_DISABLE", "1")
     model = tiny("llama").eval()
     gen = captured(model, (1, 2))
-    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    _replace(model.lm_head)
     ids, mask = prompts(2, seed=3)
     ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
     assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))

@@ -67,6 +67,14 @@ def test_every_listed_setting_is_a_generation_config_attribute():
     assert "temperature" not in UNAPPLIED and "top_k" not in UNAPPLIED  # applied
 
 
+def test_a_config_without_some_settings_reads_the_ones_it_has():
+    # An older transformers (or a hand-made config) may lack attributes: absent is unset.
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(repetition_penalty=1.2, typical_p=0.5)
+    assert unapplied_settings(cfg, do_sample=True) == {"repetition_penalty": 1.2, "typical_p": 0.5}
+
+
 def test_a_value_that_refuses_comparison_counts_as_set():
     class Odd:
         def __eq__(self, other):
@@ -116,3 +124,17 @@ def test_a_request_says_once_which_settings_it_leaves_out(penalized, caplog):
     penalized.generation_config.min_new_tokens = None
     ref = hf_generate(penalized, ids, mask, 4, eos_token_id=EOS, pad_token_id=PAD)
     assert torch.equal(ours, ref)  # with the settings unset, HF's tokens again
+
+
+def test_a_sampled_request_names_the_sampling_only_warpers_a_greedy_one_does_not(caplog):
+    model = tiny("llama").eval()
+    model.generation_config.typical_p = 0.8
+    gen = captured(model, (1, 2))
+    ids, mask = prompts(2, seed=4)
+    with caplog.at_level(logging.WARNING, logger="cudagraphs"):
+        gen.generate(ids, mask, max_new_tokens=3, do_sample=False, eos_token_id=[])
+        assert warnings_of(caplog) == []
+        rng = torch.Generator().manual_seed(0)
+        gen.generate(ids, mask, max_new_tokens=3, do_sample=True, generator=rng, eos_token_id=[])
+    said = warnings_of(caplog)
+    assert len(said) == 1 and "sets typical_p=0.8, which this generator" in said[0]
