@@ -135,3 +135,15 @@ def test_compiled_inside_gives_every_bucket_the_full_warmup():
     assert [t.warmup_runs for t in runner.capture_times.values()] == [3, 3, 3]
     with pytest.raises(CudaGraphsTypeError, match="compiled_inside must be a bool"):
         GraphRunner(forward, spec, config, device="cpu", compiled_inside=1)
+
+
+def test_one_traced_forward_serves_the_buckets_between_the_largest_and_one(model, dynamo):
+    # torch's automatic dynamic shapes: the largest bucket compiles static, the second
+    # recompiles with the batch dimension dynamic, which every later bucket reuses, and
+    # batch 1 (which dynamo specializes) compiles once more. A decode step that traced
+    # its bucket's cache lookup (or guarded on the cache object) would compile per bucket.
+    backend = CountingBackend()
+    captured(model, (1, 2, 4, 8, 16), compile_options={"backend": backend, "fullgraph": True})
+    assert len(backend.compiles) <= 3
+    batches = [shapes[0][0] for shapes in backend.compiles]
+    assert batches[0] == 16 and 1 in batches
