@@ -262,3 +262,25 @@ def test_compiled_decode_steps_are_captured_and_keep_hfs_greedy_tokens_in_fp32()
     assert stats["replays"]["bucket(bs=4)"] > 0 and stats["replays"]["bucket(bs=1)"] > 0
     gen.close()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_models_keep_hfs_greedy_tokens_past_the_window(family):
+    # A window of 8 under prompts of up to 12 and 24 new tokens: HF's static cache keeps
+    # the window in its storage, ours in the mask (serving/hf/cache.py), so attention
+    # runs over another key length (masked keys add exact zeros, in another order): in
+    # fp32 without TF32, as for padded buckets, that keeps argmax equal.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    extra = dict(sliding_window=8)
+    if family == "qwen2":
+        extra.update(use_sliding_window=True, max_window_layers=2)  # layers 2, 3 slide
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, **LLAMA, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = model.to(device="cuda", dtype=torch.float32).eval()
+    gen = captured(model, sizes=(1, 4, 8))
+    for batch in (1, 8):
+        ids, mask = prompts(batch, seed=batch)
+        ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(ours, hf_static(model, ids, mask)), (family, batch)
+    assert gen.stats()["eager_runs"] == {}

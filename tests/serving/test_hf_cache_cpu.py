@@ -153,12 +153,46 @@ def _sliding_mistral():
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def test_a_static_cache_of_sliding_window_layers_is_refused_naming_model_and_kind():
+def test_a_static_cache_of_sliding_window_layers_counts_its_layers():
+    assert static_layer_check(_sliding_mistral(), 16) == 2
+
+
+def test_sliding_window_layers_are_bound_full_length_to_the_shared_storage():
+    from transformers.cache_utils import StaticLayer
+
+    model = _sliding_mistral()
+    shapes = [LayerShape(2, 16, 16, torch.float32)] * 2
+    kv = SharedStaticCache(model, shapes, 4, 16, CPU)
+    cache = kv.cache_for(3)
+    assert [type(layer) for layer in cache.layers] == [StaticLayer, StaticLayer]
+    assert cache.is_sliding == [False, False]  # so masks are sized by a full-length layer
+    for layer, keys, counter in zip(cache.layers, kv.keys, kv.counters):
+        assert layer.max_cache_len == 16 and layer.keys.shape == (3, 2, 16, 16)
+        assert layer.keys.data_ptr() == keys.data_ptr() and layer.cumulative_length is counter
+
+
+def test_chunked_attention_layers_are_refused_naming_the_kind():
+    config = transformers.AutoConfig.for_model(
+        "llama4_text",
+        hidden_size=64,
+        intermediate_size=128,
+        intermediate_size_mlp=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        attention_chunk_size=4,
+        num_local_experts=2,
+    )
+    stand_in = SimpleNamespace(config=config)
     with pytest.raises(UnsupportedModelError) as info:
-        static_layer_check(_sliding_mistral(), 16)
+        static_layer_check(stand_in, 16)
     message = str(info.value)
-    assert message.startswith("MistralForCausalLM's static cache has layers of kind")
-    assert "['StaticSlidingWindowLayer']" in message
+    assert message.startswith(
+        "SimpleNamespace's static cache has layers of kind ['chunked_attention']; the graphed "
+        "generator supports full-attention and sliding-window layers only"
+    )
     assert "Use model.generate for this model" in message
 
 

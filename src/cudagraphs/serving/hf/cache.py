@@ -13,8 +13,19 @@ previous request wrote past the current length are hidden by the causal mask, an
 of other requests are never read.
 
 This binds HF's ``StaticLayer`` the way its own lazy initialization does (the same
-attributes); the layer type is checked to be exactly ``StaticLayer`` (full attention),
-and the GPU and CPU tests run against the transformers versions we support.
+attributes), and the GPU and CPU tests run against the transformers versions we support.
+
+Sliding-window layers (Mistral, Gemma 2 and 3, Qwen2 with its window on) are bound as
+full-length ``StaticLayer`` s too. HF's ``StaticSlidingWindowLayer`` keeps only the
+window and decides how to write by a Python count of the tokens seen (roll once full,
+write in place before), a branch a graph would freeze at its capture. Here every
+position keeps its own slot, and the window is the mask's work: HF builds a
+sliding-window layer's mask from absolute positions (key ``k`` is seen from query
+``q`` when ``q - window < k <= q``), sized by the first layer of the cache, which is
+then a full-length one. The attention reads the same keys as HF's and the tokens
+equal its static-cache ``generate`` (CPU and GPU tests, windows shorter than the
+request); the price is memory, the full ``max_cache_len`` for those layers as well.
+Chunked attention (Llama 4) and linear-attention layers are refused.
 """
 
 from __future__ import annotations
@@ -28,6 +39,9 @@ import torch
 from ...errors import CudaGraphsValueError, UnsupportedModelError
 
 __all__ = ["LayerShape", "SharedStaticCache", "cache_keyword", "layer_shapes", "static_layer_check"]
+
+#: The attention layer types (``config.layer_types``) the shared cache binds.
+BOUND_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -60,24 +74,31 @@ def cache_keyword(model: Any) -> str:
 
 def static_layer_check(model: Any, max_cache_len: int) -> int:
     """The number of cache layers of the model's ``StaticCache``, checked to be all
-    full-attention ``StaticLayer`` s.
+    full-attention or sliding-window layers.
 
     Raises:
-        UnsupportedModelError: layers of another kind (sliding window, linear attention,
-            quantized), naming them.
+        UnsupportedModelError: layers of another kind (chunked attention, linear
+            attention, quantized), naming them.
     """
     from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    kinds = sorted(
-        {type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer}
-    )
+    kinds = {
+        type(layer).__name__
+        for layer in cache.layers
+        if type(layer) not in (StaticLayer, StaticSlidingWindowLayer)
+    }
+    # Chunked attention shares the sliding layer's class: the config tells them apart.
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = getattr(text, "layer_types", None) or ()
+    kinds |= {kind for kind in types if kind not in BOUND_LAYER_TYPES}
     if kinds:
         raise UnsupportedModelError(
-            f"{type(model).__name__}'s static cache has layers of kind {kinds}; the graphed "
-            "generator supports full-attention StaticLayer caches only (no sliding window "
-            "or linear-attention layers). Use model.generate for this model."
+            f"{type(model).__name__}'s static cache has layers of kind {sorted(kinds)}; the "
+            "graphed generator supports full-attention and sliding-window layers only (no "
+            "chunked or linear-attention layers). Use model.generate for this model."
         )
     return len(cache.layers)
 
@@ -167,8 +188,15 @@ class SharedStaticCache:
 
     def _bind(self, rows: int) -> Any:
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
 
         cache = StaticCache(config=self.config, max_cache_len=self.max_cache_len)
+        # A sliding-window layer becomes a full-length one (module docs): its mask, not
+        # its storage, keeps the window.
+        cache.layers = [
+            layer if type(layer) is StaticLayer else StaticLayer(max_cache_len=self.max_cache_len)
+            for layer in cache.layers
+        ]
         if len(cache.layers) != len(self.keys):
             raise UnsupportedModelError(
                 f"the model's StaticCache has {len(cache.layers)} layers but one step filled "

@@ -63,15 +63,17 @@ class GraphedGenerator:
     It does NOT: run beam search, assisted decoding or streaming; apply the logits
     processors of ``model.generation_config`` other than temperature, top-k and top-p
     (repetition penalty, min length, bad words, ...: a request under a config that
-    sets them says so once at WARNING, naming them); support sliding-window or
-    linear-attention caches; let several threads share one generator. Put the model in
+    sets them says so once at WARNING, naming them); support chunked-attention or
+    linear-attention caches; let several threads share one generator. Sliding-window
+    layers keep every position, the window applied by the mask (:mod:`.cache`): their
+    tokens equal HF's, their cache costs ``max_cache_len`` as a full layer's does. Put the model in
     eval mode (as for ``generate``); its weights are read by the graphs in place, so
     they may be updated in place, not replaced (a request after a replacement is a
     ``CudaGraphsStateError`` naming the tensors).
 
     Args:
         model: a transformers causal LM (``AutoModelForCausalLM``) on a CUDA device
-            whose static cache has only full-attention layers.
+            whose static cache has only full-attention and sliding-window layers.
         batch_sizes: the decode buckets.
         max_cache_len: cache positions: the longest prompt plus ``max_new_tokens`` - 1
             any request may use.
@@ -96,7 +98,8 @@ class GraphedGenerator:
             ``compile_options`` whose mode records CUDA graphs of its own.
         UnsupportedModelError: an encoder-decoder or stateful model, a model HF does not
             mark as graph-safe (``_can_compile_fullgraph``), a cache with other layers
-            than full attention, or MoE experts with host-side shapes (the fix is named).
+            than full attention and sliding windows (chunked or linear attention), or
+            MoE experts with host-side shapes (the fix is named).
     """
 
     def __init__(
