@@ -23,8 +23,9 @@ position keeps its own slot, and the window is the mask's work: HF builds a
 sliding-window layer's mask from absolute positions (key ``k`` is seen from query
 ``q`` when ``q - window < k <= q``), sized by the first layer of the cache, which is
 then a full-length one. The attention reads the same keys as HF's and the tokens
-equal its static-cache ``generate`` (CPU and GPU tests, windows shorter than the
-request); the price is memory, the full ``max_cache_len`` for those layers as well.
+equal its static-cache ``generate`` (CPU tests, and a GPU test in fp32, with windows
+shorter than the request); the price is memory, the full ``max_cache_len`` for those
+layers as well.
 Chunked attention (Llama 4) and linear-attention layers are refused.
 """
 
