@@ -62,8 +62,8 @@ class WeightAddresses:
     The graphs read the model's tensors at those addresses; a tensor replaced since
     (``model.to()``, ``load_state_dict(assign=True)``, a new tensor assigned to a
     module) leaves them reading the old memory, which is silently wrong, so each
-    request compares (a pointer per tensor: microseconds against a request's
-    milliseconds).
+    request compares (a walk over the model's tensors, a pointer each: a fraction of a
+    millisecond for a 16-layer model, against a request's tens of milliseconds).
     """
 
     names: tuple[str, ...]
