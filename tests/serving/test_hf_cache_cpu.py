@@ -196,6 +196,56 @@ def test_chunked_attention_layers_are_refused_naming_the_kind():
     assert "Use model.generate for this model" in message
 
 
+def test_linear_attention_layers_are_refused_naming_class_and_type():
+    config = transformers.AutoConfig.for_model(
+        "qwen3_next",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    with pytest.raises(UnsupportedModelError) as info:
+        static_layer_check(SimpleNamespace(config=config), 16)
+    # Both what the cache holds (its class) and what the config says (its type).
+    assert "layers of kind ['LinearAttentionLayer', 'linear_attention']; the" in str(info.value)
+
+
+def test_a_composite_config_is_read_through_its_text_config():
+    # A multimodal config keeps the decoder's layer types in its text config only.
+    config = transformers.Llama4Config(
+        text_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            intermediate_size_mlp=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=128,
+            attention_chunk_size=4,
+            num_local_experts=2,
+        ),
+        vision_config=dict(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+        ),
+    )
+    assert getattr(config, "layer_types", None) is None
+    with pytest.raises(UnsupportedModelError, match=r"of kind \['chunked_attention'\]"):
+        static_layer_check(SimpleNamespace(config=config), 16)
+
+
 def test_a_full_attention_static_cache_counts_its_layers(model):
     assert static_layer_check(model, 16) == 2
 

@@ -90,10 +90,9 @@ def static_layer_check(model: Any, max_cache_len: int) -> int:
         for layer in cache.layers
         if type(layer) not in (StaticLayer, StaticSlidingWindowLayer)
     }
-    # Chunked attention shares the sliding layer's class: the config tells them apart.
-    config = model.config
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    types = getattr(text, "layer_types", None) or ()
+    # Chunked attention shares the sliding layer's class: the config tells them apart
+    # (its decoder's text config, where StaticCache itself reads the layer types).
+    types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
     kinds |= {kind for kind in types if kind not in BOUND_LAYER_TYPES}
     if kinds:
         raise UnsupportedModelError(
