@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from _hf_models import tiny
+from _hf_models import CONFIGS, tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -139,17 +139,14 @@ def test_shared_cache_needs_a_layer(model):
         SharedStaticCache(model, [], 4, 16, CPU)
 
 
+# The tiny Llama's sizes with an explicit head width, for the other architectures here.
+TINY = dict(CONFIGS["llama"], head_dim=16)
+# Llama 4's text model with chunked attention (chunks of 4).
+LLAMA4_TEXT = dict(TINY, intermediate_size_mlp=128, attention_chunk_size=4, num_local_experts=2)
+
+
 def _sliding_mistral():
-    config = transformers.AutoConfig.for_model(
-        "mistral",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        sliding_window=4,
-    )
+    config = transformers.AutoConfig.for_model("mistral", **CONFIGS["llama"], sliding_window=4)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -172,19 +169,7 @@ def test_sliding_window_layers_are_bound_full_length_to_the_shared_storage():
 
 
 def test_chunked_attention_layers_are_refused_naming_the_kind():
-    config = transformers.AutoConfig.for_model(
-        "llama4_text",
-        hidden_size=64,
-        intermediate_size=128,
-        intermediate_size_mlp=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        attention_chunk_size=4,
-        num_local_experts=2,
-    )
+    config = transformers.AutoConfig.for_model("llama4_text", **LLAMA4_TEXT)
     stand_in = SimpleNamespace(config=config)
     with pytest.raises(UnsupportedModelError) as info:
         static_layer_check(stand_in, 16)
@@ -199,13 +184,7 @@ def test_chunked_attention_layers_are_refused_naming_the_kind():
 def test_linear_attention_layers_are_refused_naming_class_and_type():
     config = transformers.AutoConfig.for_model(
         "qwen3_next",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
+        **TINY,
         linear_num_value_heads=2,
         linear_num_key_heads=2,
         linear_key_head_dim=16,
@@ -225,18 +204,7 @@ def test_linear_attention_layers_are_refused_naming_class_and_type():
 def test_a_composite_config_is_read_through_its_text_config():
     # A multimodal config keeps the decoder's layer types in its text config only.
     config = transformers.Llama4Config(
-        text_config=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            intermediate_size_mlp=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            vocab_size=128,
-            attention_chunk_size=4,
-            num_local_experts=2,
-        ),
+        text_config=LLAMA4_TEXT,
         vision_config=dict(
             hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
         ),

@@ -11,17 +11,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from _hf_generate import EOS, PAD, captured, hf_generate, prompts  # noqa: E402
+from _hf_models import CONFIGS  # noqa: E402
 
 WINDOW = 4
 NEW = 12  # prompts of 6 plus 12 new tokens: the window is passed early
-SIZES = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-)
+SIZES = CONFIGS["llama"]
 FAMILIES = {
     "mistral": {},
     "qwen2": dict(use_sliding_window=True, max_window_layers=1),
