@@ -90,4 +90,12 @@ def test_startups_and_models_are_chosen_apart(bench):
     assert args.models == [] and args.skip_startup and not args.skip_compiled_startup
     args = bench.parse_args(["--models", "llama", "--skip-compiled-startup"])
     assert args.models == ["llama"] and args.skip_compiled_startup and not args.skip_startup
-    assert bench.parse_args([]).models == list(bench.MODELS)
+    assert bench.parse_args([]).models == list(bench.DEFAULT_MODELS)
+
+
+def test_the_sliding_window_model_runs_only_when_asked_and_slides_within_a_request(bench):
+    assert bench.parse_args([]).models == ["llama", "qwen3_moe"]
+    assert bench.parse_args(["--models", "mistral"]).models == ["mistral"]
+    config = bench.MODELS["mistral"]
+    assert config["sliding_window"] < bench.PROMPT_LEN + bench.NEW_TOKENS
+    assert {k: v for k, v in config.items() if k != "sliding_window"} == bench.MODELS["llama"]
