@@ -99,3 +99,16 @@ def test_the_sliding_window_model_runs_only_when_asked_and_slides_within_a_reque
     config = bench.MODELS["mistral"]
     assert config["sliding_window"] < bench.PROMPT_LEN + bench.NEW_TOKENS
     assert {k: v for k, v in config.items() if k != "sliding_window"} == bench.MODELS["llama"]
+
+
+def test_tokens_equal_leaves_out_a_sliding_window_model(bench):
+    rep = report(bench, batch(bench, equal=True, hf_static_compiled=2.0, cudagraphs=1.9))
+    rep["models"]["mistral"] = {
+        "config": bench.MODELS["mistral"],
+        "batches": {"1": batch(bench, equal=False, hf_static_compiled=2.0, cudagraphs=1.9)},
+    }
+    targets = bench.compute_targets(rep)
+    assert targets["tokens_equal"] is True  # mistral's unequal tokens are not counted
+    assert targets["per_token_le_hf_compiled"] is True
+    rep["models"]["llama"]["batches"][0]["tokens"][bench.OURS]["equal_hf_static_eager"] = False
+    assert bench.compute_targets(rep)["tokens_equal"] is False
