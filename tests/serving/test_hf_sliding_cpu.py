@@ -63,3 +63,20 @@ def test_the_window_changes_these_models_tokens(family):
     assert torch.equal(
         gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD), b
     )
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_a_compiled_decode_step_traces_the_sliding_mask_whole(family):
+    # compile_options with dynamo's eager backend: the step (HF's sliding-window mask
+    # over our full-length layers included) traces fullgraph and runs as traced.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = build(family)
+    gen = captured(model, (1, 2, 4), compile_options={"backend": "eager", "fullgraph": True})
+    for batch in (1, 3):
+        ids, mask = prompts(batch, seed=batch)
+        ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+        ref = hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(ours, ref), (family, batch)
+    torch._dynamo.reset()
