@@ -45,17 +45,17 @@ def test_neutral_values_are_not_settings():
 
 
 def test_set_values_are_named_with_their_values_in_a_fixed_order():
-    cfg = config(min_new_tokens=4, repetition_penalty=1.1, bad_words_ids=[[7]])
+    cfg = config(min_new_tokens=4, no_repeat_ngram_size=3, bad_words_ids=[[7]])
     got = unapplied_settings(cfg, do_sample=False)
-    assert got == {"repetition_penalty": 1.1, "bad_words_ids": [[7]], "min_new_tokens": 4}
-    assert list(got) == ["repetition_penalty", "bad_words_ids", "min_new_tokens"]
+    assert got == {"no_repeat_ngram_size": 3, "bad_words_ids": [[7]], "min_new_tokens": 4}
+    assert list(got) == ["no_repeat_ngram_size", "bad_words_ids", "min_new_tokens"]
 
 
 def test_sampling_only_warpers_count_only_for_sampled_requests():
-    cfg = config(typical_p=0.9, min_p=0.05, repetition_penalty=1.2)
-    assert unapplied_settings(cfg, do_sample=False) == {"repetition_penalty": 1.2}
+    cfg = config(typical_p=0.9, min_p=0.05, no_repeat_ngram_size=2)
+    assert unapplied_settings(cfg, do_sample=False) == {"no_repeat_ngram_size": 2}
     assert unapplied_settings(cfg, do_sample=True) == {
-        "repetition_penalty": 1.2,
+        "no_repeat_ngram_size": 2,
         "min_p": 0.05,
         "typical_p": 0.9,
     }
@@ -64,15 +64,17 @@ def test_sampling_only_warpers_count_only_for_sampled_requests():
 def test_every_listed_setting_is_a_generation_config_attribute():
     fields = set(transformers.GenerationConfig().to_dict())
     assert not set(UNAPPLIED) - fields and not set(SAMPLING_ONLY) - fields
-    assert "temperature" not in UNAPPLIED and "top_k" not in UNAPPLIED  # applied
+    applied = ("temperature", "top_k", "top_p", "repetition_penalty")
+    assert not set(applied) & (set(UNAPPLIED) | set(SAMPLING_ONLY))
+    assert unapplied_settings(config(repetition_penalty=1.3), do_sample=True) == {}
 
 
 def test_a_config_without_some_settings_reads_the_ones_it_has():
     # An older transformers (or a hand-made config) may lack attributes: absent is unset.
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(repetition_penalty=1.2, typical_p=0.5)
-    assert unapplied_settings(cfg, do_sample=True) == {"repetition_penalty": 1.2, "typical_p": 0.5}
+    cfg = SimpleNamespace(no_repeat_ngram_size=2, typical_p=0.5)
+    assert unapplied_settings(cfg, do_sample=True) == {"no_repeat_ngram_size": 2, "typical_p": 0.5}
 
 
 def test_a_value_that_refuses_comparison_counts_as_set():
@@ -88,8 +90,8 @@ def test_a_value_that_refuses_comparison_counts_as_set():
 @pytest.fixture
 def penalized():
     model = tiny("llama").eval()
-    model.generation_config.repetition_penalty = 1.3
     model.generation_config.no_repeat_ngram_size = 2
+    model.generation_config.bad_words_ids = [[5]]
     return model
 
 
@@ -105,15 +107,15 @@ def test_a_request_says_once_which_settings_it_leaves_out(penalized, caplog):
         gen.generate(ids, mask, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)
     said = warnings_of(caplog)
     assert said == [
-        "GraphedGenerator: the model's generation_config sets repetition_penalty=1.3, "
-        "no_repeat_ngram_size=2, which this generator does not apply (it applies "
-        "temperature, top_k, top_p and the stop and pad ids): its tokens can differ from "
-        "model.generate()'s. Fix: unset them in model.generation_config (None), or "
-        "generate with model.generate."
+        "GraphedGenerator: the model's generation_config sets no_repeat_ngram_size=2, "
+        "bad_words_ids=[[5]], which this generator does not apply (it applies "
+        "temperature, top_k, top_p, repetition_penalty and the stop and pad ids): its "
+        "tokens can differ from model.generate()'s. Fix: unset them in "
+        "model.generation_config (None), or generate with model.generate."
     ]
     # Another set is said again; unsetting them says nothing more.
     penalized.generation_config.no_repeat_ngram_size = None
-    penalized.generation_config.repetition_penalty = None
+    penalized.generation_config.bad_words_ids = None
     with caplog.at_level(logging.WARNING, logger="cudagraphs"):
         caplog.clear()
         ours = gen.generate(ids, mask, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)

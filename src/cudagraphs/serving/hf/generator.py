@@ -41,7 +41,7 @@ from .per_token import _choose, _EndFlag
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens
 from .support import WeightAddresses, check_supported
-from .unapplied import unapplied_settings
+from .unapplied import warn_unapplied
 
 __all__ = ["DEFAULT_GENERATE_BATCH_SIZES", "GraphedGenerator"]
 
@@ -61,8 +61,8 @@ class GraphedGenerator:
     and the cache.
 
     It does NOT: run beam search, assisted decoding or streaming; apply the logits
-    processors of ``model.generation_config`` other than temperature, top-k and top-p
-    (repetition penalty, min length, bad words, ...: a request under a config that
+    processors of ``model.generation_config`` other than temperature, top-k, top-p and
+    the repetition penalty (min length, bad words, n-grams, ...: a request under a config that
     sets them says so once at WARNING, naming them); support chunked-attention or
     linear-attention caches; let several threads share one generator. Sliding-window
     layers keep every position, the window applied by the mask (:mod:`.cache`): their
@@ -258,6 +258,7 @@ class GraphedGenerator:
         temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
+        repetition_penalty: float | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
@@ -273,6 +274,8 @@ class GraphedGenerator:
                 model's ``generation_config`` value, as ``model.generate`` does (so
                 sampling without ``top_k`` keeps HF's default top-k of 50; greedy
                 unless the config says ``do_sample``).
+            repetition_penalty: HF's repetition penalty over the prompt and the tokens
+                made so far, greedy or sampled (``None``: the config's; 1.0 is off).
             eos_token_id, pad_token_id: stop and pad ids (default: the model's
                 ``generation_config``, as ``generate``); after a sequence's end-of-
                 sequence token, its later tokens are the pad id, and the request stops
@@ -302,9 +305,9 @@ class GraphedGenerator:
             input_ids, attention_mask, max_new_tokens, self.max_cache_len, self.device
         )
         defaults = getattr(self.model, "generation_config", None)
-        sampling = sampling_rule(defaults, do_sample, temperature, top_k, top_p)
+        sampling = sampling_rule(defaults, do_sample, temperature, top_k, top_p, repetition_penalty)
         stops = stop_tokens(eos_token_id, pad_token_id, defaults, self.device)
-        self._say_unapplied(defaults, sampling.do_sample)
+        warn_unapplied(self._warn, defaults, sampling.do_sample)
         if request.batch <= self.kv.max_rows:
             if not self.runner.disabled:
                 self._weights.check(self.model)
@@ -316,20 +319,6 @@ class GraphedGenerator:
             out = self._generate(request, sampling, stops, generator, kv, step)
         self.tokens += (out.shape[1] - request.prompt_len) * request.batch
         return out
-
-    def _say_unapplied(self, defaults: Any, do_sample: bool) -> None:
-        unapplied = unapplied_settings(defaults, do_sample)
-        if not unapplied:
-            return
-        said = ", ".join(f"{name}={value!r}" for name, value in unapplied.items())
-        self._warn(
-            f"unapplied {said}",
-            "GraphedGenerator: the model's generation_config sets %s, which this generator "
-            "does not apply (it applies temperature, top_k, top_p and the stop and pad "
-            "ids): its tokens can differ from model.generate()'s. Fix: unset them in "
-            "model.generation_config (None), or generate with model.generate.",
-            said,
-        )
 
     def _too_large(self, batch: int) -> tuple[SharedStaticCache, Callable]:
         """A request above the largest bucket: its own cache, every step eager."""
@@ -400,7 +389,11 @@ class GraphedGenerator:
                 if ended is not None and ended.read():
                     made = t
                     break
-            chosen = _choose(logits, request.input_ids, sampling, processors, generator)
+            # The repetition penalty reads the sequences so far, as HF's input_ids.
+            so_far = request.input_ids
+            if sampling.reads_sequences:
+                so_far = torch.cat([request.input_ids, tokens[:, :t]], dim=1)
+            chosen = _choose(logits, so_far, sampling, processors, generator)
             if stops.active:
                 chosen = torch.where(unfinished, chosen, stops.pad)
             tokens[:, t] = chosen

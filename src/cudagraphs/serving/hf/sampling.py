@@ -3,6 +3,8 @@ and when a sequence stops. Mirrors ``GenerationMixin.generate`` step for step, s
 greedy tokens equal HF's on the same logits:
 
 * the logits of the last position are taken in float32;
+* a repetition penalty (HF's processor, over the prompt and the tokens made so far)
+  comes first and applies to greedy decoding too;
 * sampling applies temperature, then top-k, then top-p (HF's order), a softmax and
   ``torch.multinomial`` (here with the caller's ``torch.Generator``, when given);
 * once a sequence has produced an end-of-sequence token, later tokens of it are the pad
@@ -10,7 +12,8 @@ greedy tokens equal HF's on the same logits:
   tokens were made.
 
 Values HF treats as "off" are off here too (temperature 1.0, top_k 0 or None, top_p
-1.0 or None), and, as in HF, they are ignored without ``do_sample``.
+1.0 or None, repetition_penalty 1.0), and, as in HF, the warpers (temperature, top-k,
+top-p) are ignored without ``do_sample``.
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ class Sampling:
 
     Raises:
         CudaGraphsTypeError: a value of the wrong type (naming it).
-        CudaGraphsValueError: temperature <= 0, top_k < 0, top_p outside (0, 1].
+        CudaGraphsValueError: temperature <= 0, top_k < 0, top_p outside (0, 1],
+            repetition_penalty <= 0.
     """
 
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         check_bool("do_sample", self.do_sample)
@@ -55,17 +60,32 @@ class Sampling:
             check_number("top_p", self.top_p)
             if not 0.0 < self.top_p <= 1.0:
                 raise CudaGraphsValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_number("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise CudaGraphsValueError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}; 1.0 is off"
+            )
+
+    @property
+    def reads_sequences(self) -> bool:
+        """Whether the processors read the tokens so far (the repetition penalty does;
+        the warpers read only the logits)."""
+        return self.repetition_penalty != 1.0
 
     def processors(self) -> Any:
-        """HF's ``LogitsProcessorList`` for this rule (empty for greedy decoding)."""
+        """HF's ``LogitsProcessorList`` for this rule, in HF's order (empty for plain
+        greedy decoding)."""
         from transformers.generation.logits_process import (
             LogitsProcessorList,
+            RepetitionPenaltyLogitsProcessor,
             TemperatureLogitsWarper,
             TopKLogitsWarper,
             TopPLogitsWarper,
         )
 
         out = LogitsProcessorList()
+        if self.reads_sequences:
+            out.append(RepetitionPenaltyLogitsProcessor(penalty=self.repetition_penalty))
         if not self.do_sample:
             return out
         if self.temperature != 1.0:
@@ -83,10 +103,12 @@ def sampling_rule(
     temperature: float | None,
     top_k: int | None,
     top_p: float | None,
+    repetition_penalty: float | None = None,
 ) -> Sampling:
     """The request's :class:`Sampling`: each argument, or where it is ``None`` the value
     of ``defaults`` (the model's ``generation_config``), as ``generate`` merges them;
-    without a config, HF's own defaults (greedy; temperature 1.0, top-k 50, top-p 1.0)."""
+    without a config, HF's own defaults (greedy; temperature 1.0, top-k 50, top-p 1.0,
+    no repetition penalty)."""
 
     def pick(value: Any, name: str, fallback: Any) -> Any:
         if value is not None:
@@ -99,6 +121,7 @@ def sampling_rule(
         temperature=pick(temperature, "temperature", 1.0),
         top_k=pick(top_k, "top_k", 50),
         top_p=pick(top_p, "top_p", 1.0),
+        repetition_penalty=pick(repetition_penalty, "repetition_penalty", 1.0),
     )
 
 

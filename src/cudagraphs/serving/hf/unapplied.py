@@ -1,14 +1,14 @@
 """Settings of a model's ``generation_config`` that the graphed generator does not apply.
 
 ``model.generate`` builds its logits processors and stopping criteria from the model's
-``generation_config``; the generator applies temperature, top-k, top-p and the stop and
-pad ids only. A config that sets anything else (a repetition penalty is common in chat
-models' configs) would make its tokens differ from ``generate``'s without a word, so
+``generation_config``; the generator applies temperature, top-k, top-p, the repetition
+penalty and the stop and pad ids only. A config that sets anything else (a minimum
+length, banned words, n-gram blocking, beams) would make its tokens differ from ``generate``'s without a word, so
 each request reads the config and the generator says once which settings it leaves
 out, with their values.
 
 A setting counts as set when it is neither ``None`` nor its neutral value (the value
-with which HF adds no processor: a penalty of 1.0, a size of 0, an empty list).
+with which HF adds no processor: a size of 0, a count of 1, an empty list).
 Warpers that HF applies only when sampling are checked only for sampled requests.
 """
 
@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SAMPLING_ONLY", "UNAPPLIED", "unapplied_settings"]
+from ...diagnostics import WarnOnce
+
+__all__ = ["SAMPLING_ONLY", "UNAPPLIED", "unapplied_settings", "warn_unapplied"]
 
 #: Setting -> its neutral values, for settings HF applies to every request.
 UNAPPLIED: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (1.0,),
     "no_repeat_ngram_size": (0,),
     "bad_words_ids": ((), []),
     "min_length": (0,),
@@ -77,3 +78,20 @@ def _same(value: Any, neutral: Any) -> bool:
         return bool(value == neutral)
     except Exception:
         return False
+
+
+def warn_unapplied(warn: WarnOnce, config: Any, do_sample: bool) -> None:
+    """Say through ``warn`` (once per distinct set) which settings of ``config`` a
+    request leaves out, with their values and the fix; nothing when none."""
+    unapplied = unapplied_settings(config, do_sample)
+    if not unapplied:
+        return
+    said = ", ".join(f"{name}={value!r}" for name, value in unapplied.items())
+    warn(
+        f"unapplied {said}",
+        "GraphedGenerator: the model's generation_config sets %s, which this generator "
+        "does not apply (it applies temperature, top_k, top_p, repetition_penalty and the "
+        "stop and pad ids): its tokens can differ from model.generate()'s. Fix: unset "
+        "them in model.generation_config (None), or generate with model.generate.",
+        said,
+    )
