@@ -62,14 +62,14 @@ class GraphedGenerator:
 
     It does NOT: run beam search, assisted decoding or streaming; apply the logits
     processors of ``model.generation_config`` other than temperature, top-k, top-p and
-    the repetition penalty (min length, bad words, n-grams, ...: a request under a config that
-    sets them says so once at WARNING, naming them); support chunked-attention or
+    the repetition penalty (min length, bad words, n-grams, ...: a request under a
+    config that sets them says so once at WARNING, naming them); support chunked- or
     linear-attention caches; let several threads share one generator. Sliding-window
     layers keep every position, the window applied by the mask (:mod:`.cache`): their
-    tokens equal HF's, their cache costs ``max_cache_len`` as a full layer's does. Put the model in
-    eval mode (as for ``generate``); its weights are read by the graphs in place, so
-    they may be updated in place, not replaced (a request after a replacement is a
-    ``CudaGraphsStateError`` naming the tensors).
+    tokens equal HF's, their cache costs ``max_cache_len`` as a full layer's does. Put
+    the model in eval mode (as for ``generate``); its weights are read by the graphs in
+    place, so they may be updated in place, not replaced (a request after a
+    replacement is a ``CudaGraphsStateError`` naming the tensors).
 
     Args:
         model: a transformers causal LM (``AutoModelForCausalLM``) on a CUDA device

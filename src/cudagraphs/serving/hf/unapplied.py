@@ -3,9 +3,9 @@
 ``model.generate`` builds its logits processors and stopping criteria from the model's
 ``generation_config``; the generator applies temperature, top-k, top-p, the repetition
 penalty and the stop and pad ids only. A config that sets anything else (a minimum
-length, banned words, n-gram blocking, beams) would make its tokens differ from ``generate``'s without a word, so
-each request reads the config and the generator says once which settings it leaves
-out, with their values.
+length, banned words, n-gram blocking, beams) would make its tokens differ from
+``generate``'s without a word, so each request reads the config and the generator says
+once which settings it leaves out, with their values.
 
 A setting counts as set when it is neither ``None`` nor its neutral value (the value
 with which HF adds no processor: a size of 0, a count of 1, an empty list).
