@@ -105,3 +105,11 @@ def test_the_rule_takes_the_penalty_from_the_argument_then_the_config():
     assert sampling_rule(config, None, None, None, None).repetition_penalty == 1.4
     assert sampling_rule(config, None, None, None, None, 1.1).repetition_penalty == 1.1
     assert sampling_rule(None, None, None, None, None).repetition_penalty == 1.0
+
+
+@pytest.mark.parametrize("penalty", ["1.2", None, True])
+def test_a_penalty_that_is_not_a_number_is_a_type_error_naming_it(penalty):
+    from cudagraphs.errors import CudaGraphsTypeError
+
+    with pytest.raises(CudaGraphsTypeError, match="^repetition_penalty must be"):
+        Sampling(repetition_penalty=penalty)
