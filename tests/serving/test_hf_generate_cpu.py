@@ -634,6 +634,7 @@ def test_replaced_weights_are_a_state_error_naming_them_and_capture_again_cures_
             "model.layers.0.self_attn.v_proj.weight and 1 more)",
         ),
     ],
+    ids=["three", "four"],
 )
 def test_replaced_weights_are_named_up_to_three_then_counted(count, said):
     model = tiny("llama").eval()
