@@ -45,10 +45,10 @@ def test_neutral_values_are_not_settings():
 
 
 def test_set_values_are_named_with_their_values_in_a_fixed_order():
-    cfg = config(min_new_tokens=4, no_repeat_ngram_size=3, bad_words_ids=[[7]])
+    cfg = config(forced_eos_token_id=4, no_repeat_ngram_size=3, bad_words_ids=[[7]])
     got = unapplied_settings(cfg, do_sample=False)
-    assert got == {"no_repeat_ngram_size": 3, "bad_words_ids": [[7]], "min_new_tokens": 4}
-    assert list(got) == ["no_repeat_ngram_size", "bad_words_ids", "min_new_tokens"]
+    assert got == {"no_repeat_ngram_size": 3, "bad_words_ids": [[7]], "forced_eos_token_id": 4}
+    assert list(got) == ["no_repeat_ngram_size", "bad_words_ids", "forced_eos_token_id"]
 
 
 def test_sampling_only_warpers_count_only_for_sampled_requests():
@@ -64,7 +64,8 @@ def test_sampling_only_warpers_count_only_for_sampled_requests():
 def test_every_listed_setting_is_a_generation_config_attribute():
     fields = set(transformers.GenerationConfig().to_dict())
     assert not set(UNAPPLIED) - fields and not set(SAMPLING_ONLY) - fields
-    applied = ("temperature", "top_k", "top_p", "repetition_penalty")
+    applied = ("temperature", "top_k", "top_p", "repetition_penalty", "min_length")
+    applied += ("min_new_tokens",)
     assert not set(applied) & (set(UNAPPLIED) | set(SAMPLING_ONLY))
     assert unapplied_settings(config(repetition_penalty=1.3), do_sample=True) == {}
 
@@ -109,9 +110,9 @@ def test_a_request_says_once_which_settings_it_leaves_out(penalized, caplog):
     assert said == [
         "GraphedGenerator: the model's generation_config sets no_repeat_ngram_size=2, "
         "bad_words_ids=[[5]], which this generator does not apply (it applies "
-        "temperature, top_k, top_p, repetition_penalty and the stop and pad ids): its "
-        "tokens can differ from model.generate()'s. Fix: unset them in "
-        "model.generation_config (None), or generate with model.generate."
+        "temperature, top_k, top_p, repetition_penalty, min_length, min_new_tokens and "
+        "the stop and pad ids): its tokens can differ from model.generate()'s. Fix: unset "
+        "them in model.generation_config (None), or generate with model.generate."
     ]
     # Another set is said again; unsetting them says nothing more.
     penalized.generation_config.no_repeat_ngram_size = None
@@ -120,10 +121,10 @@ def test_a_request_says_once_which_settings_it_leaves_out(penalized, caplog):
         caplog.clear()
         ours = gen.generate(ids, mask, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)
         assert warnings_of(caplog) == []
-        penalized.generation_config.min_new_tokens = 3
+        penalized.generation_config.forced_eos_token_id = 3
         gen.generate(ids, mask, max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)
-    assert len(warnings_of(caplog)) == 1 and "min_new_tokens=3" in warnings_of(caplog)[0]
-    penalized.generation_config.min_new_tokens = None
+    assert len(warnings_of(caplog)) == 1 and "forced_eos_token_id=3" in warnings_of(caplog)[0]
+    penalized.generation_config.forced_eos_token_id = None
     ref = hf_generate(penalized, ids, mask, 4, eos_token_id=EOS, pad_token_id=PAD)
     assert torch.equal(ours, ref)  # with the settings unset, HF's tokens again
 

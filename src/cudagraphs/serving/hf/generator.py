@@ -61,15 +61,15 @@ class GraphedGenerator:
     and the cache.
 
     It does NOT: run beam search, assisted decoding or streaming; apply the logits
-    processors of ``model.generation_config`` other than temperature, top-k, top-p and
-    the repetition penalty (min length, bad words, n-grams, ...: a request under a
-    config that sets them says so once at WARNING, naming them); support chunked- or
-    linear-attention caches; let several threads share one generator. Sliding-window
-    layers keep every position, the window applied by the mask (:mod:`.cache`): their
-    tokens equal HF's, their cache costs ``max_cache_len`` as a full layer's does. Put
-    the model in eval mode (as for ``generate``); its weights are read by the graphs in
-    place, so they may be updated in place, not replaced (a request after a
-    replacement is a ``CudaGraphsStateError`` naming the tensors).
+    processors of ``model.generation_config`` other than temperature, top-k, top-p, the
+    repetition penalty and the minimum lengths (bad words, n-grams, ...: a request
+    under a config that sets them says so once at WARNING, naming them); support
+    chunked- or linear-attention caches; let several threads share one generator.
+    Sliding-window layers keep every position, the window applied by the mask
+    (:mod:`.cache`): their tokens equal HF's, their cache costs ``max_cache_len`` as a
+    full layer's does. Put the model in eval mode (as for ``generate``); its weights
+    are read by the graphs in place, so they may be updated in place, not replaced (a
+    request after a replacement is a ``CudaGraphsStateError`` naming the tensors).
 
     Args:
         model: a transformers causal LM (``AutoModelForCausalLM``) on a CUDA device
@@ -259,6 +259,8 @@ class GraphedGenerator:
         top_k: int | None = None,
         top_p: float | None = None,
         repetition_penalty: float | None = None,
+        min_new_tokens: int | None = None,
+        min_length: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
@@ -276,6 +278,9 @@ class GraphedGenerator:
                 unless the config says ``do_sample``).
             repetition_penalty: HF's repetition penalty over the prompt and the tokens
                 made so far, greedy or sampled (``None``: the config's; 1.0 is off).
+            min_new_tokens, min_length: end-of-sequence ids held back until that many new
+                tokens, or tokens in all (prompt included), as HF does (``None``: the
+                config's; 0 is off).
             eos_token_id, pad_token_id: stop and pad ids (default: the model's
                 ``generation_config``, as ``generate``); after a sequence's end-of-
                 sequence token, its later tokens are the pad id, and the request stops
@@ -305,7 +310,16 @@ class GraphedGenerator:
             input_ids, attention_mask, max_new_tokens, self.max_cache_len, self.device
         )
         defaults = getattr(self.model, "generation_config", None)
-        sampling = sampling_rule(defaults, do_sample, temperature, top_k, top_p, repetition_penalty)
+        sampling = sampling_rule(
+            defaults,
+            do_sample,
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+            min_length,
+            min_new_tokens,
+        )
         stops = stop_tokens(eos_token_id, pad_token_id, defaults, self.device)
         warn_unapplied(self._warn, defaults, sampling.do_sample)
         if request.batch <= self.kv.max_rows:
@@ -367,7 +381,7 @@ class GraphedGenerator:
         )
         logits = out.logits[:, -1, :].float()
         del out
-        processors = sampling.processors()
+        processors = sampling.processors(prompt_len, stops.eos)
         tokens = torch.empty(batch, new, dtype=torch.long, device=self.device)
         mask = torch.zeros(batch, self.max_cache_len, dtype=torch.bool, device=self.device)
         mask[:, :prompt_len] = request.attention_mask
@@ -389,7 +403,7 @@ class GraphedGenerator:
                 if ended is not None and ended.read():
                     made = t
                     break
-            # The repetition penalty reads the sequences so far, as HF's input_ids.
+            # The penalty and the minimum lengths read the sequences so far (HF's input_ids).
             so_far = request.input_ids
             if sampling.reads_sequences:
                 so_far = torch.cat([request.input_ids, tokens[:, :t]], dim=1)

@@ -4,7 +4,8 @@ greedy tokens equal HF's on the same logits:
 
 * the logits of the last position are taken in float32;
 * a repetition penalty (HF's processor, over the prompt and the tokens made so far)
-  comes first and applies to greedy decoding too;
+  comes first, then the minimum lengths (end-of-sequence ids held back until
+  ``min_length`` tokens in all, or ``min_new_tokens`` new ones), greedy decoding too;
 * sampling applies temperature, then top-k, then top-p (HF's order), a softmax and
   ``torch.multinomial`` (here with the caller's ``torch.Generator``, when given);
 * once a sequence has produced an end-of-sequence token, later tokens of it are the pad
@@ -12,8 +13,8 @@ greedy tokens equal HF's on the same logits:
   tokens were made.
 
 Values HF treats as "off" are off here too (temperature 1.0, top_k 0 or None, top_p
-1.0 or None, repetition_penalty 1.0), and, as in HF, the warpers (temperature, top-k,
-top-p) are ignored without ``do_sample``.
+1.0 or None, repetition_penalty 1.0, minimum lengths 0), and, as in HF, the warpers
+(temperature, top-k, top-p) are ignored without ``do_sample``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Sampling:
     Raises:
         CudaGraphsTypeError: a value of the wrong type (naming it).
         CudaGraphsValueError: temperature <= 0, top_k < 0, top_p outside (0, 1],
-            repetition_penalty <= 0.
+            repetition_penalty <= 0, a minimum length below 0.
     """
 
     do_sample: bool = False
@@ -45,6 +46,8 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float = 1.0
+    min_length: int = 0
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_bool("do_sample", self.do_sample)
@@ -65,18 +68,24 @@ class Sampling:
             raise CudaGraphsValueError(
                 f"repetition_penalty must be > 0, got {self.repetition_penalty}; 1.0 is off"
             )
+        check_int("min_length", self.min_length, minimum=0)
+        check_int("min_new_tokens", self.min_new_tokens, minimum=0)
 
     @property
     def reads_sequences(self) -> bool:
-        """Whether the processors read the tokens so far (the repetition penalty does;
-        the warpers read only the logits)."""
-        return self.repetition_penalty != 1.0
+        """Whether the processors read the tokens so far (the repetition penalty and the
+        minimum lengths do; the warpers read only the logits)."""
+        return self.repetition_penalty != 1.0 or self.min_length > 0 or self.min_new_tokens > 0
 
-    def processors(self) -> Any:
+    def processors(self, prompt_len: int = 0, eos: torch.Tensor | None = None) -> Any:
         """HF's ``LogitsProcessorList`` for this rule, in HF's order (empty for plain
-        greedy decoding)."""
+        greedy decoding). The minimum lengths need the request's (padded) prompt length
+        and its end-of-sequence ids (a device tensor); without ids, as in HF, they
+        hold nothing back."""
         from transformers.generation.logits_process import (
             LogitsProcessorList,
+            MinLengthLogitsProcessor,
+            MinNewTokensLengthLogitsProcessor,
             RepetitionPenaltyLogitsProcessor,
             TemperatureLogitsWarper,
             TopKLogitsWarper,
@@ -84,8 +93,17 @@ class Sampling:
         )
 
         out = LogitsProcessorList()
-        if self.reads_sequences:
+        if self.repetition_penalty != 1.0:
             out.append(RepetitionPenaltyLogitsProcessor(penalty=self.repetition_penalty))
+        if eos is not None and eos.numel() > 0:
+            if self.min_length > 0:
+                out.append(MinLengthLogitsProcessor(self.min_length, eos, device=eos.device))
+            if self.min_new_tokens > 0:
+                out.append(
+                    MinNewTokensLengthLogitsProcessor(
+                        prompt_len, self.min_new_tokens, eos, device=eos.device
+                    )
+                )
         if not self.do_sample:
             return out
         if self.temperature != 1.0:
@@ -104,11 +122,13 @@ def sampling_rule(
     top_k: int | None,
     top_p: float | None,
     repetition_penalty: float | None = None,
+    min_length: int | None = None,
+    min_new_tokens: int | None = None,
 ) -> Sampling:
     """The request's :class:`Sampling`: each argument, or where it is ``None`` the value
     of ``defaults`` (the model's ``generation_config``), as ``generate`` merges them;
     without a config, HF's own defaults (greedy; temperature 1.0, top-k 50, top-p 1.0,
-    no repetition penalty)."""
+    no repetition penalty, no minimum length)."""
 
     def pick(value: Any, name: str, fallback: Any) -> Any:
         if value is not None:
@@ -122,6 +142,8 @@ def sampling_rule(
         top_k=pick(top_k, "top_k", 50),
         top_p=pick(top_p, "top_p", 1.0),
         repetition_penalty=pick(repetition_penalty, "repetition_penalty", 1.0),
+        min_length=pick(min_length, "min_length", 0),
+        min_new_tokens=pick(min_new_tokens, "min_new_tokens", 0),
     )
 
 

@@ -2,8 +2,8 @@
 
 ``model.generate`` builds its logits processors and stopping criteria from the model's
 ``generation_config``; the generator applies temperature, top-k, top-p, the repetition
-penalty and the stop and pad ids only. A config that sets anything else (a minimum
-length, banned words, n-gram blocking, beams) would make its tokens differ from
+penalty, the minimum lengths and the stop and pad ids only. A config that sets anything
+else (banned words, n-gram blocking, beams, stop strings) would make its tokens differ from
 ``generate``'s without a word, so each request reads the config and the generator says
 once which settings it leaves out, with their values.
 
@@ -24,8 +24,6 @@ __all__ = ["SAMPLING_ONLY", "UNAPPLIED", "unapplied_settings", "warn_unapplied"]
 UNAPPLIED: dict[str, tuple[Any, ...]] = {
     "no_repeat_ngram_size": (0,),
     "bad_words_ids": ((), []),
-    "min_length": (0,),
-    "min_new_tokens": (0,),
     "suppress_tokens": ((), []),
     "begin_suppress_tokens": ((), []),
     "forced_bos_token_id": (),
@@ -90,8 +88,9 @@ def warn_unapplied(warn: WarnOnce, config: Any, do_sample: bool) -> None:
     warn(
         f"unapplied {said}",
         "GraphedGenerator: the model's generation_config sets %s, which this generator "
-        "does not apply (it applies temperature, top_k, top_p, repetition_penalty and the "
-        "stop and pad ids): its tokens can differ from model.generate()'s. Fix: unset "
+        "does not apply (it applies temperature, top_k, top_p, repetition_penalty, "
+        "min_length, min_new_tokens and the stop and pad ids): its tokens can differ from "
+        "model.generate()'s. Fix: unset "
         "them in model.generation_config (None), or generate with model.generate.",
         said,
     )
