@@ -97,3 +97,15 @@ def test_the_rule_takes_the_minimums_from_the_arguments_then_the_config():
     assert (rule.min_length, rule.min_new_tokens) == (2, 1)
     rule = sampling_rule(None, None, None, None, None)
     assert (rule.min_length, rule.min_new_tokens) == (0, 0)
+
+
+def test_a_minimum_of_one_counts_and_none_adds_nothing():
+    eos = torch.tensor([2])
+    assert len(Sampling().processors(6, eos)) == 0  # no minimum: no processor
+    one = Sampling(min_length=1, min_new_tokens=1).processors(6, eos)
+    assert [(type(p).__name__) for p in one] == [
+        "MinLengthLogitsProcessor",
+        "MinNewTokensLengthLogitsProcessor",
+    ]
+    # Without a prompt length, none is skipped: every token counts as new.
+    assert Sampling(min_new_tokens=2).processors(eos=eos)[0].prompt_length_to_skip == 0
