@@ -109,3 +109,11 @@ def test_a_minimum_of_one_counts_and_none_adds_nothing():
     ]
     # Without a prompt length, none is skipped: every token counts as new.
     assert Sampling(min_new_tokens=2).processors(eos=eos)[0].prompt_length_to_skip == 0
+
+
+def test_the_minimum_processors_keep_their_ids_on_the_requests_device():
+    # On the GPU the ids must sit with the scores; a meta tensor stands for a device
+    # tensor here (HF's processors would move CPU ids onto their default device).
+    eos = torch.tensor([2], device="meta")
+    made = Sampling(min_length=3, min_new_tokens=2).processors(5, eos)
+    assert [p.eos_token_id.device.type for p in made] == ["meta", "meta"]

@@ -95,15 +95,13 @@ class Sampling:
         out = LogitsProcessorList()
         if self.repetition_penalty != 1.0:
             out.append(RepetitionPenaltyLogitsProcessor(penalty=self.repetition_penalty))
+        # The ids are given as a tensor, which HF's processors keep where it is (their
+        # device argument only places ids given as ints): on the scores' device.
         if eos is not None and eos.numel() > 0:
             if self.min_length > 0:
-                out.append(MinLengthLogitsProcessor(self.min_length, eos, device=eos.device))
+                out.append(MinLengthLogitsProcessor(self.min_length, eos))
             if self.min_new_tokens > 0:
-                out.append(
-                    MinNewTokensLengthLogitsProcessor(
-                        prompt_len, self.min_new_tokens, eos, device=eos.device
-                    )
-                )
+                out.append(MinNewTokensLengthLogitsProcessor(prompt_len, self.min_new_tokens, eos))
         if not self.do_sample:
             return out
         if self.temperature != 1.0:
