@@ -135,6 +135,32 @@ def test_the_set_to_none_target_compares_the_default_with_the_helper(ts, config)
     assert target({ts.HELPER: 5.0})[key] is None
 
 
+def test_the_set_to_none_target_ties_twins_only_when_their_kernels_agree(ts):
+    key = "default_le_torch_helper_set_to_none"
+    ms = {"cudagraphs": 10.6, ts.HELPER: 10.59}  # 1.0009x: a tie on compute_bound
+
+    def target(busy):
+        return ts.compute_targets("compute_bound", "set_to_none", ms, busy)[key]
+
+    assert target({"cudagraphs": 10.30, ts.HELPER: 10.32}) is True
+    # Busy times that differ more than SAME_KERNELS_TOL: other kernels, strict again.
+    assert target({"cudagraphs": 10.40, ts.HELPER: 10.30}) is False
+    assert target({"cudagraphs": 10.30}) is False  # one busy time missing: strict
+    slower = {"cudagraphs": 10.59 * ts.SAME_KERNELS_TOL + 0.001, ts.HELPER: 10.59}
+    same = {"cudagraphs": 10.3, ts.HELPER: 10.3}
+    assert ts.compute_targets("compute_bound", "set_to_none", slower, same)[key] is False
+
+
+def test_same_kernels_is_symmetric_and_refuses_missing_or_zero_times(ts):
+    assert ts.same_kernels(10.0, 10.0 * ts.SAME_KERNELS_TOL)
+    assert ts.same_kernels(10.0 * ts.SAME_KERNELS_TOL, 10.0)
+    assert not ts.same_kernels(10.0, 10.0 * ts.SAME_KERNELS_TOL + 0.001)
+    assert not ts.same_kernels(10.0 * ts.SAME_KERNELS_TOL + 0.001, 10.0)
+    assert not ts.same_kernels(None, 1.0)
+    assert not ts.same_kernels(1.0, None)
+    assert not ts.same_kernels(0.0, 0.0)
+
+
 def test_the_whole_step_targets_compare_with_the_raw_graphs_and_the_floor(ts):
     ms = {"eager": 16.0, ts.HELPER: 5.0, ts.RAW: 2.4, ts.RAW_SAME: 2.0, ts.OURS: 2.0}
     busy = {ts.OURS: 1.9}
