@@ -38,3 +38,24 @@ def test_hooks_still_run_around_the_replacement():
     lin(torch.ones(2))
     assert seen == ["pre", "replacement"]
     swap.restore()
+
+
+def test_restore_marks_itself_done_and_leaves_a_later_forward_alone():
+    lin = nn.Linear(2, 2)
+    own = functools.partial(nn.Linear.forward, lin)
+    lin.forward = own
+    swap = swap_forward(lin, lambda x: "replaced")
+    swap.restore()
+    assert swap.restored is True
+    later = functools.partial(nn.Linear.forward, lin)
+    lin.forward = later  # set by someone else after the restore
+    swap.restore()  # a second restore does nothing: the later forward stays
+    assert lin.__dict__["forward"] is later
+
+
+def test_restore_tolerates_a_replacement_removed_meanwhile():
+    lin = nn.Linear(2, 2)
+    swap = swap_forward(lin, lambda x: "replaced")
+    del lin.forward  # the instance attribute is gone already
+    swap.restore()
+    assert swap.restored is True and "forward" not in lin.__dict__

@@ -65,7 +65,7 @@ def test_a_tie_keeps_the_graph_and_a_loss_does_not():
 
 @pytest.mark.parametrize("field, value", [("rounds", 0), ("iters", 0), ("warmup", -1)])
 def test_speed_check_arguments_are_checked(field, value):
-    with pytest.raises(CudaGraphsValueError, match=field):
+    with pytest.raises(CudaGraphsValueError, match=rf"^{field} must be an int >= "):
         SpeedCheck(**{field: value})
 
 
@@ -164,7 +164,100 @@ def test_no_check_when_turned_off_or_on_the_cpu_by_default(monkeypatch):
         assert mgr.stats()["captured"] == 2
 
 
-@pytest.mark.parametrize("bad", [1, "yes", None])
-def test_speed_check_must_be_a_bool_or_a_speed_check(bad):
-    with pytest.raises(CudaGraphsTypeError, match="speed_check must be a bool or a SpeedCheck"):
+@pytest.mark.parametrize("bad, said", [(1, "int 1"), ("yes", "str 'yes'"), (None, "NoneType None")])
+def test_speed_check_must_be_a_bool_or_a_speed_check(bad, said):
+    with pytest.raises(
+        CudaGraphsTypeError, match=f"speed_check must be a bool or a SpeedCheck, got {said}$"
+    ):
         PartialCudaGraphManager.from_model_parts(Toy(), speed_check=bad, scopes=NARROW)
+
+
+def test_forward_backward_passes_keywords_and_skips_what_has_no_gradient():
+    x = torch.randn(3, requires_grad=True)
+    unused = torch.randn(3, requires_grad=True)  # an input the function does not read
+    seen = []
+    x.register_hook(lambda g: seen.append(g.clone()))
+
+    def fn(a, b, *, scale):
+        out = a * scale
+        return out, out.detach(), 3  # a tensor without grad and a plain value: left out
+
+    forward_backward(fn, (x, unused), {"scale": 2.0})()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((3,), 2.0))
+    assert x.grad is None and unused.grad is None
+
+
+def test_forward_backward_runs_only_the_forward_when_no_input_needs_grad():
+    w = torch.randn(3, requires_grad=True)  # read inside, not passed: no input needs grad
+    calls = []
+
+    def fn(a):
+        calls.append(1)
+        return a * w
+
+    forward_backward(fn, (torch.randn(3),), {})()
+    assert calls == [1] and w.grad is None
+
+
+# ---- measure_group on stand-in entries: which variants are timed, with what ----------
+class _Param:
+    """A parameter stand-in that says it lives on a CUDA device."""
+
+    is_cuda = True
+
+
+def _entry(name, grad_enabled, variant_args, calls):
+    """An entry with one variant per args tuple; its graph and adapter record calls."""
+    from types import SimpleNamespace
+
+    variants = [SimpleNamespace(args=a, kwargs={}) for a in variant_args]
+    contracts = SimpleNamespace(
+        variants=[SimpleNamespace(grad_enabled=grad_enabled) for _ in variant_args]
+    )
+    params = [(_Param(),) for _ in variant_args]  # per variant, as for FSDP targets
+
+    def adapter():
+        return lambda *a, **k: calls.append((name, "eager", a))
+
+    return SimpleNamespace(
+        name=name,
+        variants=variants,
+        contracts=contracts,
+        capture_params=lambda i: params[i],  # an index, never None
+        adapter=adapter,
+    )
+
+
+def test_measure_group_times_training_variants_after_inference_ones(monkeypatch):
+    from cudagraphs.partial.speed import measure_group
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)  # the default check's sync
+    calls = []
+    inference = _entry("inference", False, [("a",)], calls)
+    training = _entry("training", True, [("b",), ("c",)], calls)
+    group = [(inference, 0), (training, 1)]
+
+    def graph(*a, **k):
+        calls.append(("graph", a))
+
+    verdicts = measure_group(True, group, [graph, graph])  # True: the default SpeedCheck
+    assert [e.name for e, _ in verdicts] == ["training"]
+    assert isinstance(verdicts[0][1], SpeedVerdict)
+    # Each call got (the variant's parameters, *its args): variant 1's are ("c",).
+    timed = {call[-1][1:] for call in calls}
+    assert timed == {("c",)}
+    assert {call[-1][0] for call in calls} == {training.capture_params(1)}
+    default = SpeedCheck()
+    assert len(calls) == 2 * (default.warmup + default.rounds * default.iters)
+
+
+def test_measure_group_leaves_cpu_targets_to_an_explicit_check():
+    from cudagraphs.partial.speed import measure_group
+
+    calls = []
+    entry = _entry("cpu", True, [("a",)], calls)
+    entry.capture_params = lambda i: (torch.zeros(1),)  # a CPU parameter
+    assert measure_group(True, [(entry, 0)], [lambda *a: None]) == []
+    check = SpeedCheck(rounds=1, iters=1, warmup=0, clock=FakeClock(), synchronize=no_sync)
+    assert [e.name for e, _ in measure_group(check, [(entry, 0)], [lambda *a: None])] == ["cpu"]
+    assert measure_group(False, [(entry, 0)], [lambda *a: None]) == []
