@@ -12,6 +12,7 @@ int64), and refuse the rest with the dtypes named.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -55,9 +56,9 @@ def converts_losslessly(src: torch.dtype, dst: torch.dtype) -> bool:
 
 
 def _significand_bits(dtype: torch.dtype) -> int:
-    # eps = 2**-(significand bits - 1), counting the implicit leading bit.
-    eps = torch.finfo(dtype).eps
-    return round(-torch.log2(torch.tensor(eps, dtype=torch.float64)).item()) + 1
+    # eps = 2**-(significand bits - 1), counting the implicit leading bit; a power of
+    # two, so its log2 is exact.
+    return 1 - int(math.log2(torch.finfo(dtype).eps))
 
 
 def _is_exotic(dtype: torch.dtype) -> bool:
