@@ -63,7 +63,7 @@ def _namedtuple_unflatten(children: list[Any], cls: Any) -> Any:
 
 
 def _child_paths(node: Any, value: Any, count: int) -> tuple[str, ...]:
-    with_keys = getattr(node, "flatten_with_keys_fn", None)
+    with_keys = node.flatten_with_keys_fn  # None for a registration without keys
     if with_keys is not None:
         try:
             keyed, _ = with_keys(value)

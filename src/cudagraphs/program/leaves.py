@@ -45,17 +45,26 @@ class LeafType:
             raise CudaGraphsTypeError(
                 f"{path}: flatten of leaf type {self.name!r} returned non-tensors for {bad}"
             )
-        try:
-            if not all(isinstance(k, str) for k in metadata):
-                raise CudaGraphsTypeError("metadata keys must be str")
-            frozen = tuple(sorted(metadata.items()))
-            hash(frozen)
-        except TypeError as exc:
+        frozen = _frozen(metadata)
+        if frozen is None:
             raise CudaGraphsTypeError(
                 f"{path}: metadata of leaf type {self.name!r} must be hashable values under "
                 f"string keys, got {metadata!r}"
-            ) from exc
+            )
         return tensors, frozen
+
+
+def _frozen(metadata: dict) -> tuple | None:
+    """``metadata``'s items sorted by key, or ``None`` unless its keys are str and its
+    values hashable."""
+    if not all(isinstance(k, str) for k in metadata):
+        return None
+    frozen = tuple(sorted(metadata.items()))  # keys are distinct: values never compared
+    try:
+        hash(frozen)
+    except TypeError:
+        return None
+    return frozen
 
 
 class LeafTypes:
