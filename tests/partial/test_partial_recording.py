@@ -103,7 +103,7 @@ def test_micro_batches_of_distinct_shapes_record_a_variant_each():
     accumulate(model, batches(0, (2, 8), (2, 12), (2, 8)))
     mgr.capture()
     assert all(len(e.contracts.variants) == 2 for e in mgr.entries)
-    assert all(e.recorded_calls == 3 and e.repeats == 0 for e in mgr.entries)
+    assert all(e.recorded_calls == 3 and not e.repeated for e in mgr.entries)
     model.zero_grad(set_to_none=True)
     later = batches(1, (2, 12), (2, 8))
     accumulate(model, later)
@@ -167,7 +167,7 @@ def test_a_forward_that_raises_does_not_leave_the_clock_inside_it():
     model(torch.randn(2, 8))
     model(torch.randn(2, 8))
     mgr.capture()  # three forwards, no reuse
-    assert all(e.recorded_calls == 3 and e.repeats == 0 for e in mgr.entries)
+    assert all(e.recorded_calls == 3 and not e.repeated for e in mgr.entries)
     assert mgr.stats()["captured"] == 2
 
 

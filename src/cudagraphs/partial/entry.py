@@ -133,10 +133,11 @@ class PartialGraphEntry:
     off_reason: str | None = None
     recorder: Any = None  # the recording hook's handle while recording
     # While recording: calls recorded, the forward of the model the last one belonged
-    # to, and calls seen again within one forward (a real reuse, refused by capture()).
+    # to, and whether a call was seen again within one forward (a real reuse, refused by
+    # capture()).
     recorded_calls: int = 0
     last_forward: int | None = None
-    repeats: int = 0
+    repeated: bool = False
     bypass: bool = False  # set while the graphed adapter itself runs the module
     # The owning manager's once-per-cause warnings (set by the manager).
     warn_once: WarnOnce | None = None
@@ -151,22 +152,22 @@ class PartialGraphEntry:
         return self.swap.original if self.swap is not None else self.target.module.forward
 
     def begin_recording(self) -> None:
+        # No calls recorded: record() sets last_forward before it reads it.
         self.recorded_calls = 0
-        self.last_forward = None
-        self.repeats = 0
+        self.repeated = False
 
     def record(self, args: tuple, kwargs: dict, forward: int | None) -> None:
         """Record one call made within the model's forward number ``forward``.
 
         ``forward`` is ``None`` when forwards cannot be told apart (a manager built
         without its model parts): then any second call counts as a repeat. A repeat
-        within one forward is only counted here; capture() refuses it, naming the
+        within one forward is only noted here; capture() refuses it, naming the
         target. Calls from different forwards (micro-batches of one step, gradient
         accumulation) are recorded: an identical contract adds nothing, a new one is
         another variant, up to ``max_variants``.
         """
         if self.recorded_calls and (forward is None or forward == self.last_forward):
-            self.repeats += 1
+            self.repeated = True
             return
         self.recorded_calls += 1
         self.last_forward = forward

@@ -74,7 +74,7 @@ def calls_to_capture(
             without model parts, while recording).
         CudaGraphsStateError: nothing was recorded.
     """
-    repeated = [e.name for e in entries if e.repeats]
+    repeated = [e.name for e in entries if e.repeated]
     if repeated:
         where = (
             "within one forward of the model"

@@ -1,0 +1,232 @@
+"""Partial-graph entry and manager details on the CPU: the texts of the fallback
+reports (not captured yet, parameters replaced, contract mismatch), what recording
+keeps for a non-FSDP target, graphs released on close, the defaults as they act,
+recomputes said once, and log_stats."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from _toy_models import Attn, Toy
+from cudagraphs import CudaGraphInputError
+from cudagraphs.errors import CudaGraphsTypeError
+from cudagraphs.partial import PartialCudaGraphManager
+from test_partial_manager import NARROW, eager_backend, recorded, step, tiny
+
+LOGGER = "cudagraphs.partial.manager"
+
+
+def warnings_of(caplog, reason):
+    return [r.getMessage() for r in caplog.records if f"(reason {reason!r})" in r.getMessage()]
+
+
+def test_a_recorded_call_not_captured_yet_says_to_call_capture(caplog):
+    model = tiny()
+    mgr = recorded(model, torch.randint(0, 128, (1, 8)))
+    mgr.start_recording()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        step(model, torch.randint(0, 128, (1, 12)))
+    (said,) = warnings_of(caplog, "not_captured")
+    assert (
+        "the call matches variant 1, which was recorded but not captured yet (expected "
+        "during a recording step). Fix: call capture() after the recording step." in said
+    )
+    mgr.close()
+
+
+def test_a_contract_mismatch_names_the_variant_bound():
+    model = tiny()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW, max_variants=3
+    )
+    mgr.start_recording()
+    step(model, torch.randint(0, 128, (1, 8)))
+    mgr.capture()
+    entry = mgr.entries[0]
+    args, kwargs = (torch.randn(1, 5, 64),), {}
+    report = entry._fallback_report("shape", args, kwargs, None)
+    assert "(at most max_variants=3 per target)" in report
+    mgr.close()
+
+
+def pinning_backend(callables, sample_args, sample_kwargs):
+    graphs = []
+    for fn, args in zip(callables, sample_args):
+        ptrs = [p.data_ptr() for p in args[0]]
+
+        def graphed(params, *a, _fn=fn, _ptrs=ptrs, **kw):
+            if [p.data_ptr() for p in params] != _ptrs:
+                raise CudaGraphInputError("parameter re-allocated")
+            return _fn(params, *a, **kw)
+
+        graphs.append(graphed)
+    return graphs
+
+
+class MaskedAttn(Attn):
+    def forward(self, hidden_states, attention_mask=None):
+        return super().forward(hidden_states) * attention_mask
+
+
+class KwBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = MaskedAttn()
+
+    def forward(self, x):
+        return x + self.self_attn(x, attention_mask=torch.full_like(x, 0.5))
+
+
+class KwToy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([KwBlock(), KwBlock()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_replaced_parameter_report_gives_both_fixes_and_the_eager_run_gets_keywords(caplog):
+    model = KwToy()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=pinning_backend, scopes=NARROW
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    mgr.capture()
+    model.layers[0].self_attn.q.weight.data = torch.randn(8, 8)
+    x = torch.randn(2, 8)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        out = model(x)
+    assert mgr.stats()["fallback_param_storage"] == 1
+    (said,) = warnings_of(caplog, "param_storage")
+    assert (
+        "Fixes: 1. change parameters in place (copy_, load_state_dict) rather than "
+        "assigning .data or new Parameters; 2. build a new manager and capture again "
+        "after the change." in said
+    )
+    assert "stats()['fallback_param_storage'] counts them all" in said
+    mgr.close()
+    assert torch.equal(out, model(x)), "the eager run got the mask keyword"
+
+
+def test_recording_a_plain_target_keeps_no_parameter_copies():
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    assert all(v.params == () for e in mgr.entries for v in e.variants)
+    mgr.close()
+
+
+class Resettable:
+    def __init__(self, fn):
+        self.fn, self.was_reset = fn, False
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def reset(self):
+        self.was_reset = True
+
+
+def test_close_resets_each_graph_and_leaves_empty_records():
+    made = []
+
+    def backend(callables, sample_args, sample_kwargs):
+        made.extend(Resettable(fn) for fn in callables)
+        return made[-len(callables) :]
+
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts([model], capture_backend=backend, scopes=NARROW)
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    mgr.capture()
+    entry = mgr.entries[0]
+    variant = entry.variants[0]
+    mgr.close()
+    assert len(made) == 2 and all(g.was_reset for g in made)
+    assert variant.graph is None and variant.params == ()
+    assert entry.swap is None and entry.variants == []
+
+
+def test_the_defaults_as_they_act():
+    mgr = PartialCudaGraphManager.from_model_parts(Toy(), scopes=NARROW)
+    assert mgr.activation_checkpointing is False and mgr._speed_check is True
+    assert all(e.contracts.max_variants == 4 for e in mgr.entries)
+    direct = PartialCudaGraphManager(mgr.entries, model_parts=None)
+    assert direct.activation_checkpointing is False and direct._speed_check is True
+
+
+def test_the_entries_must_be_entries_named_by_type():
+    with pytest.raises(
+        CudaGraphsTypeError, match=r"entries\[1\] must be a PartialGraphEntry .*got str$"
+    ):
+        mgr = PartialCudaGraphManager.from_model_parts(Toy(), scopes=NARROW)
+        PartialCudaGraphManager([mgr.entries[0], "attn"])
+
+
+def test_the_backend_given_is_the_one_used():
+    used = []
+
+    def backend(callables, sample_args, sample_kwargs):
+        used.append(len(callables))
+        return list(callables)
+
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts([model], capture_backend=backend, scopes=NARROW)
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    mgr.capture()
+    assert used == [2]
+    mgr.close()
+
+
+def test_a_recompute_is_said_once_at_info(caplog):
+    mgr = PartialCudaGraphManager.from_model_parts(Toy(), scopes=NARROW)
+    entry = mgr.entries[1]
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        mgr._saw_recompute(entry)
+        mgr._saw_recompute(entry)
+    said = [r.getMessage() for r in caplog.records if "recomputed" in r.getMessage()]
+    assert said == ["partial graphs: layers.1.self_attn is recomputed in backward"]
+    assert mgr.activation_checkpointing is True
+
+
+def test_log_stats_labels_the_phase(caplog):
+    mgr = PartialCudaGraphManager.from_model_parts(Toy(), scopes=NARROW)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        mgr.log_stats("step 3")
+    assert [r.getMessage() for r in caplog.records] == [f"partial graphs [step 3]: {mgr.stats()}"]
+
+
+def test_an_entry_outside_a_manager_warns_on_the_managers_logger(caplog):
+    mgr = PartialCudaGraphManager.from_model_parts(Toy(), scopes=NARROW)
+    entry = mgr.entries[0]
+    entry.warn_once = None
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        entry._warn("cause", "%s ran %d times", "x", 2)
+    assert [r.getMessage() for r in caplog.records] == ["x ran 2 times"]
+
+
+def test_a_target_run_twice_in_one_forward_is_noted_and_refused():
+    from cudagraphs.partial import TargetSelectionError
+
+    model = Toy(twice=True)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    assert [e.repeated for e in mgr.entries] == [True, False]
+    with pytest.raises(TargetSelectionError, match=r"\['layers.0.self_attn'\] ran more than once"):
+        mgr.capture()
+    mgr.start_recording()  # a new recording starts clean
+    assert not any(e.repeated for e in mgr.entries)
+    mgr.close()
