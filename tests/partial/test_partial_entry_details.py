@@ -230,3 +230,18 @@ def test_a_target_run_twice_in_one_forward_is_noted_and_refused():
     mgr.start_recording()  # a new recording starts clean
     assert not any(e.repeated for e in mgr.entries)
     mgr.close()
+
+
+def test_a_recompute_under_declared_checkpointing_is_not_news(caplog):
+    mgr = PartialCudaGraphManager.from_model_parts(
+        Toy(), scopes=NARROW, activation_checkpointing=True
+    )
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        mgr._saw_recompute(mgr.entries[0])
+    assert not [r for r in caplog.records if "recomputed" in r.getMessage()]
+
+
+def test_a_bad_backend_is_refused_before_discovery():
+    # Nothing graphable here: without the early check this would return None.
+    with pytest.raises(CudaGraphsTypeError, match="capture_backend"):
+        PartialCudaGraphManager.from_model_parts(nn.Linear(2, 2), capture_backend=5)

@@ -255,7 +255,7 @@ class PartialCudaGraphManager:
             TargetSelectionError: a module shared under two names, nested targets, or
                 DTensor parameters that FSDP2 does not manage.
         """
-        del pipeline_parallel  # see docstring (type-checked below all the same)
+        del pipeline_parallel  # accepted for compatibility and not used: see the docstring
         found = entries_from_model_parts(
             model_parts,
             activation_checkpointing=activation_checkpointing,
