@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from _toy_models import Attn, Toy
-from cudagraphs import CudaGraphInputError
 from cudagraphs.errors import CudaGraphsTypeError
 from cudagraphs.partial import PartialCudaGraphManager
-from test_partial_manager import NARROW, eager_backend, recorded, step, tiny
+from test_partial_manager import NARROW, eager_backend, pinning_backend, recorded, step, tiny
 
 LOGGER = "cudagraphs.partial.manager"
 
@@ -49,20 +48,6 @@ def test_a_contract_mismatch_names_the_variant_bound():
     report = entry._fallback_report("shape", args, kwargs, None)
     assert "(at most max_variants=3 per target)" in report
     mgr.close()
-
-
-def pinning_backend(callables, sample_args, sample_kwargs):
-    graphs = []
-    for fn, args in zip(callables, sample_args):
-        ptrs = [p.data_ptr() for p in args[0]]
-
-        def graphed(params, *a, _fn=fn, _ptrs=ptrs, **kw):
-            if [p.data_ptr() for p in params] != _ptrs:
-                raise CudaGraphInputError("parameter re-allocated")
-            return _fn(params, *a, **kw)
-
-        graphs.append(graphed)
-    return graphs
 
 
 class MaskedAttn(Attn):

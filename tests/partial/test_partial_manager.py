@@ -198,24 +198,25 @@ def test_close_restores_eager_modules_and_is_idempotent():
         mgr.start_recording()
 
 
-def test_a_replaced_parameter_storage_falls_back_with_its_reason(caplog):
+def pinning_backend(callables, sample_args, sample_kwargs):
+    """Like the core: the graph reads its parameters in place and refuses a call whose
+    parameters were re-allocated since capture."""
     from cudagraphs import CudaGraphInputError
 
-    def pinning_backend(callables, sample_args, sample_kwargs):
-        # Like the core: the graph reads its parameters in place and refuses a call
-        # whose parameters were re-allocated since capture.
-        graphs = []
-        for fn, args in zip(callables, sample_args):
-            ptrs = [p.data_ptr() for p in args[0]]
+    graphs = []
+    for fn, args in zip(callables, sample_args):
+        ptrs = [p.data_ptr() for p in args[0]]
 
-            def graphed(params, *a, _fn=fn, _ptrs=ptrs, **kw):
-                if [p.data_ptr() for p in params] != _ptrs:
-                    raise CudaGraphInputError("parameter re-allocated")
-                return _fn(params, *a, **kw)
+        def graphed(params, *a, _fn=fn, _ptrs=ptrs, **kw):
+            if [p.data_ptr() for p in params] != _ptrs:
+                raise CudaGraphInputError("parameter re-allocated")
+            return _fn(params, *a, **kw)
 
-            graphs.append(graphed)
-        return graphs
+        graphs.append(graphed)
+    return graphs
 
+
+def test_a_replaced_parameter_storage_falls_back_with_its_reason(caplog):
     model = Toy()
     mgr = PartialCudaGraphManager.from_model_parts(
         [model], capture_backend=pinning_backend, scopes=NARROW
