@@ -132,17 +132,20 @@ class PartialGraphsCallback(TrainerCallback):
         self.manager: PartialCudaGraphManager | None = None
         self.off_reason: str | None = None
         self._said_off = False
+        self._last_stats: dict[str, int] = {}
+        self._new_run()
+
+    def _new_run(self) -> None:
+        """Where a training run stands: nothing recorded or captured yet."""
         self._recording_step: int | None = None
         self._captured = False
         self._eval_recording = False  # recording between steps, for an evaluation
         self._eval_captured = False
-        self._last_stats: dict[str, int] = {}
 
     # ---- Trainer events --------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
-        self._recording_step, self._captured = None, False
-        self._eval_recording = self._eval_captured = False
+        self._new_run()
         model = kwargs.get("model")
         self.off_reason = self._why_off(model)
         if self.off_reason is None:

@@ -1,0 +1,190 @@
+"""PartialGraphsCallback's events one by one on the CPU (the Trainer's arguments and
+state stood in by namespaces), and the INFO lines of a whole Trainer run: why graphs
+are off, the checkpointing flag passed on, stats while and after training, recording
+for an evaluation started and stopped, and the log entries updated."""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from _hf_models import tiny
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from _trainer import Backend, train  # noqa: E402
+from cudagraphs.integrations.hf import (  # noqa: E402
+    PartialGraphsCallback,
+    _checkpointing,
+    _is_copy_of,
+)
+
+LOGGER = "cudagraphs"
+
+
+def begun(model=None, args=None, **options):
+    callback = PartialGraphsCallback(capture_backend=Backend(), **options)
+    callback.on_train_begin(
+        args or SimpleNamespace(), SimpleNamespace(), None, model=model or tiny()
+    )
+    return callback
+
+
+def state(step):
+    return SimpleNamespace(global_step=step, log_history=[])
+
+
+# ---- why graphs are off --------------------------------------------------------------
+def test_no_model_is_named_by_its_type():
+    callback = PartialGraphsCallback()
+    callback.on_train_begin(SimpleNamespace(), SimpleNamespace(), None, model=None)
+    assert callback.off_reason == "the Trainer passed no model to the callback (got NoneType)"
+
+
+def test_without_cuda_the_reason_is_said_exactly(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    callback = PartialGraphsCallback()
+    callback.on_train_begin(SimpleNamespace(), SimpleNamespace(), None, model=tiny())
+    assert callback.off_reason == "no CUDA device is available (torch.cuda.is_available() is False)"
+
+
+class _FakeDevice(nn.Module):
+    """A module whose parameters say they live on ``device`` (nothing to graph)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self._device = device
+
+    def parameters(self, recurse=True):
+        if self._device is not None:
+            yield SimpleNamespace(device=torch.device(self._device))
+
+
+@pytest.mark.parametrize(
+    "device, reason",
+    [
+        ("cpu", "the model's parameters are on cpu, not on a CUDA device"),
+        (None, "the model's parameters are on None, not on a CUDA device"),
+        ("cuda", "nothing graphable was found in the model"),  # past the device check
+    ],
+)
+def test_with_cuda_the_parameters_device_decides(monkeypatch, device, reason):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    callback = PartialGraphsCallback()
+    callback.on_train_begin(SimpleNamespace(), SimpleNamespace(), None, model=_FakeDevice(device))
+    assert callback.off_reason == reason and callback.manager is None
+
+
+# ---- what the manager is built with -----------------------------------------------------
+@pytest.mark.parametrize(
+    "args, on",
+    [
+        (SimpleNamespace(), False),
+        (SimpleNamespace(gradient_checkpointing=True), True),
+        (SimpleNamespace(activation_checkpointing=True), True),
+        (SimpleNamespace(activation_checkpointing=False, gradient_checkpointing=False), False),
+    ],
+)
+def test_checkpointing_is_read_under_both_names_and_passed_on(args, on):
+    assert _checkpointing(args) is on
+    callback = begun(args=args)
+    assert callback.manager.activation_checkpointing is on
+    callback.on_train_end(args, SimpleNamespace(), None)
+
+
+def test_the_defaults_reach_the_manager_and_stats_are_live_while_training():
+    callback = begun()
+    manager = callback.manager
+    assert callback.off_reason is None and manager._speed_check is True
+    assert all(e.contracts.max_variants == 4 for e in manager.entries)
+    assert callback.stats() == manager.stats() and "captured" in callback.stats()
+    callback.on_train_end(SimpleNamespace(), SimpleNamespace(), None)
+    assert callback.manager is None and callback.stats() == manager.stats()
+
+
+def test_a_bound_of_one_variant_is_allowed():
+    assert PartialGraphsCallback(max_variants=1)._options["max_variants"] == 1
+
+
+# ---- recording and capture, event by event -------------------------------------------
+def test_recording_starts_once_and_capture_stops_it(caplog):
+    callback = begun(record_step=1)
+    manager = callback.manager
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        callback.on_step_begin(None, state(0), None)
+        callback.on_step_begin(None, state(0), None)  # still recording: nothing new
+    said = [r.getMessage() for r in caplog.records if "recording optimizer step" in r.getMessage()]
+    assert said == ["partial graphs: recording optimizer step 1"] and manager.recording
+    manager.stop_recording()  # no step ran: nothing to capture
+    callback.on_train_end(None, None, None)
+
+
+def test_an_evaluation_recording_starts_only_when_asked_and_after_capture():
+    ignoring = begun(inference_calls="ignore")
+    ignoring.on_step_end(None, state(1), None)  # not recording, not captured
+    assert not ignoring.manager.recording and not ignoring._eval_recording
+    ignoring._captured = True
+    ignoring.on_step_end(None, state(1), None)
+    assert not ignoring.manager.recording and not ignoring._eval_recording
+    ignoring.on_train_end(None, None, None)
+
+    recording = begun(inference_calls="record")
+    recording.on_step_end(None, state(1), None)  # not captured yet: no evaluation recording
+    assert not recording.manager.recording and not recording._eval_recording
+    recording._captured = True
+    recording.on_step_end(None, state(1), None)
+    assert recording.manager.recording and recording._eval_recording is True
+    # No evaluation came: the next step stops that recording before training calls.
+    recording.on_step_begin(None, state(1), None)
+    assert not recording.manager.recording and recording._eval_recording is False
+    recording.on_train_end(None, None, None)
+
+
+def test_on_evaluate_captures_only_an_evaluation_recording():
+    callback = begun(inference_calls="record")
+    before = callback.stats()
+    callback.on_evaluate(None, state(1), None)  # nothing recorded for an evaluation
+    assert callback.stats() == before and not callback._eval_captured
+    callback.on_train_end(None, None, None)
+
+
+def test_a_whole_run_says_what_it_did_at_info(tmp_path, caplog):
+    callback = PartialGraphsCallback(capture_backend=Backend(), inference_calls="record")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        train(tmp_path, tiny(), [callback], steps=4, eval_steps=2)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("partial graphs")]
+    final = callback.stats()
+    assert "partial graphs: recording optimizer step 1" in lines
+    assert any(m.startswith("partial graphs: captured after optimizer step 1: {") for m in lines)
+    assert any(m.startswith("partial graphs: captured the evaluation's calls: {") for m in lines)
+    assert f"partial graphs [train end]: {final}" in lines
+    assert callback._eval_captured is True and callback._eval_recording is False
+
+
+# ---- the log entries ------------------------------------------------------------------
+def test_on_log_updates_the_logs_and_trainers_stored_copy_only():
+    callback = begun()
+    value = 0.5
+    logs = {"loss": value}
+    stored = {"loss": value, "step": 1}  # Trainer's copy: the same value object
+    other = {"loss": 0.25}
+    st = SimpleNamespace(log_history=[other, stored])
+    callback.on_log(None, st, None, logs=logs)
+    assert logs["cudagraphs/captured"] == 0 and stored["cudagraphs/captured"] == 0
+    assert "cudagraphs/captured" not in other
+    for history_state in (SimpleNamespace(), SimpleNamespace(log_history=[])):
+        logs = {"loss": value}
+        callback.on_log(None, history_state, None, logs=logs)
+        assert logs["cudagraphs/captured"] == 0
+    callback.on_train_end(None, None, None)
+
+
+def test_is_copy_of_needs_a_dict_with_the_very_same_values():
+    v = [1]
+    assert _is_copy_of({"a": v, "step": 2}, {"a": v})
+    assert not _is_copy_of({"a": [1]}, {"a": v})
+    assert not _is_copy_of({"b": v}, {"a": v})
+    assert not _is_copy_of([("a", v)], {"a": v})
