@@ -40,8 +40,9 @@ def state(step):
 # ---- why graphs are off --------------------------------------------------------------
 def test_no_model_is_named_by_its_type():
     callback = PartialGraphsCallback()
-    callback.on_train_begin(SimpleNamespace(), SimpleNamespace(), None, model=None)
-    assert callback.off_reason == "the Trainer passed no model to the callback (got NoneType)"
+    assert callback.off_reason is None, "nothing is off before a run"
+    callback.on_train_begin(SimpleNamespace(), SimpleNamespace(), None, model="gpt2")
+    assert callback.off_reason == "the Trainer passed no model to the callback (got str)"
 
 
 def test_without_cuda_the_reason_is_said_exactly(monkeypatch):
@@ -153,8 +154,16 @@ def test_on_evaluate_captures_only_an_evaluation_recording():
 
 def test_a_whole_run_says_what_it_did_at_info(tmp_path, caplog):
     callback = PartialGraphsCallback(capture_backend=Backend(), inference_calls="record")
+    after_evaluate = []
+
+    class Probe(transformers.TrainerCallback):
+        # Runs right after ours: what an evaluation left behind.
+        def on_evaluate(self, args, state, control, **kwargs):
+            after_evaluate.append((callback._eval_recording, callback._eval_captured))
+
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        train(tmp_path, tiny(), [callback], steps=4, eval_steps=2)
+        train(tmp_path, tiny(), [callback, Probe()], steps=4, eval_steps=2)
+    assert after_evaluate == [(False, True), (False, True)]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("partial graphs")]
     final = callback.stats()
     assert "partial graphs: recording optimizer step 1" in lines
