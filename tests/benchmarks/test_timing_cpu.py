@@ -77,3 +77,49 @@ def test_zero_start_and_empty_profiler_intervals_are_dropped_before_merging():
 
 def test_union_of_overlapping_intervals_counts_each_instant_once():
     assert _union_length([(0.5, 3.0), (1.0, 2.0), (2.5, 4.0), (10.0, 11.0)]) == 4.5
+
+
+class _Clock:
+    """perf_counter stand-in: time moves only when a timed step spends some."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_sample_is_the_mean_milliseconds_per_call(monkeypatch):
+    import time
+
+    clock = _Clock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    costs = {"fast": 0.002, "slow": 0.005}
+    steps = {n: (lambda c=c: setattr(clock, "now", clock.now + c)) for n, c in costs.items()}
+    samples = interleaved_samples_ms(steps, iters=4, warmup=1, repeats=3, synchronize=lambda: None)
+    assert samples["fast"] == pytest.approx([2.0] * 3)
+    assert samples["slow"] == pytest.approx([5.0] * 3)
+
+
+def test_the_defaults_are_ten_warmups_and_five_rounds_of_fifty():
+    from cudagraphs.timing import interleaved_step_times_ms
+
+    calls = []
+    samples = interleaved_samples_ms({"a": lambda: calls.append(1)}, synchronize=lambda: None)
+    assert len(samples["a"]) == 5 and len(calls) == 10 + 5 * 50
+    calls.clear()
+    interleaved_step_times_ms({"a": lambda: calls.append(1)}, synchronize=lambda: None)
+    assert len(calls) == 10 + 5 * 50
+
+
+def test_summarize_rounds_to_four_digits_by_default():
+    assert summarize([1.234567, 2.345678]) == {
+        "median": 1.7901,
+        "min": 1.2346,
+        "max": 2.3457,
+        "rounds": 2,
+    }
+
+
+def test_only_an_interval_starting_at_zero_is_dropped():
+    assert _usable_intervals([(0.5, 2.0), (0.0, 2.0)]) == [(0.5, 2.0)]
