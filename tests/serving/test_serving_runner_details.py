@@ -55,6 +55,17 @@ def test_close_leaves_empty_containers_and_capture_works_again():
     assert torch.equal(runner.run(batch(3)), forward(**batch(3)))
 
 
+def runner_of(batch_sizes, fn=forward, **kw):
+    """A runner over buffers of the largest batch size's rows, with the eager stand-in."""
+    rows = max(batch_sizes)
+    specs = [
+        InputSpec("x", (rows, HIDDEN), torch.float32),
+        InputSpec("scale", (rows, 1), torch.float32, pad_value=0),
+    ]
+    config = BucketConfig(batch_sizes=batch_sizes)
+    return GraphRunner(fn, specs, config, device="cpu", capture_backend=eager_backend(), **kw)
+
+
 def test_capture_defaults_warm_the_first_bucket_twice_and_later_ones_once():
     calls = []
 
@@ -62,17 +73,7 @@ def test_capture_defaults_warm_the_first_bucket_twice_and_later_ones_once():
         calls.append(x.shape[0])
         return forward(x, scale)
 
-    specs = [
-        InputSpec("x", (8, HIDDEN), torch.float32),
-        InputSpec("scale", (8, 1), torch.float32, pad_value=0),
-    ]
-    runner = GraphRunner(
-        counting,
-        specs,
-        BucketConfig(batch_sizes=(2, 8)),
-        device="cpu",
-        capture_backend=eager_backend(),
-    )
+    runner = runner_of((2, 8), counting)
     runner.capture(dummy)
     # Bucket 8: two warmups and the capture's run; bucket 2: one warmup and its run.
     assert calls == [8, 8, 8, 2, 2]
@@ -128,19 +129,7 @@ def test_the_fast_path_plans_a_row_count_once_and_skips_the_full_path(monkeypatc
 
 def test_slots_are_taken_in_turn():
     planned = []
-    specs = [
-        InputSpec("x", (4, HIDDEN), torch.float32),
-        InputSpec("scale", (4, 1), torch.float32, pad_value=0),
-    ]
-    runner = GraphRunner(
-        forward,
-        specs,
-        BucketConfig(batch_sizes=(4,)),
-        device="cpu",
-        capture_backend=eager_backend(),
-        slots=3,
-        plan=lambda bucket, slot: planned.append(slot),
-    )
+    runner = runner_of((4,), slots=3, plan=lambda bucket, slot: planned.append(slot))
     runner.capture(dummy)
     for seed in range(5):
         runner.run(batch(4, seed=seed))
