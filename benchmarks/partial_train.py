@@ -13,8 +13,11 @@ seeds), in one process:
 * ``partial``: ``PartialCudaGraphManager.from_model_parts([model],
   scopes=("attention", "moe_router"))``, ``start_recording()``, one eager step,
   ``capture()``; later steps replay. Its ``stats()`` after timing go into the report.
-* ``partial_widest``: the same with every scope (``SCOPES``): per layer the widest
-  graph-safe scope, the whole layer where it can be.
+* ``partial_layers``: the same with every per-layer scope (``SCOPES``): per layer the
+  widest graph-safe scope, the whole layer where it can be.
+* ``partial_widest``: the same with the ``"model"`` scope as well (``SCOPES`` and
+  ``MODEL_SCOPE``): the whole model in one graph where every layer is graph-safe
+  whole, the layers otherwise.
 * ``eager_experts_loop`` (MoE models): eager with the experts implementation switched
   to transformers' ``eager`` loop: a reference row only. Every other variant of an
   MoE model runs ``grouped_mm`` experts (set explicitly), so speed-ups come from
@@ -71,7 +74,7 @@ from _report import (  # noqa: E402
     free_memory,
     write_report,
 )
-from cudagraphs.partial import SCOPES, PartialCudaGraphManager  # noqa: E402
+from cudagraphs.partial import MODEL_SCOPE, SCOPES, PartialCudaGraphManager  # noqa: E402
 from cudagraphs.timing import interleaved_samples_ms, summarize  # noqa: E402
 
 NAME = "partial_train"
@@ -89,8 +92,16 @@ LOSS_REL_TOL = 1e-3  # of eager's loss
 GRAD_REL_TOL = 2e-2  # of eager's gradient max |value| per tensor: bf16 rounding, not a bug
 TARGET_SPEEDUP = 1.3  # eager / partial on launch_bound
 MODELS = ("llama", "qwen3_moe", "mixtral", "deepseek_v3")
-VARIANTS = ("eager", "partial", "partial_widest", "whole_layer", "eager_experts_loop")
+VARIANTS = (
+    "eager",
+    "partial",
+    "partial_layers",
+    "partial_widest",
+    "whole_layer",
+    "eager_experts_loop",
+)
 PARTIAL_SCOPES = ("attention", "moe_router")  # the narrow scopes (the first release's)
+WIDEST_SCOPES = (*SCOPES, MODEL_SCOPE)
 MOE_MODELS = ("qwen3_moe", "mixtral", "deepseek_v3")
 EXPERTS = "grouped_mm"  # static shapes: the MoE implementation graphs can hold
 # The widest scope against eager on the launch-bound config (issue targets).
@@ -318,7 +329,8 @@ def build_whole_layer(model: str, shape: Shape) -> Built:
 BUILDERS: dict[str, Callable[[str, Shape], Built]] = {
     "eager": build_eager,
     "partial": build_partial,
-    "partial_widest": partial(build_partial, scopes=SCOPES),
+    "partial_layers": partial(build_partial, scopes=SCOPES),
+    "partial_widest": partial(build_partial, scopes=WIDEST_SCOPES),
     "whole_layer": build_whole_layer,
     "eager_experts_loop": build_eager_experts_loop,
 }
@@ -350,12 +362,14 @@ def compare_step(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tenso
 
 RATIOS = [
     ("eager", "partial"),
+    ("eager", "partial_layers"),
     ("eager", "partial_widest"),
+    ("partial_layers", "partial_widest"),
     ("eager", "whole_layer"),
     ("partial", "whole_layer"),
     ("eager_experts_loop", "partial_widest"),
 ]
-PARTIAL_VARIANTS = ("partial", "partial_widest")
+PARTIAL_VARIANTS = ("partial", "partial_layers", "partial_widest")
 # Rows that show what another implementation costs, not a graphing of eager's work.
 REFERENCE_VARIANTS = ("eager_experts_loop",)
 
@@ -594,7 +608,11 @@ def settings(models: list[str], variants: list[str]) -> dict:
         "dtype": str(DTYPE).removeprefix("torch."),
         "attn_implementation": ATTN,
         "experts_implementation": f"{EXPERTS} in every MoE variant but eager_experts_loop",
-        "scopes": {"partial": list(PARTIAL_SCOPES), "partial_widest": list(SCOPES)},
+        "scopes": {
+            "partial": list(PARTIAL_SCOPES),
+            "partial_layers": list(SCOPES),
+            "partial_widest": list(WIDEST_SCOPES),
+        },
         "warmup": WARMUP_STEPS,
         "step_time": "interleaved_samples_ms: per round each variant once, in a shuffled "
         f"order (seed {SHUFFLE_SEED}); a sample is the mean wall time of iters steps; "

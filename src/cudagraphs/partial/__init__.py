@@ -32,7 +32,9 @@ recorded inputs, and a target whose graph is slower runs eagerly from then on
 Scopes (``scopes=``) choose what is graphed per decoder layer, from the attention and
 the router up to the whole MoE sublayer, a dense MLP or the whole layer; a layer that
 cannot take the scope asked for (experts with host-side shapes, no attention) is
-graphed at a narrower one, with the reason (:class:`NarrowedBlock`).
+graphed at a narrower one, with the reason (:class:`NarrowedBlock`). Asked for by
+name, ``"model"`` (:data:`MODEL_SCOPE`) graphs a whole model part in one graph, its
+layers kept in reserve should the part not capture (:mod:`.model_scope`).
 """
 
 from ..errors import TargetSelectionError
@@ -47,12 +49,15 @@ from .discovery import (
 )
 from .entry import PartialGraphEntry
 from .manager import PartialCudaGraphManager, TargetsBackend
+from .model_scope import ModelScopeOff
 from .planning import TargetPlan, model_label, plan_targets, select_targets
-from .scopes import SCOPES, check_scopes
+from .scopes import MODEL_SCOPE, SCOPES, check_scopes
 from .skips import NarrowedBlock, SkippedBlock
 from .speed import SpeedCheck, SpeedVerdict
 
 __all__ = [
+    "MODEL_SCOPE",
+    "ModelScopeOff",
     "SCOPES",
     "NarrowedBlock",
     "check_scopes",

@@ -17,6 +17,7 @@ from .contract import ContractSet
 from .entry import PartialGraphEntry
 from .fsdp import check_target_parameters, fsdp_managed_modules
 from .graphing import TargetsBackend
+from .model_scope import MODEL_KIND, ModelScopeOff, fsdp_refusal
 from .planning import plan_targets, why_nothing_found
 from .recording import InferenceCalls, check_inference_calls
 from .scopes import SCOPES
@@ -41,6 +42,8 @@ class BuiltEntries:
     entries: list[PartialGraphEntry] = field(default_factory=list)
     skipped: list[SkippedBlock] = field(default_factory=list)
     narrowed: list[NarrowedBlock] = field(default_factory=list)
+    # The parts not graphed whole although the "model" scope was asked for.
+    model_off: list[ModelScopeOff] = field(default_factory=list)
 
 
 def build_entries(
@@ -68,7 +71,13 @@ def build_entries(
         )
         out.skipped += plan.skipped
         out.narrowed += plan.narrowed
-        for target in plan.targets:
+        targets = plan.targets
+        if plan.model_off is not None:
+            out.model_off.append(plan.model_off)
+        elif sharded and targets and targets[0].kind == MODEL_KIND:
+            out.model_off.append(fsdp_refusal(part))
+            targets = targets[1:]
+        for target in targets:
             if id(target.module) in seen:
                 raise TargetSelectionError(
                     f"{target.name} is the same module as {seen[id(target.module)]} in "
@@ -143,9 +152,9 @@ def switch_experts_implementation(parts: Sequence[nn.Module], implementation: st
 def report_blocks(
     built: BuiltEntries, logger: logging.Logger, narrowed_level: int = logging.WARNING
 ) -> None:
-    """Say, once each, which blocks run eagerly (skipped, at WARNING) and which are
-    graphed at narrower scopes than asked for (at ``narrowed_level``), with the reason
-    and the fix of each."""
+    """Say, once each, which blocks run eagerly (skipped, at WARNING), which are
+    graphed at narrower scopes than asked for and which parts are not graphed whole
+    though asked (both at ``narrowed_level``), with the reason and the fix of each."""
     for blocks, what, key, level in (
         (
             built.skipped,
@@ -169,6 +178,14 @@ def report_blocks(
                 key,
                 "\n  ".join(f"{b.name} ({b.block_type}): {b.detail}" for b in blocks),
             )
+    for off in built.model_off:
+        logger.log(
+            narrowed_level,
+            "partial graphs: %s is not graphed whole (stats()['model_refused_%s']): %s",
+            off.part,
+            off.reason,
+            off.detail,
+        )
 
 
 def entries_from_model_parts(

@@ -70,7 +70,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TargetKind = Literal["attention", "router", "custom", "layer", "moe", "mlp"]
+TargetKind = Literal["attention", "router", "custom", "layer", "moe", "mlp", "model"]
 Source = Literal["metadata", "structure"]
 _ROUTER_NAMES = ("gate", "router")  # the router child of an MoE sublayer
 _EXPERT_NAMES = ("experts",)

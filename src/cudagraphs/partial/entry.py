@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..core.graphed import GraphedCallable
 from ..diagnostics import WarnOnce
@@ -32,6 +33,10 @@ def _detached_clone(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().clone().requires_grad_(value.requires_grad)
     return value
+
+
+def _copied(out: Any) -> Any:
+    return pytree.tree_map_only(torch.Tensor, torch.clone, out)
 
 
 _CONTRACT_FIX = (
@@ -144,7 +149,8 @@ class PartialGraphEntry:
 
     @property
     def name(self) -> str:
-        return self.target.name
+        """The target's qualified name; a whole model part (named ``""``) by its class."""
+        return self.target.name or type(self.target.module).__name__
 
     @property
     def original_forward(self) -> Callable[..., Any]:
@@ -256,7 +262,9 @@ class PartialGraphEntry:
                 self._fall_back("param_storage", args, kwargs, exc)
                 return self.original_forward(*args, **kwargs)
             self.counter.replay()
-            return out
+            # A whole part's outputs reach the caller's code (loss, logits), which may
+            # keep them past the next call: hand back copies, not the static buffers.
+            return _copied(out) if self.target.kind == "model" else out
         self._fall_back(reason or "not_captured", args, kwargs, index)
         return self.original_forward(*args, **kwargs)
 

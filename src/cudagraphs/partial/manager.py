@@ -45,6 +45,7 @@ from .graphing import (
     capture_calls,
     read_disabled,
 )
+from .model_scope import ModelScopeOff, capture_model_first
 from .recording import InferenceCalls, Recorder, check_inference_calls
 from .selectors import Selector, as_model_parts
 from .skips import NarrowedBlock, SkippedBlock
@@ -131,8 +132,11 @@ class PartialCudaGraphManager:
         skipped: Sequence[SkippedBlock] = (),
         speed_check: bool | SpeedCheck = True,
         narrowed: Sequence[NarrowedBlock] = (),
+        model_off: Sequence[ModelScopeOff] = (),
     ) -> None:
         self.entries = list(entries)
+        #: Parts not graphed whole although the ``"model"`` scope was asked for.
+        self.model_off = list(model_off)
         #: Blocks discovery found but took no target from (see :class:`SkippedBlock`).
         self.skipped = list(skipped)
         #: Blocks graphed at narrower scopes than asked for (see :class:`NarrowedBlock`).
@@ -277,6 +281,7 @@ class PartialCudaGraphManager:
             built.entries,
             skipped=built.skipped,
             narrowed=built.narrowed,
+            model_off=built.model_off,
             capture_backend=capture_backend,
             activation_checkpointing=activation_checkpointing,
             model_parts=parts,
@@ -345,16 +350,28 @@ class PartialCudaGraphManager:
         self.stop_recording()
         todo = calls_to_capture(self.entries, self._recorder)
         self._disabled = disabled
-        verdicts = capture_calls(
+
+        def capture(calls: list) -> list:
+            return capture_calls(
+                calls,
+                self._backend,
+                disabled=disabled,
+                pooled=self.activation_checkpointing,
+                speed_check=self._speed_check,
+                targets=len(self.entries),
+                warn_once=self._warn_once,
+                logger=logger,
+            )
+
+        # Whole parts first: the layers inside one graphed whole are not captured.
+        todo = capture_model_first(
             todo,
-            self._backend,
-            disabled=disabled,
-            pooled=self.activation_checkpointing,
-            speed_check=self._speed_check,
-            targets=len(self.entries),
-            warn_once=self._warn_once,
+            self.entries,
+            capture,
+            activation_checkpointing=self.activation_checkpointing,
             logger=logger,
         )
+        verdicts = capture(todo)
         for entry in self.entries:
             if entry.swap is None and entry.graphs():
                 entry.swap = swap_forward(entry.target.module, entry.dispatch)
@@ -363,7 +380,7 @@ class PartialCudaGraphManager:
     # ---- reporting and teardown -------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Totals over all targets (keys: see the class docs)."""
-        return stats_of(self.entries, self.skipped, self.narrowed, self._disabled)
+        return stats_of(self.entries, self.skipped, self.narrowed, self._disabled, self.model_off)
 
     def log_stats(self, phase: str) -> None:
         """Log :meth:`stats` at INFO, labelled with ``phase``."""

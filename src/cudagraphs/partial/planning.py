@@ -26,7 +26,8 @@ from .discovery import (
     is_attention,
 )
 from .kernels import GroupedMMProbe
-from .scopes import Scope, ScopedBlock, check_scopes, scope_block
+from .model_scope import MODEL_KIND, ModelScopeOff, model_scope_refusal
+from .scopes import MODEL_SCOPE, ScopedBlock, check_scopes, scope_block
 from .selectors import Selector, include_predicate
 from .skips import NarrowedBlock, SkippedBlock, block_reports
 from .tree import children as _children
@@ -47,6 +48,8 @@ class TargetPlan:
     source: Source  # "metadata" when any block came from the model's own declarations
     # With scopes: the blocks graphed at narrower scopes than the widest asked for.
     narrowed: list[NarrowedBlock] = field(default_factory=list)
+    # With the "model" scope asked for and refused: why the part is not graphed whole.
+    model_off: ModelScopeOff | None = None
 
 
 def model_label(model: nn.Module) -> str:
@@ -75,8 +78,11 @@ def plan_targets(
         scopes: names from :data:`SCOPES`; per block the widest requested one that is
             graph-safe is taken (:func:`~.scopes.choose_scopes`): target kinds
             ``"layer"``, ``"moe"``, ``"attention"``, ``"router"`` (scope
-            ``moe_router``), ``"mlp"``. ``None`` keeps the ``attention`` / ``router``
-            flags.
+            ``moe_router``), ``"mlp"``. With :data:`~.scopes.MODEL_SCOPE` too, the
+            part itself is one more target (kind ``"model"``, named ``""``, first)
+            when :func:`~.model_scope.model_scope_refusal` allows it; the per-layer
+            targets are kept beside it for the capture to fall back on. ``None``
+            keeps the ``attention`` / ``router`` flags.
 
     Returns:
         A :class:`TargetPlan`: the targets in the order of ``model``'s modules (empty
@@ -86,7 +92,8 @@ def plan_targets(
         attention and router are off, or ``scopes=()``, and ``include`` names nothing
         in it); with ``scopes``, one :class:`NarrowedBlock` per block graphed at
         narrower scopes than the widest asked for; and ``source``, ``"metadata"`` when
-        any block came from the model's declarations. Beyond the rules of
+        any block came from the model's declarations; ``model_off``, why the part is
+        not a ``"model"`` target when that scope was asked for. Beyond the rules of
         :mod:`.scopes`, it does not judge whether a target is graph-safe.
 
     Raises:
@@ -112,6 +119,11 @@ def plan_targets(
         else {b.name: scope_block(b, model, requested, probe) for b in blocks}
     )
     targets = _block_targets(blocks, scoped, attention=attention, router=router)
+    model_off = None
+    if requested is not None and MODEL_SCOPE in requested:
+        model_off = model_scope_refusal(
+            model, blocks, include_given=predicate is not None, probe=probe
+        )
     named = _named_modules(model)
     if predicate is not None:
         chosen = {t.name for t in targets}
@@ -119,12 +131,16 @@ def plan_targets(
     _reject_shared(targets)
     order = {name: i for i, (name, _) in enumerate(named)}
     targets.sort(key=lambda t: order[t.name])  # every target is one of named
+    whole = requested is not None and MODEL_SCOPE in requested and model_off is None
+    if whole:
+        targets.insert(0, Target("", model, MODEL_KIND))  # the part itself, first
     skipped, narrowed = block_reports(
         blocks,
-        [t.name for t in targets],
+        # Every block lies in a part graphed whole; the scopes named are per block.
+        [t.name for t in targets] + ([b.name for b in blocks] if whole else []),
         attention=attention,
         router=router,
-        requested=requested,
+        requested=None if requested is None else tuple(s for s in requested if s != MODEL_SCOPE),
         scoped=scoped or {},
         example_of=_include_example,
     )
@@ -133,7 +149,11 @@ def plan_targets(
     for n in narrowed:
         logger.debug("partial graphs: narrowed %s (%s): %s", n.name, n.reason, n.detail)
     source: Source = "metadata" if any(b.source == "metadata" for b in blocks) else "structure"
-    return TargetPlan(targets=targets, skipped=skipped, source=source, narrowed=narrowed)
+    if model_off is not None:
+        logger.debug("partial graphs: %s not graphed whole: %s", model_off.part, model_off.detail)
+    return TargetPlan(
+        targets=targets, skipped=skipped, source=source, narrowed=narrowed, model_off=model_off
+    )
 
 
 def _block_targets(
@@ -153,7 +173,7 @@ def _block_targets(
     ]
 
 
-def _scopes_alone(scopes: object, attention: bool, router: bool) -> tuple[Scope, ...]:
+def _scopes_alone(scopes: object, attention: bool, router: bool) -> tuple[str, ...]:
     requested = check_scopes(scopes)
     off = [f"{n}=False" for n, on in (("attention", attention), ("router", router)) if not on]
     if off:

@@ -9,6 +9,9 @@ The scopes (``SCOPES`` lists them from the narrowest; here the whole layer first
 - ``"moe_router"``: the MoE router alone.
 - ``"mlp"``: a dense MLP sublayer.
 
+Beyond the layers, ``"model"`` (:data:`MODEL_SCOPE`, not in :data:`SCOPES`, asked for by
+name) graphs a whole model part in one graph; :mod:`.model_scope` holds its rules.
+
 Per block, :func:`choose_scopes` takes the widest requested scope that is graph-safe
 and narrows otherwise. Two facts decide: whether the block has attention (a block
 without one, a Mamba or linear-attention layer, is never graphed whole: its mixer
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
     from .discovery import DiscoveredBlock
 
 __all__ = [
+    "MODEL_SCOPE",
     "SCOPES",
     "STATIC_EXPERTS",
     "BlockOffer",
@@ -64,6 +68,10 @@ logger = logging.getLogger(__name__)
 
 Scope = Literal["attention", "moe_router", "mlp", "moe", "layer"]
 SCOPES: tuple[Scope, ...] = ("attention", "moe_router", "mlp", "moe", "layer")
+#: The scope of a whole model part (embeddings, every layer, head and loss as its forward
+#: runs them): wider than any layer, so never a default; see :mod:`.model_scope`.
+MODEL_SCOPE: Literal["model"] = "model"
+_ACCEPTED: tuple[str, ...] = (*SCOPES, MODEL_SCOPE)
 NarrowReason = Literal["no_attention", "eager_experts", "unknown_experts", "host_grouped_mm"]
 
 # transformers' grouped_mm and batched_mm experts compute with fixed-size buffers and
@@ -77,18 +85,19 @@ _IMPLEMENTATION = "_experts_implementation"
 _NORMS: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
 
 
-def check_scopes(value: Any) -> tuple[Scope, ...]:
-    """``value`` as a tuple of scope names (empty allowed: ``include`` alone).
+def check_scopes(value: Any) -> tuple[str, ...]:
+    """``value`` as a tuple of scope names: :data:`SCOPES` and :data:`MODEL_SCOPE`
+    (empty allowed: ``include`` alone).
 
     Raises:
         CudaGraphsTypeError: ``value`` is a string (one scope is written ``("layer",)``)
             or not a list / tuple, or ``scopes[i]`` is not a string.
-        CudaGraphsValueError: ``scopes[i]`` is not one of :data:`SCOPES`, or repeats an
-            earlier entry.
+        CudaGraphsValueError: ``scopes[i]`` is not one of :data:`SCOPES` or
+            :data:`MODEL_SCOPE`, or repeats an earlier entry.
     """
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
         raise CudaGraphsTypeError(
-            f"scopes must be a list or tuple of scope names from {SCOPES}, got "
+            f"scopes must be a list or tuple of scope names from {_ACCEPTED}, got "
             f"{type(value).__name__} {value!r}"
             + (f"; for one scope write ({value!r},)" if isinstance(value, str) else "")
         )
@@ -98,12 +107,12 @@ def check_scopes(value: Any) -> tuple[Scope, ...]:
             raise CudaGraphsTypeError(
                 f"scopes[{i}] must be a scope name (str), got {type(name).__name__} {name!r}"
             )
-        if name not in SCOPES:
-            close = difflib.get_close_matches(name, SCOPES)  # best first
+        if name not in _ACCEPTED:
+            close = difflib.get_close_matches(name, _ACCEPTED)  # best first
             raise CudaGraphsValueError(
                 f"scopes[{i}] is {name!r}, not a scope"
                 + (f" (did you mean {close[0]!r}?)" if close else "")
-                + f"; the scopes are {', '.join(SCOPES)}"
+                + f"; the scopes are {', '.join(_ACCEPTED)}"
             )
         if name in first:
             raise CudaGraphsValueError(

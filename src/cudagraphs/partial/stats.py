@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .entry import PartialGraphEntry
+from .model_scope import ModelScopeOff
 from .skips import NarrowedBlock, SkippedBlock
 
 __all__ = ["stats_of"]
@@ -21,9 +22,11 @@ def stats_of(
     skipped: Sequence[SkippedBlock],
     narrowed: Sequence[NarrowedBlock],
     disabled: bool | None,
+    model_off: Sequence[ModelScopeOff] = (),
 ) -> dict[str, int]:
-    """Totals over ``entries`` and the blocks (keys: see the manager's class docs);
-    ``disabled`` is what the manager's first capture read (``None`` before it)."""
+    """Totals over ``entries``, the blocks and the parts not graphed whole (keys: see
+    the manager's class docs); ``disabled`` is what the manager's first capture read
+    (``None`` before it)."""
     graphs = sum(len(e.graphs()) for e in entries)
     out: dict[str, int] = {
         "captured": 0 if disabled else graphs,
@@ -39,6 +42,9 @@ def stats_of(
         out[key] = out.get(key, 0) + 1
     for block in narrowed:
         key = f"narrowed_{block.reason}"
+        out[key] = out.get(key, 0) + 1
+    for part in model_off:
+        key = f"model_refused_{part.reason}"
         out[key] = out.get(key, 0) + 1
     for entry in entries:
         if entry.off_reason is not None:

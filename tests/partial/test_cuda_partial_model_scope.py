@@ -1,0 +1,179 @@
+"""The "model" scope on a GPU: a whole Hugging Face model in one graph trains bitwise
+equal to eager (losses, every gradient, five AdamW steps), with the HF loss and a
+padded attention mask inside the graph; its outputs are the caller's own; and where
+the whole model cannot be graphed (a cache object in its output, a host sync, activation
+checkpointing) its layers are graphed instead, said and counted."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from _hf_models import tiny
+from cudagraphs.partial import MODEL_SCOPE, SCOPES, PartialCudaGraphManager
+
+pytestmark = pytest.mark.cuda
+
+WIDEST = (*SCOPES, MODEL_SCOPE)
+
+
+def bf16(kind):
+    model = tiny(kind)
+    if kind != "llama":
+        model.set_experts_implementation("grouped_mm")
+    return model.to("cuda", torch.bfloat16)
+
+
+def batch(gen, rows=2, seq=16, pad=0):
+    """ids, a left-padded attention mask (``pad`` masked positions in row 0) and
+    labels (-100 where masked)."""
+    ids = torch.randint(0, 128, (rows, seq), device="cuda", generator=gen)
+    mask = torch.ones(rows, seq, dtype=torch.long, device="cuda")
+    mask[0, :pad] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def hf_loss(model, ids, mask, labels, **kw):
+    return model(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss
+
+
+def train_both(model, ref, mgr, batches, loss_fn, *, optimizers=True):
+    """Record batch 0, capture after it, train on all; every loss and gradient equal."""
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)] if optimizers else []
+    mgr.start_recording()
+    for i, b in enumerate(batches):
+        loss, ref_loss = loss_fn(model, *b), loss_fn(ref, *b)
+        loss.backward()
+        ref_loss.backward()
+        assert torch.equal(loss, ref_loss), f"step {i}: loss {loss} vs {ref_loss}"
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {i}: grad of {name}"
+        for opt in opts:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        if i == 0:
+            mgr.capture()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "mixtral", "deepseek_v3"])
+def test_whole_model_trains_bitwise_equal_to_eager_for_five_adamw_steps(kind):
+    model = bf16(kind)
+    ref = copy.deepcopy(model)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    # Row 0 padded in every batch (by a different amount): eager and graph both build
+    # the mask, and the graph reads each batch's mask values.
+    batches = [batch(gen, pad=1 + i) for i in range(6)]
+    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
+    try:
+        assert [e.target.kind for e in mgr.entries] == ["model", "layer", "layer"]
+        train_both(model, ref, mgr, batches, lambda m, *b: hf_loss(m, *b, use_cache=False))
+        stats = mgr.stats()
+        assert stats["captured"] == 1 and stats["replayed"] == 5, stats
+        assert stats["fallbacks"] == 0 and stats["off_in_model_graph"] == 2, stats
+        # Another length runs the whole model eagerly, counted once, still correct.
+        ids, mask, labels = batch(gen, seq=24, pad=2)
+        want = hf_loss(ref, ids, mask, labels, use_cache=False)
+        assert torch.equal(hf_loss(model, ids, mask, labels, use_cache=False), want)
+        assert mgr.stats()["fallback_shape"] == 1
+    finally:
+        mgr.close()
+
+
+def test_outputs_are_copies_a_kept_loss_survives_the_next_step():
+    model = bf16("llama")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    first, second = batch(gen, pad=1), batch(gen, pad=2)
+    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
+    try:
+        mgr.start_recording()
+        hf_loss(model, *first, use_cache=False).backward()
+        mgr.capture()
+        kept = hf_loss(model, *first, use_cache=False)
+        kept_value = kept.detach().clone()
+        kept.backward()
+        hf_loss(model, *second, use_cache=False).backward()
+        assert mgr.stats()["replayed"] == 2
+        assert torch.equal(kept.detach(), kept_value)
+    finally:
+        mgr.close()
+
+
+def test_a_cache_in_the_output_graphs_the_layers_instead_said_and_counted(caplog):
+    # use_cache left at the config's True: the output holds a DynamicCache, which a
+    # graph would hand back stale. The part is refused after capture; layers graph.
+    caplog.set_level(logging.WARNING, logger="cudagraphs.partial.manager")
+    model = bf16("llama")
+    ref = copy.deepcopy(model)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    batches = [batch(gen, pad=1) for _ in range(3)]
+    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
+    try:
+        train_both(model, ref, mgr, batches, hf_loss, optimizers=False)
+        stats = mgr.stats()
+        assert stats["off_model_opaque_output"] == 1 and stats["captured"] == 2, stats
+        # Each forward hands its layers a new cache object: a control that differs per
+        # call, so they run eagerly, counted (the losses above are eager's).
+        assert stats["fallback_control"] == 2 * 2, stats
+        said = [r.getMessage() for r in caplog.records]
+        assert any("DynamicCache" in m and "use_cache=False" in m for m in said), said
+    finally:
+        mgr.close()
+
+
+def test_a_host_sync_in_the_forward_fails_the_whole_capture_and_layers_graph():
+    model = bf16("llama")
+    ref = copy.deepcopy(model)
+
+    def sync(module, args, out):  # outside the layers: a sync no capture can hold
+        float(out.detach().sum())
+
+    for m in (model, ref):
+        m.model.norm.register_forward_hook(sync)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    batches = [batch(gen, pad=1) for _ in range(3)]
+    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
+    try:
+        train_both(model, ref, mgr, batches, lambda m, *b: hf_loss(m, *b, use_cache=False))
+        stats = mgr.stats()
+        assert stats["off_model_capture_failed"] == 1, stats
+        assert stats["captured"] == 2 and stats["fallbacks"] == 0, stats
+        # Eager work still runs on the device after the failed capture.
+        assert torch.ones(2, device="cuda").sum().item() == 2
+    finally:
+        mgr.close()
+
+
+def test_activation_checkpointing_keeps_layer_graphs():
+    model = bf16("llama")
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    batches = [batch(gen, pad=1) for _ in range(3)]
+    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
+    try:
+        train_both(model, ref, mgr, batches, lambda m, *b: hf_loss(m, *b, use_cache=False))
+        stats = mgr.stats()
+        assert stats["off_model_activation_checkpointing"] == 1, stats
+        assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * 2, stats
+    finally:
+        mgr.close()
+
+
+def test_the_speed_check_times_the_whole_model_and_keeps_it_when_faster():
+    model = bf16("llama")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    ids, mask, labels = batch(gen, pad=1)
+    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST)
+    try:
+        mgr.start_recording()
+        hf_loss(model, ids, mask, labels, use_cache=False).backward()
+        mgr.capture()
+        stats = mgr.stats()
+        # Tiny launch-bound model: one graph beats ~100 eager kernels.
+        assert stats.get("off_slower_than_eager", 0) == 0 and stats["captured"] == 1, stats
+    finally:
+        mgr.close()
