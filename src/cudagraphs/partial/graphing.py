@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
+import torch
+
 from ..capturing import capture_scope
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsValueError, TargetSelectionError
@@ -64,10 +66,11 @@ def read_disabled(fixed: bool | None) -> bool:
 
 
 def calls_to_capture(
-    entries: Sequence[PartialGraphEntry], recorder: Recorder
+    entries: Sequence[PartialGraphEntry], recorder: Recorder, logger: logging.Logger
 ) -> list[tuple[PartialGraphEntry, int]]:
     """The recorded calls not graphed yet, as ``(entry, variant index)`` in the real
-    forward order ``recorder`` saw, leaving out targets turned off.
+    forward order ``recorder`` saw, leaving out targets turned off; a target called
+    with an object holding tensors (a KV cache) is turned off here, said on ``logger``.
 
     Raises:
         TargetSelectionError: a target ran more than once in one recorded forward (or,
@@ -90,6 +93,7 @@ def calls_to_capture(
             "out of the targets (attention=False / router=False, or an include that "
             "does not name them)."
         )
+    _turn_off_stateful(recorder.order, logger)
     todo = [
         (entry, i)
         for entry in recorder.order
@@ -103,6 +107,52 @@ def calls_to_capture(
             "capture()."
         )
     return todo
+
+
+def holds_tensors(value: Any, depth: int = 3) -> bool:
+    """Whether a non-tensor argument holds tensors in its attributes, or in lists,
+    tuples and dicts of them, ``depth`` levels down: state such as a KV cache object."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return False
+    if isinstance(value, dict):
+        items: Any = value.values()
+    elif isinstance(value, (list, tuple)):
+        items = value
+    else:
+        items = getattr(value, "__dict__", {}).values()
+    return any(holds_tensors(v, depth - 1) for v in items)
+
+
+def _turn_off_stateful(entries: Sequence[PartialGraphEntry], logger: logging.Logger) -> None:
+    # An object holding tensors (a KV cache) is state the call reads and changes: the
+    # warmup and capture runs would change the recorded object (a cache grows by one
+    # step per run), and a graph cannot follow the next step's object. The target runs
+    # eagerly for good, said once per target.
+    for entry in entries:
+        if entry.off_reason is not None:
+            continue
+        kinds = sorted(
+            {
+                type(value).__name__
+                for i, variant in enumerate(entry.contracts.variants)
+                if entry.variants[i].graph is None
+                for _, value in variant.controls
+                if holds_tensors(value)
+            }
+        )
+        if kinds:
+            entry.turn_off("stateful_argument")
+            logger.warning(
+                "partial graphs: %s is called with %s object(s) holding tensors (state "
+                "the call changes, such as a KV cache), which no graph can follow; it "
+                "runs eagerly (stats()['off_stateful_argument']). Fix: for training, "
+                "call the model with use_cache=False (or set model.config.use_cache = "
+                "False).",
+                entry.name,
+                ", ".join(kinds),
+            )
 
 
 def capture_calls(

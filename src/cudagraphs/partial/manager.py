@@ -88,7 +88,11 @@ class PartialCudaGraphManager:
     (``eager_experts``, ``unknown_experts``, ``host_grouped_mm``, ``no_attention``: see
     :attr:`narrowed`),
     ``off_slower_than_eager`` (targets whose graph was measured slower than eager and
-    that run eagerly since: see ``speed_check``), and one
+    that run eagerly since: see ``speed_check``), ``off_stateful_argument`` (targets
+    called with an object holding tensors, a KV cache), with the ``"model"`` scope
+    ``model_refused_<reason>`` per part not made a target, ``off_model_<reason>`` per
+    part refused at capture and ``off_in_model_graph`` per target inside a part graphed
+    whole (:mod:`.model_scope`), and one
     ``fallback_<reason>`` per reason seen: a name from
     :data:`~cudagraphs.partial.contract.REASONS`, ``not_captured`` (recorded, not
     captured yet) or ``param_storage`` (a parameter replaced since capture). Under
@@ -234,7 +238,10 @@ class PartialCudaGraphManager:
                 is graphed as widely as is safe (said at INFO where a layer narrows);
                 but with ``attention=False`` or ``router=False`` those switches decide
                 instead (the first release's ``("attention", "moe_router")`` without
-                them). With ``scopes`` leave the switches alone.
+                them). With ``scopes`` leave the switches alone. ``"model"``
+                (:data:`~cudagraphs.partial.MODEL_SCOPE`, never a default) graphs
+                each part whole, its layers kept in reserve should it not capture
+                (:mod:`.model_scope`; refusals in :attr:`model_off`).
             experts_implementation: switch the Hugging Face MoE model(s) in the parts
                 to this experts implementation first (``"grouped_mm"``: static shapes,
                 so whole MoE blocks and layers are graph-safe), with the model's own
@@ -348,7 +355,7 @@ class PartialCudaGraphManager:
         self._check_open()
         disabled = read_disabled(self._disabled)
         self.stop_recording()
-        todo = calls_to_capture(self.entries, self._recorder)
+        todo = calls_to_capture(self.entries, self._recorder, logger)
         self._disabled = disabled
 
         def capture(calls: list) -> list:

@@ -4,9 +4,9 @@ reserve.
 Why a scope beyond the layers: graphs of whole layers leave the rest of the step eager:
 the embedding, the attention mask and rotary tables, the final norm, the head, the loss,
 and the host work of the model's own forward around its layers. On a launch-bound step
-that rest costs about as much host time as all the layers' replays together (see
-``docs/partial-graphs.md`` for the measurement), so only a graph of the part's whole
-forward takes that ground.
+that rest is what remains of the host's time (measured in ``benchmarks/partial_train.py``,
+rows ``partial_layers`` and ``partial_widest``; the README's partial-graphs section), so
+only a graph of the part's whole forward takes that ground.
 
 When it is taken. At planning (:func:`model_scope_refusal`): the scope is asked for by
 name (it is never a default: it graphs code outside the decoder layers, the caller's
@@ -188,7 +188,8 @@ def capture_model_first(
         if entry.off_reason is None and entry.graphs():
             modules = {id(m) for m in entry.target.module.modules()}
             for other in entries:
-                if other is not entry and id(other.target.module) in modules:
+                inner = other is not entry and id(other.target.module) in modules
+                if inner and other.off_reason is None:
                     other.turn_off("in_model_graph")
                     inside.add(id(other))
     return [c for c in todo if c[0].target.kind != MODEL_KIND and id(c[0]) not in inside]
