@@ -20,7 +20,9 @@ the part defeats it), the capture must succeed (a model whose forward syncs with
 host fails here), and every output of the forward must be a tensor or a plain Python
 value: an object such as a ``DynamicCache`` would be handed back stale from the graph.
 Each refusal is said at WARNING with the fix and counted in ``stats()``; the part is
-then graphed layer by layer, as without the scope.
+then graphed layer by layer, as without the scope (at a later ``capture()``, one that
+adds a variant, the layers an earlier graph of the part stood for are recorded afresh
+at the next recorded step).
 
 While the part's graph is live, the targets inside it are turned off
 (``stats()['off_in_model_graph']``): the graph replays their work, and a call of the
@@ -40,6 +42,7 @@ import torch
 from torch import nn
 
 from ..errors import CudaGraphCaptureError, CudaGraphOutputError
+from .contract import ContractSet
 from .discovery import DiscoveredBlock
 from .entry import PartialGraphEntry
 from .kernels import GroupedMMProbe
@@ -185,14 +188,22 @@ def capture_model_first(
             _refuse(entry, "model_opaque_output", _opaque_fix(opaque), logger)
     inside: set[int] = set()
     for entry in parts:
-        if entry.off_reason is None and entry.graphs():
-            modules = {id(m) for m in entry.target.module.modules()}
-            for other in entries:
-                inner = other is not entry and id(other.target.module) in modules
-                if inner and other.off_reason is None:
-                    other.turn_off("in_model_graph")
-                    inside.add(id(other))
+        for other in _inner(entry, entries):
+            if entry.off_reason is None and entry.graphs() and other.off_reason is None:
+                other.turn_off("in_model_graph")
+                inside.add(id(other))
+            elif entry.off_reason is not None and other.off_reason == "in_model_graph":
+                # Refused at a later capture (a new variant): the layers an earlier graph
+                # of the part stood for are targets again, recorded afresh next time.
+                other.off_reason = None
+                other.variants = []
+                other.contracts = ContractSet(other.contracts.max_variants)
     return [c for c in todo if c[0].target.kind != MODEL_KIND and id(c[0]) not in inside]
+
+
+def _inner(entry: PartialGraphEntry, entries: Sequence[PartialGraphEntry]) -> list:
+    modules = {id(m) for m in entry.target.module.modules()}
+    return [o for o in entries if o is not entry and id(o.target.module) in modules]
 
 
 _CHECKPOINT_FIX = (
@@ -213,9 +224,10 @@ def _opaque_fix(names: list[str]) -> str:
 def _refuse(entry: PartialGraphEntry, reason: str, why: str, logger: logging.Logger) -> None:
     entry.turn_off(reason)
     logger.warning(
-        "partial graphs: %s is not graphed whole (stats()['off_%s']): %s. Its layers "
-        "are graphed as without the 'model' scope.",
+        "partial graphs: %s is not graphed whole (stats()['off_%s']): %s. The targets "
+        "inside it are graphed instead where they are graph-safe (those an earlier graph "
+        "of it stood for from the next recorded step on).",
         entry.name,
         reason,
-        why,
+        why.rstrip("."),
     )
