@@ -221,3 +221,32 @@ def test_a_reference_row_beyond_tolerance_is_recorded_not_failed(pt):
     }
     report = {"configs": {"launch_bound": {"models": {"qwen3_moe": res}}}}
     assert pt.failures(report) == ["launch_bound/qwen3_moe/partial: check beyond tolerance"]
+
+
+def test_partial_layers_and_widest_rows_name_their_scopes_and_count_in_the_targets(pt):
+    # partial_widest adds the whole-model scope to every per-layer scope; partial_layers
+    # is the per-layer row it is compared with, and a fallback there fails the target.
+    from cudagraphs.partial import MODEL_SCOPE, SCOPES
+
+    assert (*SCOPES, MODEL_SCOPE) == pt.WIDEST_SCOPES
+    assert pt.BUILDERS["partial_layers"].keywords == {"scopes": SCOPES}
+    assert pt.BUILDERS["partial_widest"].keywords == {"scopes": pt.WIDEST_SCOPES}
+    assert pt.settings(["llama"], ["eager"])["scopes"] == {
+        "partial": ["attention", "moe_router"],
+        "partial_layers": list(SCOPES),
+        "partial_widest": [*SCOPES, "model"],
+    }
+
+    def row(median, fallbacks=0):
+        stats = {"fallbacks": fallbacks, "replayed": 10}
+        return {"ms": {"median": median, "min": median, "max": median, "rounds": 7}, "stats": stats}
+
+    result = {
+        "variants": {"eager": row(30.0), "partial_layers": row(6.0, 1), "partial_widest": row(3.0)},
+        "check": {},
+    }
+    pt.summarize_model(result, pt.CONFIGS["launch_bound"], "llama")
+    assert result["ratios"]["eager/partial_layers"] == 5.0
+    assert result["ratios"]["partial_layers/partial_widest"] == 2.0
+    assert result["targets"]["llama_launch_bound_ge_5x_eager"] is True  # 10x, the widest
+    assert result["targets"]["zero_fallbacks"] is False  # partial_layers fell back once
