@@ -74,7 +74,9 @@ class PartialGraphsCallback(TrainerCallback):
             ``"mlp"``, ``"moe"``, ``"layer"``): per layer the widest graph-safe one
             asked for. ``None``: the manager's default, every scope (each layer as
             widely as is safe; a float32 MoE whose ``grouped_mm`` experts torch runs
-            on the host keeps attention and router scopes, said at INFO).
+            on the host keeps attention and router scopes, said at INFO). Add
+            ``"model"`` (:data:`~cudagraphs.partial.MODEL_SCOPE`) to graph the whole
+            model with its loss in one graph, the layers kept in reserve.
         record_step: the optimizer step (1-based, as ``state.global_step`` counts
             them after the step) to record; the first step at or after it when
             training resumes from a later checkpoint.

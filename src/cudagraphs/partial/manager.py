@@ -76,8 +76,10 @@ class PartialCudaGraphManager:
     5. ``mgr.stats()`` / ``mgr.log_stats(phase)``; ``mgr.close()`` at the end.
 
     What it does NOT do: graph anything outside the targets (the rest of the step
-    stays eager), graph a target that runs more than once within one forward, re-capture by
-    itself when inputs change, or judge whether graphs are faster than eager.
+    stays eager; with the ``"model"`` scope the target is the whole model part, and the
+    optimizer step stays eager), graph a target that runs more than once within one
+    forward, or re-capture by itself when inputs change. Whether graphs are faster is
+    judged against eager only (``speed_check``), not between scopes.
 
     ``stats()`` keys: ``captured`` (graphs held), ``replayed``, ``fallbacks``,
     ``disabled`` (1 under ``CUDAGRAPHS_DISABLE=1``, else 0), and one
