@@ -298,3 +298,12 @@ def test_only_a_final_stop_is_dropped_from_the_reason(caplog, why, said):
     _refuse(mgr.entries[0], "model_y", why, logging.getLogger(LOGGER))
     (message,) = warnings_of(caplog)
     assert f"(stats()['off_model_y']): {said}. The targets" in message
+
+
+def test_planning_says_at_debug_why_a_part_is_not_graphed_whole(caplog):
+    moe = tiny("qwen3_moe")
+    moe.set_experts_implementation("eager")
+    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.planning"):
+        off = plan_targets(moe, scopes=WIDEST).model_off
+    said = [r.getMessage() for r in caplog.records if "not graphed whole" in r.getMessage()]
+    assert said == [f"partial graphs: Qwen3MoeForCausalLM not graphed whole: {off.detail}"]
