@@ -5,6 +5,7 @@ dict-valued experts implementation read through the part."""
 
 import copy
 import logging
+import types
 
 import pytest
 import torch
@@ -103,6 +104,9 @@ def test_objects_without_a_dict_hold_no_tensors_seen():
     assert holds_tensors(object()) is False
     assert holds_tensors(Slots(torch.zeros(1))) is False
     assert holds_tensors(Holder(Holder(torch.zeros(1)))) is True
+    # Three levels down by default: a tensor in the third holder is found, in a fourth not.
+    assert holds_tensors(Holder(Holder(Holder(torch.zeros(1))))) is True
+    assert holds_tensors(Holder(Holder(Holder(Holder(torch.zeros(1)))))) is False
 
 
 class Stack(torch.nn.Module):
@@ -142,10 +146,11 @@ def test_stateful_arguments_are_found_past_a_target_already_off_and_named_by_typ
     mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=SCOPES)
     names = [e.name for e in mgr.entries]
     assert names == ["layers.0", "layers.1"], names
-    mgr.entries[0].turn_off("mine")  # already off: passed over, not the end of the walk
     caplog.set_level(logging.WARNING, logger=LOGGER)
     mgr.start_recording()
     model(torch.ones(2, 4), state=[Holder(torch.zeros(1)), Slots(1)]).sum().backward()
+    # Recorded, then off: passed over by the check, not the end of its walk.
+    mgr.entries[0].turn_off("mine")
     mgr.capture()
     assert [e.off_reason for e in mgr.entries] == ["mine", "stateful_argument"]
     assert warnings_of(caplog) == [
@@ -278,14 +283,16 @@ def test_a_layer_off_for_its_own_reason_stays_so_inside_a_whole_part():
 
 
 def test_a_dict_valued_experts_implementation_is_read_through_the_part():
-    # transformers may state the implementation per sub-config: {"": "grouped_mm"} for
-    # the main config. Reading it walks the configs above the MoE from the part.
+    # A config may state the implementation per sub-config ({"": ...} for the main
+    # one); reading the key walks the configs above the MoE, from the part itself.
     model = tiny("qwen3_moe")
     model.set_experts_implementation("grouped_mm")
-    model.config._experts_implementation = {"": "grouped_mm"}
+    for layer in model.model.layers:
+        layer.mlp.experts.config = types.SimpleNamespace(_experts_implementation={"": "grouped_mm"})
     plan = plan_targets(model, scopes=WIDEST)
     assert plan.model_off is None and plan.targets[0].kind == "model"
-    model.config._experts_implementation = {"": "eager"}
+    for layer in model.model.layers:
+        layer.mlp.experts.config._experts_implementation = {"": "eager"}
     assert plan_targets(model, scopes=WIDEST).model_off.reason == "layers_not_whole"
 
 
@@ -307,3 +314,32 @@ def test_planning_says_at_debug_why_a_part_is_not_graphed_whole(caplog):
         off = plan_targets(moe, scopes=WIDEST).model_off
     said = [r.getMessage() for r in caplog.records if "not graphed whole" in r.getMessage()]
     assert said == [f"partial graphs: Qwen3MoeForCausalLM not graphed whole: {off.detail}"]
+
+
+def test_a_layer_graph_hands_back_its_own_outputs_only_a_whole_part_copies():
+    # Copies cost a kernel per output: only a whole part's outputs, which reach the
+    # caller's code, are copied; a layer's output goes straight to the next layer.
+    kept = {}
+
+    def static_backend(callables, sample_args, sample_kwargs):
+        def keep(fn, name):
+            def run(*args, **kwargs):
+                out = fn(*args, **kwargs)
+                buffer = kept.setdefault(name, torch.empty_like(out))
+                with torch.no_grad():
+                    buffer.copy_(out)
+                return buffer
+
+            return run
+
+        return [keep(c, c.__qualname__) for c in callables]
+
+    model = Stack()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        model, capture_backend=static_backend, scopes=SCOPES
+    )
+    mgr.start_recording()
+    model(torch.ones(2, 4)).sum().backward()
+    mgr.capture()
+    out = model.layers[0](torch.ones(2, 4), state=None)
+    assert out.data_ptr() == kept["partial[layers.0]"].data_ptr()
