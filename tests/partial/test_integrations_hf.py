@@ -187,3 +187,25 @@ def test_recording_for_an_evaluation_never_records_training_steps(tmp_path):
     stats = callback.stats()
     assert stats["captured"] == 2 and stats["fallbacks"] == 0, stats
     assert stats["replayed"] == 3 * 2 * 2, stats
+
+
+def test_the_model_scope_through_the_trainer_graphs_the_model_with_its_loss(tmp_path):
+    # The Trainer calls the model with labels and num_items_in_batch: the whole model,
+    # loss included, is one target; its layers stay off while it is graphed.
+    from cudagraphs.partial import MODEL_SCOPE, SCOPES
+
+    model = tiny()
+    ref = copy.deepcopy(model)
+    backend = Backend()
+    callback = PartialGraphsCallback(
+        record_step=2, capture_backend=backend, scopes=(*SCOPES, MODEL_SCOPE)
+    )
+    trainer = train(tmp_path, model, [callback])
+    reference = train(tmp_path, ref)
+    assert losses(trainer) == losses(reference) and len(losses(trainer)) == 10
+    stats = callback.stats()
+    assert stats["captured"] == 1 and stats["off_in_model_graph"] == 2, stats
+    assert stats["replayed"] == 8 * 2 and stats["fallbacks"] == 0, stats
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), f"{name}: weights after training"
+    assert "forward" not in model.__dict__, "close() gave the model its eager forward back"
