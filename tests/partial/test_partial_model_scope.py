@@ -9,7 +9,6 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from _hf_models import tiny
@@ -19,6 +18,7 @@ from cudagraphs.partial.discovery import Target, discover_blocks
 from cudagraphs.partial.graphing import holds_tensors
 from cudagraphs.partial.model_scope import ModelScopeOff
 from cudagraphs.partial.planning import plan_targets
+from test_partial_fsdp import process_group  # noqa: F401  (a fixture)
 from test_partial_manager_scopes import backend, loss_of, train_and_compare
 
 WIDEST = (*SCOPES, "model")
@@ -172,16 +172,8 @@ def test_a_planning_refusal_is_kept_counted_and_said(caplog, reason):
     mgr.close()
 
 
-@pytest.fixture
-def process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_fsdp2_refuses_the_part_and_graphs_its_layers(process_group):
+@pytest.mark.usefixtures("process_group")
+def test_fsdp2_refuses_the_part_and_graphs_its_layers():
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     model = tiny("llama")
     for layer in model.model.layers:
