@@ -25,6 +25,7 @@ from .capturing import is_graph_capturing
 from .core import GraphedCallable, GraphedStack, graph_stack, make_graphed_callables
 from .errors import (
     CaptureTimeHookError,
+    ChainedInputError,
     CudaCallError,
     CudaGraphCaptureError,
     CudaGraphInputError,
@@ -74,6 +75,7 @@ __all__ = [
     "TensorSignature",
     "ValueTreeSignature",
     "CaptureTimeHookError",
+    "ChainedInputError",
     "CudaCallError",
     "CudaGraphCaptureError",
     "CudaGraphInputError",

@@ -23,6 +23,7 @@ from typing import Any
 
 __all__ = [
     "CaptureTimeHookError",
+    "ChainedInputError",
     "CudaCallError",
     "CudaGraphCaptureError",
     "CudaGraphInputError",
@@ -136,6 +137,13 @@ class CudaGraphInputError(CudaGraphsError, ValueError):
 
     def __reduce__(self) -> tuple:  # keep the record across pickling (multiprocessing)
         return (type(self), (str(self), self.mismatches))
+
+
+class ChainedInputError(CudaGraphInputError):
+    """A graph that reads an input in place from another graph's output (a decoder
+    layer's hidden states from the layer before) was called with another tensor there;
+    ``mismatches`` names each such input. Raised before anything is copied or
+    replayed."""
 
 
 class SignatureMismatchError(CudaGraphInputError):

@@ -10,6 +10,7 @@ import torch
 import cudagraphs.core
 from _toy_models import Toy
 from cudagraphs.capturing import is_graph_capturing
+from cudagraphs.core.sharing import BufferSharing
 from cudagraphs.errors import CudaGraphsStateError, CudaGraphsValueError, TargetSelectionError
 from cudagraphs.partial import PartialCudaGraphManager, graphing
 from cudagraphs.partial.build import build_entries
@@ -226,10 +227,11 @@ class FakeCore:
     returns counting wrappers (a single one for a single callable when ``bare``)."""
 
     def __init__(self, bare=False):
-        self.calls, self.replays, self.bare = [], 0, bare
+        self.calls, self.replays, self.bare, self.sharing = [], 0, bare, []
 
-    def __call__(self, modules, sample_args, sample_kwargs=None):
+    def __call__(self, modules, sample_args, sample_kwargs=None, _buffer_sharing=None):
         self.calls.append((modules, sample_args, sample_kwargs))
+        self.sharing.append(_buffer_sharing)
 
         def graphed(fn):
             def run(*args, **kwargs):
@@ -256,6 +258,9 @@ def test_the_default_backend_hands_the_recorded_calls_to_the_core(enabled, monke
     assert [id(p) for p in sample_args[0][0]] == [id(p) for p in attn.parameters()]
     assert sample_args[0][1].shape == (2, 8)
     assert sample_kwargs == [{}, {}]
+    # Attention inputs are norms' outputs, never another target's: nothing chained,
+    # incoming-gradient buffers shared by shape.
+    assert core.sharing == [BufferSharing(grad_outputs=True, chained_inputs={})]
     model(torch.randn(2, 8))
     assert core.replays == 2 and mgr.stats()["replayed"] == 2
     mgr.close()

@@ -20,6 +20,7 @@ from .capture_phase import CaptureOptions, capture_plan, eager_entry_graphs
 from .grad_targets import GradTargets, prepare_grad_targets
 from .graphed import GraphedCallable
 from .runtime import EntryGraphs
+from .sharing import BufferSharing, check_sharing
 from .te_compat import check_fifth_argument, check_quantization_off
 from .warmup import run_warmup
 
@@ -133,6 +134,7 @@ def make_graphed_callables(
     capture_time_hooks: Sequence[HookMap | None] | None = None,
     accumulate_grads_in_graph: bool = False,
     main_grad_attr: str | None = None,
+    _buffer_sharing: BufferSharing | None = None,
 ) -> Any:
     """Graph modules or functions: forward (and in training backward) CUDA graphs,
     replayed behind an autograd node.
@@ -215,6 +217,11 @@ def make_graphed_callables(
             reducer) do not fire for the graphed part of their gradients.
         main_grad_attr: with ``accumulate_grads_in_graph``, the parameter attribute
             to accumulate into instead of ``.grad``.
+        _buffer_sharing: static buffers the entries share beyond the pool
+            (:class:`~cudagraphs.core.sharing.BufferSharing`: incoming-gradient
+            buffers of equal shapes, inputs that are an earlier entry's output); for
+            layers replayed in capture order each step, as partial graphs' are. Not
+            with ``_reuse_graph_input_output_buffers``.
 
     Returns:
         One result per entry (a single one when one callable was passed). A module
@@ -279,6 +286,12 @@ def make_graphed_callables(
         raise CudaGraphsValueError(
             f"main_grad_attr must be an attribute name, got {main_grad_attr!r}"
         )
+    sharing = check_sharing(_buffer_sharing, len(plan.entries), ordered=_order is not None)
+    if sharing is not None and plan.buffer_slots is not None:
+        raise CudaGraphsValueError(
+            "_buffer_sharing and _reuse_graph_input_output_buffers both decide which "
+            "entries share buffers; pass one of them"
+        )
     require_cuda("make_graphed_callables")
     device = check_devices(plan)
     if graphs_disabled():
@@ -305,6 +318,7 @@ def make_graphed_callables(
             retain_graph_in_backward=retain_graph_in_backward,
             clone_param_grads_on_return=clone_param_grads_on_return,
             grad_targets=grad_targets,
+            sharing=sharing,
         )
         entry_graphs = capture_plan(plan, opts)
         logger.info(

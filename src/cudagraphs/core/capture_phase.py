@@ -19,6 +19,7 @@ from .canonicalize import EntrySpec, GraphPlan
 from .grad_targets import GradTargets
 from .lent_grads import lent_grads_of
 from .runtime import EntryGraphs
+from .sharing import BufferSharing, chained_inputs
 from .warmup import differentiable_inputs
 
 __all__ = ["BackwardCapture", "CaptureOptions", "ForwardCapture", "capture_plan"]
@@ -34,6 +35,7 @@ class CaptureOptions:
     # Per callable: where its backward graphs add parameter gradients (in-graph
     # accumulation), or None (gradients handed to autograd). Empty: None for all.
     grad_targets: tuple[GradTargets | None, ...] = ()
+    sharing: BufferSharing | None = None  # buffers shared beyond the pool (.sharing)
 
 
 def _describe(plan: GraphPlan, entry_index: int) -> str:
@@ -47,6 +49,10 @@ def _describe(plan: GraphPlan, entry_index: int) -> str:
 
 
 def _new_static_inputs(spec: EntrySpec) -> list[torch.Tensor]:
+    return [_new_static_input(t) for t in spec.tensors]
+
+
+def _new_static_input(t: torch.Tensor) -> torch.Tensor:
     # Fresh buffers rather than the user's sample tensors: the caller may reuse or free
     # the samples, and the graph must own what it reads. Parameters passed as inputs
     # (explicit-parameter adapters) are the exception: they are persistent, the graph
@@ -56,12 +62,27 @@ def _new_static_inputs(spec: EntrySpec) -> list[torch.Tensor]:
     # eager autograd graph the caller keeps alive (a live ``loss``) holds the
     # parameter's AccumulateGrad node bound to the default stream, and a backward
     # capture through that node would make the legacy stream wait on the capture.
-    return [
-        t.detach().requires_grad_(t.requires_grad)
-        if isinstance(t, torch.nn.Parameter)
-        else t.detach().clone().requires_grad_(t.requires_grad)
-        for t in spec.tensors
+    if isinstance(t, torch.nn.Parameter):
+        return t.detach().requires_grad_(t.requires_grad)
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def _static_inputs(
+    plan: GraphPlan, index: int, pending: dict[int, _Pending], opts: CaptureOptions
+) -> tuple[list[torch.Tensor], dict[int, int]]:
+    """Entry ``index``'s static inputs, chained ones included (:mod:`.sharing`), and
+    its chained positions with their source entries."""
+
+    def outputs_of(source: int) -> list[torch.Tensor] | None:
+        done = pending.get(source)
+        return None if done is None or done.forward is None else done.forward.tensor_outputs
+
+    spec = plan.entries[index]
+    chained = chained_inputs(opts.sharing, index, spec.tensors, outputs_of)
+    static = [
+        chained[p][0] if p in chained else _new_static_input(t) for p, t in enumerate(spec.tensors)
     ]
+    return static, {p: source for p, (_, source) in chained.items()}
 
 
 def _entry_inputs(
@@ -112,6 +133,7 @@ class ForwardCapture:
     out_leaves: list[Any]
     out_tensor_positions: tuple[int, ...]
     out_differentiable: tuple[bool, ...]  # per tensor output
+    pool_bytes: int = 0  # what the device's reserved memory grew by during the capture
 
     @property
     def tensor_outputs(self) -> list[torch.Tensor]:
@@ -134,6 +156,8 @@ class BackwardCapture:
     static_grad_outputs: list[torch.Tensor | None] = field(default_factory=list)
     static_grad_inputs: tuple[torch.Tensor | None, ...] = ()
     grad_targets: GradTargets | None = None
+    pool_bytes: int = 0  # as ForwardCapture's
+    new_buffer_bytes: int = 0  # incoming-gradient buffers made for it (not shared ones)
 
 
 @dataclass
@@ -159,6 +183,7 @@ class _Pending:
                 out_leaves=self.forward.out_leaves,
                 out_tensor_positions=self.forward.out_tensor_positions,
                 out_differentiable=self.forward.out_differentiable,
+                pool_bytes=self.forward.pool_bytes,
             )
         if self.backward is not None:
             fields.update(
@@ -167,6 +192,8 @@ class _Pending:
                 static_grad_outputs=self.backward.static_grad_outputs,
                 static_grad_inputs=self.backward.static_grad_inputs,
                 grad_targets=self.backward.grad_targets,
+                pool_bytes=fields.get("pool_bytes", 0) + self.backward.pool_bytes,
+                buffer_bytes=fields["buffer_bytes"] + self.backward.new_buffer_bytes,
             )
         return EntryGraphs(**fields)
 
@@ -185,9 +212,11 @@ def _capture_forward(
         with grad_mode():
             return target.fn(*args, **kwargs)
 
+    before = torch.cuda.memory_reserved(opts.stream.device)
     graph, output = capture_into_graph(
         run, opts.pool, stream=opts.stream, what=f"forward of {inputs['name']}"
     )
+    grown = torch.cuda.memory_reserved(opts.stream.device) - before
     out_leaves, out_spec = pytree.tree_flatten(output)
     positions = tuple(i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor))
     return ForwardCapture(
@@ -196,14 +225,16 @@ def _capture_forward(
         out_leaves=out_leaves,
         out_tensor_positions=positions,
         out_differentiable=tuple(out_leaves[i].requires_grad for i in positions),
+        pool_bytes=grown,
     )
 
 
 def _grad_output_buffers(
     outs: list[torch.Tensor], differentiable: tuple[bool, ...], shared: list | None
-) -> list[torch.Tensor | None]:
-    """Static incoming-gradient buffers; reuses ``shared`` (a slot's buffers from an
-    earlier entry) when every shape and dtype fits, and fills it otherwise."""
+) -> tuple[list[torch.Tensor | None], bool]:
+    """Static incoming-gradient buffers, and whether they were made here; reuses
+    ``shared`` (a slot's or a shape's buffers from an earlier entry) when every shape
+    and dtype fits, and fills it otherwise."""
     like = [o if d else None for o, d in zip(outs, differentiable)]
 
     def fits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -212,12 +243,36 @@ def _grad_output_buffers(
         return (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
 
     if shared and len(shared) == len(like) and all(fits(a, b) for a, b in zip(shared, like)):
-        return list(shared)
+        return list(shared), False
     # Allocated before capture, so they come from the ordinary allocator, not the pool.
     buffers = [torch.zeros_like(o) if o is not None else None for o in like]
     if shared is not None:
         shared[:] = buffers
-    return buffers
+    return buffers, True
+
+
+def grad_output_key(forward: ForwardCapture) -> tuple:
+    """What two entries' differentiable outputs must agree on to share incoming-gradient
+    buffers (:mod:`.sharing`)."""
+    return tuple(
+        (tuple(o.shape), o.dtype, o.device) if d else None
+        for o, d in zip(forward.tensor_outputs, forward.out_differentiable)
+    )
+
+
+def _owned(grads: tuple, buffers: list[torch.Tensor]) -> tuple:
+    """``grads`` with each one that is an incoming-gradient buffer, or a view of one,
+    replaced by a copy (made inside the graph being captured).
+
+    Why: a backward that passes its output's gradient through unchanged (``x + f(w)``
+    for ``x``; ``x + b`` for a full-shape ``b``) hands back the buffer itself. Lent to
+    ``.grad`` or passed on to another backward, it would change under the next copy
+    into the buffer: the next replay of this entry, or of any entry sharing it.
+    """
+    ptrs = {b.untyped_storage().data_ptr() for b in buffers}
+    return tuple(
+        g.clone() if g is not None and g.untyped_storage().data_ptr() in ptrs else g for g in grads
+    )
 
 
 def _capture_backward(
@@ -233,7 +288,7 @@ def _capture_backward(
     if not diff_outs or not diff_inputs:
         return BackwardCapture(diff_input_positions=tuple(positions))
     # Incoming gradients are copied into these before each backward replay.
-    static_grad_outputs = _grad_output_buffers(outs, forward.out_differentiable, shared)
+    static_grad_outputs, made = _grad_output_buffers(outs, forward.out_differentiable, shared)
     grad_outputs = [s for s in static_grad_outputs if s is not None]
     n_diff = len(positions)
 
@@ -251,21 +306,26 @@ def _capture_backward(
             if pairs:
                 with torch.no_grad():
                     torch._foreach_add_([t for t, _ in pairs], [d for _, d in pairs])
-        return grads
+            grads = (*grads[:n_diff], *(None,) * (len(grads) - n_diff))
+        return _owned(grads, grad_outputs)
 
+    before = torch.cuda.memory_reserved(opts.stream.device)
     graph, grads = capture_into_graph(
         run, opts.pool, stream=opts.stream, what=f"backward of {inputs['name']}"
     )
-    if targets is not None:
-        # Nothing to hand to autograd for the parameters: the graph added them.
-        grads = (*grads[:n_diff], *(None,) * (len(grads) - n_diff))
     return BackwardCapture(
         diff_input_positions=tuple(positions),
         graph=graph,
         static_grad_outputs=static_grad_outputs,
         static_grad_inputs=tuple(grads),
         grad_targets=targets,
+        pool_bytes=torch.cuda.memory_reserved(opts.stream.device) - before,
+        new_buffer_bytes=sum(_nbytes(b) for b in grad_outputs) if made else 0,
     )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
@@ -276,9 +336,12 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
     pending: dict[int, _Pending] = {}
     # Under _reuse_graph_input_output_buffers, entries of one slot (same callable, same
     # shapes, lifetimes that never overlap in the schedule) share their static inputs
-    # and incoming-gradient buffers.
+    # and incoming-gradient buffers; under sharing, entries with outputs of equal
+    # shapes share incoming-gradient buffers (see .sharing).
     slot_inputs: dict[int, list[torch.Tensor]] = {}
-    slot_grad_outputs: dict[int, list] = {}
+    slot_grad_outputs: dict[Any, list] = {}
+    chains: dict[int, dict[int, int]] = {}
+    share_grads = opts.sharing is not None and opts.sharing.grad_outputs
     try:
         for step in plan.schedule:
             target = plan.callables[step.callable_index]
@@ -287,22 +350,39 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
                 spec = plan.entries[step.entry]
                 if plan.buffer_slots is not None:
                     slot = plan.buffer_slots[step.entry]
+                    fresh = slot not in slot_inputs
                     static_inputs = slot_inputs.setdefault(slot, _new_static_inputs(spec))
+                    chained: dict[int, int] = {}
                 else:
-                    static_inputs = _new_static_inputs(spec)
-                p = pending[step.entry] = _Pending(
-                    _entry_inputs(plan, step.entry, static_inputs, opts)
+                    fresh = True
+                    static_inputs, chained = _static_inputs(plan, step.entry, pending, opts)
+                inputs = _entry_inputs(plan, step.entry, static_inputs, opts)
+                inputs["chained"] = tuple(
+                    (i, pending[source].inputs["name"]) for i, source in sorted(chained.items())
                 )
+                inputs["buffer_bytes"] = (
+                    sum(
+                        _nbytes(t)
+                        for i, t in enumerate(static_inputs)
+                        if i not in chained and not isinstance(spec.tensors[i], torch.nn.Parameter)
+                    )
+                    if fresh
+                    else 0
+                )
+                chains[step.entry] = chained
+                p = pending[step.entry] = _Pending(inputs)
                 hooks.run("forward_pre_hooks", target.fn)
                 p.forward = _capture_forward(plan, p.inputs, step.entry, opts)
                 hooks.run("forward_hooks", target.fn)
             else:
                 hooks.run("backward_pre_hooks", target.fn)
+                p = pending[step.entry]
                 shared = None
                 if plan.buffer_slots is not None:
                     shared = slot_grad_outputs.setdefault(plan.buffer_slots[step.entry], [])
+                elif share_grads:
+                    shared = slot_grad_outputs.setdefault(grad_output_key(p.forward), [])
                 targets = opts.grad_targets[step.callable_index] if opts.grad_targets else None
-                p = pending[step.entry]
                 p.backward = _capture_backward(p.inputs, p.forward, opts, shared, targets)
                 if p.backward.graph is not None and not opts.retain_graph_in_backward:
                     # Drop the captured autograd graph that the static outputs still
@@ -316,4 +396,7 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
             p.release()
         raise
     graphs = {i: p.build() for i, p in pending.items()}
+    for entry, chained in chains.items():
+        for i, source in chained.items():
+            graphs[source].dependents.append((graphs[entry], i))
     return [graphs[i] for i in range(len(plan.entries))]

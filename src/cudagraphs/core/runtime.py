@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from ..dtypes import converts_losslessly
 from ..errors import (
+    ChainedInputError,
     CudaGraphInputError,
     GraphReleasedError,
     Mismatch,
@@ -93,6 +94,16 @@ class EntryGraphs:
     grad_targets: GradTargets | None = None  # in-graph accumulation of param grads
     lent: LentGrads | None = None  # the pool's registry of gradients lent to autograd
     eager_only: bool = False  # CUDAGRAPHS_DISABLE: validate calls, run them eagerly
+    # Static inputs that are an earlier entry's static output (.sharing): (tensor
+    # index, the source's name). A call must pass that very buffer there.
+    chained: tuple[tuple[int, str], ...] = ()
+    # Entries chained to this one's outputs: (their graphs, tensor index); told when
+    # this one is released, so that the buffer becomes theirs.
+    dependents: list[tuple[EntryGraphs, int]] = field(
+        default_factory=list, repr=False, compare=False
+    )
+    pool_bytes: int = 0  # reserved memory the captures grew by (the shared pool's)
+    buffer_bytes: int = 0  # static input / incoming-gradient buffers made for it
     released: bool = field(default=False, init=False)
     # Derived by _derive() from the fields above, once: what replays hand out.
     autograd_params: tuple[torch.nn.Parameter, ...] = field(init=False, repr=False)
@@ -214,11 +225,41 @@ class EntryGraphs:
 
     def replay_forward(self, tensors: Any) -> None:
         self._live()
+        if self.chained:
+            self._check_chained(tensors)
         lent = self.lent
         if lent is not None and lent.params:
             lent.settle()  # this replay may overwrite pool memory lent as .grad
         copy_into(self.static_inputs, tensors)
         self.fwd_graph.replay()
+
+    def _check_chained(self, tensors: Any) -> None:
+        # Before anything is copied: copying another tensor into a chained buffer would
+        # overwrite the source's output, which the caller may still hold.
+        problems = []
+        for i, source in self.chained:
+            t, buffer = tensors[i], self.static_inputs[i]
+            if t.data_ptr() != buffer.data_ptr() or t.stride() != buffer.stride():
+                path = self.paths[self.tensor_positions[i]]
+                problems.append(
+                    Mismatch(path, "chained input", f"the output of {source}", _describe(t))
+                )
+        if problems:
+            raise ChainedInputError(
+                describe_mismatches(
+                    f"{self.name}: an input captured as another graph's output is not that output",
+                    problems,
+                    "The graph reads these inputs in place from the output of the graph "
+                    "named, so pass that output itself (as the captured step did); "
+                    "nothing was copied or replayed.",
+                ),
+                problems,
+            )
+
+    def unchain(self, index: int) -> None:
+        """Make the chained static input ``index`` this entry's own buffer (its source
+        was released): calls are copied into it from now on."""
+        self.chained = tuple(c for c in self.chained if c[0] != index)
 
     def output_tensors(self) -> tuple[torch.Tensor, ...]:
         # Detached views: autograd attaches its graph to these, never to the buffers.
@@ -325,6 +366,9 @@ class EntryGraphs:
             if g is not None:
                 g.reset()
         self.fwd_graph = self.bwd_graph = None
+        for graphs, index in self.dependents:
+            graphs.unchain(index)
+        self.dependents = []
         self.grad_targets = None
         self.static_inputs = []
         self.pinned = ()

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from ..core.graphed import GraphedCallable
 from ..diagnostics import WarnOnce
-from ..errors import CudaGraphInputError, describe_mismatches
+from ..errors import ChainedInputError, CudaGraphInputError, describe_mismatches
 from ..forward_swap import ForwardSwap
 from .contract import CallContract, ContractSet, FallbackCounter
 from .discovery import Target
@@ -93,6 +93,10 @@ class RecordedVariant:
     # when the graph flattens its call exactly as the contract does behind the
     # parameters: the call is then flattened and checked once, by the contract.
     replay_checked: Callable[[list], Any] | None = None
+    # While recording: tensor input index -> (target, variant, tensor output index)
+    # for the inputs that were another target's output in every recorded call
+    # (.chaining); None before the first.
+    chained: dict[int, tuple[Any, int, int]] | None = None
 
     def captured(self, graph: Any, params: tuple[torch.Tensor, ...]) -> None:
         """Hold ``graph``, captured from this variant's samples with ``params`` passed
@@ -101,6 +105,7 @@ class RecordedVariant:
         self.replay_checked = _checked_replay(graph, params, self.args, self.kwargs)
         self.args = self.kwargs = None
         self.params = ()
+        self.chained = None
 
 
 def _checked_replay(
@@ -162,8 +167,9 @@ class PartialGraphEntry:
         self.recorded_calls = 0
         self.repeated = False
 
-    def record(self, args: tuple, kwargs: dict, forward: int | None) -> None:
-        """Record one call made within the model's forward number ``forward``.
+    def record(self, args: tuple, kwargs: dict, forward: int | None) -> int | None:
+        """Record one call made within the model's forward number ``forward``; return
+        the index of its variant (``None`` when it was not recorded).
 
         ``forward`` is ``None`` when forwards cannot be told apart (a manager built
         without its model parts): then any second call counts as a repeat. A repeat
@@ -174,7 +180,7 @@ class PartialGraphEntry:
         """
         if self.recorded_calls and (forward is None or forward == self.last_forward):
             self.repeated = True
-            return
+            return None
         self.recorded_calls += 1
         self.last_forward = forward
         contract = CallContract.from_call(args, kwargs, training=self.target.module.training)
@@ -200,6 +206,7 @@ class PartialGraphEntry:
                     else (),
                 )
             )
+        return index
 
     def call_params(self) -> tuple[nn.Parameter, ...]:
         """The parameters to pass to the graph now: fixed ones, or under FSDP2 the
@@ -256,6 +263,11 @@ class PartialGraphEntry:
                     out = variant.replay_checked([*self.call_params(), *tensors])
                 else:
                     out = graph(self.call_params(), *args, **kwargs)
+            except ChainedInputError as exc:
+                # An input read in place from another target's output got another
+                # tensor (that target ran eagerly, say); checked before any copy.
+                self._fall_back("unchained_input", args, kwargs, exc)
+                return self.original_forward(*args, **kwargs)
             except CudaGraphInputError as exc:
                 # The contract matched, so only the parameters can differ: one was
                 # replaced or re-allocated since capture (checked before any replay).
@@ -290,6 +302,14 @@ class PartialGraphEntry:
                 f"graph reads parameters in place.\n{detail}\nFixes: 1. change parameters "
                 "in place (copy_, load_state_dict) rather than assigning .data or new "
                 "Parameters; 2. build a new manager and capture again after the change."
+            )
+        elif reason == "unchained_input":
+            body = (
+                f"{head}: its graph reads an input in place from another target's graph "
+                f"output (no copy), and this call passed another tensor there, usually "
+                f"because that target ran eagerly for this call.\n{detail}\nFix: none "
+                "needed, the eager run is correct; remove the first target's own "
+                "fallback to graph both again."
             )
         elif reason == "not_captured":
             body = (

@@ -10,14 +10,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..capturing import capture_scope
+from ..core.sharing import BufferSharing
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsValueError, TargetSelectionError
 from ..settings import DISABLE_ENV, graphs_disabled
+from .chaining import group_sharing
 from .entry import PartialGraphEntry
 from .recording import Recorder, capture_groups, capture_modes
 from .speed import SpeedCheck, measure_group
@@ -31,10 +34,17 @@ __all__ = ["TargetsBackend", "calls_to_capture", "capture_calls", "read_disabled
 TargetsBackend = Callable[[tuple, tuple, list], Sequence[Callable[..., Any]]]
 
 
-def _default_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) -> Sequence[Any]:
+def _default_backend(
+    callables: tuple,
+    sample_args: tuple,
+    sample_kwargs: list,
+    sharing: BufferSharing | None = None,
+) -> Sequence[Any]:
     from ..core import make_graphed_callables
 
-    result = make_graphed_callables(callables, sample_args, sample_kwargs=sample_kwargs)
+    result = make_graphed_callables(
+        callables, sample_args, sample_kwargs=sample_kwargs, _buffer_sharing=sharing
+    )
     return result if isinstance(result, tuple) else (result,)
 
 
@@ -218,6 +228,10 @@ def _capture_group(
     modules = [entry.target.module for entry, _ in group]
     scope = nullcontext() if disabled else capture_scope()
     modes = capture_modes(first.grad_enabled, first.training, modules, first.autocast)
+    if backend is _default_backend:
+        # Ours shares buffers between the group's graphs (.chaining); a backend of the
+        # user's gets the documented three arguments.
+        backend = partial(_default_backend, sharing=group_sharing(group))
     with modes:
         with scope:
             graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))

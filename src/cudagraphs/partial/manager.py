@@ -97,7 +97,12 @@ class PartialCudaGraphManager:
     whole (:mod:`.model_scope`), and one
     ``fallback_<reason>`` per reason seen: a name from
     :data:`~cudagraphs.partial.contract.REASONS`, ``not_captured`` (recorded, not
-    captured yet) or ``param_storage`` (a parameter replaced since capture). Under
+    captured yet), ``param_storage`` (a parameter replaced since capture) or
+    ``unchained_input`` (another tensor where the graph reads the previous target's
+    output in place: :mod:`.chaining`), and from the core's graphs ``pool_bytes`` /
+    ``buffer_bytes`` with one ``pool_bytes_<scope>`` / ``buffer_bytes_<scope>`` per
+    scope graphed (what the captures grew reserved memory by; static buffers made
+    outside the pool, shared ones once). Under
     ``CUDAGRAPHS_DISABLE=1`` no graph exists (``captured`` is 0) and ``replayed``
     counts the calls that matched a recorded contract and ran eagerly in its place.
 
@@ -107,7 +112,8 @@ class PartialCudaGraphManager:
             ``make_graphed_callables`` by default (tests substitute an eager one).
             Called as ``backend(callables, sample_args, sample_kwargs)`` and must
             return one callable per call. Replaced by an eager one under
-            ``CUDAGRAPHS_DISABLE=1``.
+            ``CUDAGRAPHS_DISABLE=1``. Only the default one shares static buffers
+            between the graphs of one capture (:mod:`.chaining`).
         activation_checkpointing: give each target its own memory pool (see
             :meth:`from_model_parts`).
         model_parts: the modules whose forwards recording tells apart (gradient

@@ -22,6 +22,7 @@ from torch import nn
 from ..errors import CudaGraphsValueError
 from ..torch_private import current_graph_task_id
 from .autocast import AutocastState
+from .chaining import OutputLinks
 
 if TYPE_CHECKING:
     from .entry import PartialGraphEntry
@@ -200,14 +201,24 @@ class Recorder:
         self._on_recompute = on_recompute
         self._logger = logger
         self._said_ignored = False
+        # Which calls feed on another target's output (see .chaining), and the call
+        # of each target whose output is awaited: id(entry) -> (variant, forward).
+        self.links = OutputLinks()
+        self._awaited: dict[int, tuple[int, int | None]] = {}
+        self._output_hooks: list[Any] = []
 
     def start(self) -> None:
         self.order = []
+        self.links.clear()
+        self._awaited = {}
         for entry in self.entries:
             entry.begin_recording()
             if entry.recorder is None:
                 entry.recorder = entry.target.module.register_forward_pre_hook(
                     self._hook(entry), with_kwargs=True
+                )
+                self._output_hooks.append(
+                    entry.target.module.register_forward_hook(self._output_hook(entry))
                 )
         if self.clock is not None:
             self.clock.install(self.parts)
@@ -218,6 +229,11 @@ class Recorder:
             if entry.recorder is not None:
                 entry.recorder.remove()
                 entry.recorder = None
+        for handle in self._output_hooks:
+            handle.remove()
+        self._output_hooks = []
+        self.links.clear()  # drops the outputs it held
+        self._awaited = {}
         if self.clock is not None:
             self.clock.remove()
         self.active = False
@@ -236,7 +252,19 @@ class Recorder:
                 return
             if entry.recorded_calls == 0:
                 self.order.append(entry)
-            entry.record(args, kwargs, self.clock.current() if self.clock else None)
+            forward = self.clock.current() if self.clock else None
+            variant = entry.record(args, kwargs, forward)
+            if variant is not None:
+                self.links.note_call(entry, variant, entry.call_params(), args, kwargs, forward)
+                self._awaited[id(entry)] = (variant, forward)
+
+        return hook
+
+    def _output_hook(self, entry: PartialGraphEntry) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            awaited = self._awaited.pop(id(entry), None)
+            if awaited is not None:
+                self.links.note_output(entry, awaited[0], output, awaited[1])
 
         return hook
 

@@ -50,4 +50,25 @@ def stats_of(
         if entry.off_reason is not None:
             key = f"off_{entry.off_reason}"
             out[key] = out.get(key, 0) + 1
+    _add_memory(out, entries)
     return out
+
+
+# The scope name a target kind is reported under: the router is the "moe_router" scope
+# and an include's target is "include"; the others are named as their scope.
+_SCOPE_OF_KIND = {"router": "moe_router", "custom": "include"}
+
+
+def _add_memory(out: dict[str, int], entries: Sequence[PartialGraphEntry]) -> None:
+    # The core's graphs say what their captures grew the device's reserved memory by
+    # (new segments of the pool the targets share) and what static buffers were made
+    # for them (shared ones counted once); other backends' say nothing.
+    for entry in entries:
+        for graph in entry.graphs():
+            graphs = getattr(graph, "graphs", None)
+            if graphs is None or getattr(graphs, "eager_only", True):
+                continue
+            scope = _SCOPE_OF_KIND.get(entry.target.kind, entry.target.kind)
+            for what in ("pool_bytes", "buffer_bytes"):
+                for key in (what, f"{what}_{scope}"):
+                    out[key] = out.get(key, 0) + getattr(graphs, what, 0)
