@@ -100,7 +100,7 @@ def test_another_tensor_where_a_graph_reads_in_place_runs_eagerly_counted_and_eq
     ref = copy.deepcopy(model)
     x = torch.randn(4, 16, device="cuda")
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, attention=False, include="layers.*", speed_check=False
+        model, attention=False, include=["layers.0", "layers.1", "layers.2"], speed_check=False
     )
     mgr.start_recording()
     step(model, x)
@@ -118,7 +118,7 @@ def test_another_tensor_where_a_graph_reads_in_place_runs_eagerly_counted_and_eq
         # The second layer's source released: its buffer becomes its own, and a call
         # passing another tensor is copied in and replays.
         mgr.entries[0].turn_off("test")
-        assert graphs_of(mgr)[1].chained == ()
+        assert mgr.entries[1].variants[0].graph.graphs.chained == ()
         for a, b in zip(step(model, x), step(ref, x)):
             assert torch.equal(a, b)
         assert mgr.stats()["replayed"] == 10 and mgr.stats()["fallbacks"] == 1
