@@ -158,6 +158,10 @@ def hf_config(model: str, shape: Shape):
         kwargs.update(n_routed_experts=shape.experts, num_experts_per_tok=shape.top_k)
         kwargs.update(moe_intermediate_size=shape.moe_intermediate, n_shared_experts=1)
         kwargs.update(first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None)
+        # Multi-head latent attention has no grouped KV heads (DeepSeek-V3's own config
+        # sets them equal): with fewer, transformers' SDPA path repeats the keys 4x when
+        # it gets a mask (a graph capture makes one) and the shapes no longer match.
+        kwargs.update(num_key_value_heads=shape.heads)
         kwargs.update(kv_lora_rank=head * 2, qk_rope_head_dim=head // 2)
         kwargs.update(qk_nope_head_dim=head // 2, v_head_dim=head)
         # Multi-head latent attention rotates only the rope part of each head: its
