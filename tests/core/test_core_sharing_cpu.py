@@ -87,6 +87,20 @@ def test_a_source_not_captured_before_its_entry_is_refused(link):
     )
 
 
+@pytest.mark.parametrize(
+    "links",
+    [[((1, 0), (0, 0))], {1: (0, 0)}, {(1, 0, 0): (0, 0)}, {(1, 0): 0}, {(True, 0): (False, 0)}],
+    ids=["a list", "an int key", "a 3-tuple key", "an int value", "bool indices"],
+)
+def test_links_that_are_not_pairs_of_ints_are_a_type_error(links):
+    with pytest.raises(CudaGraphsTypeError) as err:
+        check_sharing(BufferSharing(chained_inputs=links), 4, ordered=False)
+    assert str(err.value) == (
+        "_buffer_sharing.chained_inputs must map (entry, tensor input index) to "
+        f"(source entry, tensor output index), pairs of ints; got {links!r}"
+    )
+
+
 def test_chained_inputs_are_refused_under_an_order_but_shared_gradients_are_not():
     with pytest.raises(CudaGraphsValueError) as info:
         check_sharing(links({(1, 0): (0, 0)}), 2, ordered=True)

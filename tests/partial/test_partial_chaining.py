@@ -71,6 +71,16 @@ def test_a_link_is_kept_only_when_every_call_of_the_variant_had_it():
     assert c.variants[0].chained == {}, "a later link does not revive a missing one"
 
 
+def test_a_captured_variant_keeps_the_links_it_was_captured_with():
+    # A later recording (to add another variant) may call the captured one again.
+    a, b, links = stand_in(), stand_in(), OutputLinks()
+    b.variants[0].graph = object()
+    out = torch.zeros(2)
+    links.note_output(a, 0, out, forward=1)
+    links.note_call(b, 0, (), (out,), {}, forward=1)
+    assert b.variants[0].chained is None
+
+
 def test_outputs_of_an_earlier_forward_are_forgotten():
     a, b, links = stand_in(), stand_in(), OutputLinks()
     out = torch.zeros(2)

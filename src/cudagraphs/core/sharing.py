@@ -64,7 +64,8 @@ def check_sharing(sharing: object, n_entries: int, ordered: bool) -> BufferShari
     """``sharing`` as ``make_graphed_callables`` takes it (``None``: nothing shared).
 
     Raises:
-        CudaGraphsTypeError: not a :class:`BufferSharing`.
+        CudaGraphsTypeError: not a :class:`BufferSharing`, or links that are not a
+            mapping of pairs of ints to pairs of ints.
         CudaGraphsValueError: a link names an entry out of range, a source that is not
             captured before its input's entry, or comes with ``_order`` (whose schedule
             interleaves the forwards of micro-batches, so a source may be replayed
@@ -76,7 +77,15 @@ def check_sharing(sharing: object, n_entries: int, ordered: bool) -> BufferShari
         raise CudaGraphsTypeError(
             f"_buffer_sharing must be a BufferSharing or None, got {type(sharing).__name__}"
         )
-    if sharing.chained_inputs and ordered:
+    links = sharing.chained_inputs
+    if not isinstance(links, Mapping) or not all(
+        _is_slot(k) and _is_slot(v) for k, v in links.items()
+    ):
+        raise CudaGraphsTypeError(
+            "_buffer_sharing.chained_inputs must map (entry, tensor input index) to "
+            f"(source entry, tensor output index), pairs of ints; got {links!r}"
+        )
+    if links and ordered:
         raise CudaGraphsValueError(
             "_buffer_sharing.chained_inputs cannot be used with _order (an interleaved "
             "schedule may replay a source again before the chained entry's backward "
@@ -94,6 +103,14 @@ def check_sharing(sharing: object, n_entries: int, ordered: bool) -> BufferShari
                 "captured, and replayed, first)"
             )
     return sharing
+
+
+def _is_slot(value: object) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )
 
 
 def chained_inputs(

@@ -68,8 +68,12 @@ class OutputLinks:
         forward: int | None,
     ) -> None:
         """A recorded call of ``entry`` (its variant ``variant``) in ``forward``: keep
-        the links every recorded call of that variant had."""
+        the links every recorded call of that variant had. A variant already
+        captured keeps the links it was captured with."""
         self._enter(forward)
+        recorded = entry.variants[variant]
+        if recorded.graph is not None:
+            return
         leaves, _ = flatten_call((tuple(params), *args), kwargs)
         found = {}
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -77,7 +81,6 @@ class OutputLinks:
             hit = self._outputs.get(id(t))
             if hit is not None and hit[0] is t and hit[1][0] is not entry:
                 found[i] = hit[1]
-        recorded = entry.variants[variant]
         if recorded.chained is None:
             recorded.chained = found
         else:
