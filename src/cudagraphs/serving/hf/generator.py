@@ -37,7 +37,7 @@ from ..graphs import BucketBackend
 from ..input_specs import InputSpec
 from ..runner import GraphRunner
 from .cache import LayerShape, SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
-from .per_token import _choose, _EndFlag
+from .per_token import _EndFlag, decode_loop
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens
 from .support import WeightAddresses, check_supported
@@ -368,7 +368,7 @@ class GraphedGenerator:
         kv: SharedStaticCache,
         step: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
     ) -> torch.Tensor:
-        batch, prompt_len, new = request.batch, request.prompt_len, request.max_new_tokens
+        batch = request.batch
         kv.reset()
         positions = positions_from_mask(request.attention_mask)
         out = self.model(
@@ -381,41 +381,17 @@ class GraphedGenerator:
         )
         logits = out.logits[:, -1, :].float()
         del out
-        processors = sampling.processors(prompt_len, stops.eos)
-        tokens = torch.empty(batch, new, dtype=torch.long, device=self.device)
-        mask = torch.zeros(batch, self.max_cache_len, dtype=torch.bool, device=self.device)
-        mask[:, :prompt_len] = request.attention_mask
-        position = positions[:, -1:].clone()
-        unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
-        ended = self._end_flag() if stops.active else None
-        made = new
-        last = request.input_ids[:, -1:]  # replaced by the first chosen token before use
-        for t in range(new):
-            if t:
-                position += 1
-                mask[:, prompt_len + t - 1] = True
-                logits = step({"input_ids": last, "position_ids": position, "attention_mask": mask})
-                # Read whether every sequence had ended after step t - 1 only now, with
-                # step t queued behind it: the GPU runs step t while the host waits and
-                # then prepares step t + 1, instead of idling through a sync per token
-                # (HF's generate syncs each step). When they had ended, step t's replay
-                # is dropped unread; nothing random was drawn for it.
-                if ended is not None and ended.read():
-                    made = t
-                    break
-            # The penalty and the minimum lengths read the sequences so far (HF's input_ids).
-            so_far = request.input_ids
-            if sampling.reads_sequences:
-                so_far = torch.cat([request.input_ids, tokens[:, :t]], dim=1)
-            chosen = _choose(logits, so_far, sampling, processors, generator)
-            if stops.active:
-                chosen = torch.where(unfinished, chosen, stops.pad)
-            tokens[:, t] = chosen
-            last = chosen[:, None]
-            if ended is not None and t + 1 < new:
-                unfinished &= ~torch.isin(chosen, stops.eos)
-                ended.record(~unfinished.any())
-        return torch.cat([request.input_ids, tokens[:, :made]], dim=1)
+        return decode_loop(
+            request,
+            logits,
+            positions,
+            step,
+            sampling=sampling,
+            stops=stops,
+            generator=generator,
+            ended=self._end_flag() if stops.active else None,
+            max_cache_len=self.max_cache_len,
+        )
 
     def _end_flag(self) -> _EndFlag:
         # One per generator: pinned memory is slow to allocate, and requests run one

@@ -1,16 +1,21 @@
-"""What the generator's decode loop does per token outside the graph: choose the next
-token from the logits, and learn one step late whether every sequence has ended. Kept
-apart from :class:`~cudagraphs.serving.hf.generator.GraphedGenerator` because neither
-touches the model, the cache or the runner.
+"""The generator's decode loop after the prefill (:func:`decode_loop`) and what it does
+per token outside the graph: choose the next token from the logits, and learn one step
+late whether every sequence has ended. Kept apart from
+:class:`~cudagraphs.serving.hf.generator.GraphedGenerator` because none of it touches
+the model, the cache or the runner: a decode step is a callable it is given.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from .sampling import Sampling
+from .requests import Request
+from .sampling import Sampling, StopTokens
+
+__all__ = ["decode_loop"]
 
 
 class _EndFlag:
@@ -53,3 +58,63 @@ def _choose(
         return torch.argmax(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+
+
+def decode_loop(
+    request: Request,
+    logits: torch.Tensor,
+    positions: torch.Tensor,
+    step: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
+    *,
+    sampling: Sampling,
+    stops: StopTokens,
+    generator: torch.Generator | None,
+    ended: _EndFlag | None,
+    max_cache_len: int,
+) -> torch.Tensor:
+    """Choose ``request.max_new_tokens`` tokens, the first from the prefill's last
+    ``logits`` (float, ``[batch, vocab]``), each later one from ``step`` (a decode step
+    of the last tokens, their positions and the boolean ``[batch, max_cache_len]``
+    mask); ``positions`` are the prompt's. With stop tokens, finished sequences get the
+    pad token, and ``ended`` (the generator's :class:`_EndFlag`) ends the loop one step
+    after every sequence finished.
+
+    Returns:
+        The prompt followed by the chosen tokens, as ``model.generate`` returns them.
+    """
+    batch, prompt_len, new = request.batch, request.prompt_len, request.max_new_tokens
+    device = logits.device
+    processors = sampling.processors(prompt_len, stops.eos)
+    tokens = torch.empty(batch, new, dtype=torch.long, device=device)
+    mask = torch.zeros(batch, max_cache_len, dtype=torch.bool, device=device)
+    mask[:, :prompt_len] = request.attention_mask
+    position = positions[:, -1:].clone()
+    unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+    made = new
+    last = request.input_ids[:, -1:]  # replaced by the first chosen token before use
+    for t in range(new):
+        if t:
+            position += 1
+            mask[:, prompt_len + t - 1] = True
+            logits = step({"input_ids": last, "position_ids": position, "attention_mask": mask})
+            # Read whether every sequence had ended after step t - 1 only now, with
+            # step t queued behind it: the GPU runs step t while the host waits and
+            # then prepares step t + 1, instead of idling through a sync per token
+            # (HF's generate syncs each step). When they had ended, step t's replay
+            # is dropped unread; nothing random was drawn for it.
+            if ended is not None and ended.read():
+                made = t
+                break
+        # The penalty and the minimum lengths read the sequences so far (HF's input_ids).
+        so_far = request.input_ids
+        if sampling.reads_sequences:
+            so_far = torch.cat([request.input_ids, tokens[:, :t]], dim=1)
+        chosen = _choose(logits, so_far, sampling, processors, generator)
+        if stops.active:
+            chosen = torch.where(unfinished, chosen, stops.pad)
+        tokens[:, t] = chosen
+        last = chosen[:, None]
+        if ended is not None and t + 1 < new:
+            unfinished &= ~torch.isin(chosen, stops.eos)
+            ended.record(~unfinished.any())
+    return torch.cat([request.input_ids, tokens[:, :made]], dim=1)
