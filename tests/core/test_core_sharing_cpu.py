@@ -136,6 +136,13 @@ def test_a_matching_link_gives_a_new_leaf_over_the_source_output():
     assert out.grad_fn is not None, "the source's autograd graph is untouched"
 
 
+def test_indices_one_past_the_end_are_left_out():
+    sample, out = torch.zeros(2), torch.ones(2)
+    for link in ({(1, 1): (0, 0)}, {(1, 0): (0, 1)}):  # input 1 of 1; output 1 of 1
+        sharing = BufferSharing(chained_inputs=link)
+        assert chained_inputs(sharing, 1, [sample], lambda source: [out]) == {}
+
+
 def test_the_leaf_takes_requires_grad_from_the_sample():
     out = torch.zeros(3, requires_grad=True)
     outputs_of, _ = outputs({0: [out]})

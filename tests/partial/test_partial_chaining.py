@@ -81,6 +81,21 @@ def test_a_captured_variant_keeps_the_links_it_was_captured_with():
     assert b.variants[0].chained is None
 
 
+def test_a_fresh_recording_links_calls_made_outside_any_forward():
+    # Without model parts forward is None for every call: one forward from the start.
+    a, b, links = stand_in(), stand_in(), OutputLinks()
+    out = torch.zeros(2)
+    links.note_output(a, 0, out, forward=None)
+    links.note_call(b, 0, (), (out,), {}, forward=None)
+    assert b.variants[0].chained == {0: (a, 0, 0)}
+
+
+def test_group_sharing_never_links_a_call_to_itself():
+    a = stand_in()
+    a.variants[0].chained = {0: (a, 0, 0)}
+    assert group_sharing([(a, 0)]) == BufferSharing(grad_outputs=True, chained_inputs={})
+
+
 def test_outputs_of_an_earlier_forward_are_forgotten():
     a, b, links = stand_in(), stand_in(), OutputLinks()
     out = torch.zeros(2)
@@ -248,6 +263,24 @@ def test_a_refused_chained_input_runs_eagerly_counted_and_said_once(caplog, monk
     assert torch.equal(out, model(x)), "the eager run computed the block"
 
 
+def test_the_eager_run_of_a_refused_chained_input_gets_the_keywords(monkeypatch):
+    from test_partial_entry_details import NARROW, KwToy
+
+    monkeypatch.delenv("CUDAGRAPHS_DISABLE", raising=False)
+    model = KwToy()  # its attention multiplies by the attention_mask keyword
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=refusing_second, scopes=NARROW
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    mgr.capture()
+    x = torch.randn(2, 8)
+    out = model(x)
+    assert mgr.stats()["fallback_unchained_input"] == 1
+    mgr.close()
+    assert torch.equal(out, model(x)), "the eager run got the mask keyword"
+
+
 # ---- the speed check's call -------------------------------------------------------------
 def test_chained_call_passes_the_static_buffer_at_chained_positions():
     p0, p1 = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))
@@ -270,6 +303,31 @@ def test_chained_call_keeps_the_sample_call_otherwise():
         assert got[0] is args and got[1] is kwargs
 
 
+def test_the_speed_check_times_a_chained_graph_with_its_buffer(monkeypatch):
+    from cudagraphs.partial import speed
+
+    buffer = torch.zeros(2, 8)
+    seen = []
+
+    class Graph:
+        graphs = SimpleNamespace(chained=((0, "layers.0"),), static_inputs=[buffer])
+
+        def __call__(self, params, x):  # parameters first, as the adapter takes them
+            seen.append(x.data_ptr())
+            return x * 2
+
+    variant = RecordedVariant((torch.randn(2, 8, requires_grad=True),), {})
+    target = entry("layer")
+    target.variants = [variant]
+    target.params = ()
+    target.adapter = lambda: lambda params, x: x * 2
+    target.contracts = SimpleNamespace(variants=[SimpleNamespace(grad_enabled=True)])
+    check = speed.SpeedCheck(rounds=1, iters=1, warmup=0, synchronize=lambda: None)
+    monkeypatch.setattr(target, "capture_params", lambda i: ())
+    speed.measure_group(check, [(target, 0)], [Graph()])
+    assert seen == [buffer.data_ptr()]
+
+
 # ---- memory in stats() ------------------------------------------------------------------
 def fake_graph(pool, buffers, eager_only=False):
     return SimpleNamespace(
@@ -287,7 +345,8 @@ def test_stats_add_pool_and_buffer_bytes_per_scope():
     entries = [
         entry("attention", fake_graph(100, 10), fake_graph(50, 5)),
         entry("router", fake_graph(7, 1)),
-        entry("custom", fake_graph(1000, 0), fake_graph(9, 9, eager_only=True), object()),
+        # Graphs that say nothing come first: the ones after them still count.
+        entry("custom", object(), fake_graph(9, 9, eager_only=True), fake_graph(1000, 0)),
         entry("mlp", SimpleNamespace(graphs=SimpleNamespace(eager_only=False))),
         entry("layer", SimpleNamespace(graphs=SimpleNamespace(pool_bytes=3))),  # no flag
     ]

@@ -233,7 +233,6 @@ class Recorder:
             handle.remove()
         self._output_hooks = []
         self.links.clear()  # drops the outputs it held
-        self._awaited = {}
         if self.clock is not None:
             self.clock.remove()
         self.active = False
