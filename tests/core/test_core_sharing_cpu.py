@@ -388,12 +388,14 @@ def test_a_view_of_the_buffer_with_other_strides_is_refused():
     assert g.fwd_graph.replays == 0 and out.tolist() == [[0, 1], [2, 3]]
 
 
-def test_unchain_drops_one_link():
+def test_unchain_drops_one_link_and_counts_the_buffer_as_its_own():
     _, _, g = chained_pair()
+    g.buffer_bytes = 16  # its own input buffer: 4 float32
     g.unchain(1)
-    assert g.chained == ((2, SOURCE),)
-    g.unchain(5)
-    assert g.chained == ((2, SOURCE),)
+    assert g.chained == ((2, SOURCE),) and g.buffer_bytes == 32
+    g.unchain(5)  # not chained: nothing changes
+    g.unchain(1)  # already its own
+    assert g.chained == ((2, SOURCE),) and g.buffer_bytes == 32
 
 
 def test_releasing_the_source_unchains_its_dependents_which_then_copy_in():

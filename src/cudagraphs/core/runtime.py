@@ -258,8 +258,12 @@ class EntryGraphs:
 
     def unchain(self, index: int) -> None:
         """Make the chained static input ``index`` this entry's own buffer (its source
-        was released): calls are copied into it from now on."""
-        self.chained = tuple(c for c in self.chained if c[0] != index)
+        was released): calls are copied into it from now on, and its bytes count in
+        :attr:`buffer_bytes`."""
+        if any(i == index for i, _ in self.chained):
+            self.chained = tuple(c for c in self.chained if c[0] != index)
+            buffer = self.static_inputs[index]
+            self.buffer_bytes += buffer.numel() * buffer.element_size()
 
     def output_tensors(self) -> tuple[torch.Tensor, ...]:
         # Detached views: autograd attaches its graph to these, never to the buffers.
