@@ -2,7 +2,9 @@
 every gradient against eager's (:func:`compare_tensors`), parameters after optimizer
 steps element by element (:func:`compare_params`), ratios of medians, steps that
 record their first exception instead of ending the run (:func:`guard_steps`), and a
-variant's own kernel-busy time on a fresh build (:func:`fresh_kernel_busy`)."""
+variant's own kernel-busy time and launches on a fresh build
+(:func:`fresh_kernel_busy`), and the idle time per launch they imply
+(:func:`launch_gaps_us`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from _report import describe_error, free_memory
-from cudagraphs.timing import kernel_busy_ms
+from cudagraphs.timing import kernel_activity
 
 # Parameters after CHECK_STEPS AdamW steps, per element (see compare_params): AdamW's
 # first steps move a weight by about lr * sign(g), so a gradient that differs by
@@ -145,6 +147,21 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
 
+def launch_gaps_us(
+    ms: Mapping[str, float], busy: Mapping[str, float], launches: Mapping[str, float]
+) -> dict[str, float]:
+    """Per variant with all three, the GPU's idle microseconds per launch within a
+    step: ``(ms - busy) / launches``. For a graph replay this is the device's gap
+    between dependent nodes (about 0.4-0.5 us on the H200), so ``busy + launches *
+    gap`` is the floor of any graph of those kernels, ours or a raw one; for an eager
+    step it is mostly the host's launch cost."""
+    return {
+        v: round((ms[v] - busy[v]) * 1e3 / launches[v], 3)
+        for v in ms
+        if v in busy and launches.get(v)
+    }
+
+
 def guard_steps(
     steps: Mapping[str, Callable[[], object]], errors: dict[str, dict]
 ) -> dict[str, Callable[[], None]]:
@@ -173,8 +190,9 @@ def fresh_kernel_busy(
     iters: int,
     warmup: int,
 ) -> dict:
-    """A variant's own kernel-busy time, on a fresh build (``build()`` returns an
-    object with a ``step``; ``release`` frees it): ``{"kernel_busy_ms"}``, or
+    """A variant's own kernel-busy time and launches per step, on a fresh build
+    (``build()`` returns an object with a ``step``; ``release`` frees it):
+    ``{"kernel_busy_ms", "kernels_per_step"}``, or
     ``{"kernel_busy_error", ...}`` when building or profiling fails. Memory is freed
     before returning, so the next variant starts clean."""
     try:
@@ -182,8 +200,11 @@ def fresh_kernel_busy(
     except Exception as exc:
         return {"kernel_busy_error": describe_error(exc)}
     try:
-        busy = kernel_busy_ms(built.step, iters=iters, warmup=warmup)
-        return {"kernel_busy_ms": round(busy, 4)}
+        activity = kernel_activity(built.step, iters=iters, warmup=warmup)
+        return {
+            "kernel_busy_ms": round(activity.busy_ms, 4),
+            "kernels_per_step": round(activity.launches, 1),
+        }
     except Exception as exc:
         return {"kernel_busy_error": describe_error(exc)}
     finally:

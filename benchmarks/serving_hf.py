@@ -85,7 +85,7 @@ from _report import (  # noqa: E402
     free_memory,
     write_report,
 )
-from cudagraphs.timing import interleaved_samples_ms, kernel_busy_ms, summarize  # noqa: E402
+from cudagraphs.timing import interleaved_samples_ms, kernel_activity, summarize  # noqa: E402
 
 NAME = "serving_hf"
 DEVICE = "cuda"
@@ -384,7 +384,8 @@ def compiled_startups() -> dict:
 
 
 def profile_ours(report: dict) -> None:
-    """Our own kernel-busy ms per token, per model and batch (after all timing)."""
+    """Our own kernel-busy ms and launches per token, per model and batch (after all
+    timing)."""
     from cudagraphs.serving.hf import GraphedGenerator
 
     for family in report["models"]:
@@ -395,9 +396,12 @@ def profile_ours(report: dict) -> None:
             for batch in BATCHES:
                 ids = prompts(batch)
                 request = partial(gen.generate, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
-                busy = kernel_busy_ms(request, iters=3, warmup=1)
+                activity = kernel_activity(request, iters=3, warmup=1)
                 entry = report["models"][family]["batches"][str(batch)]
-                entry["kernel_busy_ms_per_token"] = round(busy / NEW_TOKENS, 4)
+                entry["kernel_busy_ms_per_token"] = round(activity.busy_ms / NEW_TOKENS, 4)
+                # A request is a prefill and NEW_TOKENS - 1 decode steps: launches per
+                # token, with the prefill's spread over them.
+                entry["kernels_per_token"] = round(activity.launches / NEW_TOKENS, 1)
         gen.close()
         del gen, model
         free_memory()

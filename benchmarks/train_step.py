@@ -93,6 +93,7 @@ from _checks import (  # noqa: E402
     compare_tensors,
     fresh_kernel_busy,
     guard_steps,
+    launch_gaps_us,
     ratio,
 )
 from _report import (  # noqa: E402
@@ -278,7 +279,9 @@ def finish_regime(config: str, regime: str, res: dict) -> None:
     variants = res["variants"]
     ms = {v: r["ms"]["median"] for v, r in variants.items() if "ms" in r}
     busy = {v: r["kernel_busy_ms"] for v, r in variants.items() if "kernel_busy_ms" in r}
-    res["ms"], res["kernel_busy_ms"] = ms, busy
+    launches = {v: r["kernels_per_step"] for v, r in variants.items() if "kernels_per_step" in r}
+    res["ms"], res["kernel_busy_ms"], res["kernels_per_step"] = ms, busy, launches
+    res["launch_gap_us"] = launch_gaps_us(ms, busy, launches)
     res["ratios"] = compute_ratios(list(variants), ms, busy)
     res["targets"] = compute_targets(config, regime, ms, busy)
 

@@ -47,7 +47,7 @@ from torch import nn  # noqa: E402
 
 import _report  # noqa: E402,F401  (first: puts this checkout's src on sys.path)
 import cudagraphs  # noqa: E402
-from _checks import fresh_kernel_busy, guard_steps, ratio, relative_error  # noqa: E402
+from _checks import fresh_kernel_busy, guard_steps, launch_gaps_us, ratio, relative_error  # noqa: E402
 from _report import (  # noqa: E402
     add_common_arguments,
     describe_error,
@@ -222,7 +222,9 @@ def finish_model(model: str, res: dict) -> None:
     variants = res["variants"]
     ms = {v: r["ms"]["median"] for v, r in variants.items() if "ms" in r}
     busy = {v: r["kernel_busy_ms"] for v, r in variants.items() if "kernel_busy_ms" in r}
-    res["ms"], res["kernel_busy_ms"] = ms, busy
+    launches = {v: r["kernels_per_step"] for v, r in variants.items() if "kernels_per_step" in r}
+    res["ms"], res["kernel_busy_ms"], res["kernels_per_step"] = ms, busy, launches
+    res["launch_gap_us"] = launch_gaps_us(ms, busy, launches)
     res["ratios"] = model_ratios(ms, busy)
     res["targets"] = model_targets(model, ms)
 

@@ -7,7 +7,8 @@
 * :func:`interleaved_samples_ms`: the per-round samples behind that, for reports that
   give a range (:func:`summarize`: median, min, max over rounds).
 * :func:`kernel_busy_ms`: the union of the GPU's kernel/copy intervals per step, from
-  the profiler: the physical floor a perfectly launched step could reach.
+  the profiler: the physical floor a perfectly launched step could reach;
+  :func:`kernel_activity` adds the launches per step.
 * :func:`quiet_gc`: no garbage collection inside a timed window.
 """
 
@@ -19,6 +20,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,9 +28,12 @@ import torch
 from .errors import CudaGraphsValueError
 
 __all__ = [
+    "KernelActivity",
     "interleaved_samples_ms",
     "interleaved_step_times_ms",
+    "kernel_activity",
     "kernel_busy_ms",
+    "profile_activity",
     "profile_busy_ms",
     "quiet_gc",
     "step_time_ms",
@@ -161,8 +166,26 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def kernel_busy_ms(step: Callable[[], object], *, iters: int = 20, warmup: int = 5) -> float:
-    """Milliseconds per step during which at least one kernel, copy or memset ran."""
+@dataclass(frozen=True)
+class KernelActivity:
+    """What the GPU ran per step over a profiled window.
+
+    ``launches`` is the number of kernels, copies and memsets per step. With a step's
+    wall time it gives the GPU's idle time per launch, ``(step - busy) / launches``:
+    inside a CUDA graph that is the device's own gap between dependent nodes, which
+    no host work can shorten, so ``busy + launches * gap`` is the floor of a graph of
+    those kernels (see ``docs/torch-graph-facts.md``).
+    """
+
+    busy_ms: float  # at least one kernel, copy or memset running
+    launches: float
+
+
+def kernel_activity(
+    step: Callable[[], object], *, iters: int = 20, warmup: int = 5
+) -> KernelActivity:
+    """Kernel-busy milliseconds and launches per step of ``step``, over ``iters``
+    profiled steps after ``warmup`` unprofiled ones."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -172,19 +195,35 @@ def kernel_busy_ms(step: Callable[[], object], *, iters: int = 20, warmup: int =
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    return profile_busy_ms(prof) / iters
+    return profile_activity(prof, steps=iters)
+
+
+def kernel_busy_ms(step: Callable[[], object], *, iters: int = 20, warmup: int = 5) -> float:
+    """Milliseconds per step during which at least one kernel, copy or memset ran."""
+    return kernel_activity(step, iters=iters, warmup=warmup).busy_ms
+
+
+def profile_activity(prof: Any, steps: int = 1) -> KernelActivity:
+    """:class:`KernelActivity` per step of a finished ``torch.profiler.profile`` that
+    covered ``steps`` steps. Activities the profiler gave no usable interval (see
+    :func:`_usable_intervals`) are neither busy time nor launches."""
+    if steps < 1:
+        raise CudaGraphsValueError(f"profile_activity() needs steps >= 1, got {steps}")
+    intervals = _usable_intervals(
+        [
+            (evt.time_range.start, evt.time_range.end)
+            for evt in prof.events()
+            if evt.device_type == torch.autograd.DeviceType.CUDA
+        ]
+    )
+    return KernelActivity(_union_length(intervals) / 1e3 / steps, len(intervals) / steps)
 
 
 def profile_busy_ms(prof: Any) -> float:
     """Milliseconds during which at least one kernel, copy or memset ran, over a
     finished ``torch.profiler.profile`` (for windows a step function cannot frame,
     such as steps inside a ``Trainer`` run)."""
-    intervals = [
-        (evt.time_range.start, evt.time_range.end)
-        for evt in prof.events()
-        if evt.device_type == torch.autograd.DeviceType.CUDA
-    ]
-    return _union_length(_usable_intervals(intervals)) / 1e3
+    return profile_activity(prof).busy_ms
 
 
 def _usable_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -174,14 +174,18 @@ def test_fresh_kernel_busy_releases_the_build_and_records_failures(ts, monkeypat
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
-    monkeypatch.setattr(_checks, "kernel_busy_ms", lambda step, iters, warmup: 1.23456)
+    from cudagraphs.timing import KernelActivity
+
+    monkeypatch.setattr(
+        _checks, "kernel_activity", lambda step, iters, warmup: KernelActivity(1.23456, 291.98)
+    )
     released = []
 
     class Built:
         step = staticmethod(lambda: None)
 
     ok = _checks.fresh_kernel_busy(Built, released.append, iters=2, warmup=1)
-    assert ok == {"kernel_busy_ms": 1.2346} and len(released) == 1
+    assert ok == {"kernel_busy_ms": 1.2346, "kernels_per_step": 292.0} and len(released) == 1
 
     def failing_build():
         raise RuntimeError("no build")
@@ -192,7 +196,7 @@ def test_fresh_kernel_busy_releases_the_build_and_records_failures(ts, monkeypat
     def failing_profile(step, iters, warmup):
         raise RuntimeError("profiler died")
 
-    monkeypatch.setattr(_checks, "kernel_busy_ms", failing_profile)
+    monkeypatch.setattr(_checks, "kernel_activity", failing_profile)
     out = _checks.fresh_kernel_busy(Built, released.append, iters=2, warmup=1)
     assert "profiler died" in out["kernel_busy_error"]["error"] and len(released) == 2
 

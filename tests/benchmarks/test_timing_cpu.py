@@ -123,3 +123,52 @@ def test_summarize_rounds_to_four_digits_by_default():
 
 def test_only_an_interval_starting_at_zero_is_dropped():
     assert _usable_intervals([(0.5, 2.0), (0.0, 2.0)]) == [(0.5, 2.0)]
+
+
+class _Event:
+    def __init__(self, start, end, device_type):
+        self.time_range = type("Range", (), {"start": start, "end": end})()
+        self.device_type = device_type
+
+
+class _Profile:
+    def __init__(self, events):
+        self._events = events
+
+    def events(self):
+        return self._events
+
+
+def test_profile_activity_counts_usable_launches_and_their_union_per_step():
+    import torch
+
+    from cudagraphs.timing import KernelActivity, profile_activity, profile_busy_ms
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    prof = _Profile(
+        [
+            _Event(1000.0, 1500.0, cuda),
+            _Event(1400.0, 2000.0, cuda),  # overlaps the first: busy once, two launches
+            _Event(3000.0, 3100.0, cuda),
+            _Event(0.0, 9000.0, cuda),  # no recorded start: neither busy nor a launch
+            _Event(100.0, 5000.0, cpu),  # host activity
+        ]
+    )
+    assert profile_activity(prof, steps=2) == KernelActivity(busy_ms=0.55, launches=1.5)
+    assert profile_busy_ms(prof) == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="steps >= 1"):
+        profile_activity(prof, steps=0)
+
+
+def test_kernel_busy_is_the_activity_busy_time(monkeypatch):
+    import cudagraphs.timing as timing
+
+    seen = {}
+
+    def fake(step, *, iters, warmup):
+        seen.update(iters=iters, warmup=warmup)
+        return timing.KernelActivity(0.75, 300.0)
+
+    monkeypatch.setattr(timing, "kernel_activity", fake)
+    assert timing.kernel_busy_ms(lambda: None, iters=7, warmup=2) == 0.75
+    assert seen == {"iters": 7, "warmup": 2}

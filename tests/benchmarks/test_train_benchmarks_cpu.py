@@ -242,9 +242,9 @@ def test_finish_regime_uses_medians_and_flattens_targets_by_config(ts):
 
     res = {
         "variants": {
-            "eager": {"ms": summary(10.0), "kernel_busy_ms": 2.0},
+            "eager": {"ms": summary(10.0), "kernel_busy_ms": 2.0, "kernels_per_step": 400.0},
             ts.HELPER: {"ms": summary(6.0)},
-            "cudagraphs": {"ms": summary(5.0), "kernel_busy_ms": 2.5},
+            "cudagraphs": {"ms": summary(5.0), "kernel_busy_ms": 2.5, "kernels_per_step": 0.0},
             ts.COMPILE_VARIANT: {"error": "no triton"},
         }
     }
@@ -252,6 +252,9 @@ def test_finish_regime_uses_medians_and_flattens_targets_by_config(ts):
     assert res["ms"] == {"eager": 10.0, ts.HELPER: 6.0, "cudagraphs": 5.0}
     assert res["kernel_busy_ms"] == {"eager": 2.0, "cudagraphs": 2.5}
     assert res["ratios"]["cudagraphs/kernel_busy_own"] == 2.0
+    # (10 - 2) ms over 400 launches; no gap where no launch was counted.
+    assert res["kernels_per_step"] == {"eager": 400.0, "cudagraphs": 0.0}
+    assert res["launch_gap_us"] == {"eager": 20.0}
     assert res["ratios"][f"{ts.COMPILE_VARIANT}/eager"] is None
     assert res["targets"] == {
         "default_le_torch_helper_set_to_none": True,

@@ -71,3 +71,23 @@ def test_ratios_name_their_floor(hf):
     assert r[f"{hf.OURS}/{hf.RAW_SAME}"] == 1.25
     assert r[f"{hf.OURS}/kernel_busy_own"] == 1.25
     assert r[f"{hf.RAW}/kernel_busy_own"] is None
+
+
+def test_a_finished_model_reports_launches_and_the_gap_per_launch(hf):
+    def entry(ms, busy=None, launches=None):
+        out = {"ms": {"median": ms}}
+        if busy is not None:
+            out.update(kernel_busy_ms=busy, kernels_per_step=launches)
+        return out
+
+    res = {
+        "variants": {
+            hf.EAGER: entry(20.0),
+            hf.RAW_SAME: entry(2.9, 2.4, 1000.0),
+            hf.OURS: entry(2.8, 2.4, 1000.0),
+        }
+    }
+    hf.finish_model("llama", res)
+    assert res["kernels_per_step"] == {hf.RAW_SAME: 1000.0, hf.OURS: 1000.0}
+    assert res["launch_gap_us"] == {hf.RAW_SAME: 0.5, hf.OURS: 0.4}
+    assert res["targets"] == {"hf_llama_step_with_optimizer": None}
