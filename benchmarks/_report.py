@@ -206,6 +206,32 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_round_arguments(parser: argparse.ArgumentParser) -> None:
+    """--iters and --repeats (a benchmark's per-config defaults where not given) and
+    --skip-kernel-busy, for the benchmarks that time steps in interleaved rounds."""
+    parser.add_argument("--iters", type=int, help="steps per sample (default: per config)")
+    parser.add_argument("--repeats", type=int, help="interleaved rounds (default: per config)")
+    parser.add_argument("--skip-kernel-busy", action="store_true")
+
+
+def step_time_method(shuffle_seed: int) -> str:
+    """The ``settings["step_time"]`` line of a benchmark timed in interleaved rounds."""
+    return (
+        "interleaved_samples_ms: per round each variant once, in a shuffled order (seed "
+        f"{shuffle_seed}); a sample is the mean wall time of iters steps; GC off and "
+        "frozen in rounds; summarize: median, min, max over rounds; ratios of medians"
+    )
+
+
+def kernel_busy_method(iters: int, warmup: int) -> str:
+    """The ``settings["kernel_busy"]`` line of a benchmark that profiles each variant."""
+    return (
+        f"each variant's own: kernel_activity(iters={iters}, warmup={warmup}) on a fresh "
+        "build, after every wall-clock timing of the run: kernel-busy ms and launches "
+        "per step"
+    )
+
+
 def exit_code_without_gpu(name: str, require_gpu: bool) -> int | None:
     """``None`` when a CUDA device is present; else say so on stderr and return the
     exit code (2 with ``--require-gpu``, else 0)."""

@@ -68,10 +68,13 @@ import cudagraphs  # noqa: E402
 from _checks import compare_tensors, fresh_kernel_busy, guard_steps, ratio, relative_error  # noqa: E402
 from _report import (  # noqa: E402
     add_common_arguments,
+    add_round_arguments,
     describe_error,
     environment,
     exit_code_without_gpu,
     free_memory,
+    kernel_busy_method,
+    step_time_method,
     write_report,
 )
 from cudagraphs.partial import MODEL_SCOPE, SCOPES, PartialCudaGraphManager  # noqa: E402
@@ -596,9 +599,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=list(VARIANTS),
         help="eager always runs (the reference)",
     )
-    p.add_argument("--iters", type=int, help="steps per sample (default: per config)")
-    p.add_argument("--repeats", type=int, help="interleaved rounds (default: per config)")
-    p.add_argument("--skip-kernel-busy", action="store_true")
+    add_round_arguments(p)
     add_common_arguments(p)
     return p.parse_args(argv)
 
@@ -618,13 +619,8 @@ def settings(models: list[str], variants: list[str]) -> dict:
             "partial_widest": list(WIDEST_SCOPES),
         },
         "warmup": WARMUP_STEPS,
-        "step_time": "interleaved_samples_ms: per round each variant once, in a shuffled "
-        f"order (seed {SHUFFLE_SEED}); a sample is the mean wall time of iters steps; "
-        "GC off and frozen in rounds; summarize: median, min, max over rounds; ratios "
-        "of medians",
-        "kernel_busy": f"each variant's own: kernel_busy_ms(iters={KERNEL_BUSY_ITERS}, "
-        f"warmup={KERNEL_BUSY_WARMUP}) on a fresh build, after every wall-clock timing of "
-        "the run",
+        "step_time": step_time_method(SHUFFLE_SEED),
+        "kernel_busy": kernel_busy_method(KERNEL_BUSY_ITERS, KERNEL_BUSY_WARMUP),
         "check": f"{CHECK_STEPS} step from zeroed grads: loss and every gradient vs eager",
         "loss_rel_tol": LOSS_REL_TOL,
         "grad_rel_tol": GRAD_REL_TOL,

@@ -98,10 +98,13 @@ from _checks import (  # noqa: E402
 )
 from _report import (  # noqa: E402
     add_common_arguments,
+    add_round_arguments,
     describe_error,
     environment,
     exit_code_without_gpu,
     free_memory,
+    kernel_busy_method,
+    step_time_method,
     timed_setup,
     write_report,
 )
@@ -827,9 +830,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=list(VARIANTS),
         help="eager and eager_repeat always run (the references)",
     )
-    p.add_argument("--iters", type=int, help="steps per sample (default: per config)")
-    p.add_argument("--repeats", type=int, help="interleaved rounds (default: per config)")
-    p.add_argument("--skip-kernel-busy", action="store_true")
+    add_round_arguments(p)
     add_common_arguments(p)
     return p.parse_args(argv)
 
@@ -847,13 +848,8 @@ def settings(configs: list[BenchConfig], names: list[str]) -> dict:
         "warmup": WARMUP_STEPS,
         "iters": {c.name: c.iters for c in configs},
         "repeats": {c.name: c.repeats for c in configs},
-        "step_time": "interleaved_samples_ms: per round each variant once, in a shuffled "
-        f"order (seed {SHUFFLE_SEED}); a sample is the mean wall time of iters steps; "
-        "GC off and frozen in rounds; summarize: median, min, max over rounds; ratios "
-        "of medians",
-        "kernel_busy": f"each variant's own: kernel_busy_ms(iters={KERNEL_BUSY_ITERS}, "
-        f"warmup={KERNEL_BUSY_WARMUP}) on a fresh build, after every wall-clock timing of "
-        "the run",
+        "step_time": step_time_method(SHUFFLE_SEED),
+        "kernel_busy": kernel_busy_method(KERNEL_BUSY_ITERS, KERNEL_BUSY_WARMUP),
         "check": f"{CHECK_STEPS} steps from a reset state; grads (and params under "
         f"set_to_none) vs eager; grad_rel_tol {GRAD_REL_TOL}; params per element (at "
         f"most {PARAM_MISMATCH_FRACTION:.0%} of a tensor beyond {PARAM_ULPS} ulps, none "

@@ -54,6 +54,8 @@ from _report import (  # noqa: E402
     environment,
     exit_code_without_gpu,
     free_memory,
+    kernel_busy_method,
+    step_time_method,
     timed_setup,
     write_report,
 )
@@ -375,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         "iters": ITERS,
         "repeats": REPEATS,
         "warmup": WARMUP_STEPS,
-        "step_time": "interleaved_samples_ms, shuffled rounds (seed 0); median, min, max",
-        "kernel_busy": "each variant's own, on a fresh build, after all timing",
+        "step_time": step_time_method(SHUFFLE_SEED),
+        "kernel_busy": kernel_busy_method(KERNEL_BUSY_ITERS, KERNEL_BUSY_WARMUP),
     }
     report["models"] = {m: run_model(m, list(VARIANTS)) for m in args.models}
     report["targets"] = {k: v for r in report["models"].values() for k, v in r["targets"].items()}

@@ -110,3 +110,17 @@ def test_committed_results_ran_the_sources_of_their_commit(report_module):
         checked += 1
     if checked == 0:
         pytest.skip("no report records a source hash yet")
+
+
+def test_round_arguments_and_method_lines():
+    import argparse
+
+    import _report
+
+    p = argparse.ArgumentParser()
+    _report.add_round_arguments(p)
+    args = p.parse_args(["--iters", "3", "--skip-kernel-busy"])
+    assert (args.iters, args.repeats, args.skip_kernel_busy) == (3, None, True)
+    assert "seed 7" in _report.step_time_method(7)
+    line = _report.kernel_busy_method(10, 3)
+    assert "kernel_activity(iters=10, warmup=3)" in line and "launches" in line
