@@ -127,44 +127,41 @@ def test_a_cache_in_the_output_runs_eagerly_said_and_counted(caplog):
         mgr.close()
 
 
-def test_a_host_sync_in_the_forward_fails_the_whole_capture_and_layers_graph():
+def widest_llama_stats(tweak, seed: int) -> dict:
+    """Train a bf16 Llama under the widest scopes against its eager twin, with
+    ``tweak`` applied to both, over 3 padded batches; the manager's stats (closed)."""
     model = bf16("llama")
     ref = copy.deepcopy(model)
+    for m in (model, ref):
+        tweak(m)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    batches = [batch(gen, pad=1) for _ in range(3)]
+    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
+    try:
+        train_both(model, ref, mgr, batches, lambda m, *b: hf_loss(m, *b, use_cache=False))
+        return mgr.stats()
+    finally:
+        mgr.close()
 
+
+def test_a_host_sync_in_the_forward_fails_the_whole_capture_and_layers_graph():
     def sync(module, args, out):  # outside the layers: a sync no capture can hold
         float(out.detach().sum())
 
-    for m in (model, ref):
-        m.model.norm.register_forward_hook(sync)
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    batches = [batch(gen, pad=1) for _ in range(3)]
-    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
-    try:
-        train_both(model, ref, mgr, batches, lambda m, *b: hf_loss(m, *b, use_cache=False))
-        stats = mgr.stats()
-        assert stats["off_model_capture_failed"] == 1, stats
-        assert stats["captured"] == 2 and stats["fallbacks"] == 0, stats
-        # Eager work still runs on the device after the failed capture.
-        assert torch.ones(2, device="cuda").sum().item() == 2
-    finally:
-        mgr.close()
+    stats = widest_llama_stats(lambda m: m.model.norm.register_forward_hook(sync), seed=6)
+    assert stats["off_model_capture_failed"] == 1, stats
+    assert stats["captured"] == 2 and stats["fallbacks"] == 0, stats
+    # Eager work still runs on the device after the failed capture.
+    assert torch.ones(2, device="cuda").sum().item() == 2
 
 
 def test_activation_checkpointing_keeps_layer_graphs():
-    model = bf16("llama")
-    ref = copy.deepcopy(model)
-    for m in (model, ref):
+    def checkpointing(m):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    batches = [batch(gen, pad=1) for _ in range(3)]
-    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
-    try:
-        train_both(model, ref, mgr, batches, lambda m, *b: hf_loss(m, *b, use_cache=False))
-        stats = mgr.stats()
-        assert stats["off_model_activation_checkpointing"] == 1, stats
-        assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * 2, stats
-    finally:
-        mgr.close()
+
+    stats = widest_llama_stats(checkpointing, seed=8)
+    assert stats["off_model_activation_checkpointing"] == 1, stats
+    assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * 2, stats
 
 
 def test_the_speed_check_times_the_whole_model_and_keeps_it_when_faster():
