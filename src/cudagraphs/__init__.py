@@ -43,6 +43,7 @@ from .errors import (
     QuantizationNotSupportedError,
     SignatureMismatchError,
     TargetSelectionError,
+    UncapturedGradientError,
     UnsupportedModelError,
     UnsupportedTorchError,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "QuantizationNotSupportedError",
     "SignatureMismatchError",
     "TargetSelectionError",
+    "UncapturedGradientError",
     "GraphedCallable",
     "GraphedStack",
     "capture_into_graph",

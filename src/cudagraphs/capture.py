@@ -70,6 +70,26 @@ def gc_paused() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def cudnn_benchmark_off() -> Iterator[None]:
+    """``torch.backends.cudnn.benchmark`` off inside, restored on exit; nothing is
+    touched when it is already off.
+
+    Through torch's ``cudnn.flags()`` context manager, never by assignment: a process
+    that froze the flags (``torch.backends.disable_global_flags()``, as torch's own
+    test harness does) refuses assignment with "not allowed to set
+    torch.backends.cudnn flags after disable_global_flags". Every other flag is passed
+    as ``None``, which ``flags()`` leaves as it is, so only ``benchmark`` changes.
+    """
+    if not torch.backends.cudnn.benchmark:
+        yield
+        return
+    keep = dict.fromkeys(inspect.signature(torch.backends.cudnn.flags).parameters)
+    keep["benchmark"] = False
+    with torch.backends.cudnn.flags(**keep):
+        yield
+
+
+@contextlib.contextmanager
 def capture_environment() -> Iterator[None]:
     """Process-wide settings that must hold while a stream is being captured.
 
@@ -84,11 +104,9 @@ def capture_environment() -> Iterator[None]:
 
     Every setting is restored on exit, also when the body raises.
     """
-    cudnn_benchmark = torch.backends.cudnn.benchmark
     with contextlib.ExitStack() as stack:
         stack.enter_context(gc_paused())
-        torch.backends.cudnn.benchmark = False
-        stack.callback(torch.backends.cudnn.__setattr__, "benchmark", cudnn_benchmark)
+        stack.enter_context(cudnn_benchmark_off())
         # Only when dynamo is loaded: nothing can be compiled (or recompile) otherwise,
         # and set_stance would import it, seconds of the first capture (measured on the
         # H200: 3.4 s of a 16-layer decoder's first capture went to that import).

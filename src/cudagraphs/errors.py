@@ -43,6 +43,7 @@ __all__ = [
     "QuantizationNotSupportedError",
     "SignatureMismatchError",
     "TargetSelectionError",
+    "UncapturedGradientError",
     "describe_mismatches",
 ]
 
@@ -144,6 +145,14 @@ class ChainedInputError(CudaGraphInputError):
     layer's hidden states from the layer before) was called with another tensor there;
     ``mismatches`` names each such input. Raised before anything is copied or
     replayed."""
+
+
+class UncapturedGradientError(CudaGraphInputError):
+    """A backward pass reached a replay whose graphs compute no gradient for an input
+    (or parameter) that requires one: it was captured with sample inputs that did not
+    require grad, or without a backward graph at all. Raised by the backward, so a
+    forward-only use of such a call works and no gradient is ever silently short;
+    ``mismatches`` names each input."""
 
 
 class SignatureMismatchError(CudaGraphInputError):

@@ -135,6 +135,20 @@ def test_the_set_to_none_target_compares_the_default_with_the_helper(ts, config)
     assert target({ts.HELPER: 5.0})[key] is None
 
 
+def test_owned_gradients_may_cost_at_most_3_percent_over_the_helper(ts):
+    key = "default_owned_le_1.03x_torch_helper_set_to_none"
+
+    def target(ms):
+        return ts.compute_targets("launch_bound", "set_to_none", ms, {})
+
+    assert target({"cudagraphs": 5.15, ts.HELPER: 5.0})[key] is True
+    assert target({"cudagraphs": 5.16, ts.HELPER: 5.0})[key] is False
+    assert target({ts.HELPER: 5.0})[key] is None
+    lent = target({ts.LENT: 4.9, ts.HELPER: 5.0, "cudagraphs": 5.1})
+    assert lent["lent_le_torch_helper_set_to_none"] is True
+    assert lent["default_le_torch_helper_set_to_none"] is False
+
+
 def test_the_set_to_none_target_ties_twins_only_when_their_kernels_agree(ts):
     key = "default_le_torch_helper_set_to_none"
     ms = {"cudagraphs": 10.6, ts.HELPER: 10.59}  # 1.0009x: a tie on compute_bound
@@ -258,6 +272,8 @@ def test_finish_regime_uses_medians_and_flattens_targets_by_config(ts):
     assert res["ratios"][f"{ts.COMPILE_VARIANT}/eager"] is None
     assert res["targets"] == {
         "default_le_torch_helper_set_to_none": True,
+        "default_owned_le_1.03x_torch_helper_set_to_none": True,
+        "lent_le_torch_helper_set_to_none": None,  # the lent variant did not run
         # The whole-step variants did not run: their targets are unknown, not met.
         "step_with_optimizer_le_raw_graph": None,
         "step_with_optimizer_le_1.08x_kernel_busy": None,

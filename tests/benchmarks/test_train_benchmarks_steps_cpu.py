@@ -157,6 +157,8 @@ def test_one_regime_end_to_end_catches_planted_bugs(cpu, monkeypatch):
     assert res["ratios"]["eager_repeat/eager"] is not None
     assert res["targets"] == {
         "default_le_torch_helper_set_to_none": None,
+        "default_owned_le_1.03x_torch_helper_set_to_none": None,
+        "lent_le_torch_helper_set_to_none": None,
         "step_with_optimizer_le_raw_graph": None,
         "compute_bound_step_le_best_alternative": None,
     }

@@ -26,6 +26,40 @@ def test_capture_environment_sets_and_restores_even_on_error():
         torch.backends.cudnn.benchmark = False
 
 
+@pytest.fixture
+def frozen_cudnn_flags():
+    """cudnn flags frozen as torch's test harness freezes them (common_utils calls
+    ``torch.backends.disable_global_flags()`` at import)."""
+    yield
+    # Undo the freeze for the tests that follow (torch has no public way back).
+    torch.backends.disable_global_flags.__globals__["__allow_nonbracketed_mutation_flag"] = True
+    assert not torch.backends.flags_frozen()
+
+
+def _cudnn_flags():
+    c = torch.backends.cudnn
+    return (c.enabled, c.benchmark, c.deterministic, c.benchmark_limit, c.allow_tf32)
+
+
+@pytest.mark.parametrize("bench_on", [True, False])
+def test_capture_environment_works_with_frozen_cudnn_flags(frozen_cudnn_flags, bench_on):
+    with torch.backends.cudnn.flags(**{**dict.fromkeys(_flag_names()), "benchmark": bench_on}):
+        torch.backends.disable_global_flags()
+        before = _cudnn_flags()
+        with pytest.raises(RuntimeError, match="not allowed to set"):
+            torch.backends.cudnn.benchmark = not bench_on  # frozen: assignment refused
+        with capture_environment():
+            assert torch.backends.cudnn.benchmark is False
+            assert _cudnn_flags()[:1] + _cudnn_flags()[2:] == before[:1] + before[2:]
+        assert _cudnn_flags() == before
+
+
+def _flag_names():
+    import inspect
+
+    return inspect.signature(torch.backends.cudnn.flags).parameters
+
+
 def test_capture_environment_keeps_gc_off_if_it_was_off():
     gc.disable()
     try:

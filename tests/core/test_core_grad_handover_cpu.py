@@ -2,9 +2,13 @@
 are stand-ins that write what a captured backward would, into the same static
 buffers, so the handover logic runs exactly as on the GPU.
 
-The rule under test: a gradient goes out as a view of its static buffer (no copy),
-and a ``.grad`` that still is that buffer when the next backward replay comes is
-moved to an owned copy first. ``autograd.grad()`` gets owned copies at once.
+The rules under test. By default (Transformer Engine 2.20's contract) every parameter
+gradient leaves a backward replay as an owned copy, one fused launch per replay: what
+a hook or ``.grad`` keeps survives later replays. In lent mode
+(``clone_param_grads_on_return=False``) a gradient goes out as a view of its static
+buffer (no copy), and a ``.grad`` that still is that buffer when the next replay that
+could overwrite it comes is moved to an owned copy first. ``autograd.grad()`` gets
+owned copies at once in both modes.
 """
 
 from __future__ import annotations
@@ -95,8 +99,79 @@ def _step(fn, x):
     fn(x).sum().backward()
 
 
-def test_a_fresh_gradient_is_handed_over_without_a_copy():
+def _lent(**kwargs):
+    return _graphed(clone=False, **kwargs)
+
+
+# ---- the default: owned gradients ------------------------------------------------------
+
+
+def test_by_default_every_backward_hands_out_owned_copies_in_one_launch():
     fn, w = _graphed()
+    buffer = fn.graphs.static_grad_inputs[0]
+    for k in range(3):
+        x = torch.full((3,), float(k + 1))
+        with _Ops() as ops:
+            _step(fn, x)
+        assert ops.names.count("_foreach_mul") == 1, f"step {k}: one fused copy per replay"
+        assert w.grad.data_ptr() != buffer.data_ptr(), f"step {k}: .grad must be owned"
+        assert w.grad.tolist() == x.tolist()
+        w.grad = None
+    assert fn.graphs.lent.params == [], "nothing is lent by default"
+
+
+def test_by_default_a_hook_kept_gradient_survives_later_replays():
+    # Transformer Engine's own test of clone_param_grads_on_return=True: a weight hook
+    # keeps what it receives; later replays must change neither values nor storage.
+    fn, w = _graphed()
+    kept = []
+    w.register_hook(lambda g: kept.append(g))
+    xs = [torch.full((3,), float(k + 1)) for k in range(3)]
+    for x in xs:
+        _step(fn, x)
+        w.grad = None
+    assert [g.tolist() for g in kept] == [x.tolist() for x in xs]
+    assert len({g.untyped_storage().data_ptr() for g in kept}) == 3, "one storage per step"
+
+
+def test_by_default_accumulation_sums_exactly_and_zeroing_in_place_too():
+    fn, w = _graphed()
+    xs = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0]), torch.ones(3)]
+    for x in xs:
+        _step(fn, x)
+    assert w.grad.tolist() == (xs[0] + xs[1] + xs[2]).tolist()
+    w.grad.zero_()
+    _step(fn, torch.full((3,), 2.0))
+    assert w.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_by_default_a_forward_that_reuses_the_buffer_memory_changes_no_grad():
+    fn, w = _graphed(forward_overwrites_grad=True)
+    _step(fn, torch.ones(3))
+    with _Ops() as ops:
+        fn(torch.full((3,), 5.0))  # scribbles over the buffer
+    assert "_foreach_mul" not in ops.names, "an owned .grad needs no settling"
+    assert w.grad.tolist() == [1.0, 1.0, 1.0]
+
+
+# ---- lent mode (clone_param_grads_on_return=False) -------------------------------------
+
+
+def test_lent_mode_overwrites_a_hook_kept_gradient_as_documented():
+    # The documented risk of lending: a gradient kept past the next backward replay
+    # sees that replay's values, and every step's gradient is one storage.
+    fn, w = _lent()
+    kept = []
+    w.register_hook(lambda g: kept.append(g))
+    for k in range(3):
+        _step(fn, torch.full((3,), float(k + 1)))
+        w.grad = None
+    assert [g.tolist() for g in kept] == [[3.0, 3.0, 3.0]] * 3
+    assert len({g.untyped_storage().data_ptr() for g in kept}) == 1
+
+
+def test_a_fresh_gradient_is_handed_over_without_a_copy():
+    fn, w = _lent()
     buffer = fn.graphs.static_grad_inputs[0]
     with _Ops() as ops:
         _step(fn, torch.tensor([4.0, 5.0, 6.0]))
@@ -106,7 +181,7 @@ def test_a_fresh_gradient_is_handed_over_without_a_copy():
 
 
 def test_set_to_none_steps_never_copy_and_stay_exact():
-    fn, w = _graphed()
+    fn, w = _lent()
     for k in range(3):
         x = torch.full((3,), float(k + 1))
         with _Ops() as ops:
@@ -117,7 +192,7 @@ def test_set_to_none_steps_never_copy_and_stay_exact():
 
 
 def test_accumulation_moves_the_grad_off_the_buffer_once_and_sums_exactly():
-    fn, w = _graphed()
+    fn, w = _lent()
     buffer = fn.graphs.static_grad_inputs[0]
     xs = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0]), torch.ones(3)]
     _step(fn, xs[0])
@@ -135,7 +210,7 @@ def test_accumulation_moves_the_grad_off_the_buffer_once_and_sums_exactly():
 def test_a_forward_that_reuses_the_buffer_memory_never_corrupts_grad(set_to_none):
     # A graph captured earlier into the pool may use the gradient buffer's memory for
     # temporaries: the next forward replay overwrites it, before any backward.
-    fn, w = _graphed(forward_overwrites_grad=True)
+    fn, w = _lent(forward_overwrites_grad=True)
     buffer = fn.graphs.static_grad_inputs[0]
     total = torch.zeros(3)
     for k in range(4):
@@ -154,7 +229,7 @@ def test_a_forward_that_reuses_the_buffer_memory_never_corrupts_grad(set_to_none
 
 
 def test_zeroing_in_place_keeps_the_sum_right_too():
-    fn, w = _graphed()
+    fn, w = _lent()
     _step(fn, torch.ones(3))
     w.grad.zero_()  # zero_grad(set_to_none=False): .grad is still the buffer
     _step(fn, torch.full((3,), 2.0))
@@ -162,24 +237,15 @@ def test_zeroing_in_place_keeps_the_sum_right_too():
     assert w.grad.tolist() == [5.0, 5.0, 5.0]
 
 
-def test_autograd_grad_returns_owned_copies():
-    fn, w = _graphed()
+@pytest.mark.parametrize("clone", [True, False])
+def test_autograd_grad_returns_owned_copies(clone):
+    fn, w = _graphed(clone)
     buffer = fn.graphs.static_grad_inputs[0]
     (g1,) = torch.autograd.grad(fn(torch.ones(3)).sum(), (w,))
     (g2,) = torch.autograd.grad(fn(torch.full((3,), 7.0)).sum(), (w,))
     assert g1.data_ptr() != buffer.data_ptr() and g2.data_ptr() != buffer.data_ptr()
     assert g1.tolist() == [1.0, 1.0, 1.0] and g2.tolist() == [7.0, 7.0, 7.0]
     assert w.grad is None and fn.graphs.lent.params == []  # nothing lent
-
-
-def test_without_cloning_the_grad_stays_the_buffer_as_documented():
-    fn, w = _graphed(clone=False)
-    buffer = fn.graphs.static_grad_inputs[0]
-    _step(fn, torch.ones(3))
-    with _Ops() as ops:
-        _step(fn, torch.full((3,), 2.0))
-    assert "_foreach_mul" not in ops.names
-    assert w.grad.data_ptr() == buffer.data_ptr()
 
 
 @pytest.mark.parametrize("clone", [True, False])

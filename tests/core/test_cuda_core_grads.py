@@ -44,13 +44,16 @@ def _static_grad_ptrs(module):
     return {t.data_ptr() for t in module.cuda_graph.graphs.static_grad_inputs if t is not None}
 
 
-def test_param_grads_are_handed_over_as_is_and_accumulate_like_eager():
-    # The first backward hands the static buffers out as .grad (no copy); the next
-    # replay would overwrite them, so it moves them to owned copies first, and the
-    # accumulated sum is eager's bit for bit.
+@pytest.mark.parametrize("lent", [False, True], ids=["owned", "lent"])
+def test_param_grads_accumulate_like_eager_owned_or_lent(lent):
+    # Owned (default): no .grad is ever a buffer. Lent: the first backward hands the
+    # static buffers out as .grad (no copy); the next replay would overwrite them, so
+    # it moves them to owned copies first. Either way the sum is eager's bit for bit.
     module = _mlp()
     eager = copy.deepcopy(module)
-    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
+    make_graphed_callables(
+        module, (_randn(BATCH, HIDDEN, seed=1),), clone_param_grads_on_return=not lent
+    )
     static = _static_grad_ptrs(module)
     assert static, "the backward graph should produce parameter gradients"
     for it in range(3):  # no zeroing in between: gradients accumulate
@@ -60,19 +63,22 @@ def test_param_grads_are_handed_over_as_is_and_accumulate_like_eager():
         eager(x).backward(grad)
         for name, p in module.named_parameters():
             aliased = p.grad.data_ptr() in static
-            assert aliased == (it == 0), (
+            assert aliased == (lent and it == 0), (
                 f"iteration {it}: {name}.grad {'aliases' if aliased else 'does not alias'} "
                 "its static gradient buffer"
             )
         _assert_param_grads_equal(module, eager, f"sum of {it + 1} replays")
 
 
-def test_param_grads_with_set_to_none_and_an_optimizer_match_eager_without_copies():
-    # torch's default regime: zero_grad(set_to_none=True) after every optimizer step,
-    # so each backward's gradients become .grad as views of the buffers, never copied.
+@pytest.mark.parametrize("lent", [False, True], ids=["owned", "lent"])
+def test_param_grads_with_set_to_none_and_an_optimizer_match_eager(lent):
+    # torch's default regime: zero_grad(set_to_none=True) after every optimizer step.
+    # Owned: each backward's gradients are fresh copies; lent: views of the buffers.
     module = _mlp()
     eager = copy.deepcopy(module)
-    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
+    make_graphed_callables(
+        module, (_randn(BATCH, HIDDEN, seed=1),), clone_param_grads_on_return=not lent
+    )
     static = _static_grad_ptrs(module)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2, foreach=True)
     opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
@@ -81,7 +87,7 @@ def test_param_grads_with_set_to_none_and_an_optimizer_match_eager_without_copie
         grad = _randn(BATCH, HIDDEN, seed=40 + it)
         module(x).backward(grad)
         eager(x).backward(grad)
-        assert all(p.grad.data_ptr() in static for p in module.parameters())
+        assert all((p.grad.data_ptr() in static) == lent for p in module.parameters())
         _assert_param_grads_equal(module, eager, f"step {it}")
         opt.step()
         opt_eager.step()
@@ -89,6 +95,48 @@ def test_param_grads_with_set_to_none_and_an_optimizer_match_eager_without_copie
         opt_eager.zero_grad(set_to_none=True)
     for (name, p), q in zip(module.named_parameters(), eager.parameters()):
         _assert_equal(p.detach(), q.detach(), f"{name} after 4 AdamW steps")
+
+
+def test_a_hook_kept_gradient_survives_later_steps_by_default():
+    # Transformer Engine 2.20's contract (clone_param_grads_on_return=True, TE PR 2937),
+    # as its own tests check it: a weight hook keeps the gradients it receives, and
+    # later replays change neither their values nor their storage.
+    module = _mlp()
+    eager = copy.deepcopy(module)
+    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
+    weight, weight_eager = module[0].weight, eager[0].weight
+    kept, kept_eager = [], []
+    weight.register_hook(kept.append)
+    weight_eager.register_hook(kept_eager.append)
+    replays = _count_backward_replays(module)
+    for it in range(3):
+        x = _randn(BATCH, HIDDEN, seed=70 + it)
+        grad = _randn(BATCH, HIDDEN, seed=80 + it)
+        module(x).backward(grad)
+        eager(x).backward(grad)
+        module.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+    assert replays() == 3, "every step must have replayed the backward graph"
+    for it, (g, g_eager) in enumerate(zip(kept, kept_eager)):
+        _assert_equal(g, g_eager, f"the gradient the hook kept at step {it}")
+    assert len({g.untyped_storage().data_ptr() for g in kept}) == 3, "one storage per step"
+
+
+def _count_backward_replays(module):
+    graphs = module.cuda_graph.graphs
+    real = graphs.bwd_graph
+    count = [0]
+
+    class _Counting:
+        def replay(self):
+            count[0] += 1
+            real.replay()
+
+        def reset(self):
+            real.reset()
+
+    graphs.bwd_graph = _Counting()
+    return lambda: count[0]
 
 
 def test_autograd_grad_returns_owned_param_grads():

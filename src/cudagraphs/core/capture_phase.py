@@ -95,9 +95,11 @@ def _entry_inputs(
     ``opts=None`` that of an entry that validates calls like a graphed one but runs
     them eagerly (``CUDAGRAPHS_DISABLE``): no static buffers, no graphs."""
     spec = plan.entries[index]
+    target = plan.callable_of(index)
     positional_only = not spec.kwargs and len(spec.leaves) == len(spec.args) == len(
         spec.tensor_positions
     )
+    captures_backward = plan.training and opts is not None
     return dict(
         name=_describe(plan, index),
         in_spec=spec.in_spec,
@@ -111,7 +113,10 @@ def _entry_inputs(
             if isinstance(t, torch.nn.Parameter)
         ),
         static_inputs=static_inputs,
-        params=plan.callable_of(index).params if plan.training and opts is not None else (),
+        params=target.params if captures_backward else (),
+        untracked_params=()
+        if plan.training or opts is None
+        else tuple(zip(target.param_names, target.params)),
         clone_param_grads=opts.clone_param_grads_on_return if opts is not None else True,
         positional_only=positional_only,
         eager_only=opts is None,

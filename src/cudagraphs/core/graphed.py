@@ -41,6 +41,33 @@ class _ReplayFunction(torch.autograd.Function):
         return (None, *ctx.graphs.replay_backward(grads, ctx.leaves))
 
 
+class _UncapturedGradientReplay(torch.autograd.Function):
+    """Autograd node for a replay whose graphs compute no gradient for some input that
+    requires one (:meth:`EntryGraphs.gradients_not_captured`). Forward replays the
+    forward graph; any backward that reaches the node raises
+    :class:`~cudagraphs.errors.UncapturedGradientError` naming those inputs. Inputs:
+    the entry, the mismatches, the user tensors, then the untracked parameters."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, graphs: EntryGraphs, missing: list, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        graphs.replay_forward(inputs[: len(graphs.static_inputs)])
+        ctx.graphs, ctx.missing = graphs, missing
+        outs = graphs.output_tensors()
+        # Outputs that could carry a gradient are differentiable, so that a backward
+        # through them reaches this node instead of passing it by.
+        non_diff = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.graphs.raise_uncaptured_gradients(ctx.missing)
+
+
 class GraphedCallable:
     """What ``make_graphed_callables`` returns for one entry (or installs as a module's
     ``forward``).
@@ -106,12 +133,17 @@ class GraphedCallable:
 
     def _replay(self, tensors: Sequence[torch.Tensor]) -> Any:
         graphs = self.graphs
-        if graphs.bwd_graph is not None and torch.is_grad_enabled():
-            outs = _ReplayFunction.apply(graphs, *tensors, *graphs.autograd_params)
-            return graphs.output_tree(outs)
-        # Forward-only graph (inference capture) or grad disabled: no autograd node, so
-        # outputs do not require grad and a stray backward() fails loudly instead of
-        # silently leaving parameter gradients untouched.
+        if torch.is_grad_enabled():
+            missing = graphs.gradients_not_captured(tensors)
+            if missing:
+                params = [p for _, p in graphs.untracked_params]
+                outs = _UncapturedGradientReplay.apply(graphs, missing, *tensors, *params)
+                return graphs.output_tree(outs)
+            if graphs.bwd_graph is not None:
+                outs = _ReplayFunction.apply(graphs, *tensors, *graphs.autograd_params)
+                return graphs.output_tree(outs)
+        # Grad disabled, or nothing that requires grad: no autograd node, and outputs
+        # that do not require grad, as eager's would not.
         graphs.replay_forward(tensors)
         return graphs.output_tree(graphs.output_tensors())
 

@@ -24,6 +24,7 @@ from ..errors import (
     CudaGraphInputError,
     GraphReleasedError,
     Mismatch,
+    UncapturedGradientError,
     describe_mismatches,
 )
 from ..torch_private import will_engine_execute_node
@@ -34,6 +35,9 @@ from .tree_diff import structure_mismatches
 __all__ = ["EntryGraphs"]
 
 logger = logging.getLogger(__name__)
+
+_NOT_CAPTURED = "requires_grad (the sample did not: no gradient was captured for it)"
+_NO_BACKWARD = "requires_grad (captured without a backward graph)"
 
 
 def copy_into(dsts: list[torch.Tensor], srcs: Any) -> None:
@@ -91,6 +95,9 @@ class EntryGraphs:
     static_grad_inputs: tuple[torch.Tensor | None, ...] = ()  # diff inputs, then params
     clone_param_grads: bool = True
     positional_only: bool = False  # captured call was f(t0, t1, ...) with tensors only
+    # (name, parameter) of the parameters that required grad at a capture that made no
+    # backward graph (grad disabled, or modules in eval mode): see gradients_not_captured.
+    untracked_params: tuple[tuple[str, torch.nn.Parameter], ...] = ()
     grad_targets: GradTargets | None = None  # in-graph accumulation of param grads
     lent: LentGrads | None = None  # the pool's registry of gradients lent to autograd
     eager_only: bool = False  # CUDAGRAPHS_DISABLE: validate calls, run them eagerly
@@ -107,6 +114,7 @@ class EntryGraphs:
     released: bool = field(default=False, init=False)
     # Derived by _derive() from the fields above, once: what replays hand out.
     autograd_params: tuple[torch.nn.Parameter, ...] = field(init=False, repr=False)
+    _grad_free_positions: tuple[int, ...] = field(init=False, repr=False)
     _input_grads: tuple[tuple[int, torch.Tensor], ...] = field(init=False, repr=False)
     _param_grad_slots: tuple[int, ...] = field(init=False, repr=False)
     _param_grad_buffers: list[torch.Tensor] = field(init=False, repr=False)
@@ -160,11 +168,13 @@ class EntryGraphs:
         return tensors
 
     def _check_meta(self, tensors: list[torch.Tensor]) -> None:
-        grad_on = torch.is_grad_enabled()
-        for t, (shape, dtype, rg) in zip(tensors, self.input_meta):
-            if t.shape != shape or t.dtype != dtype or (grad_on and t.requires_grad and not rg):
+        # requires_grad is not checked here: an input that requires grad where the
+        # sample did not replays, and a backward that reaches it raises
+        # (gradients_not_captured, UncapturedGradientError).
+        for t, (shape, dtype, _) in zip(tensors, self.input_meta):
+            if t.shape != shape or t.dtype != dtype:
                 # Off the common path: maybe only a dtype that converts without loss.
-                problems = self._meta_mismatches(tensors, grad_on)
+                problems = self._meta_mismatches(tensors)
                 if problems:
                     self._raise(
                         "inputs differ from the captured ones (graphs have fixed shapes)",
@@ -194,9 +204,9 @@ class EntryGraphs:
                     "assignment); graph again.",
                 )
 
-    def _meta_mismatches(self, tensors: list[torch.Tensor], grad_on: bool) -> list[Mismatch]:
+    def _meta_mismatches(self, tensors: list[torch.Tensor]) -> list[Mismatch]:
         problems = []
-        for pos, t, (shape, dtype, rg) in zip(self.tensor_positions, tensors, self.input_meta):
+        for pos, t, (shape, dtype, _) in zip(self.tensor_positions, tensors, self.input_meta):
             where = self.paths[pos]
             if t.shape != shape:
                 problems.append(Mismatch(where, "shape", tuple(shape), tuple(t.shape)))
@@ -204,11 +214,41 @@ class EntryGraphs:
                 # A lossless conversion (bf16 into an fp32 input) is made by the staging
                 # copy; autograd casts the gradient back to the input's dtype.
                 problems.append(Mismatch(where, "dtype", dtype, t.dtype))
-            if grad_on and t.requires_grad and not rg:
-                problems.append(
-                    Mismatch(where, "requires_grad (no gradient was captured for it)", rg, True)
-                )
         return problems
+
+    def gradients_not_captured(self, tensors: Sequence[torch.Tensor]) -> list[Mismatch]:
+        """With grad enabled: the inputs of this call that require grad although no
+        captured graph computes their gradient (the sample did not require grad), and
+        the parameters that require grad when no backward graph was captured. Empty on
+        the common path. torch's helper replays such a call with outputs that carry no
+        gradient path, so a backward that reaches the input by another path too
+        (``graphed(x) + x``) comes out silently short (pytorch#124582)."""
+        missing = [
+            Mismatch(self.paths[self.tensor_positions[i]], _NOT_CAPTURED, False, True)
+            for i in self._grad_free_positions
+            if tensors[i].requires_grad
+        ]
+        for name, param in self.untracked_params:
+            if param.requires_grad:
+                missing.append(Mismatch(name, _NO_BACKWARD, False, True))
+        return missing
+
+    def raise_uncaptured_gradients(self, missing: list[Mismatch]) -> None:
+        """What a backward that reaches a replay of :meth:`gradients_not_captured`
+        inputs raises."""
+        raise UncapturedGradientError(
+            describe_mismatches(
+                f"{self.name}: a backward pass reached a replay whose graphs compute no "
+                "gradient for these inputs",
+                missing,
+                "The forward replayed (a forward-only use is fine), but its gradient cannot "
+                "be computed. Fixes: 1. graph it with sample inputs that require grad "
+                "where calls pass inputs that do, and in training mode with grad enabled "
+                "for parameters; 2. detach those inputs, or call under torch.no_grad(), "
+                "if no gradient should flow through this call.",
+            ),
+            missing,
+        )
 
     def _raise(self, what: str, problems: list[Mismatch], fix: str) -> None:
         raise CudaGraphInputError(
@@ -278,6 +318,9 @@ class EntryGraphs:
     def _derive(self) -> None:
         """Precompute what each backward replay hands out (at construction, and again
         by :meth:`release` to drop the references to the buffers)."""
+        self._grad_free_positions = tuple(
+            i for i, (_, _, rg) in enumerate(self.input_meta) if not rg
+        )
         n_user, n_diff = len(self.static_inputs), len(self.diff_input_positions)
         grads = self.static_grad_inputs
         if self.bwd_graph is None:
@@ -298,7 +341,9 @@ class EntryGraphs:
         # very node every time) tells whether a backward accumulates into .grad
         # (backward()) or returns the gradients to the caller (autograd.grad()).
         self._probe_accumulator = (
-            _grad_accumulator(self._param_grad_params[0]) if self._param_grad_params else None
+            _grad_accumulator(self._param_grad_params[0])
+            if self._param_grad_params and not self.clone_param_grads
+            else None
         )
         # The parameters the autograd node takes as inputs. With in-graph accumulation
         # autograd gets no parameter gradient, so one parameter is enough: it keeps the
@@ -324,8 +369,8 @@ class EntryGraphs:
         copy_into(
             self._grad_output_buffers, [g for g, m in zip(grads, self._grad_output_mask) if m]
         )
-        if self.clone_param_grads and self._param_grad_buffers:
-            # Its own buffers: a .grad the last backward lent that still is one.
+        if not self.clone_param_grads and self._param_grad_buffers:
+            # Lent mode, its own buffers: a .grad the last backward lent that still is one.
             move_aliased_grads(self._param_grad_params, self._param_grad_ptrs)
         self.bwd_graph.replay()
         fresh = []
@@ -347,18 +392,19 @@ class EntryGraphs:
         return result
 
     def _hand_out_param_grads(self, result: list[torch.Tensor | None]) -> None:
-        """Lend the gradient buffers to autograd as they are (see ``lent_grads``);
-        under ``autograd.grad()`` give owned copies instead."""
+        """Give autograd owned copies of the parameter gradients, made by one fused
+        kernel (the default, Transformer Engine 2.20's contract: a gradient a hook or
+        ``.grad`` keeps is never overwritten by a later replay); in lent mode, the
+        buffers themselves (see ``lent_grads``), except under ``autograd.grad()``."""
         views = [g.detach() for g in self._param_grad_buffers]
-        if self.clone_param_grads:
-            if _engine_accumulates(self._probe_accumulator):
-                if self.lent is not None:
-                    self.lent.lend(self._param_grad_params, self._param_grad_ptrs)
-            else:
-                # autograd.grad() returns these gradients to its caller instead of
-                # adding them into .grad, so no later replay can move them out of
-                # the way: they must be owned copies now, made by one fused kernel.
-                views = list(torch._foreach_mul(views, 1.0))
+        # x * 1.0 is exact (signed zeros and NaNs included) and allocates its outputs
+        # in one multi-tensor launch, where empty_like + copy_ would loop in Python.
+        if self.clone_param_grads or not _engine_accumulates(self._probe_accumulator):
+            # autograd.grad() returns the gradients to its caller instead of adding
+            # them into .grad, so no later replay could move them out of the way.
+            views = list(torch._foreach_mul(views, 1.0))
+        elif self.lent is not None:
+            self.lent.lend(self._param_grad_params, self._param_grad_ptrs)
         for pos, g in zip(self._param_grad_slots, views):
             result[pos] = g
 
@@ -376,6 +422,7 @@ class EntryGraphs:
         self.grad_targets = None
         self.static_inputs = []
         self.pinned = ()
+        self.untracked_params = ()
         self.out_leaves = []
         self.static_grad_outputs = []
         self.static_grad_inputs = ()
