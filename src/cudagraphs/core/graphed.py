@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..errors import CudaGraphsStateError
+from ..errors import CudaGraphsStateError, UncapturedGradientError, describe_mismatches
 from .runtime import EntryGraphs
 
 __all__ = ["GraphedCallable"]
@@ -65,7 +65,19 @@ class _UncapturedGradientReplay(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        ctx.graphs.raise_uncaptured_gradients(ctx.missing)
+        raise UncapturedGradientError(
+            describe_mismatches(
+                f"{ctx.graphs.name}: a backward pass reached a replay whose graphs compute "
+                "no gradient for these inputs",
+                ctx.missing,
+                "The forward replayed (a forward-only use is fine), but its gradient cannot "
+                "be computed. Fixes: 1. graph it with sample inputs that require grad "
+                "where calls pass inputs that do, and in training mode with grad enabled "
+                "for parameters; 2. detach those inputs, or call under torch.no_grad(), "
+                "if no gradient should flow through this call.",
+            ),
+            ctx.missing,
+        )
 
 
 class GraphedCallable:

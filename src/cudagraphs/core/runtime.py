@@ -24,7 +24,6 @@ from ..errors import (
     CudaGraphInputError,
     GraphReleasedError,
     Mismatch,
-    UncapturedGradientError,
     describe_mismatches,
 )
 from ..torch_private import will_engine_execute_node
@@ -232,23 +231,6 @@ class EntryGraphs:
             if param.requires_grad:
                 missing.append(Mismatch(name, _NO_BACKWARD, False, True))
         return missing
-
-    def raise_uncaptured_gradients(self, missing: list[Mismatch]) -> None:
-        """What a backward that reaches a replay of :meth:`gradients_not_captured`
-        inputs raises."""
-        raise UncapturedGradientError(
-            describe_mismatches(
-                f"{self.name}: a backward pass reached a replay whose graphs compute no "
-                "gradient for these inputs",
-                missing,
-                "The forward replayed (a forward-only use is fine), but its gradient cannot "
-                "be computed. Fixes: 1. graph it with sample inputs that require grad "
-                "where calls pass inputs that do, and in training mode with grad enabled "
-                "for parameters; 2. detach those inputs, or call under torch.no_grad(), "
-                "if no gradient should flow through this call.",
-            ),
-            missing,
-        )
 
     def _raise(self, what: str, problems: list[Mismatch], fix: str) -> None:
         raise CudaGraphInputError(
