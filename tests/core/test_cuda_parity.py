@@ -210,7 +210,12 @@ def _graph(layers, graph_mode, dtype, *, container=nn.Sequential, sample_kwargs=
         graphed = make_graphed_callables(
             tuple(layers), sample_args, sample_kwargs=kwargs_list, **kw
         )
-        assert all(g is layer for g, layer in zip(graphed, layers)), "modules keep their identity"
+        # Modules keep their identity (their forward replays); under _order the result
+        # is the module's GraphedCallable, as Transformer Engine returns.
+        ordered = kw.get("_order") is not None
+        assert all(
+            g is (layer.cuda_graph if ordered else layer) for g, layer in zip(graphed, layers)
+        ), "modules keep their identity"
         return container(*layers)
     model = container(*layers)
     graphed = make_graphed_callables(

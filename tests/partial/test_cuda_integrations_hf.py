@@ -17,7 +17,7 @@ pytest.importorskip("accelerate")
 
 from _trainer import losses, train  # noqa: E402
 from cudagraphs.integrations.hf import PartialGraphsCallback  # noqa: E402
-from cudagraphs.partial.kernels import GroupedMMProbe  # noqa: E402
+from cudagraphs.moe_kernels import GroupedMMProbe  # noqa: E402
 
 
 @pytest.mark.parametrize(

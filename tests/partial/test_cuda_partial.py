@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from _hf_models import tiny
+from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial import PartialCudaGraphManager
-from cudagraphs.partial.kernels import GroupedMMProbe
 
 ATTN_ROUTER = ("attention", "moe_router")
 

@@ -6,7 +6,7 @@ import torch
 
 from cudagraphs.capture import capture_into_graph
 from cudagraphs.errors import CudaGraphCaptureError
-from cudagraphs.partial.kernels import GroupedMMProbe
+from cudagraphs.moe_kernels import GroupedMMProbe
 
 pytestmark = pytest.mark.cuda
 

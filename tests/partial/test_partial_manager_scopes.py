@@ -11,8 +11,8 @@ import torch
 
 from _hf_models import tiny
 from cudagraphs.errors import CudaGraphsValueError
+from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager
-from cudagraphs.partial.kernels import GroupedMMProbe
 
 
 def backend(callables, sample_args, sample_kwargs):

@@ -10,8 +10,8 @@ import pytest
 from torch import nn
 
 from _hf_models import tiny, tiny_arch
+from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial.discovery import DiscoveredBlock
-from cudagraphs.partial.kernels import GroupedMMProbe
 from cudagraphs.partial.planning import plan_targets
 from cudagraphs.partial.scopes import SCOPES, BlockOffer, ScopeChoice, ScopedBlock
 from cudagraphs.partial.skips import narrow_record, scoped_skip_record, skip_record

@@ -14,6 +14,7 @@ from ..capturing import capture_scope
 from ..checks import check_callable, require_cuda
 from ..errors import CudaGraphsValueError
 from ..forward_swap import swap_forward
+from ..moe_kernels import check_grouped_mm_experts
 from ..settings import DISABLE_ENV, graphs_disabled
 from .canonicalize import GraphPlan, canonicalize, check_devices
 from .capture_phase import CaptureOptions, capture_plan, eager_entry_graphs
@@ -78,7 +79,10 @@ def _wrap(plan: GraphPlan, entry_graphs: list[EntryGraphs]) -> list[Any]:
         )
         if target.module is not None and one_entry_per_callable:
             _install_on_module(target.module, graphed)
-            results.append(target.module)
+            # Under _order the graphed callable, as Transformer Engine returns: callers
+            # such as Megatron's TECudaGraphHelper store it and call it from the layer's
+            # own __call__, which the module itself would re-enter.
+            results.append(graphed if plan.layout.order is not None else target.module)
         else:
             results.append(graphed)
     return results
@@ -180,21 +184,21 @@ def make_graphed_callables(
         _reuse_graph_input_output_buffers: under ``_order`` in training, microbatches
             of a layer whose forward-to-backward lifetimes do not overlap share static
             input and incoming-gradient buffers.
-        clone_param_grads_on_return: keep every ``.grad`` exact however it is
-            used (default): a parameter gradient goes out as a view of its static
-            buffer, without a copy, and when the next backward replay of that graph
-            finds a ``.grad`` that still is the buffer (gradients accumulating across
-            backward passes), it moves it to an owned copy first (one fused copy per
-            accumulation window). Under ``zero_grad(set_to_none=True)`` nothing is
-            ever copied. ``torch.autograd.grad()`` gets owned copies at once. What is
-            not covered: a reference to ``.grad`` kept elsewhere (a variable, a
-            tensor hook's argument) past the next backward replay sees that replay's
-            values: clone what you keep. With ``False`` nothing is moved or copied: a
-            ``.grad`` that was ``None`` aliases the buffer and the next backward
-            replay overwrites it, so zero with ``zero_grad(set_to_none=False)`` or
-            set to ``None`` before every backward. Leaf tensors passed as arguments
-            (parameters among them) get an owned copy when their ``.grad`` is
-            ``None``, a view otherwise.
+        clone_param_grads_on_return: Transformer Engine 2.20's parameter (TE PR 2937),
+            with its default and meaning. ``True``: every parameter gradient a backward
+            replay hands to autograd is an owned tensor, copied from the graph's
+            buffers in one fused launch per replay, so a gradient that a tensor hook,
+            a variable or ``.grad`` keeps is never overwritten by a later replay.
+            ``False`` lends the buffers instead (no copy), for loops that consume the
+            gradients at once: ``zero_grad(set_to_none=True)``, backward, ``step()``.
+            Risk, as TE states it: a later replay overwrites a lent gradient that is
+            kept past it (a hook's argument, a reference to ``.grad``). What stays
+            exact in lent mode: ``.grad`` itself, also when gradients accumulate over
+            backward passes (a ``.grad`` that still is a buffer is moved to an owned
+            copy before the replay that would overwrite it), and
+            ``torch.autograd.grad()``, which always gets owned copies. Leaf tensors
+            passed as arguments (parameters among them) get an owned copy when their
+            ``.grad`` is ``None``, a view otherwise, in both modes.
         pre_warmup_hook, post_warmup_hook: called with no arguments once before and
             once after the whole warmup phase.
         capture_time_hooks: one entry per callable, ``None`` or a dict with any of
@@ -225,11 +229,17 @@ def make_graphed_callables(
 
     Returns:
         One result per entry (a single one when one callable was passed). A module
-        with one entry is returned itself, its ``forward`` replaced by one that
-        replays when ``module.training`` equals its flag at capture and runs eagerly
-        otherwise; ``module.cuda_graph`` is its :class:`GraphedCallable`. Everything
-        else is a :class:`GraphedCallable`. Each has ``reset()`` to release its graphs.
-        Outputs are borrowed (overwritten by the next replay of that entry).
+        with one entry gets its ``forward`` replaced by one that replays when
+        ``module.training`` equals its flag at capture and runs eagerly otherwise
+        (``module.cuda_graph`` is its :class:`GraphedCallable`), and is returned
+        itself; under ``_order`` its :class:`GraphedCallable` is returned, as
+        Transformer Engine does. Everything else is a :class:`GraphedCallable`. Each
+        has ``reset()`` to release its graphs. Outputs are borrowed (overwritten by
+        the next replay of that entry). A call may add keywords the samples did not
+        have where they change nothing, as Transformer Engine's replay ignores them:
+        a keyword the callable declares with default ``None``, passed as ``None``, and
+        ``is_first_microbatch`` (TE's FP8 weight-caching flag); any other uncaptured
+        keyword is a :class:`~cudagraphs.errors.CudaGraphInputError`.
 
     Raises:
         CudaGraphsTypeError, CudaGraphsValueError: bad arguments, before any GPU work
@@ -296,6 +306,9 @@ def make_graphed_callables(
     device = check_devices(plan)
     if graphs_disabled():
         return _eager_results(plan, main_grad_attr)
+    # Before any warmup: float32 grouped_mm experts sync with the host (moe_kernels).
+    modules = [(c.name, c.module) for c in plan.callables if c.module is not None]
+    check_grouped_mm_experts(modules, "make_graphed_callables")
     grad_targets = _grad_targets(plan, main_grad_attr) if accumulate_grads_in_graph else ()
     with torch.cuda.device(device), capture_scope():
         # Warmup on the pool's warmup stream, capture on its capture stream: the cuBLAS

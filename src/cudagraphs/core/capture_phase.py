@@ -20,6 +20,7 @@ from .grad_targets import GradTargets
 from .lent_grads import lent_grads_of
 from .runtime import EntryGraphs
 from .sharing import BufferSharing, chained_inputs
+from .te_compat import ReplayKeywords
 from .warmup import differentiable_inputs
 
 __all__ = ["BackwardCapture", "CaptureOptions", "ForwardCapture", "capture_plan"]
@@ -119,6 +120,9 @@ def _entry_inputs(
         else tuple(zip(target.param_names, target.params)),
         clone_param_grads=opts.clone_param_grads_on_return if opts is not None else True,
         positional_only=positional_only,
+        replay_keywords=ReplayKeywords.of(
+            target.fn if target.module is None else target.module.forward, list(spec.kwargs)
+        ),
         eager_only=opts is None,
         lent=lent_grads_of(opts.pool) if opts is not None else None,
     )

@@ -108,14 +108,13 @@ class GraphedCallable:
         self._on_reset = on_reset
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._module
+        module, graphs = self._module, self.graphs
         if module is not None and module.training != self._captured_training:
-            return self._eager(*args, **kwargs)
-        graphs = self.graphs
+            return self._eager(*args, **_eager_kwargs(graphs, kwargs))
         tensors = graphs.user_tensors(args, kwargs)
         if graphs.eager_only:
             graphs._live()
-            return self._eager(*args, **kwargs)
+            return self._eager(*args, **_eager_kwargs(graphs, kwargs))
         return self._replay(tensors)
 
     def replay_checked(self, tensors: Sequence[torch.Tensor]) -> Any:
@@ -173,3 +172,9 @@ class GraphedCallable:
     def __repr__(self) -> str:
         state = "released" if self.graphs.released else "live"
         return f"GraphedCallable({self.graphs.name}, {state})"
+
+
+def _eager_kwargs(graphs: EntryGraphs, kwargs: dict) -> dict:
+    """A call's keywords for the callable run eagerly (``ReplayKeywords.eager``)."""
+    keywords = graphs.replay_keywords
+    return kwargs if not kwargs or keywords is None else keywords.eager(kwargs)

@@ -29,6 +29,7 @@ from ..errors import (
 from ..torch_private import will_engine_execute_node
 from .grad_targets import GradTargets
 from .lent_grads import LentGrads, move_aliased_grads
+from .te_compat import ReplayKeywords
 from .tree_diff import structure_mismatches
 
 __all__ = ["EntryGraphs"]
@@ -97,6 +98,7 @@ class EntryGraphs:
     # (name, parameter) of the parameters that required grad at a capture that made no
     # backward graph (grad disabled, or modules in eval mode): see gradients_not_captured.
     untracked_params: tuple[tuple[str, torch.nn.Parameter], ...] = ()
+    replay_keywords: ReplayKeywords | None = None  # keywords a call may add (te_compat)
     grad_targets: GradTargets | None = None  # in-graph accumulation of param grads
     lent: LentGrads | None = None  # the pool's registry of gradients lent to autograd
     eager_only: bool = False  # CUDAGRAPHS_DISABLE: validate calls, run them eagerly
@@ -139,6 +141,16 @@ class EntryGraphs:
             if all(isinstance(t, torch.Tensor) for t in tensors):
                 self._check_meta(tensors)
                 return tensors
+        keywords = self.replay_keywords
+        if kwargs and keywords is not None and not kwargs.keys() <= keywords.captured:
+            kwargs, added = keywords.split(kwargs)
+            if added:
+                self._raise(
+                    "the call passes keywords the capture did not have",
+                    added,
+                    "1. pass them in sample_kwargs too, and graph again; 2. leave them out "
+                    "(a keyword whose default is None may be passed as None).",
+                )
         leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
         if spec != self.in_spec:
             self._raise(

@@ -10,6 +10,11 @@ to ``make_graphed_callables`` that this helper has no use for, checked here.
   (quantized execution or calibration asked for), graphing needs Transformer
   Engine's own helper, which knows its FP8 metadata, amax reductions and weight
   caches.
+* Transformer Engine's replay call. Its graphed callables read the captured keywords
+  and ignore the rest, and callers rely on it: Megatron-Core calls a graphed layer with
+  every keyword of ``TransformerLayer.forward`` (``context=None``,
+  ``packed_seq_params=None``, ...) and ``is_first_microbatch``. :class:`ReplayKeywords`
+  drops only what provably changes nothing and refuses the rest.
 * torch's positional order. torch's helper takes ``pool`` fifth, where Transformer
   Engine (and we) take ``sample_kwargs``; a pool handle arriving there is named as
   such instead of failing as a malformed dict.
@@ -17,12 +22,28 @@ to ``make_graphed_callables`` that this helper has no use for, checked here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CudaGraphsTypeError, CudaGraphsValueError, QuantizationNotSupportedError
+from ..errors import (
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+    Mismatch,
+    QuantizationNotSupportedError,
+)
 
-__all__ = ["QUANTIZATION_ARGUMENTS", "check_fifth_argument", "check_quantization_off"]
+__all__ = [
+    "QUANTIZATION_ARGUMENTS",
+    "ReplayKeywords",
+    "check_fifth_argument",
+    "check_quantization_off",
+]
+
+#: Transformer Engine's per-call flag for FP8 weight caching; quantization is refused
+#: here, so the flag changes nothing.
+FIRST_MICROBATCH = "is_first_microbatch"
 
 #: (TE 2.x name, TE 1.x name), in the positional order both versions use.
 QUANTIZATION_ARGUMENTS = (
@@ -101,3 +122,59 @@ def _looks_like_pool(value: Any) -> bool:
         and len(value) == 2
         and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
     )
+
+
+@dataclass(frozen=True)
+class ReplayKeywords:
+    """Which keywords a replay call may add to the captured ones (Transformer Engine's
+    replay reads the captured keys only): a keyword the callable declares with default
+    ``None``, passed as ``None``, and ``is_first_microbatch`` as a bool where the
+    callable does not take it; both leave the call what it was at capture. Computed
+    once per entry, at capture."""
+
+    captured: frozenset[str]
+    none_defaults: frozenset[str]  # parameters of the callable whose default is None
+    first_microbatch_declared: bool  # the callable itself takes is_first_microbatch
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], captured: Sequence[str]) -> ReplayKeywords:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # no signature (a builtin): nothing may be added
+            params = ()
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return cls(
+            captured=frozenset(captured),
+            none_defaults=frozenset(
+                p.name for p in params if p.kind in keyword and p.default is None
+            ),
+            first_microbatch_declared=any(p.name == FIRST_MICROBATCH for p in params),
+        )
+
+    def split(self, kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], list[Mismatch]]:
+        """The call's captured keywords, and a :class:`Mismatch` for every added one
+        that might change the call (dropped: those that cannot)."""
+        kept, problems = {}, []
+        for name, value in kwargs.items():
+            if name in self.captured:
+                kept[name] = value
+            elif not self._changes_nothing(name, value):
+                got = type(value).__name__
+                problems.append(
+                    Mismatch(f"kwargs[{name!r}]", "keyword", "not in sample_kwargs", got)
+                )
+        return kept, problems
+
+    def _changes_nothing(self, name: str, value: Any) -> bool:
+        if name == FIRST_MICROBATCH and not self.first_microbatch_declared:
+            # Transformer Engine's flag, for a callable that does not take it (eagerly
+            # it would be a TypeError; TE's replay ignores it).
+            return isinstance(value, bool)
+        return value is None and name in self.none_defaults
+
+    def eager(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` for the callable run eagerly: without ``is_first_microbatch``
+        where the callable does not take it (it is Transformer Engine's flag)."""
+        if FIRST_MICROBATCH in kwargs and not self.first_microbatch_declared:
+            return {k: v for k, v in kwargs.items() if k != FIRST_MICROBATCH}
+        return kwargs

@@ -42,10 +42,10 @@ import torch
 from torch import nn
 
 from ..errors import CudaGraphCaptureError, CudaGraphOutputError
+from ..moe_kernels import GroupedMMProbe
 from .contract import ContractSet
 from .discovery import DiscoveredBlock
 from .entry import PartialGraphEntry
-from .kernels import GroupedMMProbe
 from .recording import Call
 from .scopes import scope_block
 from .speed import turn_off_slower

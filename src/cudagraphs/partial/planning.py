@@ -17,6 +17,7 @@ from torch import nn
 
 from ..checks import check_bool
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
+from ..moe_kernels import GroupedMMProbe
 from .discovery import (
     KIND_OF_SCOPE,
     DiscoveredBlock,
@@ -25,7 +26,6 @@ from .discovery import (
     discover_blocks,
     is_attention,
 )
-from .kernels import GroupedMMProbe
 from .model_scope import MODEL_KIND, ModelScopeOff, model_scope_refusal
 from .scopes import MODEL_SCOPE, ScopedBlock, check_scopes, scope_block
 from .selectors import Selector, include_predicate

@@ -19,7 +19,7 @@ keeps recurrent state and picks kernels on the host), and whether its experts ke
 static shapes, read from what the model says is in effect
 (:func:`experts_implementation`, :func:`static_experts`), never from model names; for
 ``grouped_mm`` experts, also whether torch runs their dtype on this GPU without a host
-sync (:mod:`.kernels`: bfloat16 yes, float32 no on torch 2.11).
+sync (:mod:`cudagraphs.moe_kernels`: bfloat16 yes, float32 no on torch 2.11).
 
 What this module does NOT do: it finds no blocks, attention or routers
 (:mod:`.discovery` does), builds no :class:`~.discovery.Target`, and does not prove a
@@ -31,7 +31,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -39,7 +39,13 @@ import torch
 from torch import nn
 
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError
-from .kernels import GroupedMMProbe, experts_weight
+from ..moe_kernels import (
+    STATIC_EXPERTS,
+    GroupedMMProbe,
+    experts_implementation,
+    experts_weight,
+    static_experts,
+)
 from .tree import children, join_name
 
 if TYPE_CHECKING:
@@ -74,12 +80,6 @@ MODEL_SCOPE: Literal["model"] = "model"
 _ACCEPTED: tuple[str, ...] = (*SCOPES, MODEL_SCOPE)
 NarrowReason = Literal["no_attention", "eager_experts", "unknown_experts", "host_grouped_mm"]
 
-# transformers' grouped_mm and batched_mm experts compute with fixed-size buffers and
-# keep the per-expert offsets on the device; its "eager" experts loop in Python over
-# the experts hit (nonzero(): a host sync and a shape that changes every step).
-STATIC_EXPERTS = ("grouped_mm", "batched_mm")
-_EXPERTS_CHILD = "experts"
-_IMPLEMENTATION = "_experts_implementation"
 # torch's own norms. transformers' RMSNorm classes are not among them; they hold only a
 # 1-D weight, so the two-projection rule of find_mlp leaves them out.
 _NORMS: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
@@ -121,74 +121,6 @@ def check_scopes(value: Any) -> tuple[str, ...]:
             )
         first[name] = i
     return tuple(value)
-
-
-def experts_implementation(moe_module: nn.Module, model: nn.Module) -> str | None:
-    """The experts implementation the model says is in effect for ``moe_module``'s
-    experts: the ``config._experts_implementation`` of its ``experts`` child when that
-    child has a config stating one (transformers dispatches on exactly that), else of
-    the nearest enclosing module of ``model`` whose config states one. A dict value is
-    keyed by sub-config name, ``""`` for the main config. Read duck-typed; transformers
-    is never imported.
-
-    Args:
-        moe_module: the MoE sublayer (borrowed).
-        model: the model part that holds it (borrowed), searched for enclosing configs.
-
-    Returns:
-        The implementation's name, or ``None`` when nothing states one (user models).
-    """
-    experts = dict(children(moe_module)).get(_EXPERTS_CHILD)
-    own = getattr(experts, "config", None)
-    if own is not None and hasattr(own, _IMPLEMENTATION):
-        return _stated(own, lambda: _configs_above(model, moe_module))
-    configs = _configs_above(model, moe_module)
-    return _stated(configs[0], lambda: configs[1:]) if configs else None
-
-
-def static_experts(implementation: str | None) -> bool:
-    """Whether experts computed by ``implementation`` keep static shapes with their
-    routing on the device (:data:`STATIC_EXPERTS`). ``"eager"``, ``None`` and any name
-    not known here are not."""
-    return isinstance(implementation, str) and implementation in STATIC_EXPERTS
-
-
-def _stated(config: Any, outer: Callable[[], list[Any]]) -> str | None:
-    value = getattr(config, _IMPLEMENTATION)  # callers pass configs that have it
-    if isinstance(value, Mapping):
-        value = value.get(_subconfig_key(config, outer()))
-    return value if isinstance(value, str) and value else None
-
-
-def _subconfig_key(config: Any, outer: list[Any]) -> str:
-    # A sub-config's entry sits under the attribute name an enclosing config keeps it
-    # at (transformers' sub_configs); the main config's entry is "".
-    for parent in outer:
-        for key in getattr(parent, "sub_configs", None) or ():
-            if isinstance(key, str) and getattr(parent, key, None) is config:
-                return key
-    return ""
-
-
-def _configs_above(model: nn.Module, module: nn.Module) -> list[Any]:
-    """The distinct configs stating an experts implementation on ``module`` and the
-    modules above it in ``model``, nearest first."""
-    out: list[Any] = []
-    for m in reversed(_path_to(model, module)):
-        config = getattr(m, "config", None)
-        if hasattr(config, _IMPLEMENTATION) and all(config is not c for c in out):
-            out.append(config)
-    return out
-
-
-def _path_to(root: nn.Module, target: nn.Module) -> list[nn.Module]:
-    stack: list[tuple[nn.Module, tuple[nn.Module, ...]]] = [(root, (root,))]
-    while stack:
-        module, path = stack.pop()
-        if module is target:
-            return list(path)
-        stack.extend((child, (*path, child)) for _, child in children(module))
-    return [target]
 
 
 def forward_parameters(module: nn.Module) -> list[inspect.Parameter]:

@@ -64,6 +64,11 @@ class TrainStepStats:
         warmup_seconds / capture_seconds: wall time of the warmup steps and captures.
         all_reduce: whether gradients are averaged over ranks inside the step.
         optimizer_changes: what :func:`~cudagraphs.train.prepare_optimizer` changed.
+        masks_built_in_capture: the checks transformers could not make under capture
+            (:class:`~cudagraphs.hf_masks.MaskChoices`), each of which made the graph
+            build an explicit attention mask where an eager step on a batch without
+            padding passes none; said once at WARNING. Empty: every mask choice in the
+            graph is eager's.
     """
 
     graphs: int
@@ -72,3 +77,4 @@ class TrainStepStats:
     accumulation_steps: int
     all_reduce: bool
     optimizer_changes: tuple[str, ...]
+    masks_built_in_capture: tuple[str, ...] = ()

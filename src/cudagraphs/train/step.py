@@ -23,6 +23,7 @@ import torch
 from ..checks import check_callable, check_instance, require_cuda
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError, GraphReleasedError
 from ..graph_pool import GraphPool, as_graph_pool, side_stream
+from ..hf_masks import eager_mask_choice, unread_masks_warning
 from ..program.buffer import ReusableValueBuffer
 from ..program.signature import ValueTreeSignature
 from ..settings import graphs_disabled
@@ -30,6 +31,7 @@ from .gradients import DEFAULT_BUCKET_MB, GradientReducer
 from .optimizers import HyperparameterGuard, OptimizerSnapshot, StateKeeper, prepare_optimizer
 from .records import TrainStepOptions, TrainStepStats
 from .step_capture import CapturedStep, capture_step_graphs
+from .step_modules import check_step_experts
 
 __all__ = ["GraphedTrainStep", "graph_train_step"]
 
@@ -160,29 +162,34 @@ class GraphedTrainStep:
             return self
         require_cuda("graph_train_step")
         device = self._device()
+        check_step_experts(self.step_fn, self.params)
         pool = as_graph_pool(pool)
         stream = pool.capture_stream(device)
         self._buffer = ReusableValueBuffer(self.signature, device)
         self._buffer.copy_from(self.sample_batch, path="sample_batch")
         snapshot = OptimizerSnapshot.take(self.optimizer)
         try:
-            t0 = time.perf_counter()
-            with side_stream(pool.warmup_stream(device)), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_CAPTURABLE_WARNING)
-                for _ in range(self.options.warmup_steps):
-                    self._eager_step([self._buffer.value] * self.options.accumulation_steps)
-            torch.cuda.synchronize(device)
-            t1 = time.perf_counter()
-            self._drop_grads()
-            self._captured = capture_step_graphs(
-                self._micro,
-                self._update,
-                self._buffer.value,
-                self.options.accumulation_steps,
-                pool,
-                stream,
-            )
-            t2 = time.perf_counter()
+            # transformers chooses its attention masks under capture as eagerly where the
+            # choice reads no tensor (cudagraphs.hf_masks); warmup included, so that a
+            # compiled model sees one is_tracing in warmup and capture.
+            with eager_mask_choice() as masks:
+                t0 = time.perf_counter()
+                with side_stream(pool.warmup_stream(device)), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=_CAPTURABLE_WARNING)
+                    for _ in range(self.options.warmup_steps):
+                        self._eager_step([self._buffer.value] * self.options.accumulation_steps)
+                torch.cuda.synchronize(device)
+                t1 = time.perf_counter()
+                self._drop_grads()
+                self._captured = capture_step_graphs(
+                    self._micro,
+                    self._update,
+                    self._buffer.value,
+                    self.options.accumulation_steps,
+                    pool,
+                    stream,
+                )
+                t2 = time.perf_counter()
         except BaseException:
             self._captured = None
             self._drop_grads()
@@ -201,9 +208,18 @@ class GraphedTrainStep:
             self._losses = torch.empty((n, *loss.shape), dtype=loss.dtype, device=device)
         self.graphed = True
         self.stats = TrainStepStats(
-            1 if n == 1 else 3, t1 - t0, t2 - t1, n, self.options.reduces(), self._changes()
+            1 if n == 1 else 3,
+            t1 - t0,
+            t2 - t1,
+            n,
+            self.options.reduces(),
+            self._changes(),
+            masks_built_in_capture=tuple(masks.unread),
         )
         logger.info("train step captured: %s", self.stats)
+        said = unread_masks_warning("graph_train_step", masks.unread)
+        if said is not None:
+            logger.warning(said)
         return self
 
     def _device(self) -> torch.device:

@@ -14,7 +14,9 @@ HF's ``generate`` passes (positions from the mask, ``logits_to_keep=1``); the de
 step is the same forward at one token, and the mask the model builds from ours equals
 the one HF builds from its growing mask (positions past the current one are hidden by
 causality in both). At a batch that is exactly a bucket the kernels are HF's; a padded
-batch runs the bucket's matmuls, whose rows agree to rounding.
+batch runs the bucket's matmuls, whose rows agree to rounding. MoE experts whose grouped
+GEMM would sync the host (float32 ``grouped_mm``) decode with ``batched_mm``, as HF's
+``generate`` decodes them, the prefill keeping ``grouped_mm`` (:mod:`.experts`).
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from torch import nn
 from ...checks import check_instance, check_int
 from ...diagnostics import WarnOnce
 from ...errors import CudaGraphsStateError, CudaGraphsTypeError
+from ...settings import graphs_disabled
 from ..buckets import Bucket, BucketConfig
 from ..compiling import check_compile_options
 from ..graphs import BucketBackend
 from ..input_specs import InputSpec
 from ..runner import GraphRunner
 from .cache import LayerShape, SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
+from .experts import DecodeExperts, decode_experts
 from .per_token import _EndFlag, decode_loop
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens
@@ -159,6 +163,7 @@ class GraphedGenerator:
         self.tokens = 0
         self._ended: _EndFlag | None = None
         self._weights = WeightAddresses((), ())  # taken at capture
+        self._experts = DecodeExperts()  # decided at capture
         self._warn = WarnOnce(logger)
 
     # ---- capture ---------------------------------------------------------------------
@@ -183,7 +188,14 @@ class GraphedGenerator:
             progress: a tqdm bar over the buckets when tqdm is installed (``None``: when
                 stderr is a terminal; ``False``: never). An INFO line per bucket is
                 logged either way.
+
+        Raises:
+            UnsupportedModelError: MoE experts whose grouped GEMM would sync the host
+                (float32 ``grouped_mm``) where HF's generate would not decode them with
+                ``batched_mm`` (:mod:`.experts`); raised before anything is allocated,
+                naming the experts and the fixes.
         """
+        self._experts = decode_experts(self.model, capturing=not graphs_disabled())
         if self.kv is None:
             shapes = layer_shapes(self.model, self._cache_keyword)
             self.kv = SharedStaticCache(
@@ -201,7 +213,7 @@ class GraphedGenerator:
         # trace, and a lazy ``from transformers import`` inside it does not trace).
         for bucket in self.config.buckets():
             self.kv.cache_for(bucket.rows)
-        with torch.no_grad():
+        with torch.no_grad(), self._experts.decoding():
             self.runner.capture(
                 self._dummy_inputs,
                 warmup,
@@ -381,17 +393,18 @@ class GraphedGenerator:
         )
         logits = out.logits[:, -1, :].float()
         del out
-        return decode_loop(
-            request,
-            logits,
-            positions,
-            step,
-            sampling=sampling,
-            stops=stops,
-            generator=generator,
-            ended=self._end_flag() if stops.active else None,
-            max_cache_len=self.max_cache_len,
-        )
+        with self._experts.decoding():
+            return decode_loop(
+                request,
+                logits,
+                positions,
+                step,
+                sampling=sampling,
+                stops=stops,
+                generator=generator,
+                ended=self._end_flag() if stops.active else None,
+                max_cache_len=self.max_cache_len,
+            )
 
     def _end_flag(self) -> _EndFlag:
         # One per generator: pinned memory is slow to allocate, and requests run one
@@ -404,12 +417,16 @@ class GraphedGenerator:
     # ---- reporting and teardown ------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """The runner's stats (buckets, replays, eager runs, capture times) with
-        ``requests`` (per path), ``tokens`` (new tokens returned) and
-        ``cache_bytes`` (the shared static cache)."""
+        ``requests`` (per path), ``tokens`` (new tokens returned), ``cache_bytes``
+        (the shared static cache) and ``decode_experts`` (the experts implementations
+        decode steps run with where they differ from the model's, as
+        ``set_experts_implementation`` takes them; ``None``: as loaded)."""
         out = self.runner.stats()
         out["requests"] = dict(self.requests)
         out["tokens"] = self.tokens
         out["cache_bytes"] = 0 if self.kv is None else self.kv.nbytes
+        decode = self._experts.decode
+        out["decode_experts"] = None if decode is None else dict(decode)
         return out
 
     def close(self) -> None:

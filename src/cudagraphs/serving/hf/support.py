@@ -11,12 +11,9 @@ from itertools import chain
 from torch import nn
 
 from ...errors import CudaGraphsStateError, UnsupportedModelError
+from ...moe_kernels import STATIC_EXPERTS
 
 __all__ = ["WeightAddresses", "check_supported"]
-
-# transformers' MoE experts that keep static shapes (the others loop over the experts hit
-# with host-side shapes, which a graph cannot hold).
-_STATIC_EXPERTS = ("grouped_mm", "batched_mm")
 
 
 def check_supported(model: nn.Module) -> None:
@@ -46,7 +43,7 @@ def check_supported(model: nn.Module) -> None:
         )
     has_experts = any(hasattr(module, "experts") for module in model.modules())
     implementation = getattr(config, "_experts_implementation", None)
-    if has_experts and isinstance(implementation, str) and implementation not in _STATIC_EXPERTS:
+    if has_experts and isinstance(implementation, str) and implementation not in STATIC_EXPERTS:
         raise UnsupportedModelError(
             f"{name}'s MoE experts use the {implementation!r} implementation, which loops "
             "over the experts hit with host-side shapes and cannot be captured. Fix: "
