@@ -176,6 +176,7 @@ def run_torch_suite(path: Path, swap: bool, timeout_s: int = 900) -> dict:
 def torch_suite_case(path: Path) -> dict:
     if not path.exists():
         return {"error": f"{path} does not exist (pass --torch-tests)"}
+    path = path.resolve()  # each run's working directory is a fresh temporary one
     runs = {
         "torch": run_torch_suite(path, swap=False),
         "cudagraphs": run_torch_suite(path, swap=True),

@@ -401,7 +401,11 @@ class Run:
 
 def _new_run(shape: CaseShape, graphs: bool, like: Any = None) -> tuple[Run, Any]:
     config = transformer_config(shape, graphs=graphs)
-    model = ddp(config, gpt_model(config, shape).cuda())
+    # Float16Module, as Megatron's training wraps a bf16 model: it casts every
+    # parameter to bf16 (torch norms of the local spec are made in fp32 otherwise).
+    from megatron.core.transformer.module import Float16Module
+
+    model = ddp(config, Float16Module(config, gpt_model(config, shape).cuda()))
     if like is not None:
         model.module.load_state_dict(like.module.state_dict())
     return Run(model, MasterAdam(model, shape.lr)), config

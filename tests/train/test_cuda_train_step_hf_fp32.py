@@ -29,9 +29,11 @@ def _train_both(family, **call):
     return step, model, ref, losses, ref_losses
 
 
-@pytest.mark.parametrize(
-    "family", ["llama", "llama_mha", "qwen2", "phi3", "gemma2", "gemma2_window32", "olmoe", "gpt2"]
-)
+# Gemma2 is not here: with its cache on, its sliding-window cache layer copies a CPU
+# tensor to the GPU when first updated (transformers 5.17, cache_utils
+# DynamicSlidingWindowLayer.lazy_initialization), which a capture refuses; it is
+# graphed with use_cache=False below, within the bound.
+@pytest.mark.parametrize("family", ["llama", "llama_mha", "qwen2", "phi3", "olmoe", "gpt2"])
 def test_float32_hf_steps_equal_the_eager_loop_bit_for_bit(family, caplog):
     with caplog.at_level(logging.WARNING, logger=STEP_LOGGER):
         step, model, ref, losses, ref_losses = _train_both(family)
@@ -50,6 +52,8 @@ def test_float32_hf_steps_equal_the_eager_loop_bit_for_bit(family, caplog):
         ("qwen2", "use_cache_false", "find_packed_sequence_indices"),
         ("qwen2", "ones_mask", "_ignore_causal_mask_sdpa"),
         ("olmoe", "use_cache_false", "find_packed_sequence_indices"),
+        ("gemma2", "use_cache_false", "find_packed_sequence_indices"),
+        ("gemma2_window32", "use_cache_false", "find_packed_sequence_indices"),
         ("gpt2", "use_cache_false", "find_packed_sequence_indices"),
     ],
 )
