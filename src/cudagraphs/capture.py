@@ -277,10 +277,12 @@ def _failure_hint(message: str) -> str:
         # created on, and an eager graph still alive keeps that node (default stream).
         return (
             "Work went to the default (legacy) stream during capture. In a backward "
-            "capture this usually means an eager autograd graph is still alive (a "
-            "`loss` or output of an earlier eager step) and holds the parameters' "
-            "AccumulateGrad nodes, bound to the default stream: drop those references "
-            "(del loss) before capturing. "
+            "capture this usually means something holds the parameters' AccumulateGrad "
+            "nodes, made on the default stream: 1. an eager autograd graph still alive "
+            "(a `loss` or output of an earlier eager step): drop it (del loss) before "
+            "capturing; 2. a data-parallel wrapper that keeps them for its gradient "
+            "hooks (Megatron's DDP): build it under a side stream (`with "
+            "torch.cuda.stream(torch.cuda.Stream()):`), as Megatron's training does. "
         )
     return (
         "Common causes: a host sync (.item(), .cpu(), printing a CUDA tensor, "

@@ -150,7 +150,7 @@ def test_capture_failure_hint_names_a_live_eager_graph_for_legacy_stream_errors(
     from cudagraphs.capture import _failure_hint
 
     hint = _failure_hint("operation would make the legacy stream depend on a capturing stream")
-    assert "AccumulateGrad" in hint and "del loss" in hint
+    assert "AccumulateGrad" in hint and "del loss" in hint and "side stream" in hint
     assert "host sync" in _failure_hint("operation not permitted when stream is capturing")
 
 

@@ -405,7 +405,15 @@ def _new_run(shape: CaseShape, graphs: bool, like: Any = None) -> tuple[Run, Any
     # parameter to bf16 (torch norms of the local spec are made in fp32 otherwise).
     from megatron.core.transformer.module import Float16Module
 
-    model = ddp(config, Float16Module(config, gpt_model(config, shape).cuda()))
+    # DDP on a side stream, as Megatron's training builds it (megatron/training/
+    # training.py, get_model): DDP keeps each parameter's AccumulateGrad node, which
+    # records the stream it was made on, and a backward capture cannot make the legacy
+    # default stream wait on it (cudaErrorStreamCaptureImplicit); a side stream joins.
+    ddp_stream = torch.cuda.Stream()
+    ddp_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(ddp_stream):
+        model = ddp(config, Float16Module(config, gpt_model(config, shape).cuda()))
+    torch.cuda.current_stream().wait_stream(ddp_stream)
     if like is not None:
         model.module.load_state_dict(like.module.state_dict())
     return Run(model, MasterAdam(model, shape.lr)), config

@@ -29,6 +29,7 @@ from ..errors import (
 from ..torch_private import will_engine_execute_node
 from .grad_targets import GradTargets
 from .lent_grads import LentGrads, move_aliased_grads
+from .owned_grads import GradCopier
 from .te_compat import ReplayKeywords
 from .tree_diff import structure_mismatches
 
@@ -121,6 +122,7 @@ class EntryGraphs:
     _param_grad_buffers: list[torch.Tensor] = field(init=False, repr=False)
     _param_grad_params: list[torch.nn.Parameter] = field(init=False, repr=False)
     _param_grad_ptrs: list[int] = field(init=False, repr=False)
+    _copier: GradCopier = field(init=False, repr=False)
     _probe_accumulator: Any = field(init=False, repr=False)
     _grad_output_buffers: list[torch.Tensor] = field(init=False, repr=False)
     _grad_output_mask: tuple[bool, ...] = field(init=False, repr=False)
@@ -331,6 +333,7 @@ class EntryGraphs:
         self._param_grad_buffers = [g for g in grads[n_diff:] if g is not None]
         self._param_grad_params = [p for p, g in zip(self.params, grads[n_diff:]) if g is not None]
         self._param_grad_ptrs = [g.data_ptr() for g in self._param_grad_buffers]
+        self._copier = GradCopier.of(self._param_grad_buffers)
         # One parameter's gradient accumulator (held, so that autograd hands out this
         # very node every time) tells whether a backward accumulates into .grad
         # (backward()) or returns the gradients to the caller (autograd.grad()).
@@ -390,15 +393,14 @@ class EntryGraphs:
         kernel (the default, Transformer Engine 2.20's contract: a gradient a hook or
         ``.grad`` keeps is never overwritten by a later replay); in lent mode, the
         buffers themselves (see ``lent_grads``), except under ``autograd.grad()``."""
-        views = [g.detach() for g in self._param_grad_buffers]
-        # x * 1.0 is exact (signed zeros and NaNs included) and allocates its outputs
-        # in one multi-tensor launch, where empty_like + copy_ would loop in Python.
         if self.clone_param_grads or not _engine_accumulates(self._probe_accumulator):
             # autograd.grad() returns the gradients to its caller instead of adding
             # them into .grad, so no later replay could move them out of the way.
-            views = list(torch._foreach_mul(views, 1.0))
-        elif self.lent is not None:
-            self.lent.lend(self._param_grad_params, self._param_grad_ptrs)
+            views = self._copier()
+        else:
+            views = [g.detach() for g in self._param_grad_buffers]
+            if self.lent is not None:
+                self.lent.lend(self._param_grad_params, self._param_grad_ptrs)
         for pos, g in zip(self._param_grad_slots, views):
             result[pos] = g
 
