@@ -1,6 +1,6 @@
 """Tiny float32 Hugging Face causal LMs and the documented eager loop of
 graph_train_step, shared by tests/train/test_cuda_train_step_hf_fp32.py and
-probe/fp32_bitwise.py (which measure the same thing). Built from config, no downloads,
+benchmarks/probes/fp32_bitwise.py (which measure the same thing). Built from config, no downloads,
 dropout off (a captured dropout draws other masks than eager, which is documented).
 
 Every family but ``llama_mha`` and GPT-2 has fewer key/value heads than query heads
