@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from _stand_in_graphs import positional_entry
 from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.core.lent_grads import LentGrads
-from cudagraphs.core.runtime import EntryGraphs
 
 
 class _Ops(TorchDispatchMode):
@@ -68,27 +67,17 @@ def _graphed(clone: bool = True, forward_overwrites_grad: bool = False):
     x = torch.zeros(3)
     out, grad_out, grad_w = torch.zeros(3), torch.zeros(3), torch.zeros(3)
     scratch = grad_w if forward_overwrites_grad else None
-    leaves, in_spec = pytree.tree_flatten(((x,), {}))
-    _, out_spec = pytree.tree_flatten(out)
-    graphs = EntryGraphs(
-        name="callables[0] (scale)",
-        in_spec=in_spec,
-        leaves=leaves,
-        tensor_positions=(0,),
-        paths=("args[0]",),
-        input_meta=((x.shape, x.dtype, False),),
-        static_inputs=[x],
+    graphs = positional_entry(
+        "callables[0] (scale)",
+        x,
+        out,
+        _Forward(w, x, out, scratch),
         params=(w,),
-        fwd_graph=_Forward(w, x, out, scratch),
         bwd_graph=_Backward(x, grad_out, grad_w),
-        out_spec=out_spec,
-        out_leaves=[out],
-        out_tensor_positions=(0,),
         out_differentiable=(True,),
         static_grad_outputs=[grad_out],
         static_grad_inputs=(grad_w,),
         clone_param_grads=clone,
-        positional_only=True,
         lent=LentGrads(),
     )
 
@@ -279,4 +268,3 @@ def test_settling_moves_only_what_still_aliases_and_forgets_everything():
     assert a.grad.data_ptr() != buffers[0].data_ptr() and a.grad.tolist() == [1.0, 2.0]
     assert b.grad is None and c.grad.tolist() == [5.0, 6.0]
     assert registry.params == [] and registry.ptrs == []
-

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+from _stand_in_graphs import positional_entry
 from cudagraphs import CudaGraphInputError, UncapturedGradientError
 from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.core.runtime import EntryGraphs
@@ -118,29 +119,12 @@ def test_a_parameter_without_a_backward_graph_is_named():
 def test_integer_outputs_stay_non_differentiable():
     x = torch.zeros(3)
     out = torch.zeros(3, dtype=torch.int64)
-    leaves, in_spec = pytree.tree_flatten(((x,), {}))
-    _, out_spec = pytree.tree_flatten(out)
 
     class _Argsort(_Doubling):
         def replay(self):
             self.out.copy_(torch.argsort(self.x))
 
-    graphs = EntryGraphs(
-        name="callables[0] (argsort)",
-        in_spec=in_spec,
-        leaves=leaves,
-        tensor_positions=(0,),
-        paths=("args[0]",),
-        input_meta=((x.shape, x.dtype, False),),
-        static_inputs=[x],
-        params=(),
-        fwd_graph=_Argsort(x, out),
-        out_spec=out_spec,
-        out_leaves=[out],
-        out_tensor_positions=(0,),
-        out_differentiable=(False,),
-        positional_only=True,
-    )
+    graphs = positional_entry("callables[0] (argsort)", x, out, _Argsort(x, out))
     fn = GraphedCallable(graphs, eager=None, module=None, captured_training=None)
     got = fn(torch.tensor([3.0, 1.0, 2.0], requires_grad=True))
     assert got.tolist() == [1, 2, 0] and not got.requires_grad

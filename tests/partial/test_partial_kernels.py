@@ -5,25 +5,8 @@ test_cuda_partial_kernels.py."""
 
 
 import pytest
-import torch
-from torch import nn
 
 from cudagraphs.moe_kernels import GroupedMMProbe, experts_weight
-
-
-class Experts(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.index = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
-        self.gate_up = nn.Parameter(torch.zeros(2, 4, 4, dtype=torch.bfloat16))
-
-
-class Moe(nn.Module):
-    def __init__(self, experts=True):
-        super().__init__()
-        self.gate = nn.Linear(4, 2)  # float32: must not be the weight read
-        if experts:
-            self.experts = Experts()
 
 
 def asked_weights(monkeypatch):
