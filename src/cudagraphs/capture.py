@@ -242,6 +242,7 @@ def capture_into_graph(
     torch.cuda.synchronize(device)
     with capture_environment(), capture_scope():
         handle = pool.prepare(stream)
+        pool.mark_captured()
         torch.cuda.set_stream(stream)
         try:
             graph.capture_begin(

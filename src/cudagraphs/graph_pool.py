@@ -16,7 +16,7 @@ import torch
 
 from .checks import require_cuda
 from .errors import CudaGraphsTypeError
-from .torch_private import device_index
+from .torch_private import begin_allocate_to_pool, device_index, end_allocate_to_pool, release_pool
 
 __all__ = ["GraphPool", "PoolHandle", "as_graph_pool", "new_pool", "new_torch_graph", "side_stream"]
 
@@ -56,6 +56,9 @@ class GraphPool:
 
     def __init__(self, handle: PoolHandle | None = None, *, owner: Any = None) -> None:
         self._handle = handle
+        # Whether no capture went into the handle yet: true only for a handle made here
+        # (one passed in may hold graphs captured elsewhere). See warmup_scope.
+        self._fresh = handle is None
         # What the handle came from (a torch.cuda.MemPool), kept alive with it.
         self._owner = owner
         self._anchor: torch.cuda.CUDAGraph | None = None
@@ -74,6 +77,11 @@ class GraphPool:
             self._handle = torch.cuda.graph_pool_handle()
         return self._handle
 
+    def handles(self) -> tuple[PoolHandle, ...]:
+        """Every torch handle this pool captured into: the retired ones and the current."""
+        current = () if self._handle is None else (self._handle,)
+        return (*self.retired, *current)
+
     def prepare(self, stream: torch.cuda.Stream) -> PoolHandle:
         """Anchor the current handle (once) and return it; call before each capture."""
         handle = self.handle
@@ -90,6 +98,52 @@ class GraphPool:
                     anchor.capture_end()
             self._anchor = anchor
         return handle
+
+    @property
+    def fresh(self) -> bool:
+        """Whether no graph was captured into the current handle yet (and this object
+        made the handle): warmups then run inside the pool (:meth:`warmup_scope`)."""
+        return self._fresh
+
+    def mark_captured(self) -> None:
+        """Record that a capture goes into the current handle; called by
+        :func:`~cudagraphs.capture.capture_into_graph` before each capture."""
+        self._fresh = False
+
+    @contextlib.contextmanager
+    def warmup_scope(self, device: torch.device | int | None = None) -> Iterator[torch.cuda.Stream]:
+        """Where eager warmups before captures into this pool run; yields the stream.
+
+        While the pool is :attr:`fresh`, on the capture stream with this thread's
+        allocations routed into the pool: every block the warmup frees is then free
+        *in the pool, on the capture stream*, where the capture that follows takes it
+        again, and what the warmup keeps (optimizer state, caches a model builds
+        lazily, the capture stream's cuBLAS workspace) lives there too. The warmup's
+        peak becomes the graphs' memory instead of a second copy cached beside them
+        (the caching allocator reuses a free block only for the pool and stream it
+        was freed in). torch.compile's CUDA-graph trees warm up the same way.
+
+        Once a graph is in the pool, a warmup's lasting tensors could be placed in
+        memory that graph uses for its temporaries, and a replay would overwrite
+        them; so later warmups run on :meth:`warmup_stream`, outside the pool, and
+        their blocks stay cached in the default pool (released by
+        :func:`~cudagraphs.memory.release_unused_cache`).
+        """
+        if not self._fresh:
+            stream = self.warmup_stream(device)
+            with side_stream(stream):
+                yield stream
+            return
+        stream = self.capture_stream(device)
+        handle = self.prepare(stream)
+        index = stream.device.index
+        with side_stream(stream):
+            begin_allocate_to_pool(index, handle)
+            try:
+                yield stream
+            finally:
+                end_allocate_to_pool(index, handle)
+                release_pool(index, handle)
 
     def capture_stream(self, device: torch.device | int | None = None) -> torch.cuda.Stream:
         """The stream captures into this pool run on (one per device); never used for
@@ -138,10 +192,11 @@ class GraphPool:
                 self._handle,
             )
         self._handle = None
+        self._fresh = True  # the next handle is made here
         self._anchor = None  # releases the old handle once its other graphs are gone
 
     def __repr__(self) -> str:
-        return f"GraphPool(handle={self._handle}, retired={len(self.retired)})"
+        return f"GraphPool(handle={self._handle}, fresh={self._fresh}, retired={len(self.retired)})"
 
 
 @contextlib.contextmanager

@@ -46,7 +46,9 @@ __all__ = [
     "current_stream_key",
     "device_index",
     "dynamo_loaded",
+    "begin_allocate_to_pool",
     "end_allocate_to_pool",
+    "release_pool",
     "set_grad_enabled",
     "tensor_guards_class",
     "will_engine_execute_node",
@@ -101,6 +103,17 @@ REQUIRED_WITH_CUDA: tuple[PrivateName, ...] = (
     ),
     PrivateName(
         "torch._C",
+        "_cuda_beginAllocateCurrentThreadToPool",
+        "warming up inside a fresh graph pool, so that the capture reuses the warmup's "
+        "memory (GraphPool.warmup_scope)",
+    ),
+    PrivateName(
+        "torch._C",
+        "_cuda_releasePool",
+        "dropping the use of a graph pool that a warmup inside it took",
+    ),
+    PrivateName(
+        "torch._C",
         "_cuda_getCurrentStream",
         "the program layer's per-replay check of the current stream, without building "
         "a Stream object",
@@ -151,6 +164,18 @@ def end_allocate_to_pool(device: int, pool: Any) -> None:
     """End the caching allocator's routing of ``device``'s allocations into ``pool``
     (raises when nothing is routed there)."""
     torch._C._cuda_endAllocateToPool(device, pool)
+
+
+def begin_allocate_to_pool(device: int, pool: Any) -> None:
+    """Route the current thread's allocations on ``device`` (any stream) into the
+    private pool ``pool``, taking a use of it; undo with :func:`end_allocate_to_pool`
+    and :func:`release_pool`. torch.compile's CUDA-graph trees warm up the same way."""
+    torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+
+
+def release_pool(device: int, pool: Any) -> None:
+    """Give back the use of ``pool`` that :func:`begin_allocate_to_pool` took."""
+    torch._C._cuda_releasePool(device, pool)
 
 
 def current_stream_key() -> Callable[[int], Any]:

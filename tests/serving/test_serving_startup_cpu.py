@@ -151,40 +151,49 @@ def test_capture_times_add_up_every_slot(monkeypatch, caplog):
     ]
 
 
-def test_warmup_and_capture_run_on_the_pools_warmup_stream(monkeypatch):
-    stream = object()
-    entered = []
+def test_each_warmup_runs_in_the_pools_warmup_scope_and_each_capture_outside_it(monkeypatch):
+    events = []
 
     @contextlib.contextmanager
-    def side_stream(s):
-        entered.append(s)
+    def scope(self):
+        events.append("enter")
         yield
+        events.append("exit")
 
-    monkeypatch.setattr(BucketCapture, "_warmup_stream", lambda self: stream)
-    monkeypatch.setattr(startup, "side_stream", side_stream)
+    monkeypatch.setattr(BucketCapture, "_warmup_scope", scope)
     backend = eager_backend()
-    two_slot_runner(capture_backend=backend).capture(dummy)
+    real = backend.__call__ if hasattr(backend, "__call__") else backend
+
+    def capturing(*args, **kwargs):
+        events.append("capture")
+        return real(*args, **kwargs)
+
+    two_slot_runner(capture_backend=capturing).capture(dummy)
     assert len(backend.captured) == 4
-    assert entered == [stream] * 4
+    # A capture inside the scope would run with the warmup's allocator routing on.
+    assert events == ["enter", "exit", "capture"] * 4
 
 
 class FakePool:
     def __init__(self):
         self.asked = []
 
-    def warmup_stream(self, device):
+    @contextlib.contextmanager
+    def warmup_scope(self, device):
         self.asked.append(device)
-        return ("warmup stream", device)
+        yield ("warmup stream", device)
 
 
-def test_warmup_stream_is_the_pools_on_cuda_and_none_elsewhere():
+def test_warmup_scope_is_the_pools_on_cuda_and_nothing_elsewhere():
     pool = FakePool()
     cuda = torch.device("cuda", 1)
     runner = types.SimpleNamespace(device=cuda, _pool=pool)
-    assert BucketCapture(runner)._warmup_stream() == ("warmup stream", cuda)
+    with BucketCapture(runner)._warmup_scope() as got:
+        assert got == ("warmup stream", cuda)
     assert pool.asked == [cuda]
     runner.device = torch.device("cpu")
-    assert BucketCapture(runner)._warmup_stream() is None
+    with BucketCapture(runner)._warmup_scope() as got:
+        assert got is None
     assert pool.asked == [cuda]
 
 

@@ -6,11 +6,14 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _asserts import assert_bitwise_equal
 from _train_cpu import (
     OPTIMIZERS,
     _param,
+    _set_grads,
     _steps,
 )
 from cudagraphs import (
@@ -20,7 +23,12 @@ from cudagraphs import (
 from cudagraphs.train import (
     plan_optimizer,
 )
-from cudagraphs.train.optimizers import HyperparameterGuard, OptimizerSnapshot, StateKeeper
+from cudagraphs.train.optimizers import (
+    HyperparameterGuard,
+    OptimizerSnapshot,
+    StateKeeper,
+    exact_at_zero_lr,
+)
 
 
 # ---- OptimizerSnapshot ---------------------------------------------------------------
@@ -32,16 +40,24 @@ def test_snapshot_restores_parameters_and_earlier_state_into_the_same_tensors(na
     saved_params = [p.detach().clone() for p in params]
     saved_state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
     objects = {id(p): dict(opt.state[p]) for p in params}
+    lr = opt.param_groups[0]["lr"]
     snapshot = OptimizerSnapshot.take(opt)
+    snapshot.zero_lr()
+    assert opt.param_groups[0]["lr"] == 0.0
     _steps(opt, params, 3, seed=200)
-    assert not torch.equal(params[0].detach(), saved_params[0])  # the steps did something
-    snapshot.restore(opt)
+    assert not torch.equal(
+        opt.state[params[0]][next(iter(saved_state[id(params[0])]))],
+        next(iter(saved_state[id(params[0])].values())),
+    )  # state moved
+    snapshot.restore()
+    assert opt.param_groups[0]["lr"] == lr
     for p, saved in zip(params, saved_params):
         assert_bitwise_equal(p.detach(), saved, "restored parameter")
         assert set(opt.state[p]) == set(saved_state[id(p)])
         for key, value in saved_state[id(p)].items():
             assert opt.state[p][key] is objects[id(p)][key], f"{key} was replaced"
             assert_bitwise_equal(opt.state[p][key], value, f"restored state {key}")
+            assert snapshot.state[id(p)][key].device.type == "cpu"
 
 
 @pytest.mark.parametrize(
@@ -53,9 +69,10 @@ def test_snapshot_zeroes_state_created_after_it(name, keys):
     opt = OPTIMIZERS[name](params)
     saved = [p.detach().clone() for p in params]
     snapshot = OptimizerSnapshot.take(opt)
+    snapshot.zero_lr()
     _steps(opt, params, 3)
     objects = {id(p): dict(opt.state[p]) for p in params}
-    snapshot.restore(opt)
+    snapshot.restore()
     for p, s in zip(params, saved):
         assert_bitwise_equal(p.detach(), s, "restored parameter")
         assert set(opt.state[p]) == keys
@@ -65,18 +82,89 @@ def test_snapshot_zeroes_state_created_after_it(name, keys):
             assert not value.any(), f"{key} not zeroed"
 
 
-def test_snapshot_restores_a_parameter_without_optimizer_state():
-    a, b = _param(3), _param(2, seed=1)
-    opt = torch.optim.Adam([a, b], lr=0.1, foreach=False)
+@pytest.mark.parametrize(
+    ("make", "copied"),
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), False),
+        (lambda ps: torch.optim.Adam(ps, lr=0.1, fused=True), False),
+        (lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True, eps=0.0), True),
+        (lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=False), True),
+    ],
+    ids=["sgd", "fused_adam", "fused_adamw_eps0", "forloop_adam"],
+)
+def test_snapshot_copies_parameters_to_the_host_only_where_lr_0_is_not_exact(make, copied):
+    params = [_param(3), _param(2, seed=1)]
+    snapshot = OptimizerSnapshot.take(make(params))
+    assert bool(snapshot.params) == copied
+    for _, saved in snapshot.params.values():
+        assert saved.device.type == "cpu"
+
+
+def test_snapshot_restores_a_parameter_kept_after_the_fact_and_a_device_lr():
+    a = _param(3)
+    opt = torch.optim.SGD([a], lr=torch.tensor(0.5))
+    lr = opt.param_groups[0]["lr"]
+    saved = a.detach().clone()
     snapshot = OptimizerSnapshot.take(opt)
-    saved_b = b.detach().clone()
-    with torch.no_grad():
-        b.add_(1.0)
-    a.grad = torch.ones(3)
+    assert not snapshot.params
+    snapshot.zero_lr()
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == 0.0
+    snapshot.keep_params()  # what the warmup does before a step with non-finite grads
+    a.grad = torch.tensor([float("inf"), 1.0, 2.0])
     opt.step()
-    snapshot.restore(opt)
-    assert_bitwise_equal(b.detach(), saved_b, "parameter without state")
-    assert b not in opt.state
+    assert a.detach().isnan().any()  # 0 * inf
+    snapshot.restore()
+    assert_bitwise_equal(a.detach(), saved, "kept parameter")
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == 0.5
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(["sgd", "sgd_nesterov", "adam", "adamw", "adam_amsgrad"]),
+    weight_decay=st.sampled_from([0.0, 0.01, 0.3]),
+    maximize=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+    zero_grads=st.booleans(),
+)
+def test_a_step_at_lr_0_leaves_parameters_bitwise_where_snapshots_rely_on_it(
+    kind, weight_decay, maximize, dtype, seed, zero_grads
+):
+    # The reference: parameters unchanged, bit for bit, over steps at lr 0 with finite
+    # gradients (zeros included: Adam's second moment is 0 there).
+    params = [_param(5, dtype=dtype, seed=seed), _param(2, 3, dtype=dtype, seed=seed + 1)]
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(
+            ps, lr=0.1, momentum=0.9, weight_decay=weight_decay, maximize=maximize
+        ),
+        "sgd_nesterov": lambda ps: torch.optim.SGD(
+            ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=weight_decay, maximize=maximize
+        ),
+        "adam": lambda ps: torch.optim.Adam(
+            ps, lr=0.1, fused=True, weight_decay=weight_decay, maximize=maximize
+        ),
+        "adamw": lambda ps: torch.optim.AdamW(
+            ps, lr=0.1, fused=True, weight_decay=weight_decay, maximize=maximize
+        ),
+        "adam_amsgrad": lambda ps: torch.optim.Adam(
+            ps, lr=0.1, fused=True, amsgrad=True, maximize=maximize
+        ),
+    }[kind]
+    opt = make(params)
+    assert all(exact_at_zero_lr(opt, g) for g in opt.param_groups)
+    before = [p.detach().clone() for p in params]
+    snapshot = OptimizerSnapshot.take(opt)
+    snapshot.zero_lr()
+    for i in range(3):
+        _set_grads(params, seed + 10 + i)
+        if zero_grads:
+            for p in params:
+                p.grad.view(-1)[::2] = 0
+        opt.step()
+    for p, b in zip(params, before):
+        assert_bitwise_equal(p.detach(), b, "parameter after steps at lr 0")
+    snapshot.restore()
+    assert opt.param_groups[0]["lr"] == 0.1
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw", "sgd_momentum"])
@@ -86,8 +174,9 @@ def test_after_restore_the_optimizer_steps_as_a_fresh_one(name):
         opt = OPTIMIZERS[name](params)
         if warmup:
             snapshot = OptimizerSnapshot.take(opt)
+            snapshot.zero_lr()
             _steps(opt, params, 3, seed=300)
-            snapshot.restore(opt)
+            snapshot.restore()
         _steps(opt, params, 4)
         return [p.detach().clone() for p in params]
 

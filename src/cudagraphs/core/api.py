@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
-from ..capture import as_graph_pool, side_stream
+from ..capture import as_graph_pool
 from ..capturing import capture_scope
 from ..checks import check_callable, require_cuda
 from ..errors import CudaGraphsValueError
 from ..forward_swap import swap_forward
+from ..memory import MemoryMeter
 from ..moe_kernels import check_grouped_mm_experts
 from ..settings import DISABLE_ENV, graphs_disabled
 from .canonicalize import GraphPlan, canonicalize, check_devices
@@ -311,11 +312,14 @@ def make_graphed_callables(
     check_grouped_mm_experts(modules, "make_graphed_callables")
     grad_targets = _grad_targets(plan, main_grad_attr) if accumulate_grads_in_graph else ()
     with torch.cuda.device(device), capture_scope():
-        # Warmup on the pool's warmup stream, capture on its capture stream: the cuBLAS
-        # workspace the graphs use is then made inside the pool (GraphPool.capture_stream).
+        # Inside a fresh pool the warmup runs on the capture stream with its memory in
+        # the pool, which the captures then reuse; otherwise on the warmup stream
+        # (GraphPool.warmup_scope). Either way the cuBLAS workspace the graphs use is
+        # inside the pool (GraphPool.capture_stream).
         stream = graph_pool.capture_stream(device)
+        meter = MemoryMeter.start(device)
         t0 = time.perf_counter()
-        with side_stream(graph_pool.warmup_stream(device)):
+        with graph_pool.warmup_scope(device):
             run_warmup(
                 plan,
                 num_warmup_iters,
@@ -334,12 +338,16 @@ def make_graphed_callables(
             sharing=sharing,
         )
         entry_graphs = capture_plan(plan, opts)
+        memory = meter.finish(graph_pool.handles(), what="make_graphed_callables")
+        for graphs in entry_graphs:
+            graphs.memory = memory
         logger.info(
-            "graphed %d entries (%d steps): warmup %.3fs, capture %.3fs",
+            "graphed %d entries (%d steps): warmup %.3fs, capture %.3fs; memory: %s",
             len(entry_graphs),
             len(plan.schedule),
             t1 - t0,
             time.perf_counter() - t1,
+            memory.summary(),
         )
     results = _wrap(plan, entry_graphs)
     return results[0] if plan.single else tuple(results)

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture import GraphPool, capture_into_graph
 from .canonicalize import EntrySpec, GraphPlan
+from .grad_staging import GradStaging
 from .grad_targets import GradTargets
 from .lent_grads import lent_grads_of
 from .runtime import EntryGraphs
@@ -37,6 +38,8 @@ class CaptureOptions:
     # accumulation), or None (gradients handed to autograd). Empty: None for all.
     grad_targets: tuple[GradTargets | None, ...] = ()
     sharing: BufferSharing | None = None  # buffers shared beyond the pool (.sharing)
+    # Owned mode: where backward graphs leave their parameter gradients (.grad_staging).
+    staging: GradStaging | None = None
 
 
 def _describe(plan: GraphPlan, entry_index: int) -> str:
@@ -316,6 +319,8 @@ def _capture_backward(
                 with torch.no_grad():
                     torch._foreach_add_([t for t, _ in pairs], [d for _, d in pairs])
             grads = (*grads[:n_diff], *(None,) * (len(grads) - n_diff))
+        elif opts.staging is not None:
+            grads = (*grads[:n_diff], *opts.staging.stage(grads[n_diff:]))
         return _owned(grads, grad_outputs)
 
     before = torch.cuda.memory_reserved(opts.stream.device)
@@ -342,6 +347,15 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
 
     On failure every graph captured so far is released before the error propagates.
     """
+    if opts.clone_param_grads_on_return and plan.training:
+        # Owned gradients: the backward graphs copy theirs into one shared buffer,
+        # sized for the largest callable (.grad_staging says why).
+        staged = [
+            c.params
+            for c, t in zip(plan.callables, opts.grad_targets or (None,) * len(plan.callables))
+            if t is None
+        ]
+        opts = dataclasses.replace(opts, staging=GradStaging.for_params(staged))
     pending: dict[int, _Pending] = {}
     # Under _reuse_graph_input_output_buffers, entries of one slot (same callable, same
     # shapes, lifetimes that never overlap in the schedule) share their static inputs

@@ -107,6 +107,13 @@ class GraphedCallable:
         self._captured_training = captured_training
         self._on_reset = on_reset
 
+    @property
+    def memory(self) -> Any:
+        """Where the device memory of the ``make_graphed_callables`` call that made
+        this went (:class:`~cudagraphs.memory.MemoryAccount`, shared by all its
+        results); ``None`` under ``CUDAGRAPHS_DISABLE``."""
+        return self.graphs.memory
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, graphs = self._module, self.graphs
         if module is not None and module.training != self._captured_training:

@@ -30,12 +30,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from ..checks import check_bool, check_callable
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError
 from ..forward_swap import swap_forward
+from ..memory import release_unused_cache
 from .build import entries_from_model_parts
 from .entry import PartialGraphEntry
 from .graphing import (
@@ -102,7 +104,11 @@ class PartialCudaGraphManager:
     output in place: :mod:`.chaining`), and from the core's graphs ``pool_bytes`` /
     ``buffer_bytes`` with one ``pool_bytes_<scope>`` / ``buffer_bytes_<scope>`` per
     scope graphed (what the captures grew reserved memory by; static buffers made
-    outside the pool, shared ones once). Under
+    outside the pool, shared ones once), and after a capture on CUDA the memory
+    account (:class:`~cudagraphs.memory.MemoryAccount`) summed over the captures:
+    ``pool_reserved_bytes``, ``pool_allocated_bytes``, ``unused_cache_bytes``,
+    ``driver_bytes`` and ``released_bytes`` (with what :meth:`capture` itself gave
+    back). Under
     ``CUDAGRAPHS_DISABLE=1`` no graph exists (``captured`` is 0) and ``replayed``
     counts the calls that matched a recorded contract and ran eagerly in its place.
 
@@ -179,6 +185,7 @@ class PartialCudaGraphManager:
         )
         self._closed = False
         self._disabled: bool | None = None  # fixed by the first capture()
+        self._released_bytes = 0  # given back to the driver after captures
         self._warn_once = WarnOnce(logger)
         for entry in self.entries:
             entry.warn_once = self._warn_once
@@ -344,6 +351,12 @@ class PartialCudaGraphManager:
         """Graph every recorded, not yet graphed call, in real forward order, and
         install the dispatching forward on each target that has a graph.
 
+        Then, on CUDA, the memory the caching allocator keeps cached and no tensor
+        uses is given back to the driver (:func:`~cudagraphs.memory.release_unused_cache`;
+        ``CUDAGRAPHS_KEEP_CACHE=1`` keeps it): the eager steps before the capture
+        cached the graphed targets' activations too, which now live in the graphs'
+        pools. The next step's eager allocations come from the driver once.
+
         Reads ``CUDAGRAPHS_DISABLE`` (:func:`cudagraphs.settings.graphs_disabled`):
         when set, the eager backend stands in for the graphing one (see the class
         docs) and a WARNING says so once. The first capture fixes the mode for the
@@ -391,11 +404,27 @@ class PartialCudaGraphManager:
             if entry.swap is None and entry.graphs():
                 entry.swap = swap_forward(entry.target.module, entry.dispatch)
         turn_off_slower(verdicts, logger)
+        if not disabled and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # The eager steps before this capture cached a working set that held the
+            # graphed targets' activations too; those now live in the graph pools, so
+            # the cache is larger than eager code needs from here on. Give it back
+            # (cudagraphs.memory.release_unused_cache: the next step's eager
+            # allocations come from the driver once; docs/memory.md has the cost).
+            self._released_bytes += release_unused_cache(
+                torch.cuda.current_device(), "partial graphs capture"
+            )
 
     # ---- reporting and teardown -------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Totals over all targets (keys: see the class docs)."""
-        return stats_of(self.entries, self.skipped, self.narrowed, self._disabled, self.model_off)
+        return stats_of(
+            self.entries,
+            self.skipped,
+            self.narrowed,
+            self._disabled,
+            self.model_off,
+            self._released_bytes,
+        )
 
     def log_stats(self, phase: str) -> None:
         """Log :meth:`stats` at INFO, labelled with ``phase``."""

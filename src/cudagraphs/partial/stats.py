@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..memory import MemoryAccount
 from .entry import PartialGraphEntry
 from .model_scope import ModelScopeOff
 from .skips import NarrowedBlock, SkippedBlock
@@ -23,6 +24,7 @@ def stats_of(
     narrowed: Sequence[NarrowedBlock],
     disabled: bool | None,
     model_off: Sequence[ModelScopeOff] = (),
+    released_bytes: int = 0,
 ) -> dict[str, int]:
     """Totals over ``entries``, the blocks and the parts not graphed whole (keys: see
     the manager's class docs); ``disabled`` is what the manager's first capture read
@@ -51,6 +53,7 @@ def stats_of(
             key = f"off_{entry.off_reason}"
             out[key] = out.get(key, 0) + 1
     _add_memory(out, entries)
+    _add_accounts(out, entries, released_bytes)
     return out
 
 
@@ -72,3 +75,23 @@ def _add_memory(out: dict[str, int], entries: Sequence[PartialGraphEntry]) -> No
             for what in ("pool_bytes", "buffer_bytes"):
                 for key in (what, f"{what}_{scope}"):
                     out[key] = out.get(key, 0) + getattr(graphs, what, 0)
+
+
+def _add_accounts(
+    out: dict[str, int], entries: Sequence[PartialGraphEntry], released_bytes: int
+) -> None:
+    # One cudagraphs.memory.MemoryAccount per make_graphed_callables call, shared by
+    # the graphs it made: each counted once. released_bytes: what the manager's own
+    # releases after its captures gave back.
+    accounts = {}
+    for entry in entries:
+        for graph in entry.graphs():
+            account = getattr(getattr(graph, "graphs", None), "memory", None)
+            if account is not None:
+                accounts[id(account)] = account
+    if not accounts and not released_bytes:
+        return
+    total = sum(accounts.values(), MemoryAccount())
+    for key, value in total.as_dict().items():
+        out[key] = out.get(key, 0) + value
+    out["released_bytes"] = out.get("released_bytes", 0) + released_bytes

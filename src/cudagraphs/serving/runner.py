@@ -163,6 +163,8 @@ class GraphRunner:
         self.memory_plan: MemoryPlan | None = None
         #: With ``plan_memory``: what the captures actually took (logged beside the plan).
         self.memory_used: MemoryUse | None = None
+        #: Where the last capture's device memory went (cudagraphs.memory.MemoryAccount).
+        self.memory_account: Any = None
         self.slot_inputs: list[StaticInputs] = []
         self.static: StaticInputs | None = None
         self.graphs: dict[Bucket, BucketGraph] = {}
@@ -347,7 +349,10 @@ class GraphRunner:
             and ``disabled`` for stand-in runs) and ``ignored_arguments`` (per
             argument ``run()`` ignored: ``num_tokens``), ``capture_seconds`` (per
             captured bucket: warmup runs, warmup and capture seconds, host wall time;
-            a capture's seconds include its instantiation).
+            a capture's seconds include its instantiation), and ``memory`` (where
+            the capture's device memory went, in bytes:
+            :class:`~cudagraphs.memory.MemoryAccount` as a dict; ``None`` off CUDA
+            or when disabled).
         """
         replays = {str(b): g.replays for b, g in self.graphs.items()}
         eager = dict(self.eager_runs)
@@ -364,6 +369,7 @@ class GraphRunner:
                 str(b): {"warmup_runs": t.warmup_runs, "warmup": t.warmup_s, "capture": t.capture_s}
                 for b, t in self.capture_times.items()
             },
+            "memory": None if self.memory_account is None else self.memory_account.as_dict(),
         }
 
     def close(self) -> None:

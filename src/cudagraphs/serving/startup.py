@@ -9,16 +9,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..capture import GraphPool, gc_paused, side_stream
+from ..capture import GraphPool, gc_paused
 from ..capturing import capture_scope
 from ..checks import require_cuda
 from ..errors import CudaGraphOutputError, CudaGraphsTypeError, CudaGraphsValueError
+from ..memory import MemoryMeter
 from ..settings import DISABLE_ENV, graphs_disabled
 from .buckets import Bucket, check_dropped_buckets, warmup_runs
 from .distributed import agree_on_captured
@@ -161,6 +162,7 @@ class BucketCapture:
         # decoder's whole startup, and warmups of an HF model allocate enough objects
         # to set off several. Cycles made meanwhile go at the next automatic one.
         before = self._memory_now() if args.plan_memory else None
+        meter = MemoryMeter.start(runner.device) if runner.device.type == "cuda" else None
         bar = progress_bar(args.progress, len(chosen), "capturing buckets")
         try:
             with gc_paused():
@@ -168,6 +170,10 @@ class BucketCapture:
         finally:
             if bar is not None:
                 bar.close()
+        if meter is not None and not runner.disabled:
+            # Warmups after the first capture ran outside the pool: their blocks stay
+            # cached on the warmup stream, where nothing reuses them (MemoryMeter.finish).
+            runner.memory_account = meter.finish(runner._pool.handles(), what="GraphRunner")
         if before is not None:
             after = self._memory_now()
             runner.memory_used = MemoryUse(after[0] - before[0], before[1] - after[1])
@@ -250,6 +256,14 @@ class BucketCapture:
             return None
         return runner._pool.warmup_stream(runner.device)
 
+    def _warmup_scope(self) -> AbstractContextManager:
+        """Where a bucket's warmup runs: inside the pool while no graph is in it, else
+        on its warmup stream (``GraphPool.warmup_scope``); nothing on the CPU."""
+        runner = self.runner
+        if runner.device.type != "cuda":
+            return nullcontext()
+        return runner._pool.warmup_scope(runner.device)
+
     def _said_captured(self, bucket: Bucket, ok: bool, done: int, total: int, bar: Any) -> None:
         runner = self.runner
         took = runner.capture_times.get(bucket)
@@ -276,14 +290,14 @@ class BucketCapture:
                 views = static.views(bucket)
                 static.stage(make_inputs(bucket), bucket, bucket.rows)
                 what = str(bucket) if runner.slots == 1 else f"{bucket} slot {slot}"
-                with side_stream(self._warmup_stream()):
-                    start = time.perf_counter()
+                start = time.perf_counter()
+                with self._warmup_scope():
                     for _ in range(warmup):
                         runner.forward(**views)
-                    middle = time.perf_counter()
-                    graph, output = backend(lambda v=views: runner.forward(**v), runner._pool, what)
-                    warmup_s += middle - start
-                    capture_s += time.perf_counter() - middle
+                middle = time.perf_counter()
+                graph, output = backend(lambda v=views: runner.forward(**v), runner._pool, what)
+                warmup_s += middle - start
+                capture_s += time.perf_counter() - middle
                 captured.append((graph, output, what))
         except Exception as exc:
             release(graph for graph, _, _ in captured)

@@ -38,6 +38,7 @@ __all__ = [
     "HyperparameterGuard",
     "OptimizerSnapshot",
     "StateKeeper",
+    "exact_at_zero_lr",
     "plan_optimizer",
     "prepare_optimizer",
 ]
@@ -193,33 +194,93 @@ def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from group["params"]
 
 
+def exact_at_zero_lr(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether a step of ``group`` with learning rate 0 leaves every parameter
+    bit for bit as it was (given finite gradients).
+
+    True for SGD (``p - 0 * d``) and for fused Adam/AdamW with ``eps > 0``: the fused
+    kernel subtracts ``lr * weight_decay * p`` and ``(lr / bc1) * m / denom`` with
+    ``denom >= eps``. Not for torch's capturable ``foreach``/for-loop Adam: it divides
+    by the negated step size, so a zero learning rate makes ``0 / 0`` wherever a
+    gradient element was zero.
+    """
+    if _kind(optimizer) == "sgd":
+        return True
+    return bool(group.get("fused")) and float(group.get("eps", 0.0)) > 0
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
 @dataclass
 class OptimizerSnapshot:
-    """Parameters and optimizer state as they were before the warmup steps.
+    """What the warmup steps of :func:`~cudagraphs.graph_train_step` change, kept so
+    that :meth:`restore` can undo them without a second copy of the model on the
+    device.
 
-    The warmup runs real steps (the only way to create the optimizer's lazy state
-    before capture); :meth:`restore` undoes them by copying into the same tensors,
-    whose addresses the graph keeps. State created by the warmup is reset to its
-    fresh value, zeros, which is why only Adam, AdamW and SGD are accepted.
+    The warmup runs real optimizer steps (the only way to create the optimizer's
+    lazy state before capture) with every learning rate set to 0
+    (:meth:`zero_lr`). Where that is exact (:func:`exact_at_zero_lr`) the parameters
+    are not copied at all; elsewhere, and when the warmup's gradients are not finite
+    (``0 * inf``), they are copied to host memory first (:meth:`keep_params`). State
+    that existed before (a resumed optimizer) is copied to host memory; state the
+    warmup created is reset to its fresh value, zeros, which is why only Adam, AdamW
+    and SGD are accepted. :meth:`restore` copies into the same tensors, whose
+    addresses the graph keeps, and puts the learning rates back.
     """
 
-    params: list[tuple[torch.Tensor, torch.Tensor]]
+    optimizer: torch.optim.Optimizer
+    params: dict[int, tuple[torch.Tensor, torch.Tensor]]
     state: dict[int, dict[str, torch.Tensor]]
+    lrs: list[Any]
 
     @classmethod
     def take(cls, optimizer: torch.optim.Optimizer) -> OptimizerSnapshot:
         with torch.no_grad():
-            params = [(p, p.detach().clone()) for p in _params(optimizer)]
             state = {
-                id(p): {k: v.clone() for k, v in _state_tensors(optimizer, p).items()}
-                for p, _ in params
+                id(p): {k: _host_copy(v) for k, v in _state_tensors(optimizer, p).items()}
+                for p in _params(optimizer)
             }
-        return cls(params, state)
+            lrs = [
+                g["lr"].detach().clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
+                for g in optimizer.param_groups
+            ]
+        snapshot = cls(optimizer, {}, {k: v for k, v in state.items() if v}, lrs)
+        for group in optimizer.param_groups:
+            if not exact_at_zero_lr(optimizer, group):
+                snapshot.keep_params(group["params"])
+        return snapshot
 
-    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+    def keep_params(
+        self, params: Iterator[torch.Tensor] | list[torch.Tensor] | None = None
+    ) -> None:
+        """Copy ``params`` (default: all) to host memory, once each."""
         with torch.no_grad():
-            for p, saved in self.params:
+            for p in _params(self.optimizer) if params is None else params:
+                if id(p) not in self.params:
+                    self.params[id(p)] = (p, _host_copy(p))
+
+    def zero_lr(self) -> None:
+        """Set every group's learning rate to 0 (in place for a device tensor)."""
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].fill_(0.0)
+                else:
+                    group["lr"] = 0.0
+
+    def restore(self) -> None:
+        optimizer = self.optimizer
+        with torch.no_grad():
+            for group, lr in zip(optimizer.param_groups, self.lrs):
+                if isinstance(lr, torch.Tensor):
+                    group["lr"].copy_(lr)
+                else:
+                    group["lr"] = lr
+            for p, saved in self.params.values():
                 p.copy_(saved)
+            for p in _params(optimizer):
                 before = self.state.get(id(p), {})
                 for key, value in _state_tensors(optimizer, p).items():
                     if key in before:

@@ -12,6 +12,7 @@ import torch
 
 from ..checks import check_bool, check_int, check_number
 from ..errors import CudaGraphsValueError
+from ..memory import MemoryAccount
 from .gradients import DEFAULT_BUCKET_MB
 
 __all__ = ["TrainStepOptions", "TrainStepStats"]
@@ -69,6 +70,9 @@ class TrainStepStats:
             build an explicit attention mask where an eager step on a batch without
             padding passes none; said once at WARNING. Empty: every mask choice in the
             graph is eager's.
+        memory: where the capture's device memory went
+            (:class:`~cudagraphs.memory.MemoryAccount`); ``None`` when graphs are
+            disabled.
     """
 
     graphs: int
@@ -78,3 +82,4 @@ class TrainStepStats:
     all_reduce: bool
     optimizer_changes: tuple[str, ...]
     masks_built_in_capture: tuple[str, ...] = ()
+    memory: MemoryAccount | None = None

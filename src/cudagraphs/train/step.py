@@ -22,8 +22,9 @@ import torch
 
 from ..checks import check_callable, check_instance, require_cuda
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError, GraphReleasedError
-from ..graph_pool import GraphPool, as_graph_pool, side_stream
+from ..graph_pool import GraphPool, as_graph_pool
 from ..hf_masks import eager_mask_choice, unread_masks_warning
+from ..memory import MemoryMeter
 from ..program.buffer import ReusableValueBuffer
 from ..program.signature import ValueTreeSignature
 from ..settings import graphs_disabled
@@ -123,7 +124,9 @@ class GraphedTrainStep:
         for p in self.params:
             p.grad = None
 
-    def _eager_step(self, batches: Sequence[Any]) -> torch.Tensor:
+    def _eager_step(
+        self, batches: Sequence[Any], before_update: OptimizerSnapshot | None = None
+    ) -> torch.Tensor:
         self._drop_grads()
         losses = [self._micro(b) for b in batches]
         if not any(p.grad is not None for p in self.params):
@@ -131,6 +134,10 @@ class GraphedTrainStep:
                 "step_fn returned without a gradient for any parameter of the optimizer; "
                 "call loss.backward() inside step_fn"
             )
+        if before_update is not None and not _grads_finite(self.params):
+            # A warmup step runs at learning rate 0, which keeps a parameter only where
+            # its update is finite (0 * inf is NaN): keep the parameters on the host.
+            before_update.keep_params()
         self._update()
         return losses[0] if len(losses) == 1 else torch.stack(losses)
 
@@ -164,6 +171,7 @@ class GraphedTrainStep:
         device = self._device()
         check_step_experts(self.step_fn, self.params)
         pool = as_graph_pool(pool)
+        meter = MemoryMeter.start(device)
         stream = pool.capture_stream(device)
         self._buffer = ReusableValueBuffer(self.signature, device)
         self._buffer.copy_from(self.sample_batch, path="sample_batch")
@@ -174,13 +182,19 @@ class GraphedTrainStep:
             # compiled model sees one is_tracing in warmup and capture.
             with eager_mask_choice() as masks:
                 t0 = time.perf_counter()
-                with side_stream(pool.warmup_stream(device)), warnings.catch_warnings():
+                snapshot.zero_lr()
+                # Inside a fresh pool the warmup's memory is the capture's (warmup_scope).
+                with pool.warmup_scope(device), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=_CAPTURABLE_WARNING)
                     for _ in range(self.options.warmup_steps):
-                        self._eager_step([self._buffer.value] * self.options.accumulation_steps)
+                        self._eager_step(
+                            [self._buffer.value] * self.options.accumulation_steps,
+                            before_update=snapshot,
+                        )
                 torch.cuda.synchronize(device)
                 t1 = time.perf_counter()
                 self._drop_grads()
+                snapshot.restore()
                 self._captured = capture_step_graphs(
                     self._micro,
                     self._update,
@@ -193,10 +207,10 @@ class GraphedTrainStep:
         except BaseException:
             self._captured = None
             self._drop_grads()
-            snapshot.restore(self.optimizer)
+            snapshot.restore()
             raise
-        snapshot.restore(self.optimizer)
         del snapshot
+        memory = meter.finish(pool.handles(), what="graph_train_step")
         self._grads = [p.grad for p in self.params]
         # One parameter with a gradient tells whether zero_grad() ran since the last step.
         self._sentinel = next((p, g) for p, g in zip(self.params, self._grads) if g is not None)
@@ -215,6 +229,7 @@ class GraphedTrainStep:
             self.options.reduces(),
             self._changes(),
             masks_built_in_capture=tuple(masks.unread),
+            memory=memory,
         )
         logger.info("train step captured: %s", self.stats)
         said = unread_masks_warning("graph_train_step", masks.unread)
@@ -317,6 +332,13 @@ class GraphedTrainStep:
         self._grads = []
         self.graphed = False
         self._released = True
+
+
+def _grads_finite(params: Sequence[torch.Tensor]) -> bool:
+    """Whether every gradient element is finite (one host sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = torch._foreach_norm(grads)
+    return bool(torch.stack([n.float() for n in norms]).isfinite().all())
 
 
 def graph_train_step(

@@ -1,0 +1,562 @@
+"""Device memory of every graphed layer against the eager run of the same work.
+
+Each variant runs in its own process (``--child``), eager first, so that no variant
+sees another's cache: a fresh CUDA context, the model built from the same seeds, the
+work run, and the process's own ``torch.cuda.max_memory_reserved()`` /
+``max_memory_allocated()`` read at the end (the peak over set-up, capture and steps)
+and after set-up (``steady_*``: over the steps alone). ``device_used_bytes``: the drop
+in the device's free memory from the context's creation to the end (torch's reserved
+memory plus what the driver holds for the process: graph executables, library
+handles); device-wide, so measured only where children run one at a time
+(``--jobs 1``), else ``None``.
+
+Work (HF Llama from config, bf16, SDPA, random weights):
+
+* training shapes ``small`` (8 layers, hidden 512, batch 4, seq 512), ``mid``
+  (16 layers, hidden 2048, batch 1, seq 1024) and ``6b`` (32 layers, hidden 4096,
+  batch 1, seq 2048); a step is the model's causal-LM loss, ``backward()``, fused
+  ``AdamW`` and ``zero_grad(set_to_none=True)``. Variants: ``eager``;
+  ``graph_train_step``; ``graph_stack`` and ``make_graphed_callables`` (the decoder
+  layers, each taking and returning the hidden states, as one graph / one graph per
+  layer, with the embedding, norm, head and loss eager); ``partial_default`` and
+  ``partial_model`` (``PartialCudaGraphManager`` with its default scopes / the
+  ``"model"`` scope; one recorded eager step, then captured); ``trainer_eager`` and
+  ``trainer_callback`` (HF ``Trainer`` without and with ``PartialGraphsCallback``,
+  against each other).
+* a decode config (the ``mid`` model in eval mode, batch 8, prompt 128, 32 new
+  tokens, cache of 256): ``hf_static`` (HF ``generate`` with a ``StaticCache``) against
+  ``graphed_generator`` (``GraphedGenerator`` with buckets 1, 2, 4, 8 and the same
+  cache length); ``runner_eager`` (the model's forward over the batch, eagerly)
+  against ``graph_runner`` (a ``GraphRunner`` of that forward, buckets 1, 2, 4, 8).
+
+Largest batch (``--search``): under a per-process cap of ``--cap-gib`` of device
+memory (``torch.cuda.set_per_process_memory_fraction``, the same for every process),
+the largest batch that runs without running out of memory, found by doubling then
+bisection, eagerly and graphed: ``small`` training at seq 512 for
+``graph_train_step`` and ``partial_default`` against ``eager``, and the decode config
+for ``graphed_generator`` against ``hf_static``. A cap keeps each probe small; the
+allocator's limit applies to every pool alike, so the comparison is that of a full
+device.
+
+Targets: ``<layer>_peak_reserved_le_1.10x_eager`` per layer and shape run (the
+larger ratio over the training shapes run), ``<layer>_largest_batch_ge_eager``
+with ``--search``.
+
+Prints one JSON object; ``--out`` also writes it. Without a CUDA device it says so and
+exits 0 (2 with ``--require-gpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import torch
+
+import _report  # noqa: F401  (first: puts this checkout's src on sys.path)
+from _report import add_common_arguments, environment, exit_code_without_gpu, write_report
+
+NAME = "memory"
+RATIO_TARGET = 1.10
+DTYPE = torch.bfloat16
+MODEL_SEED, INPUT_SEED = 0, 1
+STEPS = 4
+TRAIN_LAYERS = (
+    "graph_train_step",
+    "graph_stack",
+    "make_graphed_callables",
+    "partial_default",
+    "partial_model",
+    "trainer_callback",
+)
+# Each graphed variant and the eager run of the same work.
+REFERENCE = {
+    **dict.fromkeys(TRAIN_LAYERS, "eager"),
+    "trainer_callback": "trainer_eager",
+    "graphed_generator": "hf_static",
+    "graph_runner": "runner_eager",
+}
+SEARCHED = {
+    "graph_train_step": "eager",
+    "partial_default": "eager",
+    "graphed_generator": "hf_static",
+}
+DECODE = {"batch": 8, "prompt": 128, "new_tokens": 32, "cache": 256, "buckets": (1, 2, 4, 8)}
+CHILD_TIMEOUT_S = 420
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    batch: int
+    seq: int
+    vocab: int = 32000
+
+
+SHAPES = {
+    "small": Shape(8, 512, 1376, 8, 4, 512),
+    "mid": Shape(16, 2048, 5504, 16, 1, 1024),
+    "6b": Shape(32, 4096, 11008, 32, 1, 2048),
+}
+# 6b runs the layers that fit its time and memory: the step and partial default.
+SHAPE_VARIANTS = {
+    "small": ("eager", *TRAIN_LAYERS[:5], "trainer_eager", "trainer_callback"),
+    "mid": ("eager", *TRAIN_LAYERS[:5], "trainer_eager", "trainer_callback"),
+    "6b": ("eager", "graph_train_step", "partial_default"),
+}
+SERVING_VARIANTS = ("hf_static", "graphed_generator", "runner_eager", "graph_runner")
+
+
+# ---- the child: one variant in one process ------------------------------------------
+
+
+def _config(shape: Shape):
+    import transformers
+
+    return transformers.LlamaConfig(
+        num_hidden_layers=shape.layers,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.heads,
+        vocab_size=shape.vocab,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+        tie_word_embeddings=False,
+    )
+
+
+def _model(shape: Shape, train: bool):
+    import transformers
+
+    torch.manual_seed(MODEL_SEED)
+    with torch.device("cuda"):
+        net = transformers.LlamaForCausalLM._from_config(_config(shape), dtype=DTYPE)
+    net.generation_config.eos_token_id = None
+    net.generation_config.pad_token_id = 0
+    return net.train() if train else net.eval()
+
+
+def _ids(shape: Shape, batch: int, seq: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(INPUT_SEED)
+    return torch.randint(0, shape.vocab, (batch, seq), generator=gen, device="cuda")
+
+
+def _loss(net, ids: torch.Tensor) -> torch.Tensor:
+    return net(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+class _Layer(torch.nn.Module):
+    """A decoder layer as a function of the hidden states alone: it computes its own
+    rotary embeddings, so that layers can follow one another in one graph."""
+
+    def __init__(self, layer, rotary, seq: int) -> None:
+        super().__init__()
+        self.layer, self.rotary = layer, rotary
+        self.register_buffer("positions", torch.arange(seq, device="cuda")[None], persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        cos_sin = self.rotary(hidden, self.positions)
+        out = self.layer(hidden, position_embeddings=cos_sin, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _layers_step(net, layers, ids):
+    inner = net.model
+    hidden = inner.embed_tokens(ids)
+    for layer in layers:
+        hidden = layer(hidden)
+    logits = net.lm_head(inner.norm(hidden))
+    return net.loss_function(logits=logits, labels=ids, vocab_size=net.config.vocab_size)
+
+
+def _train_child(variant: str, shape: Shape, batch: int) -> dict:
+    import cudagraphs
+
+    net = _model(shape, train=True)
+    ids = _ids(shape, batch, shape.seq)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    info: dict = {}
+
+    def eager_step(loss_of) -> None:
+        loss = loss_of()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if variant == "eager":
+        step = lambda: eager_step(lambda: _loss(net, ids))  # noqa: E731
+    elif variant == "graph_train_step":
+
+        def step_fn(batch_ids):
+            loss = _loss(net, batch_ids)
+            loss.backward()
+            return loss
+
+        graphed = cudagraphs.graph_train_step(step_fn, ids, optimizer=opt)
+        info["account"] = graphed.stats.memory.as_dict()
+        step = lambda: graphed(ids)  # noqa: E731
+    elif variant in ("graph_stack", "make_graphed_callables"):
+        layers = [_Layer(layer, net.model.rotary_emb, shape.seq) for layer in net.model.layers]
+        hidden = torch.randn(batch, shape.seq, shape.hidden, device="cuda", dtype=DTYPE)
+        sample = (hidden.requires_grad_(),)
+        if variant == "graph_stack":
+            stack = cudagraphs.graph_stack(layers, sample)
+            run_layers, graphed = [stack], stack.cuda_graph
+        else:
+            cudagraphs.make_graphed_callables(tuple(layers), tuple(sample for _ in layers))
+            run_layers, graphed = layers, layers[0].cuda_graph
+        del sample, hidden
+        account = graphed.memory
+        info["account"] = account.as_dict() if account is not None else None
+        step = lambda: eager_step(lambda: _layers_step(net, run_layers, ids))  # noqa: E731
+    elif variant in ("partial_default", "partial_model"):
+        from cudagraphs.partial import MODEL_SCOPE, PartialCudaGraphManager
+
+        scopes = None if variant == "partial_default" else (MODEL_SCOPE,)
+        mgr = PartialCudaGraphManager.from_model_parts([net], scopes=scopes, speed_check=False)
+        mgr.start_recording()
+        eager_step(lambda: _loss(net, ids))
+        mgr.capture()
+        step = lambda: eager_step(lambda: _loss(net, ids))  # noqa: E731
+        info["stats"] = {
+            k: v
+            for k, v in mgr.stats().items()
+            if k.endswith("bytes") or k in ("captured", "replayed", "fallbacks")
+        }
+    else:
+        raise ValueError(variant)
+    return _run(step, info)
+
+
+def _trainer_child(variant: str, shape: Shape, batch: int) -> dict:
+    import tempfile
+
+    import transformers
+
+    from cudagraphs.integrations.hf import PartialGraphsCallback
+
+    torch.manual_seed(MODEL_SEED)
+    net = transformers.LlamaForCausalLM._from_config(_config(shape), dtype=torch.float32)
+    steps = 3 + STEPS
+    gen = torch.Generator().manual_seed(INPUT_SEED)
+    rows = torch.randint(0, shape.vocab, (steps * batch, shape.seq), generator=gen)
+    data = [{"input_ids": r, "labels": r.clone()} for r in rows]
+    callbacks = [PartialGraphsCallback()] if variant == "trainer_callback" else []
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            output_dir=out,
+            bf16=True,
+            report_to=[],
+            max_steps=steps,
+            per_device_train_batch_size=batch,
+            learning_rate=1e-4,
+            optim="adamw_torch_fused",
+            logging_steps=steps,
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        trainer = transformers.Trainer(
+            model=net, args=args, train_dataset=data, callbacks=callbacks
+        )
+        trainer.train()
+    torch.cuda.synchronize()
+    info = {}
+    if callbacks:
+        manager = getattr(callbacks[0], "manager", None)
+        stats = manager.stats() if manager is not None else {}
+        info["stats"] = {
+            k: v
+            for k, v in stats.items()
+            if k.endswith("bytes") or k in ("captured", "replayed", "fallbacks")
+        }
+    return {**_peaks(), "steady_reserved": None, "steady_allocated": None, "info": info}
+
+
+def _serving_child(variant: str, shape: Shape, batch: int, searching: bool) -> dict:
+    import transformers
+
+    from cudagraphs.serving import BucketConfig, GraphRunner, InputSpec
+    from cudagraphs.serving.hf import GraphedGenerator
+
+    net = _model(shape, train=False)
+    ids = _ids(shape, batch, DECODE["prompt"])
+    # A search probe captures one bucket and makes fewer tokens: what it asks is
+    # whether the batch fits, and the largest bucket holds the most.
+    buckets = (batch,) if searching else tuple(b for b in DECODE["buckets"] if b < batch) + (batch,)
+    new_tokens = 8 if searching else DECODE["new_tokens"]
+    info: dict = {}
+    with torch.no_grad():
+        if variant == "hf_static":
+
+            def step():
+                cache = transformers.StaticCache(config=net.config, max_cache_len=DECODE["cache"])
+                net.generate(
+                    ids,
+                    max_new_tokens=DECODE["new_tokens"],
+                    do_sample=False,
+                    disable_compile=True,
+                    past_key_values=cache,
+                )
+
+        elif variant == "graphed_generator":
+            gen = GraphedGenerator(net, buckets, max_cache_len=DECODE["cache"])
+            gen.capture()
+            info["account"] = gen.stats().get("memory")
+            step = lambda: gen.generate(ids, max_new_tokens=new_tokens)  # noqa: E731
+        elif variant == "runner_eager":
+            step = lambda: net(input_ids=ids, use_cache=False).logits  # noqa: E731
+        elif variant == "graph_runner":
+            spec = InputSpec("input_ids", tuple(ids.shape), torch.long)
+            runner = GraphRunner(
+                lambda input_ids: net(input_ids=input_ids, use_cache=False).logits,
+                [spec],
+                BucketConfig(buckets),
+            )
+            runner.capture(lambda b: {"input_ids": ids[: b.rows]})
+            info["account"] = runner.stats().get("memory")
+            step = lambda: runner.run({"input_ids": ids})  # noqa: E731
+        else:
+            raise ValueError(variant)
+        return _run(step, info)
+
+
+def _peaks() -> dict:
+    return {
+        "reserved": torch.cuda.max_memory_reserved(),
+        "allocated": torch.cuda.max_memory_allocated(),
+    }
+
+
+def _run(step, info: dict) -> dict:
+    torch.cuda.synchronize()
+    setup = _peaks()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(STEPS):
+        step()
+    torch.cuda.synchronize()
+    steady = _peaks()
+    return {
+        "reserved": max(setup["reserved"], steady["reserved"]),
+        "allocated": max(setup["allocated"], steady["allocated"]),
+        "steady_reserved": steady["reserved"],
+        "steady_allocated": steady["allocated"],
+        "info": info,
+    }
+
+
+def child(variant: str, shape_name: str, batch: int, cap_gib: float | None) -> dict:
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    total = torch.cuda.mem_get_info()[1]
+    if cap_gib:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * (1 << 30) / total))
+    free0 = torch.cuda.mem_get_info()[0]
+    reserved0 = torch.cuda.memory_reserved()
+    shape = SHAPES.get(shape_name, SHAPES["mid"])
+    t0 = time.perf_counter()
+    try:
+        if variant in SERVING_VARIANTS:
+            out = _serving_child(variant, shape, batch, searching=bool(cap_gib))
+        elif variant.startswith("trainer_"):
+            out = _trainer_child(variant, shape, batch)
+        else:
+            out = _train_child(variant, shape, batch)
+        out["ok"] = True
+    except torch.OutOfMemoryError as exc:
+        out = {"ok": False, "oom": True, "error": str(exc).splitlines()[0][:300]}
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    torch.cuda.synchronize()
+    out["device_used"] = free0 - torch.cuda.mem_get_info()[0] + reserved0
+    return out
+
+
+# ---- the parent: children, ratios, searches, targets ------------------------------------
+
+
+def _spawn(variant: str, shape: str, batch: int, cap_gib: float | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--child", variant, "--shape", shape, "--batch", str(batch)]
+    if cap_gib:
+        cmd += ["--child-cap-gib", str(cap_gib)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {CHILD_TIMEOUT_S} s"}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout)[-1500:]
+        oom = "OutOfMemoryError" in tail or "out of memory" in tail
+        return {"ok": False, "oom": oom, "error": f"exit {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def ratios(results: dict) -> dict:
+    """Per graphed variant of a shape: reserved and allocated peaks over its eager
+    reference's (``None`` where either did not run)."""
+    out = {}
+    for variant, ref in REFERENCE.items():
+        got, base = results.get(variant), results.get(ref)
+        if not got or not base or not got.get("ok") or not base.get("ok"):
+            continue
+        out[variant] = {
+            key: round(got[key] / base[key], 4)
+            for key in ("reserved", "allocated", "steady_reserved", "steady_allocated")
+            if got.get(key) and base.get(key)
+        }
+    return out
+
+
+def largest(probe, start: int, limit: int) -> tuple[int, list]:
+    """The largest ``b`` in ``[1, limit]`` with ``probe(b)`` true, assuming it is
+    monotone: doubling from ``start``, then bisection; 0 when even 1 fails. Returns
+    it and the probes made, in order."""
+    seen: list[tuple[int, bool]] = []
+
+    def ok(b: int) -> bool:
+        result = probe(b)
+        seen.append((b, result))
+        return result
+
+    lo, hi = 0, None  # lo passes (0: nothing yet), hi fails
+    b = max(1, min(start, limit))
+    while hi is None:
+        if ok(b):
+            lo = b
+            if b >= limit:
+                return b, seen
+            b = min(limit, b * 2)
+        else:
+            hi = b
+            if b == 1:
+                return 0, seen
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, seen
+
+
+def search(variant: str, shape: str, cap_gib: float, start: int, limit: int) -> dict:
+    def probe(b: int) -> bool:
+        return bool(_spawn(variant, shape, b, cap_gib).get("ok"))
+
+    best, probes = largest(probe, start, limit)
+    return {"largest_batch": best, "probes": probes}
+
+
+def targets(shape_ratios: dict, searched: dict) -> dict:
+    out = {}
+    layers = (*TRAIN_LAYERS, "graphed_generator", "graph_runner")
+    for layer in layers:
+        values = [r[layer]["reserved"] for r in shape_ratios.values() if layer in r]
+        if values:
+            out[f"{layer}_peak_reserved_le_{RATIO_TARGET:.2f}x_eager"] = max(values) <= RATIO_TARGET
+    for layer, ref in SEARCHED.items():
+        if layer in searched and ref in searched[layer]:
+            got, want = (
+                searched[layer]["graphed"]["largest_batch"],
+                searched[layer][ref]["largest_batch"],
+            )
+            out[f"{layer}_largest_batch_ge_eager"] = got >= want > 0
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(p)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--shape", default="small")
+    p.add_argument("--batch", type=int)
+    p.add_argument(
+        "--shapes", default="small,mid,6b,decode", help="comma-separated: small, mid, 6b, decode"
+    )
+    p.add_argument("--jobs", type=int, default=1, help="children at once (device_used only with 1)")
+    p.add_argument("--search", action="store_true", help="also find the largest batches")
+    p.add_argument(
+        "--cap-gib", type=float, default=6.0, help="per-process cap of the training search"
+    )
+    p.add_argument(
+        "--decode-cap-gib", type=float, default=3.5, help="per-process cap of the decode search"
+    )
+    p.add_argument("--child-cap-gib", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        batch = args.batch or (
+            DECODE["batch"] if args.child in SERVING_VARIANTS else SHAPES[args.shape].batch
+        )
+        print(json.dumps(child(args.child, args.shape, batch, args.child_cap_gib)))
+        return 0
+    code = exit_code_without_gpu(NAME, args.require_gpu)
+    if code is not None:
+        return code
+    report = environment(NAME, args.commit, args.run_label)
+    report["settings"] = {
+        "shapes": {k: asdict(v) for k, v in SHAPES.items()},
+        "decode": DECODE,
+        "steps": STEPS,
+        "jobs": args.jobs,
+        "cap_gib": {"train": args.cap_gib, "decode": args.decode_cap_gib} if args.search else None,
+        "peak": "torch.cuda.max_memory_reserved/allocated of the child process: set-up, capture and steps",
+    }
+    shapes = [s for s in args.shapes.split(",") if s]
+    results: dict = {}
+    jobs: list[tuple[str, str]] = []
+    for shape in shapes:
+        names = SERVING_VARIANTS if shape == "decode" else SHAPE_VARIANTS[shape]
+        jobs += [(shape, v) for v in names]
+    # 6b alone: two of its processes do not fit one device.
+    alone = [j for j in jobs if j[0] == "6b"]
+    shared = [j for j in jobs if j[0] != "6b"]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = {
+            j: pool.submit(
+                _spawn,
+                j[1],
+                "mid" if j[0] == "decode" else j[0],
+                DECODE["batch"] if j[0] == "decode" else SHAPES[j[0]].batch,
+            )
+            for j in shared
+        }
+        for j, f in futures.items():
+            results.setdefault(j[0], {})[j[1]] = f.result()
+    for j in alone:
+        results.setdefault(j[0], {})[j[1]] = _spawn(j[1], j[0], SHAPES[j[0]].batch)
+    if args.jobs != 1:
+        for per in results.values():
+            for r in per.values():
+                r["device_used"] = None
+    report["results"] = results
+    report["ratios"] = {shape: ratios(per) for shape, per in results.items()}
+    searched: dict = {}
+    if args.search:
+        for layer, ref in SEARCHED.items():
+            decode = layer == "graphed_generator"
+            shape, cap = ("mid", args.decode_cap_gib) if decode else ("small", args.cap_gib)
+            searched[layer] = {
+                ref: search(ref, shape, cap, 32 if decode else 16, 512),
+                "graphed": search(layer, shape, cap, 32 if decode else 16, 512),
+            }
+    report["largest_batch"] = searched
+    report["targets"] = targets(report["ratios"], searched)
+    write_report(NAME, report, args.out, final=True)
+    failed = [f"{s}/{v}" for s, per in results.items() for v, r in per.items() if not r.get("ok")]
+    if failed:
+        print(f"{NAME}: variants that did not run: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Where a capture's device memory goes, and giving back what it leaves unused.
+
+A graphed layer can hold device memory in three places beyond its tensors:
+
+* its graph pools' segments: what the graphs write (outputs, gradients, temporaries),
+  the static buffers allocated during capture, and what a warmup run inside the pool
+  kept (optimizer state, the capture stream's cuBLAS workspace);
+* blocks the caching allocator keeps cached *outside* the pools that no tensor uses:
+  a warmup that ran outside its pool, or eager steps run before the capture with a
+  larger working set than the graphed steps leave to eager code. torch reuses a
+  cached block only for the pool and stream it was freed in, so these stay reserved
+  until ``torch.cuda.empty_cache()`` (or an out-of-memory retry) gives them back;
+* memory the driver takes outside torch's allocator: each instantiated graph's
+  executable, and library handles made during warmup.
+
+:class:`MemoryMeter` measures all three across one capture phase into a
+:class:`MemoryAccount`, which every layer's stats carry and ``python -m cudagraphs``
+prints. :func:`release_unused_cache` gives cached-but-unused blocks back; it never
+touches a live tensor, and what it costs is said where a layer calls it (the next
+eager allocations come from the driver again: ``docs/memory.md`` has the measured
+time). ``CUDAGRAPHS_KEEP_CACHE=1`` turns every release off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .settings import env_flag
+
+__all__ = [
+    "KEEP_CACHE_ENV",
+    "MemoryAccount",
+    "MemoryMeter",
+    "pool_usage",
+    "release_unused_cache",
+]
+
+logger = logging.getLogger(__name__)
+
+KEEP_CACHE_ENV = "CUDAGRAPHS_KEEP_CACHE"
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MemoryAccount:
+    """Device memory of one capture phase, in bytes.
+
+    Attributes:
+        pool_reserved_bytes: segments of the layer's graph pools after the phase.
+        pool_allocated_bytes: of those, bytes in blocks in use now (graph outputs,
+            gradients, static buffers and state made inside the pool); the rest is
+            the graphs' temporaries, free between replays but kept for them.
+        unused_cache_bytes: reserved outside the pools and used by no tensor, after
+            the phase and before any release.
+        released_bytes: given back to the driver by :func:`release_unused_cache`
+            at the end of the phase (0 when nothing was released).
+        driver_bytes: device memory taken during the phase outside torch's
+            allocator: graph executables, library handles. Measured as the drop in
+            the device's free memory minus the growth of torch's reserved memory, so
+            another process allocating at the same time would show here too.
+    """
+
+    pool_reserved_bytes: int = 0
+    pool_allocated_bytes: int = 0
+    unused_cache_bytes: int = 0
+    released_bytes: int = 0
+    driver_bytes: int = 0
+
+    def __add__(self, other: MemoryAccount) -> MemoryAccount:
+        return MemoryAccount(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple())))
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return (
+            self.pool_reserved_bytes,
+            self.pool_allocated_bytes,
+            self.unused_cache_bytes,
+            self.released_bytes,
+            self.driver_bytes,
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line in MiB, for logs and ``python -m cudagraphs``."""
+        return (
+            f"pool {self.pool_reserved_bytes / _MIB:.0f} MiB "
+            f"({self.pool_allocated_bytes / _MIB:.0f} in use), "
+            f"unused cache {self.unused_cache_bytes / _MIB:.0f} MiB "
+            f"(released {self.released_bytes / _MIB:.0f}), "
+            f"driver {self.driver_bytes / _MIB:.0f} MiB"
+        )
+
+
+def pool_usage(handles: Iterable[tuple[int, int]], device: int) -> tuple[int, int]:
+    """``(reserved, allocated)`` bytes of the segments in the private pools
+    ``handles`` on ``device``, from the caching allocator's snapshot."""
+    wanted = {tuple(h) for h in handles}
+    reserved = allocated = 0
+    if not wanted:
+        return 0, 0
+    for segment in torch.cuda.memory_snapshot():
+        if (
+            segment.get("device") != device
+            or tuple(segment.get("segment_pool_id", ())) not in wanted
+        ):
+            continue
+        reserved += int(segment["total_size"])
+        allocated += int(segment["allocated_size"])
+    return reserved, allocated
+
+
+def release_unused_cache(device: torch.device | int, what: str) -> int:
+    """Give the device memory cached outside tensors back to the driver
+    (``torch.cuda.empty_cache()``), unless ``CUDAGRAPHS_KEEP_CACHE`` is set; returns
+    the bytes given back. Live tensors and the graphs' pools keep every byte they
+    use; the next eager allocations that would have reused a cached block ask the
+    driver again instead (once). Logged at INFO with ``what``."""
+    if env_flag(KEEP_CACHE_ENV):
+        return 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_reserved(device)
+    torch.cuda.empty_cache()
+    released = max(0, before - torch.cuda.memory_reserved(device))
+    if released:
+        logger.info(
+            "%s: gave %.0f MiB of unused cached memory back to the driver (%s=1 keeps it)",
+            what,
+            released / _MIB,
+            KEEP_CACHE_ENV,
+        )
+    return released
+
+
+def _unused_cache(device: int) -> int:
+    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+@dataclass
+class MemoryMeter:
+    """Measures one capture phase: :meth:`start` before the warmup, :meth:`finish`
+    after the last capture."""
+
+    device: int
+    reserved: int
+    free: int
+    unused_cache: int
+
+    @classmethod
+    def start(cls, device: torch.device | int) -> MemoryMeter:
+        index = torch.device("cuda", device).index if isinstance(device, int) else device.index
+        index = torch.cuda.current_device() if index is None else index
+        torch.cuda.synchronize(index)
+        return cls(
+            index,
+            torch.cuda.memory_reserved(index),
+            torch.cuda.mem_get_info(index)[0],
+            _unused_cache(index),
+        )
+
+    def finish(
+        self,
+        handles: Iterable[tuple[int, int]],
+        *,
+        what: str,
+        release: bool | None = None,
+    ) -> MemoryAccount:
+        """The account of the phase. ``release``: give unused cached memory back to
+        the driver (:func:`release_unused_cache`) always (``True``), never
+        (``False``), or when the phase left more of it than there was before
+        (``None``: a warmup that ran outside its pool)."""
+        index = self.device
+        torch.cuda.synchronize(index)
+        reserved = torch.cuda.memory_reserved(index)
+        free = torch.cuda.mem_get_info(index)[0]
+        unused = _unused_cache(index)
+        pool_reserved, pool_allocated = pool_usage(handles, index)
+        # Pool segments count as reserved but hold graph temporaries: not "unused".
+        unused_outside = max(0, unused - (pool_reserved - pool_allocated))
+        before_outside = self.unused_cache
+        driver = max(0, (self.free - free) - (reserved - self.reserved))
+        if release is None:
+            release = unused_outside > before_outside + 2 * _MIB
+        released = release_unused_cache(index, what) if release and unused_outside else 0
+        return MemoryAccount(pool_reserved, pool_allocated, unused_outside, released, driver)

@@ -1,0 +1,215 @@
+"""CPU tests of the memory account and its policies: GraphPool freshness (where warmups
+run), the owned-gradient staging buffer, MemoryAccount arithmetic and MemoryMeter's
+release decision (the CUDA calls replaced by a fake device)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cudagraphs.core.grad_staging import GradStaging
+from cudagraphs.errors import CudaGraphsValueError
+from cudagraphs.graph_pool import GraphPool
+from cudagraphs.memory import KEEP_CACHE_ENV, MemoryAccount, MemoryMeter, release_unused_cache
+
+
+# ---- GraphPool.fresh ------------------------------------------------------------------
+def test_a_pool_made_here_is_fresh_until_a_capture_and_again_after_a_retire():
+    pool = GraphPool()
+    assert pool.fresh
+    pool.mark_captured()
+    assert not pool.fresh
+    pool.retire()  # the next handle is made here: nothing captured into it yet
+    assert pool.fresh
+
+
+def test_a_pool_around_a_handle_passed_in_is_never_fresh():
+    # The handle may hold graphs captured elsewhere; a warmup inside it could take
+    # their temporaries' memory.
+    assert not GraphPool(handle=(3, 4)).fresh
+
+
+def test_handles_lists_the_retired_and_the_current():
+    pool = GraphPool(handle=(1, 2))
+    assert pool.handles() == ((1, 2),)
+    pool.retire()
+    assert pool.handles() == ((1, 2),)  # no new handle made yet
+    pool._handle = (5, 6)
+    assert pool.handles() == ((1, 2), (5, 6))
+
+
+# ---- GradStaging ------------------------------------------------------------------------
+def _params(*shapes, dtype=torch.float32, requires_grad=True):
+    return [
+        torch.nn.Parameter(torch.zeros(s, dtype=dtype), requires_grad=requires_grad) for s in shapes
+    ]
+
+
+def test_staging_is_sized_for_the_largest_callable_per_dtype():
+    a = _params((4, 3), (5,))  # 17 float32
+    b = _params((2, 2)) + _params((10,), dtype=torch.bfloat16)  # 4 float32, 10 bf16
+    staging = GradStaging.for_params([a, b])
+    sizes = {k[0]: v.numel() for k, v in staging.buffers.items()}
+    assert sizes == {torch.float32: 17, torch.bfloat16: 10}
+    assert staging.nbytes() == 17 * 4 + 10 * 2
+
+
+def test_no_staging_without_a_contiguous_parameter_that_requires_grad():
+    frozen = _params((3,), requires_grad=False)
+    strided = [torch.nn.Parameter(torch.zeros(4, 3).t())]
+    assert GradStaging.for_params([frozen, strided, []]) is None
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(
+            st.integers(1, 4),
+            st.integers(1, 4),
+            st.sampled_from(["f32", "bf16", "none", "strided"]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_staged_gradients_equal_the_computed_ones_and_do_not_overlap(shapes, seed):
+    # Reference: staging returns, in place of each gradient, a tensor equal to it;
+    # staged views of one call never share memory; unstaged ones are the inputs.
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
+    params = [
+        torch.nn.Parameter(torch.zeros(r, c, dtype=dtypes.get(kind, torch.float32)))
+        for r, c, kind in shapes
+    ]
+    staging = GradStaging.for_params([params])
+    grads = []
+    for (r, c, kind), p in zip(shapes, params):
+        if kind == "none":
+            grads.append(None)
+            continue
+        g = (
+            torch.randn(c, r, generator=gen).t()
+            if kind == "strided"
+            else torch.randn(r, c, generator=gen)
+        )
+        grads.append(g.to(p.dtype))
+    if staging is None:
+        return
+    out = staging.stage(grads)
+    spans = []
+    for g, o in zip(grads, out):
+        if g is None:
+            assert o is None
+            continue
+        assert torch.equal(o, g)
+        if g.is_contiguous():
+            assert o is not g and o.is_contiguous()
+            start = o.data_ptr()
+            spans.append((o.dtype, start, start + o.numel() * o.element_size()))
+        else:
+            assert o is g  # left as the graph's output
+    for i, (d1, s1, e1) in enumerate(spans):
+        for d2, s2, e2 in spans[i + 1 :]:
+            assert d1 != d2 or e1 <= s2 or e2 <= s1
+
+
+def test_two_entries_stage_into_the_same_memory():
+    # Entries share the buffer: the owned copy is made before another entry replays.
+    staging = GradStaging.for_params([_params((3,)), _params((2,))])
+    first = staging.stage([torch.ones(3)])[0]
+    second = staging.stage([torch.full((2,), 2.0)])[0]
+    assert first.data_ptr() == second.data_ptr()
+
+
+# ---- MemoryAccount --------------------------------------------------------------------
+def test_accounts_add_field_by_field_and_summarize_in_mib():
+    a = MemoryAccount(1 << 20, 1 << 19, 2 << 20, 0, 3 << 20)
+    total = a + MemoryAccount(1 << 20, 0, 0, 5 << 20, 0)
+    assert total.as_dict() == {
+        "pool_reserved_bytes": 2 << 20,
+        "pool_allocated_bytes": 1 << 19,
+        "unused_cache_bytes": 2 << 20,
+        "released_bytes": 5 << 20,
+        "driver_bytes": 3 << 20,
+    }
+    assert total.summary() == (
+        "pool 2 MiB (0 in use), unused cache 2 MiB (released 5), driver 3 MiB"
+    )
+
+
+# ---- MemoryMeter and release ---------------------------------------------------------------
+class FakeDevice:
+    """The torch.cuda memory calls of one device, as numbers the test sets."""
+
+    def __init__(self, monkeypatch):
+        self.reserved, self.allocated, self.free, self.emptied = 0, 0, 10_000 << 20, 0
+        self.segments = []
+        for name, fn in {
+            "synchronize": lambda d=None: None,
+            "memory_reserved": lambda d=None: self.reserved,
+            "memory_allocated": lambda d=None: self.allocated,
+            "mem_get_info": lambda d=None: (self.free, 20_000 << 20),
+            "empty_cache": self.empty,
+            "memory_snapshot": lambda: self.segments,
+            "current_device": lambda: 0,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+    def empty(self):
+        self.emptied += 1
+        # Private pools keep their segments; the default pool keeps what is in use.
+        kept = sum(
+            s["total_size"] if s["segment_pool_id"] != (0, 0) else s["allocated_size"]
+            for s in self.segments
+        )
+        kept = kept if self.segments else self.allocated
+        self.free += self.reserved - kept
+        self.reserved = kept
+
+
+def test_the_meter_accounts_pools_cache_and_driver_and_releases_what_the_phase_left(monkeypatch):
+    dev = FakeDevice(monkeypatch)
+    dev.reserved = dev.allocated = 100 << 20
+    meter = MemoryMeter.start(0)
+    # The phase: a pool of 40 MiB (30 in use), 50 MiB cached outside it, 8 MiB taken
+    # by the driver.
+    dev.segments = [
+        {
+            "device": 0,
+            "segment_pool_id": (1, 0),
+            "total_size": 40 << 20,
+            "allocated_size": 30 << 20,
+        },
+        {
+            "device": 0,
+            "segment_pool_id": (0, 0),
+            "total_size": 150 << 20,
+            "allocated_size": 100 << 20,
+        },
+    ]
+    dev.reserved, dev.allocated = 190 << 20, 130 << 20
+    dev.free -= (90 << 20) + (8 << 20)
+    account = meter.finish([(1, 0)], what="test")
+    assert account == MemoryAccount(40 << 20, 30 << 20, 50 << 20, 50 << 20, 8 << 20)
+    assert dev.emptied == 1 and dev.reserved == 140 << 20
+
+
+def test_the_meter_leaves_cache_that_was_there_before_unless_asked(monkeypatch):
+    dev = FakeDevice(monkeypatch)
+    dev.reserved, dev.allocated = 300 << 20, 100 << 20  # the caller's 200 MiB cached
+    meter = MemoryMeter.start(0)
+    assert meter.finish([], what="test").released_bytes == 0
+    assert dev.emptied == 0
+    assert meter.finish([], what="test", release=True).released_bytes == 200 << 20
+
+
+def test_keep_cache_turns_every_release_off(monkeypatch):
+    dev = FakeDevice(monkeypatch)
+    dev.reserved = 64 << 20
+    monkeypatch.setenv(KEEP_CACHE_ENV, "1")
+    assert release_unused_cache(0, "test") == 0
+    assert dev.emptied == 0
+    monkeypatch.setenv(KEEP_CACHE_ENV, "maybe")
+    with pytest.raises(CudaGraphsValueError, match=KEEP_CACHE_ENV):
+        release_unused_cache(0, "test")
