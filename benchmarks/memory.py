@@ -331,6 +331,11 @@ def _serving_child(variant: str, shape: Shape, batch: int, searching: bool) -> d
         return _run(step, info)
 
 
+def _stats(stats: dict) -> dict:
+    keep = ("captured", "replayed", "fallbacks")
+    return {k: v for k, v in stats.items() if k.endswith("bytes") or k in keep}
+
+
 def _peaks() -> dict:
     return {
         "reserved": torch.cuda.max_memory_reserved(),

@@ -114,8 +114,9 @@ class GraphPool:
     def warmup_scope(self, device: torch.device | int | None = None) -> Iterator[torch.cuda.Stream]:
         """Where eager warmups before captures into this pool run; yields the stream.
 
-        While the pool is :attr:`fresh`, on the capture stream with this thread's
-        allocations routed into the pool: every block the warmup frees is then free
+        While the pool is :attr:`fresh`, on the capture stream with the device's
+        allocations routed into the pool (every thread's: autograd's backward runs on a
+        thread of its own): every block the warmup frees is then free
         *in the pool, on the capture stream*, where the capture that follows takes it
         again, and what the warmup keeps (optimizer state, caches a model builds
         lazily, the capture stream's cuBLAS workspace) lives there too. The warmup's

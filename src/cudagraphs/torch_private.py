@@ -103,7 +103,7 @@ REQUIRED_WITH_CUDA: tuple[PrivateName, ...] = (
     ),
     PrivateName(
         "torch._C",
-        "_cuda_beginAllocateCurrentThreadToPool",
+        "_cuda_beginAllocateToPool",
         "warming up inside a fresh graph pool, so that the capture reuses the warmup's "
         "memory (GraphPool.warmup_scope)",
     ),
@@ -167,10 +167,15 @@ def end_allocate_to_pool(device: int, pool: Any) -> None:
 
 
 def begin_allocate_to_pool(device: int, pool: Any) -> None:
-    """Route the current thread's allocations on ``device`` (any stream) into the
-    private pool ``pool``, taking a use of it; undo with :func:`end_allocate_to_pool`
-    and :func:`release_pool`. torch.compile's CUDA-graph trees warm up the same way."""
-    torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+    """Route every allocation on ``device`` (any thread, any stream) into the private
+    pool ``pool``, taking a use of it; undo with :func:`end_allocate_to_pool` and
+    :func:`release_pool`.
+
+    Every thread, not only the caller's (``_cuda_beginAllocateCurrentThreadToPool``,
+    which torch.compile's CUDA-graph trees use around code they run themselves):
+    autograd runs a CUDA backward on its own device thread, and a warmup's backward
+    allocates its gradients and temporaries there."""
+    torch._C._cuda_beginAllocateToPool(device, pool)
 
 
 def release_pool(device: int, pool: Any) -> None:

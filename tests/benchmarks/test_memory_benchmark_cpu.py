@@ -28,19 +28,26 @@ def test_largest_finds_the_brute_force_answer_of_a_monotone_probe(threshold, sta
 
 
 def _run(reserved, allocated=1, ok=True):
-    return {"ok": ok, "reserved": reserved, "allocated": allocated,
-            "steady_reserved": reserved, "steady_allocated": allocated}
+    return {
+        "ok": ok,
+        "reserved": reserved,
+        "allocated": allocated,
+        "steady_reserved": reserved,
+        "steady_allocated": allocated,
+    }
 
 
 def test_ratios_are_to_each_variants_own_eager_reference():
     mem = _mem()
-    got = mem.ratios({
-        "eager": _run(100, 10),
-        "graph_train_step": _run(105, 12),
-        "trainer_eager": _run(200),
-        "trainer_callback": _run(230),
-        "partial_model": _run(300, ok=False),
-    })
+    got = mem.ratios(
+        {
+            "eager": _run(100, 10),
+            "graph_train_step": _run(105, 12),
+            "trainer_eager": _run(200),
+            "trainer_callback": _run(230),
+            "partial_model": _run(300, ok=False),
+        }
+    )
     assert got["graph_train_step"]["reserved"] == 1.05
     assert got["graph_train_step"]["allocated"] == 1.2
     assert got["trainer_callback"]["reserved"] == 1.15

@@ -68,9 +68,10 @@ def test_targets(up):
     bad = up.compute_targets(_report(up, same, {"t1": "passed"}, ms_slow, False, False))
     assert not any(bad.values())
     # An empty torch run proves nothing: not met.
-    assert up.compute_targets(_report(up, {}, {}, ms, True, True))[
-        "torch_suite_outcomes_equal_torch"
-    ] is False
+    assert (
+        up.compute_targets(_report(up, {}, {}, ms, True, True))["torch_suite_outcomes_equal_torch"]
+        is False
+    )
     assert up.compute_targets({}) == dict.fromkeys(good)
 
 

@@ -43,7 +43,7 @@ def test_a_warmup_in_a_fresh_pool_leaves_no_cache_beside_the_graphs():
     assert account.pool_reserved_bytes > 0
     # The warmup's activations and gradients were freed into the pool and reused by the
     # captures; nothing of them stays cached in the default pool.
-    assert _cached_outside(pool.handles()) - before < 4 << 20, account
+    assert _cached_outside(pool.handles()) - before < 8 << 20, account
     assert account.released_bytes == 0
     out = graphed(x)
     out.sum().backward()

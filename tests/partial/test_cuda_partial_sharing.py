@@ -46,7 +46,9 @@ def test_layers_chain_share_gradient_buffers_and_train_bitwise(kind):
         ]
         stats = mgr.stats()
         assert stats["fallbacks"] == 0 and stats["replayed"] == 8, stats
-        assert stats["pool_bytes_layer"] == stats["pool_bytes"] > 0, stats
+        # The warmup inside the fresh pool reserved its memory; the captures reused it.
+        assert stats["pool_bytes_layer"] == stats["pool_bytes"] >= 0, stats
+        assert stats["pool_reserved_bytes"] > 0, stats
         assert stats["buffer_bytes_layer"] == stats["buffer_bytes"] > 0, stats
     finally:
         mgr.close()

@@ -3,7 +3,6 @@ pass, asked about each grouped_mm layer's experts, and about nothing else. The p
 itself is tested in tests/test_moe_kernels_cpu.py, its answers on a GPU in
 test_cuda_partial_kernels.py."""
 
-
 import pytest
 
 from cudagraphs.moe_kernels import GroupedMMProbe, experts_weight

@@ -162,7 +162,7 @@ def test_each_warmup_runs_in_the_pools_warmup_scope_and_each_capture_outside_it(
 
     monkeypatch.setattr(BucketCapture, "_warmup_scope", scope)
     backend = eager_backend()
-    real = backend.__call__ if hasattr(backend, "__call__") else backend
+    real = backend
 
     def capturing(*args, **kwargs):
         events.append("capture")

@@ -351,8 +351,8 @@ class PartialCudaGraphManager:
         """Graph every recorded, not yet graphed call, in real forward order, and
         install the dispatching forward on each target that has a graph.
 
-        Then, on CUDA, the memory the caching allocator keeps cached and no tensor
-        uses is given back to the driver (:func:`~cudagraphs.memory.release_unused_cache`;
+        Before and after, on CUDA, the memory the caching allocator keeps cached and
+        no tensor uses is given back to the driver (:func:`~cudagraphs.memory.release_unused_cache`;
         ``CUDAGRAPHS_KEEP_CACHE=1`` keeps it): the eager steps before the capture
         cached the graphed targets' activations too, which now live in the graphs'
         pools. The next step's eager allocations come from the driver once.
@@ -391,6 +391,13 @@ class PartialCudaGraphManager:
                 logger=logger,
             )
 
+        cuda = not disabled and torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda and todo:
+            # Between steps the eager working set is cached and unused: given back now,
+            # the captures' pools take its place instead of adding to it.
+            self._released_bytes += release_unused_cache(
+                torch.cuda.current_device(), "partial graphs capture"
+            )
         # Whole parts first: the layers inside one graphed whole are not captured.
         todo = capture_model_first(
             todo,
@@ -404,7 +411,7 @@ class PartialCudaGraphManager:
             if entry.swap is None and entry.graphs():
                 entry.swap = swap_forward(entry.target.module, entry.dispatch)
         turn_off_slower(verdicts, logger)
-        if not disabled and torch.cuda.is_available() and torch.cuda.is_initialized():
+        if cuda and todo:
             # The eager steps before this capture cached a working set that held the
             # graphed targets' activations too; those now live in the graph pools, so
             # the cache is larger than eager code needs from here on. Give it back
