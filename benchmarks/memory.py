@@ -75,9 +75,12 @@ TRAIN_LAYERS = (
     "partial_model",
     "trainer_callback",
 )
+# The core's opt-in lent gradients (clone_param_grads_on_return=False), beside its
+# owned default: partial graphs lend, the core owns unless asked.
+LENT_LAYERS = ("graph_stack_lent", "make_graphed_callables_lent")
 # Each graphed variant and the eager run of the same work.
 REFERENCE = {
-    **dict.fromkeys(TRAIN_LAYERS, "eager"),
+    **dict.fromkeys((*TRAIN_LAYERS, *LENT_LAYERS), "eager"),
     "trainer_callback": "trainer_eager",
     "graphed_generator": "hf_static",
     "graph_runner": "runner_eager",
@@ -109,8 +112,8 @@ SHAPES = {
 }
 # 6b runs the layers that fit its time and memory: the step and partial default.
 SHAPE_VARIANTS = {
-    "small": ("eager", *TRAIN_LAYERS[:5], "trainer_eager", "trainer_callback"),
-    "mid": ("eager", *TRAIN_LAYERS[:5], "trainer_eager", "trainer_callback"),
+    "small": ("eager", *TRAIN_LAYERS[:5], *LENT_LAYERS, "trainer_eager", "trainer_callback"),
+    "mid": ("eager", *TRAIN_LAYERS[:5], *LENT_LAYERS, "trainer_eager", "trainer_callback"),
     "6b": ("eager", "graph_train_step", "partial_default"),
 }
 SERVING_VARIANTS = ("hf_static", "graphed_generator", "runner_eager", "graph_runner")
@@ -205,15 +208,17 @@ def _train_child(variant: str, shape: Shape, batch: int) -> dict:
         graphed = cudagraphs.graph_train_step(step_fn, ids, optimizer=opt)
         info["account"] = graphed.stats.memory.as_dict()
         step = lambda: graphed(ids)  # noqa: E731
-    elif variant in ("graph_stack", "make_graphed_callables"):
+    elif variant.removesuffix("_lent") in ("graph_stack", "make_graphed_callables"):
+        options = {"clone_param_grads_on_return": not variant.endswith("_lent")}
         layers = [_Layer(layer, net.model.rotary_emb, shape.seq) for layer in net.model.layers]
         hidden = torch.randn(batch, shape.seq, shape.hidden, device="cuda", dtype=DTYPE)
         sample = (hidden.requires_grad_(),)
-        if variant == "graph_stack":
-            stack = cudagraphs.graph_stack(layers, sample)
+        if variant.startswith("graph_stack"):
+            stack = cudagraphs.graph_stack(layers, sample, **options)
             run_layers, graphed = [stack], stack.cuda_graph
         else:
-            cudagraphs.make_graphed_callables(tuple(layers), tuple(sample for _ in layers))
+            samples = tuple(sample for _ in layers)
+            cudagraphs.make_graphed_callables(tuple(layers), samples, **options)
             run_layers, graphed = layers, layers[0].cuda_graph
         del sample, hidden
         account = graphed.memory
@@ -227,12 +232,9 @@ def _train_child(variant: str, shape: Shape, batch: int) -> dict:
         mgr.start_recording()
         eager_step(lambda: _loss(net, ids))
         mgr.capture()
-        step = lambda: eager_step(lambda: _loss(net, ids))  # noqa: E731
-        info["stats"] = {
-            k: v
-            for k, v in mgr.stats().items()
-            if k.endswith("bytes") or k in ("captured", "replayed", "fallbacks")
-        }
+        out = _run(lambda: eager_step(lambda: _loss(net, ids)), info)
+        out["info"]["stats"] = _stats(mgr.stats())
+        return out
     else:
         raise ValueError(variant)
     return _run(step, info)
@@ -273,13 +275,8 @@ def _trainer_child(variant: str, shape: Shape, batch: int) -> dict:
     torch.cuda.synchronize()
     info = {}
     if callbacks:
-        manager = getattr(callbacks[0], "manager", None)
-        stats = manager.stats() if manager is not None else {}
-        info["stats"] = {
-            k: v
-            for k, v in stats.items()
-            if k.endswith("bytes") or k in ("captured", "replayed", "fallbacks")
-        }
+        info["stats"] = _stats(callbacks[0].stats())
+        info["off_reason"] = callbacks[0].off_reason
     return {**_peaks(), "steady_reserved": None, "steady_allocated": None, "info": info}
 
 
@@ -464,7 +461,7 @@ def search(variant: str, shape: str, cap_gib: float, start: int, limit: int) -> 
 
 def targets(shape_ratios: dict, searched: dict) -> dict:
     out = {}
-    layers = (*TRAIN_LAYERS, "graphed_generator", "graph_runner")
+    layers = (*TRAIN_LAYERS, *LENT_LAYERS, "graphed_generator", "graph_runner")
     for layer in layers:
         values = [r[layer]["reserved"] for r in shape_ratios.values() if layer in r]
         if values:

@@ -48,10 +48,21 @@ def _params(*shapes, dtype=torch.float32, requires_grad=True):
 def test_staging_is_sized_for_the_largest_callable_per_dtype():
     a = _params((4, 3), (5,))  # 17 float32
     b = _params((2, 2)) + _params((10,), dtype=torch.bfloat16)  # 4 float32, 10 bf16
-    staging = GradStaging.for_params([a, b])
+    c = _params((17,)) + _params((10,), dtype=torch.bfloat16)
+    d = _params((10,), dtype=torch.bfloat16)
+    staging = GradStaging.for_params([a, b, c, d])
     sizes = {k[0]: v.numel() for k, v in staging.buffers.items()}
     assert sizes == {torch.float32: 17, torch.bfloat16: 10}
     assert staging.nbytes() == 17 * 4 + 10 * 2
+
+
+def test_a_dtype_is_staged_only_where_it_saves_memory():
+    # Staged, a dtype costs the buffer and the largest entry's gradients as pool
+    # temporaries: only entries adding up to more than twice the largest save.
+    one = _params((100,))
+    assert GradStaging.for_params([one]) is None  # graph_stack: one callable
+    assert GradStaging.for_params([one, _params((100,))]) is None  # 200 == 2 * 100
+    assert GradStaging.for_params([one, _params((60,)), _params((41,))]) is not None
 
 
 def test_no_staging_without_a_contiguous_parameter_that_requires_grad():
@@ -82,7 +93,7 @@ def test_staged_gradients_equal_the_computed_ones_and_do_not_overlap(shapes, see
         torch.nn.Parameter(torch.zeros(r, c, dtype=dtypes.get(kind, torch.float32)))
         for r, c, kind in shapes
     ]
-    staging = GradStaging.for_params([params])
+    staging = GradStaging.for_params([params] * 3)  # three callables of these
     grads = []
     for (r, c, kind), p in zip(shapes, params):
         if kind == "none":
@@ -116,7 +127,7 @@ def test_staged_gradients_equal_the_computed_ones_and_do_not_overlap(shapes, see
 
 def test_two_entries_stage_into_the_same_memory():
     # Entries share the buffer: the owned copy is made before another entry replays.
-    staging = GradStaging.for_params([_params((3,)), _params((2,))])
+    staging = GradStaging.for_params([_params((3,)), _params((2,)), _params((2,))])
     first = staging.stage([torch.ones(3)])[0]
     second = staging.stage([torch.full((2,), 2.0)])[0]
     assert first.data_ptr() == second.data_ptr()

@@ -228,10 +228,19 @@ class FakeCore:
 
     def __init__(self, bare=False):
         self.calls, self.replays, self.bare, self.sharing = [], 0, bare, []
+        self.owned = []
 
-    def __call__(self, modules, sample_args, sample_kwargs=None, _buffer_sharing=None):
+    def __call__(
+        self,
+        modules,
+        sample_args,
+        sample_kwargs=None,
+        clone_param_grads_on_return=True,
+        _buffer_sharing=None,
+    ):
         self.calls.append((modules, sample_args, sample_kwargs))
         self.sharing.append(_buffer_sharing)
+        self.owned.append(clone_param_grads_on_return)
 
         def graphed(fn):
             def run(*args, **kwargs):
@@ -261,6 +270,9 @@ def test_the_default_backend_hands_the_recorded_calls_to_the_core(enabled, monke
     # Attention inputs are norms' outputs, never another target's: nothing chained,
     # incoming-gradient buffers shared by shape.
     assert core.sharing == [BufferSharing(grad_outputs=True, chained_inputs={})]
+    # Lent gradients: owned copies could not take the place of the activations the
+    # graphs hold in their pool (memory; .graphing).
+    assert core.owned == [False]
     model(torch.randn(2, 8))
     assert core.replays == 2 and mgr.stats()["replayed"] == 2
     mgr.close()

@@ -38,9 +38,11 @@ class GradStaging:
     @classmethod
     def for_params(cls, groups: Iterable[Sequence[torch.Tensor]]) -> GradStaging | None:
         """A staging buffer for entries whose parameters are ``groups`` (one sequence
-        per callable); ``None`` when no group has a contiguous parameter that
-        requires grad. Allocated now, outside any graph pool."""
+        per callable), for each dtype whose contiguous parameters that require grad
+        add up to more than twice the largest group's; ``None`` when there is none.
+        Allocated now, outside any graph pool."""
         sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        totals: dict[tuple[torch.dtype, torch.device], int] = {}
         for params in groups:
             need: dict[tuple[torch.dtype, torch.device], int] = {}
             for p in params:
@@ -49,6 +51,11 @@ class GradStaging:
                     need[key] = need.get(key, 0) + p.numel()
             for key, n in need.items():
                 sizes[key] = max(sizes.get(key, 0), n)
+                totals[key] = totals.get(key, 0) + n
+        # Staged, a dtype costs the buffer plus the largest entry's gradients as pool
+        # temporaries: a saving only where the entries' gradients add up to more than
+        # twice the largest (never for one callable: graph_stack).
+        sizes = {k: n for k, n in sizes.items() if totals[k] > 2 * n}
         if not sizes:
             return None
         return cls(

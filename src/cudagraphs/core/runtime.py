@@ -112,9 +112,7 @@ class EntryGraphs:
     )
     pool_bytes: int = 0  # reserved memory the captures grew by (the shared pool's)
     buffer_bytes: int = 0  # static input / incoming-gradient buffers made for it
-    # The account of the make_graphed_callables call that captured it (shared by its
-    # entries): cudagraphs.memory.MemoryAccount.
-    memory: Any = field(default=None, repr=False, compare=False)
+    memory: Any = field(default=None, repr=False, compare=False)  # the call's MemoryAccount
     released: bool = field(default=False, init=False)
     # Derived by _derive() from the fields above, once: what replays hand out.
     autograd_params: tuple[torch.nn.Parameter, ...] = field(init=False, repr=False)

@@ -19,13 +19,20 @@ from ..capturing import capture_scope
 from ..core.sharing import BufferSharing
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsValueError, TargetSelectionError
+from ..memory import release_unused_cache
 from ..settings import DISABLE_ENV, graphs_disabled
 from .chaining import group_sharing
 from .entry import PartialGraphEntry
 from .recording import Recorder, capture_groups, capture_modes
 from .speed import SpeedCheck, measure_group
 
-__all__ = ["TargetsBackend", "calls_to_capture", "capture_calls", "read_disabled"]
+__all__ = [
+    "TargetsBackend",
+    "calls_to_capture",
+    "capture_calls",
+    "read_disabled",
+    "release_cached",
+]
 
 #: How a manager turns recorded calls into graphed callables:
 #: ``backend(callables, sample_args, sample_kwargs) -> graphed callables`` (one each).
@@ -42,8 +49,17 @@ def _default_backend(
 ) -> Sequence[Any]:
     from ..core import make_graphed_callables
 
+    # Lent gradients (.core.lent_grads), not owned copies: an owned copy is eager
+    # memory that cannot take the place of the graphed targets' activations, dead in
+    # the pool by then, as eager gradients do; up to a copy of every graphed parameter's
+    # gradient beside the pool (issue 36). The pool's settle moves any still lent
+    # before a replay could overwrite it, so accumulation and hooks stay exact.
     result = make_graphed_callables(
-        callables, sample_args, sample_kwargs=sample_kwargs, _buffer_sharing=sharing
+        callables,
+        sample_args,
+        sample_kwargs=sample_kwargs,
+        clone_param_grads_on_return=False,
+        _buffer_sharing=sharing,
     )
     return result if isinstance(result, tuple) else (result,)
 
@@ -53,6 +69,21 @@ def _eager_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) ->
     called with the arguments a graph would get (parameters first) and run eagerly."""
     del sample_args, sample_kwargs
     return list(callables)
+
+
+def release_cached(active: bool) -> int:
+    """Before and after a manager's captures on CUDA (``active``): give the memory the
+    caching allocator keeps cached and no tensor uses back to the driver
+    (:func:`~cudagraphs.memory.release_unused_cache`); returns the bytes.
+
+    Why: the eager steps before a capture cached a working set that held the graphed
+    targets' activations too; from the capture on those live in the graphs' pools,
+    so the cache is larger than eager code needs, and kept it would sit beside the
+    pools. The next step's eager allocations come from the driver once
+    (``docs/memory.md`` has the measured cost)."""
+    if not (active and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0
+    return release_unused_cache(torch.cuda.current_device(), "partial graphs capture")
 
 
 def read_disabled(fixed: bool | None) -> bool:

@@ -30,14 +30,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
 from ..checks import check_bool, check_callable
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError
 from ..forward_swap import swap_forward
-from ..memory import release_unused_cache
 from .build import entries_from_model_parts
 from .entry import PartialGraphEntry
 from .graphing import (
@@ -46,6 +44,7 @@ from .graphing import (
     calls_to_capture,
     capture_calls,
     read_disabled,
+    release_cached,
 )
 from .model_scope import ModelScopeOff, capture_model_first
 from .recording import InferenceCalls, Recorder, check_inference_calls
@@ -391,13 +390,10 @@ class PartialCudaGraphManager:
                 logger=logger,
             )
 
-        cuda = not disabled and torch.cuda.is_available() and torch.cuda.is_initialized()
-        if cuda and todo:
-            # Between steps the eager working set is cached and unused: given back now,
-            # the captures' pools take its place instead of adding to it.
-            self._released_bytes += release_unused_cache(
-                torch.cuda.current_device(), "partial graphs capture"
-            )
+        # Around the captures, the eager steps' unused cache goes back to the driver
+        # (release_cached): the pools take its place instead of adding to it.
+        release = bool(todo) and not disabled
+        self._released_bytes += release_cached(release)
         # Whole parts first: the layers inside one graphed whole are not captured.
         todo = capture_model_first(
             todo,
@@ -411,15 +407,7 @@ class PartialCudaGraphManager:
             if entry.swap is None and entry.graphs():
                 entry.swap = swap_forward(entry.target.module, entry.dispatch)
         turn_off_slower(verdicts, logger)
-        if cuda and todo:
-            # The eager steps before this capture cached a working set that held the
-            # graphed targets' activations too; those now live in the graph pools, so
-            # the cache is larger than eager code needs from here on. Give it back
-            # (cudagraphs.memory.release_unused_cache: the next step's eager
-            # allocations come from the driver once; docs/memory.md has the cost).
-            self._released_bytes += release_unused_cache(
-                torch.cuda.current_device(), "partial graphs capture"
-            )
+        self._released_bytes += release_cached(release)
 
     # ---- reporting and teardown -------------------------------------------------------
     def stats(self) -> dict[str, int]:
