@@ -534,8 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         for j, f in futures.items():
             results.setdefault(j[0], {})[j[1]] = f.result()
+    report["results"] = results
+    report["ratios"] = {shape: ratios(per) for shape, per in results.items()}
+    write_report(NAME, report, args.out, final=False)  # kept should a later phase stop
     for j in alone:
         results.setdefault(j[0], {})[j[1]] = _spawn(j[1], j[0], SHAPES[j[0]].batch)
+        print(f"{NAME}: {j[0]} {j[1]} done", file=sys.stderr)
     if args.jobs != 1:
         for per in results.values():
             for r in per.values():
@@ -551,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
                 ref: search(ref, shape, cap, 32 if decode else 16, 512),
                 "graphed": search(layer, shape, cap, 32 if decode else 16, 512),
             }
+            report["largest_batch"] = searched
+            write_report(NAME, report, args.out, final=False)
     report["largest_batch"] = searched
     report["targets"] = targets(report["ratios"], searched)
     write_report(NAME, report, args.out, final=True)
