@@ -22,6 +22,9 @@ def test_main_job_runs_and_every_demo_equals_eager(capsys):
         assert result["generate_graphed_tokens_per_s"] > result["generate_eager_tokens_per_s"]
     for key in ("eager_ms", "graphed_ms", "kernel_busy_ms", "program_replay_ms"):
         assert result[key] > 0, (key, result)
+    # Each graphed demo says where its capture's memory went.
+    assert result["graphed_memory"]["pool_reserved_bytes"] > 0, result
+    assert result["decode_runner_memory"]["pool_reserved_bytes"] > 0, result
     assert rc == 0
 
 

@@ -28,6 +28,13 @@ from .demos import (
     run_serving_demo,
 )
 from .envinfo import collect, format_report
+from .memory import MemoryAccount
+
+
+def _print_memory(account: dict | None) -> None:
+    """The capture's memory account (cudagraphs.memory.MemoryAccount), one line."""
+    if account:
+        print(f"  memory           {MemoryAccount(**account).summary()}")
 
 
 def _positive_int(text: str) -> int:
@@ -110,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({result['speedup_vs_eager']}x eager, same gradients: {result['training_grads_equal']})"
         )
         print(f"  kernel-busy time {result['kernel_busy_ms']:8.3f} ms  (the floor)")
+        _print_memory(result.get("graphed_memory"))
         print(f"{result['program']}, per call")
         print(f"  eager            {result['program_eager_ms']:8.3f} ms")
         print(
@@ -123,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({result['decode_speedup_vs_eager']}x eager, same tokens: "
             f"{result['decode_tokens_equal']})"
         )
+        _print_memory(result.get("decode_runner_memory"))
         print(result["partial"] + ("" if "partial_loss_equal" not in result else ", per step"))
         if "partial_loss_equal" in result:
             print(f"  eager            {result['partial_eager_ms']:8.3f} ms")
@@ -131,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"({result['partial_speedup_vs_eager']}x eager, same loss: "
                 f"{result['partial_loss_equal']}, fallbacks: {result['partial_fallbacks']})"
             )
+            _print_memory(result.get("partial_memory"))
         print(result["generate"])
         if "generate_tokens_equal" in result:
             print(f"  HF eager generate {result['generate_eager_tokens_per_s']:9.1f} tokens/s")
@@ -140,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"cache: {result['generate_tokens_equal']}; capture + first request "
                 f"{result['generate_startup_s']} s)"
             )
+            _print_memory(result.get("generate_memory"))
     ok = (
         result["training_grads_equal"]
         and result["program_equal_to_eager"]

@@ -198,8 +198,9 @@ def capture_into_graph(
             graph reads memory that a later-captured graph reuses; in practice,
             replay in capture order.
         stream: side stream to capture on; ``None`` for the pool's
-            :meth:`GraphPool.capture_stream` (warm up on :meth:`GraphPool.warmup_stream`,
-            never on the capture stream). Work
+            :meth:`GraphPool.capture_stream` (warm up in :meth:`GraphPool.warmup_scope`,
+            which runs on the capture stream only while it routes the warmup's memory
+            into the pool). Work
             already queued on the device is finished before capture starts.
         capture_error_mode: ``"thread_local"`` (default: other threads' unsafe CUDA
             calls cannot invalidate this capture), ``"global"`` or ``"relaxed"``.

@@ -12,6 +12,7 @@ import argparse
 import torch
 
 from . import CudaGraphProgram, make_graphed_callables
+from .memory import MemoryAccount
 from .models import BlockConfig, DecoderConfig, TinyDecoder, greedy_decode, make_block_stack
 from .serving import GraphRunner, InputSpec
 from .timing import interleaved_step_times_ms, kernel_busy_ms
@@ -73,6 +74,8 @@ def run_demo(args: argparse.Namespace) -> dict:
         "training_grads_equal": grads_equal,
         "speedup_vs_eager": round(eager_ms / graphed_ms, 2),
         "graphed_over_kernel_busy": round(graphed_ms / busy_ms, 2),
+        # Where the capture's device memory went (cudagraphs.memory.MemoryAccount).
+        "graphed_memory": layers[0].cuda_graph.memory.as_dict(),
     }
 
 
@@ -149,6 +152,7 @@ def run_serving_demo(batch: int = 5, prompt_len: int = 8, new_tokens: int = 24) 
         )
         eager_ms, runner_ms = ms["eager"] / steps, ms["runner"] / steps
         bucket = runner.select(batch)
+        memory = runner.stats()["memory"]
     finally:
         runner.close()
     return {
@@ -158,6 +162,7 @@ def run_serving_demo(batch: int = 5, prompt_len: int = 8, new_tokens: int = 24) 
         "decode_eager_ms_per_token": round(eager_ms, 4),
         "decode_runner_ms_per_token": round(runner_ms, 4),
         "decode_speedup_vs_eager": round(eager_ms / runner_ms, 2),
+        "decode_runner_memory": memory,
     }
 
 
@@ -223,6 +228,7 @@ def run_partial_demo(iters: int) -> dict:
         "partial_graphed_ms": round(partial_ms, 3),
         "partial_speedup_vs_eager": round(eager_ms / partial_ms, 2),
         "partial_fallbacks": stats["fallbacks"],
+        "partial_memory": {k: stats.get(k, 0) for k in MemoryAccount().as_dict()},
     }
 
 
@@ -291,6 +297,7 @@ def run_generate_demo(batch: int = 4, new_tokens: int = 32) -> dict:
                 repeats=3,
                 shuffle_seed=0,
             )
+            memory = generator.stats()["memory"]
         finally:
             generator.close()
     tokens = batch * new_tokens
@@ -302,4 +309,5 @@ def run_generate_demo(batch: int = 4, new_tokens: int = 32) -> dict:
         "generate_graphed_tokens_per_s": round(tokens / ms["graphed"] * 1e3, 1),
         "generate_speedup_vs_eager": round(ms["eager"] / ms["graphed"], 2),
         "generate_startup_s": round(startup_s, 3),
+        "generate_memory": memory,
     }

@@ -4,6 +4,8 @@
   (argument checks and per-call validation included, capture skipped), for comparing
   graphed against eager results while debugging.
 * ``CUDAGRAPHS_REQUIRE_ALL_BUCKETS``: a serving bucket dropped at startup is an error.
+* ``CUDAGRAPHS_KEEP_CACHE``: never give unused cached device memory back to the driver
+  after a capture (:func:`cudagraphs.memory.release_unused_cache`).
 * ``CUDAGRAPHS_CUDA_BINDING``: which binding makes the package's direct CUDA calls
   (:mod:`cudagraphs.cuda_binding`): ``auto`` (the default: ``cuda.bindings`` when it
   imports and reaches the driver, else ``ctypes``), ``cuda.bindings`` or ``ctypes``.

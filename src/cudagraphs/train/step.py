@@ -49,9 +49,11 @@ class GraphedTrainStep:
 
     1. ``__init__`` checks the arguments and prepares the optimizer
        (:func:`~cudagraphs.train.prepare_optimizer`); nothing is captured.
-    2. :meth:`capture` warms up on the pool's side stream (real steps on the sample
-       batch), captures, then restores parameters and optimizer state as they were:
-       the warmup leaves no trace in the model.
+    2. :meth:`capture` warms up (real steps on the sample batch, at learning rate 0,
+       inside the pool while it holds no graph: ``GraphPool.warmup_scope``), restores
+       optimizer state and learning rates as they were, and captures: the warmup
+       leaves no trace in the model and no second copy of it on the device
+       (:class:`~cudagraphs.train.optimizers.OptimizerSnapshot`).
     3. Each call copies the batch into the graph's input buffers (one fused copy per
        dtype) and replays; it returns the loss, borrowed.
     4. :meth:`reset` releases the graphs; eager training can go on.
