@@ -209,6 +209,24 @@ def test_entry_points_say_no_cuda_device_first(call, what):
         call()
 
 
+@no_cuda
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"function": 3}, errors.CudaGraphsTypeError, "function"),
+        ({"warmup": -1}, errors.CudaGraphsValueError, "warmup"),
+        ({"example_inputs": "x"}, errors.CudaGraphsTypeError, "example_inputs"),
+        ({"staging": "sometimes"}, errors.CudaGraphsValueError, "staging"),
+    ],
+    ids=["function", "warmup", "example_inputs", "staging"],
+)
+def test_program_capture_names_a_wrong_argument_before_the_missing_gpu(kwargs, error, match):
+    call = {"function": lambda x: x, "example_inputs": (torch.ones(1),), **kwargs}
+    function = call.pop("function")
+    with pytest.raises(error, match=match):
+        cudagraphs.CudaGraphProgram.capture(function, **call)
+
+
 @pytest.mark.parametrize("device", [3.5, None, [0]])
 def test_program_pool_device_argument_is_typed(device):
     with pytest.raises(errors.CudaGraphsTypeError, match="CudaGraphPool\\(device=...\\)"):
@@ -487,8 +505,22 @@ def test_main_job_without_a_gpu_says_so(capsys, caplog):
     from cudagraphs.__main__ import main
 
     assert main([]) == 0
-    assert "no CUDA device is present" in capsys.readouterr().err
+    out = capsys.readouterr()
+    assert "no CUDA device is present" in out.err and out.out == ""
     assert main(["--require-gpu"]) == 2
+
+
+@no_cuda
+@pytest.mark.parametrize(("argv", "code"), [(["--json"], 0), (["--json", "--require-gpu"], 2)])
+def test_main_job_json_without_a_gpu_is_an_object_that_says_why(capsys, argv, code):
+    import json
+
+    from cudagraphs.__main__ import main
+
+    assert main(argv) == code
+    report = json.loads(capsys.readouterr().out)
+    assert report["ran"] is False and "no CUDA device" in report["reason"]
+    assert report["require_gpu"] is ("--require-gpu" in argv)
 
 
 def test_disabled_warning_is_a_warning(caplog, monkeypatch):

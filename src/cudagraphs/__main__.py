@@ -96,11 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2) if args.json else format_report(report))
         return 0
     if not torch.cuda.is_available():
-        print(
-            "cudagraphs: no CUDA device is present, so there is nothing to graph here. "
-            "Run this on a machine with an NVIDIA GPU (the tests run anywhere: see README).",
-            file=sys.stderr,
+        why = (
+            "no CUDA device is present, so there is nothing to graph here. Run this on a "
+            "machine with an NVIDIA GPU (the tests run anywhere: see README)."
         )
+        print(f"cudagraphs: {why}", file=sys.stderr)
+        if args.json:
+            # Whatever parses --json gets an object that says why, not an empty stdout.
+            print(json.dumps({"ran": False, "reason": why, "require_gpu": args.require_gpu}))
         return 2 if args.require_gpu else 0
     result = run_demo(args)
     result.update(run_program_demo(args.iters))

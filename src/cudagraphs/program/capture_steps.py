@@ -19,12 +19,25 @@ from .staging import check_staging_mode
 __all__ = [
     "first_replay_mismatch",
     "check_capture_arguments",
+    "check_capture_options",
     "check_examples",
     "check_output_device",
     "detached",
     "output_signature",
     "warm_up",
 ]
+
+
+def check_capture_options(
+    function: object, example_inputs: object, warmup: object, staging: object
+) -> None:
+    """The checks of :func:`check_capture_arguments` that need no device: run before
+    asking for CUDA, so that a wrong argument is named before a missing GPU."""
+    check_callable("function", function)
+    check_int("warmup", warmup, minimum=0)
+    if isinstance(example_inputs, (str, bytes)) or not isinstance(example_inputs, Sequence):
+        raise CudaGraphsTypeError("example_inputs must be a sequence of positional arguments")
+    check_staging_mode(staging)
 
 
 def check_capture_arguments(
@@ -37,11 +50,7 @@ def check_capture_arguments(
 ) -> tuple[tuple, ValueTreeSignature, torch.device]:
     """Check the arguments of ``CudaGraphProgram.capture``; return the inputs as a
     tuple, their signature and their device. Nothing is captured or allocated."""
-    check_callable("function", function)
-    check_int("warmup", warmup, minimum=0)
-    if isinstance(example_inputs, (str, bytes)) or not isinstance(example_inputs, Sequence):
-        raise CudaGraphsTypeError("example_inputs must be a sequence of positional arguments")
-    check_staging_mode(staging)
+    check_capture_options(function, example_inputs, warmup, staging)
     inputs = tuple(example_inputs)
     signature = ValueTreeSignature.from_value(inputs, leaf_types=leaf_types, path="inputs")
     device = check_examples(signature, signature.flatten(inputs, path="inputs"))

@@ -20,7 +20,11 @@ from ..checks import require_cuda
 from ..errors import CudaGraphCaptureError, CudaGraphsTypeError
 from ..settings import graphs_disabled
 from ..torch_private import current_stream_key
-from .capture_steps import check_capture_arguments, first_replay_mismatch
+from .capture_steps import (
+    check_capture_arguments,
+    check_capture_options,
+    first_replay_mismatch,
+)
 from .graph_capture import CapturedProgram, capture_program
 from .launch_order import LaunchOrder
 from .leaves import LeafTypes
@@ -150,6 +154,8 @@ class CudaGraphProgram(Generic[OutputT]):
             return functools.partial(
                 cls.capture, example_inputs=example_inputs, staging=staging, **options
             )
+        # Arguments first, as every entry point: the real mistake before a missing GPU.
+        check_capture_options(function, example_inputs, warmup, staging)
         require_cuda("CudaGraphProgram.capture")
         inputs, signature, device = check_capture_arguments(
             function, example_inputs, warmup, pool, leaf_types, staging
