@@ -1,6 +1,8 @@
 """Pipeline layout, schedules and buffer-slot assignment (pure policy, CPU only)."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cudagraphs.core.schedule import (
     Step,
@@ -126,7 +128,7 @@ def test_inference_schedule_drops_backwards():
         ([], "non-empty"),
         ("12", "non-empty"),
         ([1, 0, -1], "never 0"),
-        ([1, 2.0, -2, -1], "never 0"),
+        ([1, 2.0, -2, -1], r"2\.0 \(float\).*entries are ints"),
         ([-1, 1], "before its forward"),
         ([1, 2, -2, -1, 1, -1, 1], "as often forward as backward"),
         ([1, 1, -1, -1, 2, -2], "as often forward as backward"),
@@ -196,10 +198,26 @@ def test_buffer_slots_need_a_forward_for_every_entry():
         assign_buffer_slots([Step("fwd", 0, 0), Step("bwd", 0, 0)], ["a", "a"])
 
 
-def test_bad_order_entries_are_listed_up_to_three():
-    # The message quotes the first three offending entries, not the whole list.
-    with pytest.raises(ValueError, match=r"_order holds \[0, 0\.5, True\]: entries are 1-based"):
-        build_layout(2, 2, order=[0, 0.5, True, 0, 1, -1])
+def test_bad_order_entries_are_listed_up_to_three_with_their_types():
+    # The message quotes the first three entries that are not ints, with their types.
+    match = r"_order holds 0\.5 \(float\), True \(bool\), '1' \(str\): entries are ints"
+    with pytest.raises(ValueError, match=match):
+        build_layout(2, 2, order=[0.5, True, "1", None, 1, -1])
+
+
+def test_a_zero_in_order_is_named_by_position():
+    with pytest.raises(ValueError, match=r"_order\[2\] is 0: .*never 0"):
+        build_layout(2, 2, order=[1, -1, 0, 2, -2])
+
+
+def test_numpy_integers_and_arrays_are_ints_of_order():
+    np = pytest.importorskip("numpy")
+    want = build_layout(4, 4, order=[1, 2, -2, -1], num_layers_per_chunk=[2, 2])
+    for order in (np.array([1, 2, -2, -1]), [np.int64(1), np.int32(2), np.int8(-2), -1]):
+        got = build_layout(4, 4, order=order, num_layers_per_chunk=np.array([2, 2]))
+        assert got == want
+        assert all(type(x) is int for x in got.order)
+        assert all(type(n) is int for n in got.layers_per_chunk)
 
 
 @pytest.mark.parametrize(
@@ -244,3 +262,41 @@ def test_a_backward_before_its_forward_is_refused_by_entry():
         CudaGraphsValueError, match="entry 0: its backward comes before its forward"
     ):
         assign_buffer_slots([Step("bwd", 0, 0), Step("fwd", 0, 0)], ["a"])
+
+
+def _reference_order_check(order):
+    """What makes an _order valid, written plainly: (chunks, microbatches) or None."""
+    if not order or any(x == 0 for x in order):
+        return None
+    chunks = max(abs(x) for x in order)
+    forwards = [sum(1 for x in order if x == c) for c in range(1, chunks + 1)]
+    backwards = [sum(1 for x in order if x == -c) for c in range(1, chunks + 1)]
+    if len(set(forwards + backwards)) != 1 or forwards[0] == 0:
+        return None
+    for end in range(len(order) + 1):  # no backward before its forward, at any point
+        prefix = order[:end]
+        if any(prefix.count(-c) > prefix.count(c) for c in range(1, chunks + 1)):
+            return None
+    return chunks, forwards[0]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(-3, 3), min_size=1, max_size=12))
+def test_order_validation_agrees_with_a_plain_reference(order):
+    want = _reference_order_check(order)
+    if want is None:
+        # The order's own error (each starts "_order"), not a count of sample_args.
+        chunks = max(abs(x) for x in order) or 1
+        with pytest.raises(ValueError, match=r"^_order"):
+            build_layout(chunks, chunks * max(1, order.count(1)), order=order)
+        return
+    chunks, micro = want
+    layout = build_layout(chunks, chunks * micro, order=order)
+    assert layout.num_microbatches == micro and layout.layers_per_chunk == (1,) * chunks
+    schedule = build_schedule(layout, training=True)
+    # Every entry is run forward once and backward once, backward after forward.
+    seen = {}
+    for pos, step in enumerate(schedule):
+        seen.setdefault(step.entry, []).append((step.kind, pos))
+    assert len(seen) == chunks * micro
+    assert all([k for k, _ in v] == ["fwd", "bwd"] for v in seen.values())

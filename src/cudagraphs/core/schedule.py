@@ -16,6 +16,7 @@ Nothing here touches a GPU, so all of it is tested on the CPU.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -102,15 +103,27 @@ class Layout:
 
 
 def _validate_order(order: Sequence[int]) -> tuple[tuple[int, ...], int, int]:
-    """Check an ``_order`` list; return it as a tuple with (num_chunks, num_microbatches)."""
+    """Check an ``_order`` list; return it as a tuple of Python ints with
+    (num_chunks, num_microbatches). Any integer type is an int here (numpy's too, as
+    ``BucketConfig`` takes them); a numpy array is taken as its list."""
+    if hasattr(order, "tolist") and not isinstance(order, (str, bytes)):
+        order = order.tolist()
     if isinstance(order, (str, bytes)) or not isinstance(order, Sequence) or len(order) == 0:
         raise CudaGraphsValueError(
             f"_order must be a non-empty list of non-zero ints, got {order!r}"
         )
-    bad = [x for x in order if not isinstance(x, int) or isinstance(x, bool) or x == 0]
-    if bad:
+    not_ints = [x for x in order if isinstance(x, bool) or not isinstance(x, numbers.Integral)]
+    if not_ints:
+        named = ", ".join(f"{x!r} ({type(x).__name__})" for x in not_ints[:3])
         raise CudaGraphsValueError(
-            f"_order holds {bad[:3]}: entries are 1-based chunk ids, positive for a "
+            f"_order holds {named}: entries are ints, 1-based chunk ids, positive for a "
+            "forward and negative for a backward"
+        )
+    order = [int(x) for x in order]
+    zeros = [pos for pos, x in enumerate(order) if x == 0]
+    if zeros:
+        raise CudaGraphsValueError(
+            f"_order[{zeros[0]}] is 0: entries are 1-based chunk ids, positive for a "
             "forward and negative for a backward, never 0"
         )
     num_chunks = max(abs(x) for x in order)
@@ -181,8 +194,13 @@ def build_layout(
             )
         layers = (num_callables // num_chunks,) * num_chunks
     else:
+        if hasattr(num_layers_per_chunk, "tolist"):
+            num_layers_per_chunk = num_layers_per_chunk.tolist()
         layers = tuple(num_layers_per_chunk)
-        if len(layers) != num_chunks or any(not isinstance(n, int) or n < 1 for n in layers):
+        integral = all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in layers)
+        if integral:
+            layers = tuple(int(n) for n in layers)
+        if len(layers) != num_chunks or not integral or any(n < 1 for n in layers):
             raise CudaGraphsValueError(
                 f"_num_layers_per_chunk must hold {num_chunks} positive ints (one per chunk "
                 f"of _order), got {list(layers)}"
