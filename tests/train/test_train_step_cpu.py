@@ -3,6 +3,7 @@ the documented eager loop bit for bit, also on two gloo ranks), its argument che
 and its options."""
 
 import copy
+import logging
 import os
 
 import pytest
@@ -65,6 +66,40 @@ def test_disabled_step_is_eager_and_equals_the_eager_loop(disabled, name):
     assert all(loss.shape == () and not loss.requires_grad for loss in losses)
     assert not any(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), initial))
     assert all(p.grad is not None for p in model.parameters())  # the last step's
+
+
+def test_a_step_without_any_gradient_names_both_causes_and_a_good_step_works_after(disabled):
+    model = torch.nn.Linear(4, 2)
+    other = torch.nn.Linear(4, 2)  # the optimizer is built over another model
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+
+    def step_fn(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    step = graph_train_step(step_fn, torch.ones(3, 4), optimizer=opt)
+    with pytest.raises(CudaGraphsValueError, match=r"does not call backward.*another model"):
+        step(torch.ones(3, 4))
+    batch = (torch.ones(3, 4), torch.zeros(3, 2))
+    good = graph_train_step(_step_fn(other), batch, optimizer=opt)
+    assert good(batch).shape == ()
+
+
+def test_parameters_the_step_never_uses_are_named_once_and_skipped(disabled, caplog):
+    model = torch.nn.Linear(4, 2)
+    unused = torch.nn.Parameter(torch.ones(5))
+    opt = torch.optim.SGD([{"params": list(model.parameters())}, {"params": [unused]}], lr=0.1)
+    batch = (torch.ones(3, 4), torch.zeros(3, 2))
+    step = graph_train_step(_step_fn(model), batch, optimizer=opt)
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.train.step"):
+        step(batch)
+        step(batch)
+    said = [r.getMessage() for r in caplog.records if "get no gradient" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "1 of the optimizer's 3 parameters" in said[0]
+    assert "param_groups[1]['params'][0] (5,)" in said[0]
+    assert unused.grad is None and torch.equal(unused.detach(), torch.ones(5))
 
 
 def test_disabled_step_clips_as_the_eager_loop(disabled):

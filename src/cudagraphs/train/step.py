@@ -95,6 +95,7 @@ class GraphedTrainStep:
         self._grads: list[torch.Tensor | None] = []
         self._losses: torch.Tensor | None = None
         self._released = False
+        self._unused_said = False
 
     # ---- the step's pieces: run by the warmup, the capture and the eager path ---------
     def _micro(self, batch: Any) -> torch.Tensor:
@@ -122,6 +123,31 @@ class GraphedTrainStep:
         self.optimizer.step()
         return norm
 
+    def _say_unused(self) -> None:
+        """Once: name the optimizer's parameters the step gave no gradient. Like an
+        eager step, ``optimizer.step()`` skips them (graphed: in every replay, since
+        the graph holds the step as captured), and their ``.grad`` stays ``None``."""
+        if self._unused_said:
+            return
+        self._unused_said = True
+        unused = [
+            f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}"
+            for g, group in enumerate(self.optimizer.param_groups)
+            for i, p in enumerate(group["params"])
+            if p.grad is None
+        ]
+        if unused:
+            logger.warning(
+                "graph_train_step: %d of the optimizer's %d parameters get no gradient in "
+                "step_fn (%s%s): optimizer.step() skips them, as an eager step does, and "
+                "their .grad stays None. If the loss should depend on them, it does not; "
+                "else build the optimizer without them.",
+                len(unused),
+                len(self.params),
+                ", ".join(unused[:3]),
+                ", ..." if len(unused) > 3 else "",
+            )
+
     def _drop_grads(self) -> None:
         for p in self.params:
             p.grad = None
@@ -133,9 +159,13 @@ class GraphedTrainStep:
         losses = [self._micro(b) for b in batches]
         if not any(p.grad is not None for p in self.params):
             raise CudaGraphsValueError(
-                "step_fn returned without a gradient for any parameter of the optimizer; "
-                "call loss.backward() inside step_fn"
+                "step_fn returned without a gradient for any parameter of the optimizer. "
+                "Either it does not call backward, or the loss does not depend on the "
+                "optimizer's parameters (an optimizer built over another model). Fixes: "
+                "1. call loss.backward() inside step_fn; 2. build the optimizer over the "
+                "parameters of the model step_fn runs."
             )
+        self._say_unused()
         if before_update is not None and not _grads_finite(self.params):
             # A warmup step runs at learning rate 0, which keeps a parameter only where
             # its update is finite (0 * inf is NaN): keep the parameters on the host.
