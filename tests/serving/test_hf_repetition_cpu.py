@@ -92,10 +92,11 @@ def test_the_penalty_comes_first_and_applies_to_greedy_decoding_too():
     assert not Sampling().reads_sequences and len(Sampling().processors()) == 0
 
 
-@pytest.mark.parametrize("penalty", [0, 0.0, -1.5])
-def test_a_penalty_that_is_not_positive_is_refused(penalty):
+@pytest.mark.parametrize("penalty", [0, 0.0, -1.5, float("inf")])
+def test_a_penalty_that_is_not_positive_and_finite_is_refused(penalty):
     with pytest.raises(
-        CudaGraphsValueError, match=f"repetition_penalty must be > 0, got {penalty}"
+        CudaGraphsValueError,
+        match=f"repetition_penalty must be a finite number > 0, got {penalty}",
     ):
         Sampling(repetition_penalty=penalty)
 

@@ -31,8 +31,12 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize(
     "kw, error, text",
     [
-        (dict(temperature=0.0), CudaGraphsValueError, "temperature must be > 0"),
-        (dict(temperature=-0.5), CudaGraphsValueError, "temperature must be > 0"),
+        (dict(temperature=0.0), CudaGraphsValueError, "temperature must be a finite number > 0"),
+        (dict(temperature=-0.5), CudaGraphsValueError, "temperature must be a finite number > 0"),
+        (dict(temperature=float("inf")), CudaGraphsValueError, "finite number > 0, got inf"),
+        (dict(temperature=float("nan")), CudaGraphsValueError, "finite number > 0, got nan"),
+        (dict(repetition_penalty=float("inf")), CudaGraphsValueError, "repetition_penalty"),
+        (dict(top_p=float("nan")), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
         (dict(temperature="1"), CudaGraphsTypeError, "^temperature must be a number.* got str '1'"),
         (dict(top_p=0.0), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
@@ -140,3 +144,31 @@ def test_without_eos_stop_tokens_are_inactive():
 def test_stop_tokens_of_bad_types_are_refused(eos, pad, text):
     with pytest.raises(CudaGraphsTypeError, match=text):
         stop_tokens(eos, pad, None, CPU)
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.head = torch.nn.Linear(2, vocab, bias=False)
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+@pytest.mark.parametrize(
+    ("eos", "pad", "text"),
+    [
+        (10, None, r"eos_token_id 10 outside the model's vocabulary \[0, 10\)"),
+        ([3, -1], None, r"eos_token_id -1 outside"),
+        (3, -1, r"pad_token_id -1 outside"),
+        (3, 99, r"pad_token_id 99 outside.*tokenizer.pad_token_id"),
+    ],
+)
+def test_stop_ids_outside_the_vocabulary_are_refused_before_any_step(eos, pad, text):
+    with pytest.raises(CudaGraphsValueError, match=text):
+        stop_tokens(eos, pad, None, CPU, _Head(10))
+    # In range, the same model takes them; a config's vocab_size is read without a head.
+    assert stop_tokens(9, 0, None, CPU, _Head(10)).pad == 0
+    config_only = SimpleNamespace(config=SimpleNamespace(vocab_size=10))
+    with pytest.raises(CudaGraphsValueError, match="outside"):
+        stop_tokens(eos, pad, None, CPU, config_only)

@@ -332,7 +332,7 @@ class GraphedGenerator:
             min_length,
             min_new_tokens,
         )
-        stops = stop_tokens(eos_token_id, pad_token_id, defaults, self.device)
+        stops = stop_tokens(eos_token_id, pad_token_id, defaults, self.device, self.model)
         warn_unapplied(self._warn, defaults, sampling.do_sample)
         if request.batch <= self.kv.max_rows:
             if not self.runner.disabled:

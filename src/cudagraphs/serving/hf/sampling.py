@@ -19,6 +19,7 @@ Values HF treats as "off" are off here too (temperature 1.0, top_k 0 or None, to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 from ...checks import check_bool, check_int, check_number
 from ...errors import CudaGraphsTypeError, CudaGraphsValueError
 
-__all__ = ["Sampling", "StopTokens", "sampling_rule", "stop_tokens"]
+__all__ = ["Sampling", "StopTokens", "sampling_rule", "stop_tokens", "vocab_size_of"]
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,10 @@ class Sampling:
     def __post_init__(self) -> None:
         check_bool("do_sample", self.do_sample)
         check_number("temperature", self.temperature)
-        if not self.temperature > 0:
+        if not 0 < self.temperature < math.inf:
             raise CudaGraphsValueError(
-                f"temperature must be > 0, got {self.temperature}; for greedy decoding pass "
-                "do_sample=False"
+                f"temperature must be a finite number > 0, got {self.temperature}; for "
+                "greedy decoding pass do_sample=False"
             )
         if self.top_k is not None:
             check_int("top_k", self.top_k, minimum=0)
@@ -64,9 +65,10 @@ class Sampling:
             if not 0.0 < self.top_p <= 1.0:
                 raise CudaGraphsValueError(f"top_p must be in (0, 1], got {self.top_p}")
         check_number("repetition_penalty", self.repetition_penalty)
-        if not self.repetition_penalty > 0:
+        if not 0 < self.repetition_penalty < math.inf:
             raise CudaGraphsValueError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}; 1.0 is off"
+                f"repetition_penalty must be a finite number > 0, got "
+                f"{self.repetition_penalty}; 1.0 is off"
             )
         check_int("min_length", self.min_length, minimum=0)
         check_int("min_new_tokens", self.min_new_tokens, minimum=0)
@@ -159,14 +161,22 @@ class StopTokens:
 
 
 def stop_tokens(
-    eos_token_id: Any, pad_token_id: Any, defaults: Any, device: torch.device
+    eos_token_id: Any,
+    pad_token_id: Any,
+    defaults: Any,
+    device: torch.device,
+    model: Any = None,
 ) -> StopTokens:
     """The request's stop tokens: the arguments, else the model's ``generation_config``
     (``defaults``), as HF does; the pad id falls back to the first end-of-sequence id.
 
     Raises:
         CudaGraphsTypeError: ids that are not ints (or a sequence of ints for EOS).
+        CudaGraphsValueError: an id outside the vocabulary of ``model`` (checked
+            when it is given and says its size): the model could never make it, and a
+            pad id written into the sequence would fail in the embedding steps later.
     """
+    vocab_size = vocab_size_of(model) if model is not None else None
     if eos_token_id is None:
         eos_token_id = getattr(defaults, "eos_token_id", None)
     if pad_token_id is None:
@@ -174,6 +184,17 @@ def stop_tokens(
     eos = _id_list("eos_token_id", eos_token_id)
     if pad_token_id is not None:
         pad_token_id = check_int("pad_token_id", pad_token_id)
+    if vocab_size is not None:
+        named = [(f"eos_token_id {e}", e) for e in eos]
+        named += [] if pad_token_id is None else [(f"pad_token_id {pad_token_id}", pad_token_id)]
+        bad = [what for what, i in named if not 0 <= i < vocab_size]
+        if bad:
+            raise CudaGraphsValueError(
+                f"{', '.join(bad)} outside the model's vocabulary [0, {vocab_size}): pass "
+                "ids of the model's tokenizer (tokenizer.eos_token_id, "
+                "tokenizer.pad_token_id), or eos_token_id=[] to stop only at "
+                "max_new_tokens"
+            )
     if eos and pad_token_id is None:
         pad_token_id = eos[0]
     return StopTokens(torch.tensor(eos, dtype=torch.long, device=device), pad_token_id)
@@ -191,3 +212,14 @@ def _id_list(name: str, value: Any) -> list[int]:
     raise CudaGraphsTypeError(
         f"{name} must be an int or a list of ints, got {type(value).__name__} {value!r}"
     )
+
+
+def vocab_size_of(model: Any) -> int | None:
+    """The rows of the model's output embedding (the ids it can make), else its
+    config's ``vocab_size``; ``None`` when it says neither."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
