@@ -290,3 +290,27 @@ def test_an_eager_batch_in_a_lossless_dtype_reaches_forward_converted():
     assert seen == [(torch.float32, torch.float32)]
     assert torch.equal(out, forward(half["x"].float(), inputs["scale"]))
     assert runner.stats()["eager_runs"] == {"too_large": 1}
+
+
+# ------------------------------------------------------------- inputs that require grad
+
+
+@pytest.mark.parametrize("rows", [3, 8], ids=["padded", "exact"])
+def test_an_input_that_requires_grad_is_refused_before_staging_and_the_runner_stays_good(rows):
+    # Copied into the buffers, it would make them part of its autograd graph for every
+    # later call: refused before a byte is written, with the fix.
+    runner = make_runner()
+    runner.capture(dummy)
+    bad = batch(rows, seed=2)
+    bad["x"].requires_grad_()
+    with pytest.raises(
+        CudaGraphInputError, match=r"(?s)inputs\[.x.\]: requires_grad expected False.*x.detach\(\)"
+    ):
+        runner.run(bad)
+    assert not any(t.requires_grad for t in runner.static._storage.values())
+    good = batch(rows, seed=3)
+    assert torch.equal(runner.run(good), forward(**good))
+    assert sum(replays(runner).values()) == 1
+    # Detached, the same values replay.
+    bad["x"] = bad["x"].detach()
+    assert torch.equal(runner.run(bad), forward(**bad))

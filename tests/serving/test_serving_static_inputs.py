@@ -484,7 +484,8 @@ def test_a_batch_that_is_not_a_mapping_gets_the_whole_report():
         "  inputs: type expected 'Mapping[str, Tensor]', received 'list'\n"
         "Nothing was staged. Pass every input named in the specs, each a tensor on cpu with "
         "its spec's dtype (or one that converts to it losslessly, such as int32 into int64) "
-        "and its spec's shape, with the batch's rows in its row_dim."
+        "and its spec's shape, with the batch's rows in its row_dim, not requiring grad "
+        "(pass x.detach(): the graphs compute no gradient)."
     )
     assert [(m.path, m.field, m.received) for m in info.value.mismatches] == [
         ("inputs", "type", "list")

@@ -163,6 +163,7 @@ class StaticInputs:
                 or t.dtype != dtype
                 or t.device != device
                 or t.shape != shape
+                or t.requires_grad
             ):
                 return None
         return rows
@@ -200,6 +201,7 @@ class StaticInputs:
                 or t.dtype != dtype
                 or t.device != device
                 or t.shape != (*before, rows, *after)
+                or t.requires_grad
             ):
                 return False
         return True
@@ -260,6 +262,10 @@ class StaticInputs:
             found.append(Mismatch(path, "dtype", spec.dtype, t.dtype))
         if t.device != self.device:
             found.append(Mismatch(path, "device", self.device, t.device))
+        if t.requires_grad:
+            # Copied into the buffers it would make them part of its autograd graph,
+            # for this call and every later one; the graphs compute no gradient anyway.
+            found.append(Mismatch(path, "requires_grad", False, True))
         trailing = tuple(n for i, n in enumerate(t.shape) if i != spec.row_dim)
         if t.dim() != len(spec.shape) or trailing != spec.trailing:
             found.append(Mismatch(path, "shape", _pattern(spec, rows), tuple(t.shape)))
@@ -283,7 +289,8 @@ class StaticInputs:
             f"Nothing was staged.{names} Pass every input named in the specs, each a tensor "
             f"on {self.device} with its spec's dtype (or one that converts to it "
             "losslessly, such as int32 into int64) and its spec's shape, with the batch's "
-            "rows in its row_dim."
+            "rows in its row_dim, not requiring grad (pass x.detach(): the graphs compute "
+            "no gradient)."
         )
 
     def in_spec_dtypes(self, inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
