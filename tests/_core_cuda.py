@@ -53,3 +53,21 @@ def _check_train_step(graphed, eager, x_seed, g_seed, shape, dtype, what):
 
 def _detached_copies(*tensors):
     return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def count_backward_replays(graphs):
+    """Wrap an entry's backward graph (``EntryGraphs``) so that its replays are
+    counted; returns a function giving the count."""
+    real = graphs.bwd_graph
+    count = [0]
+
+    class _Counting:
+        def replay(self):
+            count[0] += 1
+            real.replay()
+
+        def reset(self):
+            real.reset()
+
+    graphs.bwd_graph = _Counting()
+    return lambda: count[0]

@@ -23,6 +23,7 @@ from _core_cuda import (
     _contain_failed_capture,
     _mlp,
     _randn,
+    count_backward_replays,
 )
 from cudagraphs import (
     CudaGraphCaptureError,
@@ -108,7 +109,7 @@ def test_a_hook_kept_gradient_survives_later_steps_by_default():
     kept, kept_eager = [], []
     weight.register_hook(kept.append)
     weight_eager.register_hook(kept_eager.append)
-    replays = _count_backward_replays(module)
+    replays = count_backward_replays(module.cuda_graph.graphs)
     for it in range(3):
         x = _randn(BATCH, HIDDEN, seed=70 + it)
         grad = _randn(BATCH, HIDDEN, seed=80 + it)
@@ -120,23 +121,6 @@ def test_a_hook_kept_gradient_survives_later_steps_by_default():
     for it, (g, g_eager) in enumerate(zip(kept, kept_eager)):
         _assert_equal(g, g_eager, f"the gradient the hook kept at step {it}")
     assert len({g.untyped_storage().data_ptr() for g in kept}) == 3, "one storage per step"
-
-
-def _count_backward_replays(module):
-    graphs = module.cuda_graph.graphs
-    real = graphs.bwd_graph
-    count = [0]
-
-    class _Counting:
-        def replay(self):
-            count[0] += 1
-            real.replay()
-
-        def reset(self):
-            real.reset()
-
-    graphs.bwd_graph = _Counting()
-    return lambda: count[0]
 
 
 def test_autograd_grad_returns_owned_param_grads():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import cudagraphs
+from _core_cuda import count_backward_replays
 from cudagraphs.graph_pool import GraphPool
 
 pytestmark = pytest.mark.cuda
@@ -48,7 +49,7 @@ def test_a_warmup_in_a_fresh_pool_leaves_no_cache_beside_the_graphs():
         account = graphed.cuda_graph.memory
         assert account.pool_reserved_bytes > 0
         left[fresh] = account.unused_cache_bytes - before
-        counts = _count_backward_replays(graphed.cuda_graph.graphs)
+        counts = count_backward_replays(graphed.cuda_graph.graphs)
         graphed(x).sum().backward()
         assert counts() == 1
         del model, graphed, x, pool
@@ -89,7 +90,7 @@ def test_staged_owned_gradients_equal_eager_and_leave_one_shared_buffer():
         if b is not None
     }
     assert len(ptrs) == 1  # every entry's parameter gradients are views of one buffer
-    counts = [_count_backward_replays(e) for e in entries]
+    counts = [count_backward_replays(e) for e in entries]
     kept = []
     for _ in range(2):
         for seq in (graphed, refs):
@@ -108,22 +109,6 @@ def test_staged_owned_gradients_equal_eager_and_leave_one_shared_buffer():
     for a, b in zip(*kept):
         assert a.data_ptr() != b.data_ptr()
         assert a.untyped_storage().data_ptr() not in ptrs
-
-
-def _count_backward_replays(graphs):
-    real = graphs.bwd_graph
-    count = [0]
-
-    class _Counting:
-        def replay(self):
-            count[0] += 1
-            real.replay()
-
-        def reset(self):
-            real.reset()
-
-    graphs.bwd_graph = _Counting()
-    return lambda: count[0]
 
 
 def test_a_failed_warmup_inside_a_pool_leaves_allocator_and_pool_usable():
