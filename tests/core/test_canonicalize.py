@@ -4,6 +4,8 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -387,3 +389,28 @@ def test_check_devices_without_tensor_inputs_uses_the_current_cuda_device(monkey
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     plan = canonicalize(lambda: None, ())
     assert check_devices(plan) == torch.device("cuda", 3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([torch.float32, torch.bfloat16]),
+            st.sampled_from([(2, 4), (3, 4)]),
+            st.booleans(),
+        ),
+        min_size=2,
+        max_size=2,
+    )
+)
+def test_reused_buffers_are_shared_only_by_entries_whose_inputs_fit_exactly(kinds):
+    # Two microbatches of one chunk, never live together: they share a slot exactly
+    # when their inputs agree in shape, dtype and requires_grad.
+    (d0, s0, g0), (d1, s1, g1) = kinds
+    samples = (
+        (torch.zeros(s0, dtype=d0, requires_grad=g0),),
+        (torch.zeros(s1, dtype=d1, requires_grad=g1),),
+    )
+    plan = canonicalize((nn.Identity(),), samples, order=[1, -1, 1, -1], reuse_buffers=True)
+    same = plan.buffer_slots[0] == plan.buffer_slots[1]
+    assert same == ((d0, s0, g0) == (d1, s1, g1))

@@ -300,3 +300,46 @@ def test_order_validation_agrees_with_a_plain_reference(order):
         seen.setdefault(step.entry, []).append((step.kind, pos))
     assert len(seen) == chunks * micro
     assert all([k for k, _ in v] == ["fwd", "bwd"] for v in seen.values())
+
+
+@st.composite
+def _interleavings(draw):
+    """A schedule of n entries, each forward before its backward, in a random order,
+    and a key per entry drawn from a few."""
+    n = draw(st.integers(1, 7))
+    pending = list(range(n))
+    live: list[int] = []
+    steps = []
+    while pending or live:
+        start = bool(pending) and (not live or draw(st.booleans()))
+        if start:
+            e = pending.pop(draw(st.integers(0, len(pending) - 1)))
+            steps.append(Step("fwd", e, 0))
+            live.append(e)
+        else:
+            e = live.pop(draw(st.integers(0, len(live) - 1)))
+            steps.append(Step("bwd", e, 0))
+    keys = [draw(st.sampled_from(["a", "b", ("a",), 1])) for _ in range(n)]
+    return steps, keys
+
+
+@settings(max_examples=400, deadline=None)
+@given(_interleavings())
+def test_buffer_slots_never_share_across_keys_or_live_ranges_and_use_the_fewest(case):
+    schedule, keys = case
+    slots = assign_buffer_slots(schedule, keys)
+    start = {s.entry: i for i, s in enumerate(schedule) if s.kind == "fwd"}
+    end = {s.entry: i for i, s in enumerate(schedule) if s.kind == "bwd"}
+    n = len(keys)
+    for a in range(n):
+        for b in range(a + 1, n):
+            if slots[a] != slots[b]:
+                continue
+            assert keys[a] == keys[b], (a, b, keys, slots)  # equal keys, exact
+            assert type(keys[a]) is type(keys[b])
+            assert end[a] < start[b] or end[b] < start[a], (a, b, schedule, slots)
+    # The fewest slots per key: the most entries of that key live at once.
+    for key in {repr(k) for k in keys}:
+        members = [e for e in range(n) if repr(keys[e]) == key]
+        most = max(sum(1 for e in members if start[e] <= i <= end[e]) for i in range(len(schedule)))
+        assert len({slots[e] for e in members}) == most
