@@ -3,6 +3,8 @@ and their input check, batch rows and row-dimension inference."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cudagraphs import CudaGraphInputError
 from cudagraphs.errors import CudaGraphsTypeError
@@ -585,3 +587,32 @@ def test_infer_row_dim_finds_the_batch_dim(large, small, rows_large, rows_small,
 def test_infer_row_dim_errors(large, small, rows_large, rows_small):
     with pytest.raises(ValueError, match="'x'"):
         infer_row_dim("x", large, small, rows_large, rows_small)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    buckets=st.sets(st.integers(1, 64), min_size=1, max_size=5),
+    calls=st.lists(
+        st.tuples(st.integers(0, 4), st.integers(1, 64), st.integers(0, 99)), max_size=12
+    ),
+    pad_kv=st.sampled_from([0, 7.5]),
+)
+def test_every_staged_bucket_holds_the_batch_then_pad_values_whatever_came_before(
+    buckets, calls, pad_kv
+):
+    # Reference, per call: what the bucket's forward reads is the batch's rows, then
+    # each input's pad value in every padding row; never a row of an earlier batch.
+    s = make_inputs(pad_kv=pad_kv)
+    sizes = sorted(buckets)
+    pads = {"ids": -1, "h": 0.0, "kv": pad_kv}
+    for which, rows, fill in calls:
+        bucket = Bucket(sizes[which % len(sizes)])
+        rows = min(rows, bucket.rows)
+        inputs = batch(rows, fill=float(fill))
+        s.stage(inputs, bucket, rows)
+        got = s.views(bucket)
+        for name, spec in s.specs.items():
+            seen = got[name].movedim(spec.row_dim, 0)
+            want = inputs[name].movedim(spec.row_dim, 0)
+            assert torch.equal(seen[:rows], want), (name, bucket, rows)
+            assert (seen[rows:] == pads[name]).all(), (name, bucket, rows, seen[rows:])
