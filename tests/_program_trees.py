@@ -7,6 +7,8 @@ node of a tree by its location (the tuple of indices/keys from the root).
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from hypothesis import strategies as st
 
@@ -252,4 +254,9 @@ def node_mutations(node) -> dict:
     }
     if node:
         out["drop"] = (type(node)(node[:-1]), "", "length")
+    if type(node) is tuple:
+        # A namedtuple is a tuple by isinstance, and another container to pytree: the
+        # signature holds the exact type.
+        named = collections.namedtuple(f"Fields{len(node)}", [f"f{i}" for i in range(len(node))])
+        out["to_namedtuple"] = (named(*node), "", "type")
     return out
