@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from _hf_models import tiny
@@ -197,3 +199,86 @@ def test_is_copy_of_needs_a_dict_with_the_very_same_values():
     assert not _is_copy_of({"a": [1]}, {"a": v})
     assert not _is_copy_of({"b": v}, {"a": v})
     assert not _is_copy_of([("a", v)], {"a": v})
+
+
+# ---- the callback's state machine against a plain reference ------------------------------
+class _FakeManager:
+    """Stands in for the manager: records what the callback asks, and what each
+    training or evaluation call would see."""
+
+    def __init__(self, inference_calls):
+        self.inference_calls = inference_calls
+        self.recording = False
+        self.seen = []
+
+    def start_recording(self):
+        self.recording = True
+
+    def stop_recording(self):
+        self.recording = False
+
+    def capture(self):
+        assert self.recording, "capture() without a recording"
+        self.seen.append("capture")
+        self.recording = False
+
+    def call(self, kind, step):
+        self.seen.append((kind, step, self.recording))
+
+    def stats(self):
+        return {}
+
+    def log_stats(self, phase):
+        pass
+
+    def close(self):
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    record_step=st.integers(1, 6),
+    resume=st.integers(0, 6),
+    steps=st.integers(0, 6),
+    evaluate_after=st.sets(st.integers(0, 12)),
+    inference_calls=st.sampled_from(["ignore", "record"]),
+)
+def test_the_callback_records_the_first_step_at_or_after_record_step_once(
+    record_step, resume, steps, evaluate_after, inference_calls
+):
+    # Reference: in a run of optimizer steps resume+1 .. resume+steps, exactly the
+    # first one >= record_step is recorded (training calls see recording on), then
+    # captured at its end; with inference_calls="record" the first evaluation after
+    # that capture (after any later step) is recorded and captured, and nothing else
+    # ever records.
+    callback = begun(record_step=record_step, inference_calls=inference_calls)
+    callback.manager.close()
+    fake = callback.manager = _FakeManager(inference_calls)
+    run = list(range(resume + 1, resume + steps + 1))
+    for step in run:
+        callback.on_step_begin(None, state(step - 1), None)
+        fake.call("train", step)
+        callback.on_step_end(None, state(step), None)
+        if step in evaluate_after:
+            fake.call("eval", step)
+            callback.on_evaluate(None, state(step), None)
+    recorded = next((s for s in run if s >= record_step), None)
+    want = []
+    eval_pending = False
+    eval_done = False
+    for step in run:
+        eval_pending = False  # no evaluation came: stopped at this step's begin
+        want.append(("train", step, step == recorded))
+        if step == recorded:
+            want.append("capture")
+        # From the capture on, each step's end records for an evaluation, until one
+        # evaluation has been captured.
+        captured = recorded is not None and step >= recorded
+        eval_pending = captured and inference_calls == "record" and not eval_done
+        if step in evaluate_after:
+            if eval_pending and not eval_done:
+                want += [("eval", step, True), "capture"]
+                eval_done, eval_pending = True, False
+            else:
+                want.append(("eval", step, False))
+    assert fake.seen == want
