@@ -103,6 +103,21 @@ def test_hook_returning_a_value_is_runtime_error_naming_it():
 
 
 @pytest.mark.parametrize(
+    ("value", "named"),
+    [(False, "bool"), (0, "int"), ([], "list"), ("", "str"), (torch.zeros(2), "Tensor")],
+    ids=["False", "0", "empty_list", "empty_str", "tensor"],
+)
+def test_any_value_but_none_is_refused_falsy_and_tensors_included(value, named):
+    # Checked with `is not None`: a falsy value is still a value, and a tensor has no
+    # truth value to ask.
+    hooks = canonicalize_capture_time_hooks([{"forward_hooks": {"h": lambda m: value}}], 1)[0]
+    with pytest.raises(CaptureTimeHookError, match=rf"\['h'\] returned {named}"):
+        hooks.run("forward_hooks", torch.nn.Linear(1, 1))
+    ok = canonicalize_capture_time_hooks([{"forward_hooks": {"h": lambda m: None}}], 1)[0]
+    ok.run("forward_hooks", torch.nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize(
     "entry, match",
     [
         ({"forward_hooks": [print]}, r"capture_time_hooks\[1\]\['forward_hooks'\] must be a dict"),
