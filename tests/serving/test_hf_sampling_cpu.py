@@ -6,6 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -172,3 +174,33 @@ def test_stop_ids_outside_the_vocabulary_are_refused_before_any_step(eos, pad, t
     config_only = SimpleNamespace(config=SimpleNamespace(vocab_size=10))
     with pytest.raises(CudaGraphsValueError, match="outside"):
         stop_tokens(eos, pad, None, CPU, config_only)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    do_sample=st.booleans(),
+    temperature=st.sampled_from([1.0, 0.7]),
+    top_k=st.sampled_from([None, 0, 5]),
+    top_p=st.sampled_from([None, 1.0, 0.8]),
+    repetition_penalty=st.sampled_from([1.0, 1.3]),
+    min_length=st.integers(0, 50),
+    min_new_tokens=st.integers(0, 50),
+)
+def test_reads_sequences_is_true_exactly_when_the_processors_read_the_tokens(
+    do_sample, temperature, top_k, top_p, repetition_penalty, min_length, min_new_tokens
+):
+    # Reference: the processors' output on the same logits differs between a short
+    # sequence holding token 3 and a long one without it, for any setting that reads
+    # the tokens so far; the decode loop passes them only where reads_sequences says.
+    pytest.importorskip("transformers")
+    rule = Sampling(
+        do_sample, temperature, top_k, top_p, repetition_penalty, min_length, min_new_tokens
+    )
+    processors = rule.processors(prompt_len=1, eos=torch.tensor([0]))
+    logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(0)) + 4.0
+    logits[0, 0] = 12.0  # the end-of-sequence id on top: no warper hides its masking
+    logits[0, 3] = 11.0  # and the repeated token next, so its penalty shows
+    short = torch.tensor([[3]])
+    long = torch.full((1, 60), 7)
+    differ = not torch.equal(processors(short, logits.clone()), processors(long, logits.clone()))
+    assert rule.reads_sequences == differ
