@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
@@ -177,13 +177,18 @@ def test_stop_ids_outside_the_vocabulary_are_refused_before_any_step(eos, pad, t
 
 
 @settings(max_examples=200, deadline=None)
+# Each setting on its own, where a derived flag that forgot one would show.
+@example(False, 1.0, None, None, 1.0, 0, 1)
+@example(False, 1.0, None, None, 1.0, 2, 0)
+@example(True, 1.0, 5, None, 1.3, 0, 0)
 @given(
     do_sample=st.booleans(),
     temperature=st.sampled_from([1.0, 0.7]),
     top_k=st.sampled_from([None, 0, 5]),
     top_p=st.sampled_from([None, 1.0, 0.8]),
     repetition_penalty=st.sampled_from([1.0, 1.3]),
-    min_length=st.integers(0, 50),
+    # A minimum of 1 holds nothing back for any sequence (both are at least 1 long).
+    min_length=st.one_of(st.just(0), st.integers(2, 50)),
     min_new_tokens=st.integers(0, 50),
 )
 def test_reads_sequences_is_true_exactly_when_the_processors_read_the_tokens(
