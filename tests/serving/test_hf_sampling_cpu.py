@@ -204,7 +204,7 @@ def test_reads_sequences_is_true_exactly_when_the_processors_read_the_tokens(
     processors = rule.processors(prompt_len=1, eos=torch.tensor([0]))
     logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(0)) + 4.0
     logits[0, 0] = 12.0  # the end-of-sequence id on top: no warper hides its masking
-    logits[0, 3] = 11.0  # and the repeated token next, so its penalty shows
+    logits[0, 3] = 11.9  # and the repeated token as likely, so its penalty shows
     short = torch.tensor([[3]])
     long = torch.full((1, 60), 7)
     differ = not torch.equal(processors(short, logits.clone()), processors(long, logits.clone()))
