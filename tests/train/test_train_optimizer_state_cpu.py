@@ -118,6 +118,28 @@ def test_snapshot_restores_a_parameter_kept_after_the_fact_and_a_device_lr():
     assert opt.param_groups[0]["lr"] is lr and lr.item() == 0.5
 
 
+def test_snapshot_restores_a_parameter_without_optimizer_state():
+    # a resumed optimizer holds state for a only: restore() zeroes a's new state where
+    # it had none, keeps b (kept on the host: for-loop Adam) and gives b no state.
+    a, b = _param(3), _param(2, seed=1)
+    opt = torch.optim.Adam([a, b], lr=0.1, foreach=False)
+    a.grad = torch.ones(3)
+    opt.step()
+    saved_a_state = {k: v.clone() for k, v in opt.state[a].items()}
+    snapshot = OptimizerSnapshot.take(opt)
+    assert set(snapshot.state) == {id(a)}  # b has no state to keep
+    saved_b = b.detach().clone()
+    with torch.no_grad():
+        b.add_(1.0)
+    a.grad = torch.ones(3)
+    opt.step()
+    snapshot.restore()
+    assert_bitwise_equal(b.detach(), saved_b, "parameter without state")
+    assert b not in opt.state
+    for key, value in saved_a_state.items():
+        assert_bitwise_equal(opt.state[a][key], value, f"a's {key}")
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     kind=st.sampled_from(["sgd", "sgd_nesterov", "adam", "adamw", "adam_amsgrad"]),
