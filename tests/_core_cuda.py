@@ -55,10 +55,11 @@ def _detached_copies(*tensors):
     return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
 
 
-def count_backward_replays(graphs):
-    """Wrap an entry's backward graph (``EntryGraphs``) so that its replays are
-    counted; returns a function giving the count."""
-    real = graphs.bwd_graph
+def count_replays(graphs, which="bwd_graph"):
+    """Wrap an entry's ``which`` graph (``"fwd_graph"`` or ``"bwd_graph"`` of an
+    ``EntryGraphs``) so that its replays are counted; returns a function giving the
+    count."""
+    real = getattr(graphs, which)
     count = [0]
 
     class _Counting:
@@ -69,5 +70,10 @@ def count_backward_replays(graphs):
         def reset(self):
             real.reset()
 
-    graphs.bwd_graph = _Counting()
+    setattr(graphs, which, _Counting())
     return lambda: count[0]
+
+
+def count_backward_replays(graphs):
+    """:func:`count_replays` of the backward graph."""
+    return count_replays(graphs, "bwd_graph")

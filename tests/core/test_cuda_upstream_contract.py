@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from _core_cuda import _mlp, _randn
+from _core_cuda import _mlp, _randn, count_replays
 from cudagraphs import UncapturedGradientError, make_graphed_callables
 
 pytestmark = pytest.mark.cuda
@@ -23,22 +23,6 @@ class _Parameterless(nn.Module):
         x = input_dict["x"]
         idx = torch.arange(x.size(0), device=x.device).view(-1, 1).repeat(1, x.size(1))
         return {"output": torch.gather(x, 0, idx)}
-
-
-def _count_forward_replays(graphed):
-    graphs = graphed.graphs
-    real, count = graphs.fwd_graph, [0]
-
-    class _Counting:
-        def replay(self):
-            count[0] += 1
-            real.replay()
-
-        def reset(self):
-            real.reset()
-
-    graphs.fwd_graph = _Counting()
-    return lambda: count[0]
 
 
 @pytest.fixture
@@ -58,7 +42,7 @@ def test_graphing_works_where_the_cudnn_flags_are_frozen(frozen_cudnn_flags_with
     eager = copy.deepcopy(module)
     make_graphed_callables(module, (_randn(4, 32, seed=1, requires_grad=True),))
     assert torch.backends.cudnn.benchmark is True, "the caller's flag is restored"
-    replays = _count_forward_replays(module.cuda_graph)
+    replays = count_replays(module.cuda_graph.graphs, "fwd_graph")
     x = _randn(4, 32, seed=2, requires_grad=True)
     assert torch.equal(module(x), eager(x)) and replays() == 1
 
@@ -67,7 +51,7 @@ def test_a_parameterless_module_called_with_inputs_that_require_grad_replays():
     module = _Parameterless()
     sample = {"x": _randn(N, D, seed=1), "unused_input": _randn(N, D, seed=2)}
     make_graphed_callables(module, (sample,), allow_unused_input=True)
-    replays = _count_forward_replays(module.cuda_graph)
+    replays = count_replays(module.cuda_graph.graphs, "fwd_graph")
     unused = _randn(N, D, seed=3)
     for seed in range(4, 7):  # forward-only use, as torch's test makes it
         x = _randn(N, D, seed=seed, requires_grad=True)
