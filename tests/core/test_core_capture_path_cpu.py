@@ -1,0 +1,332 @@
+"""The capture path on the CPU: ``run_warmup`` and ``capture_plan`` over plans from
+``canonicalize``, with ``capture_into_graph`` replaced by an eager stand-in
+(``_stand_in_capture``). What runs is the real schedule walk, the real hooks, the real
+static buffers and the real error handling.
+
+The hook order is checked against a reference written from ``_order`` alone, over
+random pipeline schedules with several microbatches per chunk and uneven chunks: that
+is where an entry index and a callable index differ. Each log line names the callable
+and the entry (read back from the input's first element), so a hook run for the wrong
+callable, a forward given another entry's input, or a backward out of place all show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from _stand_in_capture import PlantedCaptureError, StandInCapture, cpu_options
+from cudagraphs.core.canonicalize import canonicalize
+from cudagraphs.core.capture_phase import capture_plan
+from cudagraphs.core.sharing import BufferSharing
+from cudagraphs.core.warmup import run_warmup
+from cudagraphs.errors import CaptureTimeHookError
+
+GROUPS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+
+
+class Logged(nn.Module):
+    """A layer that logs each forward (with the entry its input stands for) and, through
+    a hook on its output, each backward through it."""
+
+    def __init__(self, index: int, log: list) -> None:
+        super().__init__()
+        self.index = index
+        self.log = log
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        entry = int(round(x[0, 0].item()))
+        self.log.append(("call", self.index, entry))
+        y = self.lin(x)
+        y.register_hook(lambda g: self.log.append(("bwd", self.index, entry)))
+        return y
+
+
+def _hooks(modules, log, problems):
+    def make(index, group):
+        def hook(module):
+            log.append(("hook", index, group))
+            if module is not modules[index]:
+                problems.append(f"{group} of callable {index} got {module!r}")
+
+        return hook
+
+    return [{g: {"log": make(i, g)} for g in GROUPS} for i in range(len(modules))]
+
+
+def _sample(entry: int) -> torch.Tensor:
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(entry))
+    x[0, 0] = entry  # which entry this input stands for, read back by Logged
+    return x.requires_grad_(True)
+
+
+def reference_log(order, layers_per_chunk, num_microbatches) -> list[tuple]:
+    """One warmup iteration (or the capture) as ``_order`` describes it: a positive
+    chunk id runs that chunk's next microbatch forward through its layers in order, a
+    negative one the next backward through its layers in reverse. Entries are ordered
+    by chunk, then microbatch, then layer; callables by chunk, then layer."""
+    first_callable = [sum(layers_per_chunk[:c]) for c in range(len(layers_per_chunk))]
+    first_entry = [num_microbatches * f for f in first_callable]
+    done = {"fwd": [0] * len(layers_per_chunk), "bwd": [0] * len(layers_per_chunk)}
+    log = []
+    for x in order:
+        c, kind = abs(x) - 1, "fwd" if x > 0 else "bwd"
+        mb = done[kind][c]
+        done[kind][c] += 1
+        layers = range(layers_per_chunk[c])
+        for layer in layers if kind == "fwd" else reversed(layers):
+            callable_index = first_callable[c] + layer
+            entry = first_entry[c] + mb * layers_per_chunk[c] + layer
+            if kind == "fwd":
+                log += [
+                    ("hook", callable_index, "forward_pre_hooks"),
+                    ("call", callable_index, entry),
+                    ("hook", callable_index, "forward_hooks"),
+                ]
+            else:
+                log += [
+                    ("hook", callable_index, "backward_pre_hooks"),
+                    ("bwd", callable_index, entry),
+                    ("hook", callable_index, "backward_hooks"),
+                ]
+    return log
+
+
+@st.composite
+def pipelines(draw):
+    """A random valid ``_order`` (any interleaving where a chunk's backward of a
+    microbatch follows its forward), with uneven layers per chunk."""
+    num_chunks = draw(st.integers(1, 3))
+    num_microbatches = draw(st.integers(1, 3))
+    layers = tuple(draw(st.lists(st.integers(1, 2), min_size=num_chunks, max_size=num_chunks)))
+    fwd, bwd, order = [0] * num_chunks, [0] * num_chunks, []
+    while len(order) < 2 * num_chunks * num_microbatches:
+        moves = [c + 1 for c in range(num_chunks) if fwd[c] < num_microbatches]
+        moves += [-(c + 1) for c in range(num_chunks) if bwd[c] < fwd[c]]
+        x = draw(st.sampled_from(moves))
+        (fwd if x > 0 else bwd)[abs(x) - 1] += 1
+        order.append(x)
+    return order, layers, num_microbatches
+
+
+def _plan(order, layers, num_microbatches, log, problems, **kwargs):
+    modules = tuple(Logged(i, log) for i in range(sum(layers)))
+    n = num_microbatches * sum(layers)
+    plan = canonicalize(
+        modules,
+        tuple((_sample(e),) for e in range(n)),
+        order=order,
+        num_layers_per_chunk=list(layers),
+        capture_time_hooks=_hooks(modules, log, problems),
+        **kwargs,
+    )
+    return plan, modules
+
+
+@settings(max_examples=60, deadline=None)
+@given(pipelines(), st.integers(0, 2))
+def test_warmup_and_capture_run_hooks_forwards_and_backwards_in_order_order(pipeline, num_iters):
+    order, layers, num_microbatches = pipeline
+    log, problems = [], []
+    plan, _ = _plan(order, layers, num_microbatches, log, problems)
+    expected = reference_log(order, layers, num_microbatches)
+
+    run_warmup(plan, num_iters, allow_unused_input=False)
+    assert log == expected * num_iters
+    del log[:]
+    mp = pytest.MonkeyPatch()
+    try:
+        stand_in = StandInCapture().install(mp)
+        graphs = capture_plan(plan, cpu_options())
+    finally:
+        mp.undo()
+    assert log == expected
+    assert not problems, problems
+    assert len(graphs) == len(plan.entries)
+    # One forward and one backward graph per entry, captured in the schedule's order.
+    kinds = [(s.kind, s.entry) for s in plan.schedule]
+    assert len(stand_in.graphs) == len(kinds) == 2 * len(plan.entries)
+    for g in graphs:
+        assert g.fwd_graph.what == f"forward of {g.name}"
+        assert g.bwd_graph.what == f"backward of {g.name}"
+    names = [graphs[e].name for _, e in kinds]
+    assert [w.split(" of ", 1)[1] for w in stand_in.whats] == names
+
+
+def test_the_unordered_schedule_runs_forwards_then_backwards_in_reverse():
+    log, problems = [], []
+    modules = tuple(Logged(i, log) for i in range(3))
+    plan = canonicalize(
+        modules,
+        tuple((_sample(e),) for e in range(3)),
+        capture_time_hooks=_hooks(modules, log, problems),
+    )
+    run_warmup(plan, 1, allow_unused_input=False)
+    fwd = [
+        t
+        for i in range(3)
+        for t in (("hook", i, "forward_pre_hooks"), ("call", i, i), ("hook", i, "forward_hooks"))
+    ]
+    bwd = [
+        t
+        for i in (2, 1, 0)
+        for t in (("hook", i, "backward_pre_hooks"), ("bwd", i, i), ("hook", i, "backward_hooks"))
+    ]
+    assert log == fwd + bwd
+    assert not problems
+
+
+def test_what_a_hook_observes_in_warmup_and_capture(monkeypatch):
+    """A forward hook runs once its entry's forward returned (the module holds that
+    output) and before the next forward; a backward pre-hook right before that entry's
+    backward, a backward hook right after it. No hook sees a ``.grad`` written: both
+    phases take gradients with ``torch.autograd.grad``."""
+    log, problems = [], []
+    order, layers, mbs = [1, 1, 2, -2, 2, -1, -2, -1], (1, 2), 2
+    plan, modules = _plan(order, layers, mbs, log, problems)
+    last_output = {}
+
+    def keep(module, args, output):
+        last_output[module.index] = output
+
+    for m in modules:
+        m.register_forward_hook(keep)
+
+    def observe(index, group):
+        def hook(module):
+            out = last_output.get(index)
+            grads = [p.grad for p in module.parameters()]
+            log.append(("seen", index, group, out is not None, grads == [None, None]))
+
+        return hook
+
+    for i, h in enumerate(plan.hooks):
+        for g in GROUPS:
+            object.__setattr__(h, g, (*getattr(h, g), ("observe", observe(i, g))))
+    run_warmup(plan, 1, allow_unused_input=False)
+    StandInCapture().install(monkeypatch)
+    capture_plan(plan, cpu_options())
+    events = [e for e in log if e[0] != "hook"]
+    seen = [k for k, e in enumerate(events) if e[0] == "seen"]
+    assert len(seen) == 2 * len(GROUPS) * len(plan.entries)
+    for k in seen:
+        _, index, group, has_output, no_grad = events[k]
+        assert no_grad, f"{group} of callable {index} saw a .grad written"
+        if group == "forward_pre_hooks":
+            assert events[k + 1][:2] == ("call", index), events[k : k + 2]
+        elif group == "forward_hooks":
+            assert has_output and events[k - 1][:2] == ("call", index), events[k - 1 : k + 1]
+        elif group == "backward_pre_hooks":
+            assert has_output and events[k + 1][:2] == ("bwd", index), events[k : k + 2]
+        else:
+            assert events[k - 1][:2] == ("bwd", index), events[k - 1 : k + 1]
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 2, 5, 7])
+def test_a_capture_failing_part_way_releases_every_graph_captured_before(monkeypatch, fail_at):
+    log, problems = [], []
+    order, layers, mbs = [1, 2, -2, 1, -1, 2, -2, -1], (1, 1), 2
+    plan, modules = _plan(order, layers, mbs, log, problems)
+    before = [p.detach().clone() for m in modules for p in m.parameters()]
+    stand_in = StandInCapture(fail_at=fail_at).install(monkeypatch)
+    with pytest.raises(PlantedCaptureError):
+        capture_plan(plan, cpu_options())
+    assert len(stand_in.graphs) == fail_at
+    assert [g.resets for g in stand_in.graphs] == [1] * fail_at, "each earlier graph released"
+    for p, b in zip((p for m in modules for p in m.parameters()), before):
+        assert torch.equal(p, b) and p.grad is None, "a failed capture touches no parameter"
+    # The same plan captures in full afterwards.
+    good = StandInCapture().install(monkeypatch)
+    graphs = capture_plan(plan, cpu_options())
+    assert len(good.graphs) == 2 * len(plan.entries)
+    assert all(g.resets == 0 for g in good.graphs)
+    assert {id(g.fwd_graph) for g in graphs} | {id(g.bwd_graph) for g in graphs} == {
+        id(g) for g in good.graphs
+    }
+
+
+def test_a_hook_error_in_capture_releases_the_graphs_before_it(monkeypatch):
+    calls = []
+    modules = (Logged(0, []), Logged(1, []))
+
+    def bad(module):
+        calls.append(module)
+        return False if module is modules[1] else None
+
+    plan = canonicalize(
+        modules,
+        ((_sample(0),), (_sample(1),)),
+        capture_time_hooks=[{"forward_hooks": {"bad": bad}}] * 2,
+    )
+    stand_in = StandInCapture().install(monkeypatch)
+    with pytest.raises(CaptureTimeHookError, match=r"capture_time_hooks\[1\]\['forward_hooks'\]"):
+        capture_plan(plan, cpu_options())
+    # Callable 0's forward and callable 1's forward were captured, then the hook failed.
+    assert [g.resets for g in stand_in.graphs] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "order, num_slots",
+    [([1, -1, 1, -1, 1, -1], 2), ([1, 1, -1, -1, 1, -1], 4), ([1, 1, -1, 1, -1, -1], 4)],
+)
+def test_reused_buffers_are_shared_within_a_slot_and_only_there(monkeypatch, order, num_slots):
+    """Under ``_reuse_graph_input_output_buffers`` entries of one slot share static
+    inputs and incoming-gradient buffers; entries of different slots share nothing.
+    With two microbatches alive at once a callable has two slots."""
+    log, problems = [], []
+    plan, _ = _plan(order, (2,), 3, log, problems, reuse_buffers=True)
+    assert len(set(plan.buffer_slots)) == num_slots
+    StandInCapture().install(monkeypatch)
+    graphs = capture_plan(plan, cpu_options())
+    slots = plan.buffer_slots
+    for a in range(len(graphs)):
+        for b in range(a + 1, len(graphs)):
+            same_in = graphs[a].static_inputs[0] is graphs[b].static_inputs[0]
+            same_grad = graphs[a].static_grad_outputs[0] is graphs[b].static_grad_outputs[0]
+            assert same_in == same_grad == (slots[a] == slots[b]), (a, b, slots)
+    # Only the first entry of a slot counts its input buffers.
+    counted = [g.buffer_bytes > 0 for g in graphs]
+    firsts = [slots.index(s) == i for i, s in enumerate(slots)]
+    assert counted == firsts
+
+
+def test_separate_entries_own_their_static_inputs_holding_the_sample_values(monkeypatch):
+    log, problems = [], []
+    plan, _ = _plan([1, 2, -2, -1], (1, 1), 1, log, problems)
+    StandInCapture().install(monkeypatch)
+    graphs = capture_plan(plan, cpu_options())
+    ptrs = {g.static_inputs[0].data_ptr() for g in graphs}
+    assert len(ptrs) == len(graphs)
+    for g, spec in zip(graphs, plan.entries):
+        (static,), (sample,) = g.static_inputs, spec.tensors
+        assert static is not sample and static.data_ptr() != sample.data_ptr()
+        assert torch.equal(static, sample) and static.requires_grad
+        (grad_out,) = g.static_grad_outputs
+        nbytes = static.numel() * static.element_size()
+        # Its input buffer and its own incoming-gradient buffer (nothing shared here).
+        assert g.buffer_bytes == nbytes + grad_out.numel() * grad_out.element_size()
+
+
+def test_chained_inputs_are_the_source_outputs_and_shared_grad_buffers_one(monkeypatch):
+    """Under sharing, a chained input is the source entry's static output (no buffer of
+    its own, no bytes counted), and entries with equal output shapes share one
+    incoming-gradient buffer, counted once."""
+    modules = tuple(Logged(i, []) for i in range(3))
+    plan = canonicalize(modules, tuple((_sample(e),) for e in range(3)))
+    sharing = BufferSharing(grad_outputs=True, chained_inputs={(1, 0): (0, 0), (2, 0): (1, 0)})
+    StandInCapture().install(monkeypatch)
+    graphs = capture_plan(plan, cpu_options(sharing=sharing))
+    for e in (1, 2):  # the same memory (out_leaves are detached aliases after backward)
+        assert graphs[e].static_inputs[0].data_ptr() == graphs[e - 1].out_leaves[0].data_ptr()
+    assert graphs[1].static_inputs[0].data_ptr() != graphs[2].static_inputs[0].data_ptr()
+    assert [g.chained for g in graphs] == [(), ((0, graphs[0].name),), ((0, graphs[1].name),)]
+    grad_buffers = {id(g.static_grad_outputs[0]) for g in graphs}
+    assert len(grad_buffers) == 1
+    nbytes = 2 * 4 * 4
+    # Entry 0: its input and the shared gradient buffer (made by the first backward
+    # captured: entry 2's); entries 1 and 2 own no input buffer.
+    assert [g.buffer_bytes for g in graphs] == [nbytes, 0, nbytes]
