@@ -330,3 +330,20 @@ def test_chained_inputs_are_the_source_outputs_and_shared_grad_buffers_one(monke
     # Entry 0: its input and the shared gradient buffer (made by the first backward
     # captured: entry 2's); entries 1 and 2 own no input buffer.
     assert [g.buffer_bytes for g in graphs] == [nbytes, 0, nbytes]
+
+
+def test_shared_grad_buffers_are_shared_only_by_equal_shapes_and_dtypes(monkeypatch):
+    modules = [Logged(i, []) for i in range(4)]
+    modules[1].double()
+    modules[2].lin = nn.Linear(4, 3)  # another output shape
+    samples = [_sample(e) for e in range(4)]
+    samples[1] = samples[1].double().detach().requires_grad_(True)
+    plan = canonicalize(tuple(modules), tuple((s,) for s in samples))
+    StandInCapture().install(monkeypatch)
+    graphs = capture_plan(plan, cpu_options(sharing=BufferSharing(grad_outputs=True)))
+    buffers = [g.static_grad_outputs[0] for g in graphs]
+    for g, b in zip(graphs, buffers):
+        out = g.out_leaves[0]
+        assert (b.shape, b.dtype) == (out.shape, out.dtype)
+    assert buffers[0] is buffers[3]
+    assert len({id(b) for b in buffers}) == 3
