@@ -270,7 +270,15 @@ class OptimizerSnapshot:
                 else:
                     group["lr"] = 0.0
 
-    def restore(self) -> None:
+    def restore(self, *, drop_created: bool = False) -> None:
+        """Put back the learning rates, the kept parameters and the state that existed.
+
+        State the warmup created is reset to zeros, its fresh value, and kept for the
+        capture that follows (a capture must not create it: the creation would be
+        recorded into the graph and redone at every replay). After a failure
+        (``drop_created=True``) it is removed instead: the optimizer is then exactly
+        as it was, and holds no device memory the failed attempt made.
+        """
         optimizer = self.optimizer
         with torch.no_grad():
             for group, lr in zip(optimizer.param_groups, self.lrs):
@@ -281,9 +289,12 @@ class OptimizerSnapshot:
             for p, saved in self.params.values():
                 p.copy_(saved)
             for p in _params(optimizer):
-                before = self.state.get(id(p), {})
+                before = self.state.get(id(p))
+                if before is None and drop_created:
+                    optimizer.state.pop(p, None)
+                    continue
                 for key, value in _state_tensors(optimizer, p).items():
-                    if key in before:
+                    if before is not None and key in before:
                         value.copy_(before[key])
                     else:
                         value.zero_()

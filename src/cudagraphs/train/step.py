@@ -239,7 +239,7 @@ class GraphedTrainStep:
         except BaseException:
             self._captured = None
             self._drop_grads()
-            snapshot.restore()
+            snapshot.restore(drop_created=True)
             raise
         del snapshot
         memory = meter.finish(pool.handles(), what="graph_train_step")
