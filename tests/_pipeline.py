@@ -113,3 +113,40 @@ def run_pipeline(
             torch.autograd.backward(chunk_outputs.pop((c, m)), grad)
     assert all(o is not None for o in outputs), "order left a microbatch without a forward"
     return PipelineRun(outputs=outputs, boundary_grads=boundary_grads)
+
+
+def reference_log(
+    order: Sequence[int], layers_per_chunk: Sequence[int], num_microbatches: int
+) -> list[tuple]:
+    """The capture-time hooks, forwards and backwards of one warmup iteration (or of
+    the capture) as ``_order`` describes it, each ``(what, callable index, entry
+    index)`` with ``what`` one of ``"hook"`` (then a group name, not an entry),
+    ``"call"`` (a forward), ``"bwd"`` (a backward): a positive
+    chunk id runs that chunk's next microbatch forward through its layers in order, a
+    negative one the next backward through its layers in reverse. Entries are ordered
+    by chunk, then microbatch, then layer; callables by chunk, then layer."""
+    first_callable = [sum(layers_per_chunk[:c]) for c in range(len(layers_per_chunk))]
+    first_entry = [num_microbatches * f for f in first_callable]
+    done = {"fwd": [0] * len(layers_per_chunk), "bwd": [0] * len(layers_per_chunk)}
+    log = []
+    for x in order:
+        c, kind = abs(x) - 1, "fwd" if x > 0 else "bwd"
+        mb = done[kind][c]
+        done[kind][c] += 1
+        layers = range(layers_per_chunk[c])
+        for layer in layers if kind == "fwd" else reversed(layers):
+            callable_index = first_callable[c] + layer
+            entry = first_entry[c] + mb * layers_per_chunk[c] + layer
+            if kind == "fwd":
+                log += [
+                    ("hook", callable_index, "forward_pre_hooks"),
+                    ("call", callable_index, entry),
+                    ("hook", callable_index, "forward_hooks"),
+                ]
+            else:
+                log += [
+                    ("hook", callable_index, "backward_pre_hooks"),
+                    ("bwd", callable_index, entry),
+                    ("hook", callable_index, "backward_hooks"),
+                ]
+    return log

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from _pipeline import reference_log
 from _stand_in_capture import PlantedCaptureError, StandInCapture, cpu_options
 from cudagraphs.core.canonicalize import canonicalize
 from cudagraphs.core.capture_phase import capture_plan
@@ -62,38 +63,6 @@ def _sample(entry: int) -> torch.Tensor:
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(entry))
     x[0, 0] = entry  # which entry this input stands for, read back by Logged
     return x.requires_grad_(True)
-
-
-def reference_log(order, layers_per_chunk, num_microbatches) -> list[tuple]:
-    """One warmup iteration (or the capture) as ``_order`` describes it: a positive
-    chunk id runs that chunk's next microbatch forward through its layers in order, a
-    negative one the next backward through its layers in reverse. Entries are ordered
-    by chunk, then microbatch, then layer; callables by chunk, then layer."""
-    first_callable = [sum(layers_per_chunk[:c]) for c in range(len(layers_per_chunk))]
-    first_entry = [num_microbatches * f for f in first_callable]
-    done = {"fwd": [0] * len(layers_per_chunk), "bwd": [0] * len(layers_per_chunk)}
-    log = []
-    for x in order:
-        c, kind = abs(x) - 1, "fwd" if x > 0 else "bwd"
-        mb = done[kind][c]
-        done[kind][c] += 1
-        layers = range(layers_per_chunk[c])
-        for layer in layers if kind == "fwd" else reversed(layers):
-            callable_index = first_callable[c] + layer
-            entry = first_entry[c] + mb * layers_per_chunk[c] + layer
-            if kind == "fwd":
-                log += [
-                    ("hook", callable_index, "forward_pre_hooks"),
-                    ("call", callable_index, entry),
-                    ("hook", callable_index, "forward_hooks"),
-                ]
-            else:
-                log += [
-                    ("hook", callable_index, "backward_pre_hooks"),
-                    ("bwd", callable_index, entry),
-                    ("hook", callable_index, "backward_hooks"),
-                ]
-    return log
 
 
 @st.composite

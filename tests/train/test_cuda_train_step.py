@@ -300,3 +300,69 @@ def test_gradients_are_handed_out_again_when_the_first_parameter_has_none():
     step(batches[1])
     assert unused.grad is None
     assert all(p.grad is not None for p in model.parameters())
+
+
+class PlantedError(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize(
+    "where, accumulation",
+    [("warmup step 2", 1), ("accumulating capture", 2), ("first capture", 2)],
+)
+def test_a_step_failing_part_way_leaves_everything_as_before_and_graphs_after(where, accumulation):
+    """A failure in the warmup's second step, or in the capture of the first or the
+    accumulating graph: parameters, learning rate and optimizer state as before (the
+    state the warmup created removed), ``.grad`` None; then the same step graphs and
+    trains as the eager loop, replaying (step_fn's Python no longer runs)."""
+    model, opt, ref_model, ref_opt, _ = build("adamw_auto")
+    plain = stack_step(model)
+    calls = {"eager": 0, "captured": 0}
+
+    def step(batch):
+        kind = "captured" if torch.cuda.is_current_stream_capturing() else "eager"
+        calls[kind] += 1
+        failing = {
+            "warmup step 2": kind == "eager" and calls["eager"] == 2,
+            "first capture": kind == "captured" and calls["captured"] == 1,
+            "accumulating capture": kind == "captured" and calls["captured"] == 2,
+        }
+        if arm[0] and failing[where]:
+            raise PlantedError(f"planted failure in the {where}")
+        return plain(batch)
+
+    arm = [True]
+    batches = stack_batches(4)
+    sample = [batches[0]] * accumulation if accumulation > 1 else batches[0]
+    lr = opt.param_groups[0]["lr"]
+    pool = cudagraphs.new_pool()
+    try:
+        with pytest.raises((PlantedError, CudaGraphCaptureError)) as info:
+            cudagraphs.graph_train_step(
+                step,
+                batches[0],
+                optimizer=opt,
+                accumulation_steps=accumulation,
+                pool=pool,
+            )
+        cause = info.value if isinstance(info.value, PlantedError) else info.value.__cause__
+        assert isinstance(cause, PlantedError), info.value
+        assert not torch.cuda.is_current_stream_capturing()
+        assert all(p.grad is None for p in model.parameters())
+        assert opt.param_groups[0]["lr"] is lr and float(lr) == 1e-3
+        assert len(opt.state) == 0, "the state the warmup created is removed"
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert_bitwise_equal(p.detach(), q.detach(), "parameter after the failure")
+
+        arm[0] = False
+        graphed = cudagraphs.graph_train_step(
+            step, sample, optimizer=opt, accumulation_steps=accumulation, pool=pool
+        )
+        before = dict(calls)
+        runs = [[b] * accumulation if accumulation > 1 else b for b in batches]
+        losses, _ = graphed_loop(graphed, runs)
+        assert calls == before, "a graphed step ran step_fn's Python: it did not replay"
+        ref_losses, _ = eager_loop(stack_step(ref_model), ref_opt, runs, accumulation=accumulation)
+        assert_same_training(model, opt, ref_model, ref_opt, losses, ref_losses)
+    finally:
+        contain_failed_capture(pool)

@@ -43,7 +43,7 @@ from .cache import LayerShape, SharedStaticCache, cache_keyword, layer_shapes, s
 from .experts import DecodeExperts, decode_experts
 from .per_token import _EndFlag, decode_loop
 from .requests import Request, check_request, positions_from_mask
-from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens
+from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens, vocab_size_of
 from .support import WeightAddresses, check_supported
 from .unapplied import warn_unapplied
 
@@ -319,7 +319,12 @@ class GraphedGenerator:
                 "capture() first"
             )
         request = check_request(
-            input_ids, attention_mask, max_new_tokens, self.max_cache_len, self.device
+            input_ids,
+            attention_mask,
+            max_new_tokens,
+            self.max_cache_len,
+            self.device,
+            vocab_size_of(self.model, "input"),
         )
         defaults = getattr(self.model, "generation_config", None)
         sampling = sampling_rule(

@@ -68,6 +68,7 @@ def check_request(
     max_new_tokens: Any,
     max_cache_len: int,
     device: torch.device,
+    vocab_size: int | None = None,
 ) -> Request:
     """Check a request and move it to ``device``.
 
@@ -77,7 +78,9 @@ def check_request(
     Raises:
         CudaGraphsTypeError: ``input_ids`` or ``attention_mask`` not tensors, ids not of
             an integer dtype, ``max_new_tokens`` not an int.
-        CudaGraphsValueError: ``max_new_tokens`` below 1, an empty batch or prompt, or a
+        CudaGraphsValueError: ``max_new_tokens`` below 1, an empty batch or prompt, ids
+            outside ``[0, vocab_size)`` (the embedding would index out of range: on a GPU
+            a device-side assert, after which the process's CUDA context is lost), or a
             request that needs more positions than the cache holds (naming both).
         CudaGraphInputError: a mask of another shape than the ids, with values other
             than 0 and 1, with padding on the right, or a row without any real token
@@ -85,6 +88,8 @@ def check_request(
     """
     new = check_int("max_new_tokens", max_new_tokens, minimum=1)
     ids = token_ids(input_ids)
+    if vocab_size is not None:
+        _check_in_vocabulary(ids, vocab_size)
     batch, prompt_len = ids.shape
     if attention_mask is None:
         mask = torch.ones(batch, prompt_len, dtype=torch.bool, device=device)
@@ -128,6 +133,20 @@ def token_ids(input_ids: Any) -> torch.Tensor:
             "per prompt"
         )
     return input_ids.long()
+
+
+def _check_in_vocabulary(ids: torch.Tensor, vocab_size: int) -> None:
+    """One host read of the ids' range; every id must index the input embedding."""
+    outside = (ids < 0) | (ids >= vocab_size)
+    if not bool(outside.any()):
+        return
+    row, position = (int(i) for i in outside.nonzero()[0])
+    raise CudaGraphsValueError(
+        f"input_ids[{row}, {position}] = {int(ids[row, position])} is outside the model's "
+        f"vocabulary [0, {vocab_size}) ({int(outside.sum())} id(s) outside in all); pass "
+        "ids of the model's tokenizer, and pad with an id inside the vocabulary "
+        "(tokenizer.pad_token_id)"
+    )
 
 
 def _checked_mask(attention_mask: Any, ids: torch.Tensor) -> torch.Tensor:

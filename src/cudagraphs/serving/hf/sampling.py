@@ -214,10 +214,12 @@ def _id_list(name: str, value: Any) -> list[int]:
     )
 
 
-def vocab_size_of(model: Any) -> int | None:
-    """The rows of the model's output embedding (the ids it can make), else its
-    config's ``vocab_size``; ``None`` when it says neither."""
-    head = getattr(model, "get_output_embeddings", lambda: None)()
+def vocab_size_of(model: Any, embedding: str = "output") -> int | None:
+    """The rows of the model's ``"output"`` embedding (the ids it can make) or its
+    ``"input"`` one (the ids a prompt may hold), else its config's ``vocab_size``;
+    ``None`` when it says neither."""
+    getter = "get_output_embeddings" if embedding == "output" else "get_input_embeddings"
+    head = getattr(model, getter, lambda: None)()
     weight = getattr(head, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return int(weight.shape[0])
