@@ -268,3 +268,38 @@ def test_output_tree_may_hold_none(fn, use_pool):
         program.close()
     finally:
         _close(pool)
+
+
+def test_refused_replays_copy_nothing_and_the_next_replay_equals_eager():
+    """Each mismatching call names its path and copies nothing; the good replay after
+    it equals eager and writes the program's borrowed output (the same memory every
+    replay: it came from the graph, not from an eager run)."""
+    program = _capture(_tree_fn, _tree(0))
+    try:
+        ptr = program.replay(_tree(1))["y"].data_ptr()
+        good = _tree(2)
+        wrong_dtype = {**good, "a": good["a"].double()}
+        wrong_shape = {**good, "a": good["a"][:-1]}
+        missing = {k: v for k, v in good.items() if k != "a"}
+        not_tensor = {**good, "a": good["a"].tolist()}
+        bad = [
+            (
+                (wrong_dtype,),
+                r"inputs\[0\]\['a'\]: dtype expected torch.float32, received torch.float64",
+            ),
+            ((wrong_shape,), r"inputs\[0\]\['a'\]: shape expected \(32, 48\), received \(31, 48\)"),
+            ((missing,), r"inputs\[0\]: keys expected"),
+            ((not_tensor,), r"inputs\[0\]\['a'\]: type expected 'Tensor', received 'list'"),
+            ((good, good), r"inputs: length expected 1, received 2"),
+        ]
+        for i, (args, match) in enumerate(bad):
+            snapshot = _snapshot(program)
+            with pytest.raises(SignatureMismatchError, match=match):
+                program.replay(*args)
+            _assert_unchanged(program, snapshot, f"refusal {i}")
+            new = _tree(10 + i)
+            out = program.replay(new)
+            _assert_tree_equal(out, _tree_fn(new), f"replay after refusal {i}")
+            assert out["y"].data_ptr() == ptr
+    finally:
+        program.close()

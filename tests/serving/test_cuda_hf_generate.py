@@ -284,3 +284,35 @@ def test_sliding_window_models_keep_hfs_greedy_tokens_past_the_window(family):
         ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
         assert torch.equal(ours, hf_static(model, ids, mask)), (family, batch)
     assert gen.stats()["eager_runs"] == {}
+
+
+def test_refused_requests_leave_the_generator_serving_hfs_tokens():
+    """Each bad request ends in a typed error before anything runs on the device (ids
+    outside the vocabulary would be a device-side assert, which loses the CUDA
+    context); the good request after each equals HF, decoded by replays."""
+    from cudagraphs.errors import CudaGraphsError
+
+    model = build("llama", torch.float32)
+    gen = captured(model, sizes=(1, 2, 4))
+    ids, mask = prompts(4, seed=21)
+    vocab = LLAMA["vocab_size"]
+    bad = [
+        (dict(input_ids=ids + vocab), r"input_ids\[0, \d+\] = \d+ is outside"),
+        (dict(input_ids=ids.float()), r"integer token ids"),
+        (dict(attention_mask=mask.flip(-1)), r"left padding"),
+        (dict(eos_token_id=vocab), r"eos_token_id 1024 outside"),
+        (dict(pad_token_id=-1), r"pad_token_id -1 outside"),
+        (dict(do_sample=True, temperature=float("nan")), r"temperature"),
+        (dict(max_new_tokens=MAX_CACHE_LEN), r"max_cache_len=96"),
+    ]
+    want = hf_static(model, ids, mask)
+    for kw, match in bad:
+        args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=PAD)
+        args.update(kw)
+        args.setdefault("eos_token_id", EOS)
+        with pytest.raises(CudaGraphsError, match=match):
+            gen.generate(args.pop("input_ids"), args.pop("attention_mask"), **args)
+        before = sum(gen.runner.stats()["replays"].values())
+        ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(ours, want), kw
+        assert sum(gen.runner.stats()["replays"].values()) > before

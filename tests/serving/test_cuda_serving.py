@@ -200,3 +200,57 @@ def test_compiled_forward_is_captured_per_bucket_and_matches_eager():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     finally:
         runner.close()
+
+
+def test_refused_runs_leave_the_runner_replaying_eagers_result():
+    """Every refused call of run() ends in a typed error naming the input; the good
+    call after it replays (counted) and equals eager."""
+    from cudagraphs.errors import CudaGraphsError
+
+    def fn(x, scale):
+        return x * scale + 1.0
+
+    specs = [
+        InputSpec("x", (16, 8), torch.float32),
+        InputSpec("scale", (16, 1), torch.float32),
+    ]
+    runner = GraphRunner(fn, specs, BucketConfig(batch_sizes=(4, 8, 16)), device="cuda")
+    runner.capture(
+        lambda b: {
+            "x": torch.zeros(b.rows, 8, device="cuda"),
+            "scale": torch.ones(b.rows, 1, device="cuda"),
+        }
+    )
+
+    def good(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        return {
+            "x": torch.randn(n, 8, generator=g).cuda(),
+            "scale": torch.rand(n, 1, generator=g).cuda(),
+        }
+
+    def changed(**kw):
+        b = good(5, 0)
+        b.update(kw)
+        return b
+
+    bad = [
+        (changed(x=good(5, 0)["x"].double()), r"inputs\['x'\]: dtype"),
+        (changed(x=good(5, 0)["x"].requires_grad_(True)), r"inputs\['x'\]: requires_grad"),
+        (changed(x=good(5, 0)["x"].cpu()), r"inputs\['x'\]"),
+        (changed(scale=torch.ones(6, 1, device="cuda")), r"row counts"),
+        (changed(x=torch.zeros(5, 9, device="cuda")), r"inputs\['x'\]: shape"),
+        ({"x": good(5, 0)["x"]}, r"names expected"),
+    ]
+    try:
+        for i, (inputs, match) in enumerate(bad):
+            with pytest.raises(CudaGraphsError, match=match):
+                runner.run(inputs)
+            batch = good(3 + 2 * i, seed=i)
+            before = sum(runner.stats()["replays"].values())
+            out = runner.run(batch)
+            assert torch.equal(out, fn(batch["x"], batch["scale"]))
+            assert sum(runner.stats()["replays"].values()) == before + 1
+        assert runner.stats()["eager_runs"] == {}
+    finally:
+        runner.close()

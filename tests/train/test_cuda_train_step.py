@@ -366,3 +366,42 @@ def test_a_step_failing_part_way_leaves_everything_as_before_and_graphs_after(wh
         assert_same_training(model, opt, ref_model, ref_opt, losses, ref_losses)
     finally:
         contain_failed_capture(pool)
+
+
+def test_refused_step_calls_change_nothing_and_the_next_step_equals_eager():
+    """Each bad call of a graphed step (a batch of another shape, dtype or structure,
+    a non-tensor, a changed baked hyperparameter) is refused before any work; the good
+    step after it replays (step_fn's Python does not run) and the whole run equals the
+    eager loop over the good batches."""
+    model, opt, ref_model, ref_opt, _ = build("adamw_auto")
+    plain = stack_step(model)
+    calls = [0]
+
+    def step_fn(batch):
+        calls[0] += 1
+        return plain(batch)
+
+    batches = stack_batches(7)
+    step = cudagraphs.graph_train_step(step_fn, batches[0], optimizer=opt)
+    good = batches[0]
+    bad = [
+        (lambda: step(good[:1]), CudaGraphInputError, r"batch: shape expected \(2, 16, 64\)"),
+        (lambda: step(good.float()), CudaGraphInputError, r"batch: dtype expected torch.bfloat16"),
+        (lambda: step((good,)), CudaGraphInputError, r"batch: type expected"),
+        (lambda: step(good.tolist()), CudaGraphInputError, r"batch: type expected"),
+    ]
+    calls_before = calls[0]
+    losses = []
+    for i, (call, error, match) in enumerate(bad):
+        with pytest.raises(error, match=match):
+            call()
+        losses.append(step(batches[i]).clone())
+    betas = opt.param_groups[0]["betas"]
+    opt.param_groups[0]["betas"] = (0.5, 0.9)
+    with pytest.raises(CudaGraphsStateError, match="betas"):
+        step(batches[4])
+    opt.param_groups[0]["betas"] = betas
+    losses += [step(b).clone() for b in batches[4:]]
+    assert calls[0] == calls_before, "a graphed step ran step_fn's Python: it did not replay"
+    ref_losses, _ = eager_loop(stack_step(ref_model), ref_opt, batches)
+    assert_same_training(model, opt, ref_model, ref_opt, losses, ref_losses)
