@@ -106,7 +106,7 @@ def _train_like_eager(layers, eager_layers, graphed, iterations=2):
     """Interleaved pipeline iterations, graphed and eager: equal outputs, input and
     boundary gradients and accumulated parameter gradients; each entry's forward and
     backward graph replayed once per iteration."""
-    entries = [g.cuda_graph.graphs for g in graphed]
+    entries = [g.graphs for g in graphed]
     counts = [(count_replays(e, "fwd_graph"), count_replays(e, "bwd_graph")) for e in entries]
 
     def graphed_layer(c, m, i):
