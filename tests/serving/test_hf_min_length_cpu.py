@@ -96,7 +96,7 @@ def test_the_rule_takes_the_minimums_from_the_arguments_then_the_config():
     rule = sampling_rule(config, None, None, None, None, None, 2, 1)
     assert (rule.min_length, rule.min_new_tokens) == (2, 1)
     rule = sampling_rule(None, None, None, None, None)
-    assert (rule.min_length, rule.min_new_tokens) == (0, 0)
+    assert (rule.min_length, rule.min_new_tokens) == (0, None)  # None: not set
 
 
 def test_a_minimum_of_one_counts_and_none_adds_nothing():
@@ -107,8 +107,10 @@ def test_a_minimum_of_one_counts_and_none_adds_nothing():
         "MinLengthLogitsProcessor",
         "MinNewTokensLengthLogitsProcessor",
     ]
-    # Without a prompt length, none is skipped: every token counts as new.
-    assert Sampling(min_new_tokens=2).processors(eos=eos)[0].prompt_length_to_skip == 0
+    # Without a prompt length, none is skipped: every token counts as new. As in
+    # generate, a set min_new_tokens also makes the minimum length prompt + it.
+    first, second = Sampling(min_new_tokens=2).processors(eos=eos)
+    assert first.min_length == 2 and second.prompt_length_to_skip == 0
 
 
 def test_the_minimum_processors_keep_their_ids_on_the_requests_device():

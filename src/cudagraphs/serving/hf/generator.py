@@ -292,7 +292,8 @@ class GraphedGenerator:
                 made so far, greedy or sampled (``None``: the config's; 1.0 is off).
             min_new_tokens, min_length: end-of-sequence ids held back until that many new
                 tokens, or tokens in all (prompt included), as HF does (``None``: the
-                config's; 0 is off).
+                config's; 0 is off). A ``min_new_tokens`` that is set, 0 included,
+                replaces ``min_length``, as in ``generate``.
             eos_token_id, pad_token_id: stop and pad ids (default: the model's
                 ``generation_config``, as ``generate``); after a sequence's end-of-
                 sequence token, its later tokens are the pad id, and the request stops

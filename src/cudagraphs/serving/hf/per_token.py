@@ -84,7 +84,9 @@ def decode_loop(
     """
     batch, prompt_len, new = request.batch, request.prompt_len, request.max_new_tokens
     device = logits.device
-    processors = sampling.processors(prompt_len, stops.eos)
+    # Each row's left padding: HF's first real token of the mask.
+    padding = request.attention_mask.int().argmax(dim=1)
+    processors = sampling.processors(prompt_len, stops.eos, padding)
     tokens = torch.empty(batch, new, dtype=torch.long, device=device)
     mask = torch.zeros(batch, max_cache_len, dtype=torch.bool, device=device)
     mask[:, :prompt_len] = request.attention_mask

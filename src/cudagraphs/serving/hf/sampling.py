@@ -5,7 +5,8 @@ greedy tokens equal HF's on the same logits:
 * the logits of the last position are taken in float32;
 * a repetition penalty (HF's processor, over the prompt and the tokens made so far)
   comes first, then the minimum lengths (end-of-sequence ids held back until
-  ``min_length`` tokens in all, or ``min_new_tokens`` new ones), greedy decoding too;
+  ``min_length`` tokens in all, or ``min_new_tokens`` new ones: where that is set,
+  0 included, it replaces ``min_length``, as in ``generate``), greedy decoding too;
 * sampling applies temperature, then top-k, then top-p (HF's order), a softmax and
   ``torch.multinomial`` (here with the caller's ``torch.Generator``, when given);
 * once a sequence has produced an end-of-sequence token, later tokens of it are the pad
@@ -19,6 +20,7 @@ Values HF treats as "off" are off here too (temperature 1.0, top_k 0 or None, to
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +31,14 @@ import torch
 from ...checks import check_bool, check_int, check_number
 from ...errors import CudaGraphsTypeError, CudaGraphsValueError
 
-__all__ = ["Sampling", "StopTokens", "sampling_rule", "stop_tokens", "vocab_size_of"]
+__all__ = [
+    "Sampling",
+    "StopTokens",
+    "penalty_skips_padding",
+    "sampling_rule",
+    "stop_tokens",
+    "vocab_size_of",
+]
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,10 @@ class Sampling:
     top_p: float | None = None
     repetition_penalty: float = 1.0
     min_length: int = 0
-    min_new_tokens: int = 0
+    # None: not set. Set (0 included), it decides alone: generate then takes the
+    # minimum length as prompt length + min_new_tokens, whatever min_length says
+    # (GenerationMixin._prepare_generated_length).
+    min_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_bool("do_sample", self.do_sample)
@@ -71,19 +83,31 @@ class Sampling:
                 f"{self.repetition_penalty}; 1.0 is off"
             )
         check_int("min_length", self.min_length, minimum=0)
-        check_int("min_new_tokens", self.min_new_tokens, minimum=0)
+        if self.min_new_tokens is not None:
+            check_int("min_new_tokens", self.min_new_tokens, minimum=0)
 
     @property
     def reads_sequences(self) -> bool:
         """Whether the processors read the tokens so far (the repetition penalty and the
         minimum lengths do; the warpers read only the logits)."""
-        return self.repetition_penalty != 1.0 or self.min_length > 0 or self.min_new_tokens > 0
+        if self.min_new_tokens is not None:
+            holds_back = self.min_new_tokens > 0
+        else:
+            holds_back = self.min_length > 0
+        return self.repetition_penalty != 1.0 or holds_back
 
-    def processors(self, prompt_len: int = 0, eos: torch.Tensor | None = None) -> Any:
+    def processors(
+        self,
+        prompt_len: int = 0,
+        eos: torch.Tensor | None = None,
+        padding: torch.Tensor | None = None,
+    ) -> Any:
         """HF's ``LogitsProcessorList`` for this rule, in HF's order (empty for plain
         greedy decoding). The minimum lengths need the request's (padded) prompt length
         and its end-of-sequence ids (a device tensor); without ids, as in HF, they
-        hold nothing back."""
+        hold nothing back. ``padding`` (per row, the left-padding tokens of the prompt)
+        is left out of the repetition penalty where the installed ``generate`` does
+        so (:func:`penalty_skips_padding`)."""
         from transformers.generation.logits_process import (
             LogitsProcessorList,
             MinLengthLogitsProcessor,
@@ -96,13 +120,23 @@ class Sampling:
 
         out = LogitsProcessorList()
         if self.repetition_penalty != 1.0:
-            out.append(RepetitionPenaltyLogitsProcessor(penalty=self.repetition_penalty))
+            skip = padding if padding is not None and penalty_skips_padding() else None
+            out.append(
+                RepetitionPenaltyLogitsProcessor(self.repetition_penalty, prompt_ignore_length=skip)
+                if skip is not None
+                else RepetitionPenaltyLogitsProcessor(penalty=self.repetition_penalty)
+            )
         # The ids are given as a tensor, which HF's processors keep where it is (their
         # device argument only places ids given as ints): on the scores' device.
         if eos is not None and eos.numel() > 0:
-            if self.min_length > 0:
-                out.append(MinLengthLogitsProcessor(self.min_length, eos))
-            if self.min_new_tokens > 0:
+            # As generate: a set min_new_tokens makes the minimum length the prompt
+            # length plus it, and adds its own processor when above 0.
+            min_length = (
+                self.min_length if self.min_new_tokens is None else prompt_len + self.min_new_tokens
+            )
+            if min_length > 0:
+                out.append(MinLengthLogitsProcessor(min_length, eos))
+            if self.min_new_tokens:
                 out.append(MinNewTokensLengthLogitsProcessor(prompt_len, self.min_new_tokens, eos))
         if not self.do_sample:
             return out
@@ -113,6 +147,25 @@ class Sampling:
         if self.top_p is not None and self.top_p < 1.0:
             out.append(TopPLogitsWarper(top_p=self.top_p))
         return out
+
+
+@functools.cache  # a fact of the installed release; reading generate's source takes ~5 ms
+def penalty_skips_padding() -> bool:
+    """Whether the installed transformers' ``generate`` leaves a prompt's left padding
+    out of the repetition penalty. Newer releases pass each row's padding length as
+    the processor's ``prompt_ignore_length`` (so a pad id is not penalized or, below
+    1.0, favoured, just for padding the batch); older ones penalize every prompt id.
+    Read from ``generate``'s own processor setup, so the tokens follow the release
+    installed."""
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    try:
+        setup = inspect.getsource(GenerationMixin._get_logits_processor)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return "prompt_ignore_length" in setup
 
 
 def sampling_rule(
@@ -143,7 +196,7 @@ def sampling_rule(
         top_p=pick(top_p, "top_p", 1.0),
         repetition_penalty=pick(repetition_penalty, "repetition_penalty", 1.0),
         min_length=pick(min_length, "min_length", 0),
-        min_new_tokens=pick(min_new_tokens, "min_new_tokens", 0),
+        min_new_tokens=pick(min_new_tokens, "min_new_tokens", None),
     )
 
 
