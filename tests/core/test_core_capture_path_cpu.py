@@ -316,3 +316,18 @@ def test_shared_grad_buffers_are_shared_only_by_equal_shapes_and_dtypes(monkeypa
         assert (b.shape, b.dtype) == (out.shape, out.dtype)
     assert buffers[0] is buffers[3]
     assert len({id(b) for b in buffers}) == 3
+
+
+@pytest.mark.parametrize("num_iters", [0, 1, 3])
+def test_pre_and_post_warmup_hooks_run_once_around_the_warmup_also_without_iterations(num_iters):
+    log = []
+    modules = (Logged(0, log),)
+    plan = canonicalize(modules, ((_sample(0),),))
+    run_warmup(
+        plan,
+        num_iters,
+        allow_unused_input=False,
+        pre_warmup_hook=lambda: log.append("pre"),
+        post_warmup_hook=lambda: log.append("post"),
+    )
+    assert log == ["pre"] + [("call", 0, 0), ("bwd", 0, 0)] * num_iters + ["post"]

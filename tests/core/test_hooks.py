@@ -128,3 +128,13 @@ def test_group_type_errors_name_the_entry_they_are_in(entry, match):
     # Entry 0 is fine; the message must point at entry 1, not at the first entry.
     with pytest.raises(TypeError, match=match):
         canonicalize_capture_time_hooks([None, entry], 2)
+
+
+@pytest.mark.parametrize("group", [[], (), 0, "", False, set()], ids=repr)
+def test_a_falsy_group_that_is_not_a_dict_is_refused_not_taken_as_none(group):
+    # Only None means "no hooks here"; an empty list is the wrong type, like a full one.
+    with pytest.raises(
+        TypeError, match=r"capture_time_hooks\[0\]\['forward_hooks'\] must be a dict"
+    ):
+        canonicalize_capture_time_hooks([{"forward_hooks": group}], 1)
+    assert canonicalize_capture_time_hooks([{"forward_hooks": {}}], 1)[0].forward_hooks == ()
