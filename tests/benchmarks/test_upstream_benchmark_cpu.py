@@ -84,6 +84,7 @@ def test_compare_params_is_bitwise_and_names_the_differing(up):
     assert up.compare_params({"a": want["a"]}, want)["differing"] == ["b"]
 
 
+@pytest.mark.spawns  # pytest in subprocesses, which mutmut's forked workers cannot host
 def test_the_torch_suite_runs_once_per_helper_in_its_own_process(up, tmp_path):
     # A stand-in for torch's test file: one test per helper that passes only under it.
     tests = tmp_path / "test_stand_in.py"
