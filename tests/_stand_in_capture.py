@@ -39,13 +39,26 @@ class StandInCapture:
     """Installed with :meth:`install`; ``fail_at=k`` makes the k-th capture (0-based)
     raise :class:`PlantedCaptureError` before running anything."""
 
+    #: What the stand-in's ``torch.cuda.memory_reserved`` grows by per call: each
+    #: capture (read before and after) then grew the pool by exactly this much.
+    GROWTH = 512
+
     def __init__(self, fail_at: int | None = None) -> None:
         self.fail_at = fail_at
         self.graphs: list[StandInGraph] = []
         self.whats: list[str] = []
+        self.places: list[tuple] = []  # (pool, stream) of each capture
+        self.reserved = 0
+        self.devices: list = []  # what memory_reserved was asked about
+
+    def memory_reserved(self, device=None):
+        self.devices.append(device)
+        self.reserved += self.GROWTH
+        return self.reserved
 
     def __call__(self, run, pool, *, stream=None, what="callable", **_):
         self.whats.append(what)
+        self.places.append((pool, stream))
         if len(self.whats) - 1 == self.fail_at:
             raise PlantedCaptureError(f"planted failure in the capture of {what}")
         output = run()
@@ -55,7 +68,7 @@ class StandInCapture:
 
     def install(self, monkeypatch) -> StandInCapture:
         monkeypatch.setattr(capture_phase, "capture_into_graph", self)
-        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", self.memory_reserved)
         return self
 
 

@@ -331,3 +331,199 @@ def test_pre_and_post_warmup_hooks_run_once_around_the_warmup_also_without_itera
         post_warmup_hook=lambda: log.append("post"),
     )
     assert log == ["pre"] + [("call", 0, 0), ("bwd", 0, 0)] * num_iters + ["post"]
+
+
+class _Unused(nn.Module):
+    """Uses ``lin`` and ignores ``spare``: a parameter that gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.spare = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_an_unused_parameter_fails_the_warmup_naming_the_callable_unless_allowed():
+    from cudagraphs.errors import CudaGraphsValueError
+
+    plan = canonicalize(_Unused(), (_sample(0),))
+    with pytest.raises(CudaGraphsValueError, match=r"^callable.*_Unused.*allow_unused_input=True"):
+        run_warmup(plan, 1, allow_unused_input=False)
+    run_warmup(plan, 2, allow_unused_input=True)  # its gradient is None: no error
+
+
+def test_the_warmup_passes_keywords_and_runs_without_grad_for_inference():
+    seen = []
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, *, scale):
+            seen.append((torch.is_grad_enabled(), float(scale[0])))
+            return self.lin(x) * scale
+
+    module = Scaled()
+    scale = torch.full((1,), 3.0)
+    train = canonicalize(module, (_sample(0),), sample_kwargs={"scale": scale})
+    run_warmup(train, 1, allow_unused_input=False)
+    module.eval()
+    with torch.no_grad():
+        infer = canonicalize(module, (_sample(0).detach(),), sample_kwargs={"scale": scale})
+    assert not infer.training
+    with torch.enable_grad():  # the plan decides, not the caller's mode
+        run_warmup(infer, 1, allow_unused_input=False)
+    assert seen == [(True, 3.0), (False, 3.0)]
+
+
+def test_non_tensor_outputs_and_outputs_without_differentiable_inputs_are_skipped():
+    """A backward takes only the outputs that require grad, and none at all where the
+    entry has nothing differentiable of its own (an output that requires grad through
+    a tensor the callable closes over)."""
+    weight = torch.ones(4, requires_grad=True)
+
+    def closes_over(x):
+        return x * weight, 3  # a non-tensor leaf beside the tensor
+
+    modules = (nn.Linear(4, 4), closes_over)
+    plan = canonicalize(modules, ((_sample(0),), (_sample(1).detach(),)))
+    assert plan.training
+    run_warmup(plan, 2, allow_unused_input=False)
+    assert weight.grad is None  # warmup backwards never touch .grad
+
+
+def test_every_capture_goes_to_the_options_pool_and_stream_and_counts_its_growth(monkeypatch):
+    log, problems = [], []
+    plan, _ = _plan([1, 2, -2, 1, -1, 2, -2, -1], (1, 1), 2, log, problems)
+    opts = cpu_options()
+    stand_in = StandInCapture().install(monkeypatch)
+    graphs = capture_plan(plan, opts)
+    assert all(pool is opts.pool and stream is opts.stream for pool, stream in stand_in.places)
+    assert set(map(id, stand_in.devices)) == {id(opts.stream.device)}
+    # Forward and backward each grew the pool by GROWTH (read before and after).
+    assert [g.pool_bytes for g in graphs] == [2 * StandInCapture.GROWTH] * len(graphs)
+
+
+def test_entry_names_say_chunk_microbatch_and_layer_under_order_only(monkeypatch):
+    log, problems = [], []
+    plan, _ = _plan([1, 2, -2, 1, -1, 2, -2, -1], (1, 1), 2, log, problems)
+    StandInCapture().install(monkeypatch)
+    names = [g.name for g in capture_plan(plan, cpu_options())]
+    assert names[1] == "callables[0] (Logged), entry 1 (chunk 1, microbatch 1, layer 0)"
+    assert names[2] == "callables[1] (Logged), entry 2 (chunk 2, microbatch 0, layer 0)"
+    single = canonicalize(Logged(0, []), (_sample(0),))
+    (graph,) = capture_plan(single, cpu_options())
+    assert "entry" not in graph.name and "Logged" in graph.name
+
+
+def test_an_inference_capture_has_no_backward_and_names_its_untracked_parameters(monkeypatch):
+    seen = []
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, *, scale):
+            seen.append(torch.is_grad_enabled())
+            return self.lin(x) * scale
+
+    module = Scaled().eval()
+    with torch.no_grad():
+        plan = canonicalize(
+            module, (_sample(0).detach(),), sample_kwargs={"scale": torch.full((1,), 2.0)}
+        )
+    stand_in = StandInCapture().install(monkeypatch)
+    with torch.enable_grad():
+        (graph,) = capture_plan(plan, cpu_options())
+    assert seen == [False] and len(stand_in.graphs) == 1
+    assert graph.bwd_graph is None and graph.params == ()
+    assert [n for n, _ in graph.untracked_params] == ["lin.weight", "lin.bias"]
+    assert [p for _, p in graph.untracked_params] == list(module.parameters())
+    assert not graph.positional_only and graph.replay_keywords is not None
+    assert not graph.out_leaves[0].requires_grad
+
+
+def test_a_positional_training_entry_tracks_its_parameters_and_lends_through_the_pool(
+    monkeypatch,
+):
+    module = Logged(0, [])
+    plan = canonicalize(module, (_sample(0),))
+    StandInCapture().install(monkeypatch)
+    opts = cpu_options(clone_param_grads_on_return=False)
+    (graph,) = capture_plan(plan, opts)
+    assert graph.positional_only and graph.untracked_params == ()
+    assert graph.params == tuple(module.parameters())
+    assert graph.clone_param_grads is False
+    assert graph.lent is opts.pool.lent_grads and graph.lent is not None
+    (owned,) = capture_plan(plan, cpu_options())
+    assert owned.clone_param_grads is True
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_static_outputs_drop_the_captured_autograd_graph_unless_retained(monkeypatch, retain):
+    plan = canonicalize(Logged(0, []), (_sample(0),))
+    StandInCapture().install(monkeypatch)
+    (graph,) = capture_plan(plan, cpu_options(retain_graph_in_backward=retain))
+    out = graph.out_leaves[0]
+    assert (out.grad_fn is not None) == retain
+    assert graph.out_differentiable == (True,)
+
+
+def test_owned_gradients_of_many_callables_are_staged_in_one_buffer(monkeypatch):
+    """Owned mode, three equal callables: every backward leaves its parameter
+    gradients in views of one buffer sized for one callable; lent mode does not."""
+    modules = tuple(Logged(i, []) for i in range(3))
+    plan = canonicalize(modules, tuple((_sample(e),) for e in range(3)))
+    StandInCapture().install(monkeypatch)
+
+    def storages(graphs):
+        return {
+            g.untyped_storage().data_ptr()
+            for e in graphs
+            for g in e.static_grad_inputs[len(e.diff_input_positions) :]
+        }
+
+    owned = capture_plan(plan, cpu_options())
+    assert len(storages(owned)) == 1
+    for e, m in zip(owned, modules):
+        grads = e.static_grad_inputs[len(e.diff_input_positions) :]
+        assert [g.shape for g in grads] == [p.shape for p in m.parameters()]
+    lent = capture_plan(plan, cpu_options(clone_param_grads_on_return=False))
+    assert len(storages(lent)) == 3 * 2
+
+
+def test_in_graph_accumulation_adds_into_the_targets_and_hands_out_no_parameter_grads(
+    monkeypatch,
+):
+    from cudagraphs.core.grad_targets import GradTargets
+
+    module = Logged(0, [])
+    params = tuple(module.parameters())
+    targets = tuple(torch.zeros_like(p) for p in params)
+    grad_targets = GradTargets(
+        owner="m",
+        attr="main_grad",
+        params=params,
+        names=("lin.weight", "lin.bias"),
+        targets=targets,
+        data_ptrs=tuple(t.data_ptr() for t in targets),
+    )
+    plan = canonicalize(module, (_sample(0),))
+    StandInCapture().install(monkeypatch)
+    adds = []
+    real_add = torch._foreach_add_
+
+    def spy(tensors, others):
+        adds.append(([id(t) for t in tensors], [tuple(o.shape) for o in others]))
+        return real_add(tensors, others)
+
+    monkeypatch.setattr(torch, "_foreach_add_", spy)
+    (graph,) = capture_plan(plan, cpu_options(grad_targets=(grad_targets,)))
+    assert graph.grad_targets is grad_targets
+    n = len(graph.diff_input_positions)
+    assert graph.static_grad_inputs[n:] == (None, None)
+    # One multi-tensor add of the parameters' gradients into the targets.
+    assert adds == [([id(t) for t in targets], [tuple(p.shape) for p in params])]
