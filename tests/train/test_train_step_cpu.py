@@ -378,3 +378,68 @@ def test_disabled_step_on_two_ranks_averages_gradients_as_the_eager_loop(tmp_pat
     # Averaged gradients: both ranks end with the same model from different data.
     assert results[0]["losses"] != results[1]["losses"]
     assert results[0]["params"] == results[1]["params"]
+
+
+@pytest.mark.parametrize("n_unused, listed, more", [(3, 3, False), (4, 3, True)])
+def test_the_unused_parameters_message_lists_three_then_says_there_are_more(
+    disabled, caplog, n_unused, listed, more
+):
+    model = torch.nn.Linear(4, 2)
+    unused = [torch.nn.Parameter(torch.ones(i + 1)) for i in range(n_unused)]
+    opt = torch.optim.SGD([{"params": list(model.parameters())}, {"params": unused}], lr=0.1)
+    batch = (torch.ones(3, 4), torch.zeros(3, 2))
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.train.step"):
+        graph_train_step(_step_fn(model), batch, optimizer=opt)(batch)
+    (said,) = [r.getMessage() for r in caplog.records if "get no gradient" in r.getMessage()]
+    named = [f"param_groups[1]['params'][{i}] ({i + 1},)" for i in range(n_unused)]
+    assert [n in said for n in named] == [True] * listed + [False] * (n_unused - listed)
+    assert (", ...)" in said) == more
+
+
+def test_graph_train_step_hands_every_argument_to_the_step_and_the_pool_to_capture(
+    monkeypatch,
+):
+    from cudagraphs.train.step import GraphedTrainStep
+
+    pools = []
+    monkeypatch.setattr(
+        GraphedTrainStep, "capture", lambda self, pool=None: pools.append(pool) or self
+    )
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.ones(3, 4), torch.zeros(3, 2))
+    group, pool = object(), object()
+    step = graph_train_step(
+        _step_fn(model),
+        batch,
+        optimizer=opt,
+        max_grad_norm=0.5,
+        accumulation_steps=2,
+        optimizer_impl="keep",
+        all_reduce=False,
+        process_group=group,
+        bucket_mb=7.0,
+        warmup_steps=5,
+        pool=pool,
+    )
+    assert pools == [pool]
+    assert step.options == TrainStepOptions(
+        max_grad_norm=0.5,
+        accumulation_steps=2,
+        optimizer_impl="keep",
+        all_reduce=False,
+        process_group=group,
+        bucket_mb=7.0,
+        warmup_steps=5,
+    )
+    default = graph_train_step(_step_fn(model), batch, optimizer=opt)
+    assert default.options == TrainStepOptions(
+        max_grad_norm=None,
+        accumulation_steps=1,
+        optimizer_impl="auto",
+        all_reduce=None,
+        process_group=None,
+        bucket_mb=DEFAULT_BUCKET_MB,
+        warmup_steps=3,
+    )
+    assert pools == [pool, None]
