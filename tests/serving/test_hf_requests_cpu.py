@@ -195,3 +195,27 @@ def test_zero_new_tokens_is_a_value_error():
 def test_non_int_new_tokens_is_a_type_error(new):
     with pytest.raises(CudaGraphsTypeError, match="max_new_tokens must be an int"):
         check_request(torch.ones(1, 3, dtype=torch.long), None, new, 16, CPU)
+
+
+def test_the_request_mask_is_boolean_with_or_without_a_mask_given():
+    from cudagraphs.serving.hf.requests import check_request
+
+    ids = torch.tensor([[5, 6, 7]])
+    cpu = torch.device("cpu")
+    assert check_request(ids, None, 2, 8, cpu).attention_mask.dtype == torch.bool
+    given = check_request(ids, torch.tensor([[0, 1, 1]]), 2, 8, cpu).attention_mask
+    assert given.dtype == torch.bool and given.tolist() == [[False, True, True]]
+
+
+def test_ids_up_to_the_last_of_the_vocabulary_pass_and_the_size_itself_is_refused():
+    from cudagraphs.errors import CudaGraphsValueError
+    from cudagraphs.serving.hf.requests import check_request
+
+    cpu = torch.device("cpu")
+    check_request(torch.tensor([[0, 9]]), None, 1, 8, cpu, vocab_size=10)
+    with pytest.raises(
+        CudaGraphsValueError, match=r"input_ids\[0, 1\] = 10 is outside .*\[0, 10\)"
+    ):
+        check_request(torch.tensor([[0, 10]]), None, 1, 8, cpu, vocab_size=10)
+    with pytest.raises(CudaGraphsValueError, match=r"input_ids\[0, 0\] = -1 is outside"):
+        check_request(torch.tensor([[-1, 3]]), None, 1, 8, cpu, vocab_size=10)

@@ -209,3 +209,47 @@ def test_reads_sequences_is_true_exactly_when_the_processors_read_the_tokens(
     long = torch.full((1, 60), 7)
     differ = not torch.equal(processors(short, logits.clone()), processors(long, logits.clone()))
     assert rule.reads_sequences == differ
+
+
+def test_vocab_size_of_reads_the_named_embedding_then_the_config():
+    from types import SimpleNamespace
+
+    from cudagraphs.serving.hf.sampling import vocab_size_of
+
+    class Model:
+        config = SimpleNamespace(vocab_size=7)
+
+        def get_input_embeddings(self):
+            return torch.nn.Embedding(10, 4)
+
+        def get_output_embeddings(self):
+            return torch.nn.Linear(4, 12)
+
+    assert vocab_size_of(Model(), "input") == 10
+    assert vocab_size_of(Model(), "output") == 12 == vocab_size_of(Model())
+    bare = SimpleNamespace(config=SimpleNamespace(vocab_size=7))
+    assert vocab_size_of(bare, "input") == 7 == vocab_size_of(bare)
+    assert vocab_size_of(SimpleNamespace(config=SimpleNamespace(vocab_size=True))) is None
+    assert vocab_size_of(SimpleNamespace()) is None
+
+
+def test_the_penalty_leaves_out_the_padding_only_where_generate_does(monkeypatch):
+    from cudagraphs.serving.hf import sampling
+
+    padding = torch.tensor([0, 2])
+    rule = sampling.Sampling(repetition_penalty=1.3)
+    monkeypatch.setattr(sampling, "penalty_skips_padding", lambda: True)
+    (penalty,) = rule.processors(4, None, padding)
+    assert penalty.prompt_ignore_length is padding
+    (penalty,) = rule.processors(4, None, None)
+    assert penalty.prompt_ignore_length is None
+    monkeypatch.setattr(sampling, "penalty_skips_padding", lambda: False)
+    (penalty,) = rule.processors(4, None, padding)
+    assert penalty.prompt_ignore_length is None
+
+
+def test_a_minimum_length_of_one_alone_holds_the_end_back():
+    from cudagraphs.serving.hf.sampling import Sampling
+
+    (only,) = Sampling(min_length=1).processors(0, torch.tensor([2]))
+    assert type(only).__name__ == "MinLengthLogitsProcessor" and only.min_length == 1
