@@ -333,6 +333,19 @@ def test_pre_and_post_warmup_hooks_run_once_around_the_warmup_also_without_itera
     assert log == ["pre"] + [("call", 0, 0), ("bwd", 0, 0)] * num_iters + ["post"]
 
 
+class Scaled(nn.Module):
+    """A layer with a keyword input; logs (grad enabled, scale) at each forward."""
+
+    def __init__(self, seen: list):
+        super().__init__()
+        self.seen = seen
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, *, scale):
+        self.seen.append((torch.is_grad_enabled(), float(scale[0])))
+        return self.lin(x) * scale
+
+
 class _Unused(nn.Module):
     """Uses ``lin`` and ignores ``spare``: a parameter that gets no gradient."""
 
@@ -356,16 +369,7 @@ def test_an_unused_parameter_fails_the_warmup_naming_the_callable_unless_allowed
 def test_the_warmup_passes_keywords_and_runs_without_grad_for_inference():
     seen = []
 
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x, *, scale):
-            seen.append((torch.is_grad_enabled(), float(scale[0])))
-            return self.lin(x) * scale
-
-    module = Scaled()
+    module = Scaled(seen)
     scale = torch.full((1,), 3.0)
     train = canonicalize(module, (_sample(0),), sample_kwargs={"scale": scale})
     run_warmup(train, 1, allow_unused_input=False)
@@ -421,16 +425,7 @@ def test_entry_names_say_chunk_microbatch_and_layer_under_order_only(monkeypatch
 def test_an_inference_capture_has_no_backward_and_names_its_untracked_parameters(monkeypatch):
     seen = []
 
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x, *, scale):
-            seen.append(torch.is_grad_enabled())
-            return self.lin(x) * scale
-
-    module = Scaled().eval()
+    module = Scaled(seen).eval()
     with torch.no_grad():
         plan = canonicalize(
             module, (_sample(0).detach(),), sample_kwargs={"scale": torch.full((1,), 2.0)}
@@ -438,7 +433,7 @@ def test_an_inference_capture_has_no_backward_and_names_its_untracked_parameters
     stand_in = StandInCapture().install(monkeypatch)
     with torch.enable_grad():
         (graph,) = capture_plan(plan, cpu_options())
-    assert seen == [False] and len(stand_in.graphs) == 1
+    assert seen == [(False, 2.0)] and len(stand_in.graphs) == 1
     assert graph.bwd_graph is None and graph.params == ()
     assert [n for n, _ in graph.untracked_params] == ["lin.weight", "lin.bias"]
     assert [p for _, p in graph.untracked_params] == list(module.parameters())

@@ -51,27 +51,25 @@ def _good(gen, batch, seed):
     assert sum(gen.runner.stats()["replays"].values()) > replays, "decoded by replays"
 
 
-@pytest.mark.parametrize("name", sorted(BAD))
-def test_a_refused_request_names_its_argument_and_the_next_request_equals_hf(gen, name):
+def _refused(gen, name, batch, seed):
     kw, match = BAD[name]
     kw = dict(kw)
-    ids, mask = prompts(3, seed=1)
+    ids, mask = prompts(batch, seed=seed)
     if "ids" in kw:
         ids, mask = kw.pop("ids")(ids, mask)
     kw.setdefault("max_new_tokens", NEW)
     with pytest.raises(CudaGraphsError, match=match):
         gen.generate(ids, mask, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_a_refused_request_names_its_argument_and_the_next_request_equals_hf(gen, name):
+    _refused(gen, name, 3, seed=1)
     _good(gen, 3, seed=2)
 
 
 def test_every_refusal_in_a_row_then_good_requests_at_every_bucket(gen):
-    for kw, match in BAD.values():
-        kw = dict(kw)
-        ids, mask = prompts(2, seed=4)
-        if "ids" in kw:
-            ids, mask = kw.pop("ids")(ids, mask)
-        kw.setdefault("max_new_tokens", NEW)
-        with pytest.raises(CudaGraphsError, match=match):
-            gen.generate(ids, mask, **kw)
+    for name in BAD:
+        _refused(gen, name, 2, seed=4)
     for batch in (1, 2, 3, 4):
         _good(gen, batch, seed=10 + batch)

@@ -134,6 +134,15 @@ def _graphed(step_fn, opt, warmup_steps=3, accumulation=1):
     return GraphedTrainStep(step_fn, sample, opt, options)
 
 
+def _fails(graphed, match):
+    """Capture ``graphed`` into a CPU pool, expecting the planted failure; returns it
+    and the learning rates from before."""
+    lrs = _lrs(graphed.optimizer)
+    with pytest.raises(PlantedError, match=match):
+        graphed.capture(CpuPool())
+    return graphed, lrs
+
+
 @pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("fail_on_call", [0, 2])
@@ -142,10 +151,7 @@ def test_a_warmup_failing_at_a_step_leaves_everything_as_before(
 ):
     model, opt, ref_model, ref_opt = _pair(opt_name, resumed)
     step_fn, calls = _step(model, fail_on_call=fail_on_call)
-    graphed = _graphed(step_fn, opt)
-    lrs_before = _lrs(opt)
-    with pytest.raises(PlantedError, match=f"call {fail_on_call}"):
-        graphed.capture(CpuPool())
+    graphed, lrs_before = _fails(_graphed(step_fn, opt), f"call {fail_on_call}")
     assert len(calls) == fail_on_call + 1 and cpu_capture == []
     assert not graphed.graphed
     _after_failure_as_never_tried(model, opt, ref_model, ref_opt, lrs_before)
@@ -159,10 +165,7 @@ def test_a_capture_failing_after_the_warmup_leaves_everything_as_before(
 ):
     model, opt, ref_model, ref_opt = _pair(opt_name, resumed)
     step_fn, calls = _step(model)
-    graphed = _graphed(step_fn, opt, accumulation=accumulation)
-    lrs_before = _lrs(opt)
-    with pytest.raises(PlantedError, match="capture of the train step"):
-        graphed.capture(CpuPool())
+    _, lrs_before = _fails(_graphed(step_fn, opt, accumulation=accumulation), "capture of")
     # Three warmup steps of `accumulation` micro-batches, then the capture's one call.
     assert len(calls) == 3 * accumulation + 1 and cpu_capture == [accumulation]
     _after_failure_as_never_tried(model, opt, ref_model, ref_opt, lrs_before)
