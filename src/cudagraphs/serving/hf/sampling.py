@@ -121,6 +121,8 @@ class Sampling:
         out = LogitsProcessorList()
         if self.repetition_penalty != 1.0:
             skip = padding if padding is not None and penalty_skips_padding() else None
+            # Without padding to skip, the one-argument form: releases whose generate
+            # penalizes every prompt id may not know prompt_ignore_length.
             out.append(
                 RepetitionPenaltyLogitsProcessor(self.repetition_penalty, prompt_ignore_length=skip)
                 if skip is not None
