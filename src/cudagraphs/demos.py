@@ -1,8 +1,8 @@
 """The measurements ``python -m cudagraphs`` prints: a graphed training step, a graph
 program, greedy decoding through the bucketed runner and, with ``transformers``
 installed, partial graphs in a Hugging Face Llama and the graphed generator, each
-against eager. Kept apart from the command line (:mod:`cudagraphs.__main__`), which
-only parses arguments, calls these on a CUDA device and prints what they return.
+against eager. Each returns what it measured; :mod:`cudagraphs.__main__` parses the
+arguments, calls these on a CUDA device and prints the results.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ is allocated or captured; the GPU file checks the same cases end to end)."""
 import pytest
 import torch
 
-from cudagraphs.program.capture_steps import check_capture_arguments
+from cudagraphs.program.graph_capture import check_capture_arguments
 
 
 def _fn(x):

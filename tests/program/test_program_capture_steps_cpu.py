@@ -8,8 +8,8 @@ import torch
 
 from _leaf_types import LEAF_TYPES, QuantizedTensor
 from cudagraphs.errors import CudaGraphCaptureError, SignatureMismatchError
-from cudagraphs.program import capture_steps
-from cudagraphs.program.capture_steps import (
+from cudagraphs.program import graph_capture
+from cudagraphs.program.graph_capture import (
     check_capture_arguments,
     check_examples,
     check_output_device,
@@ -46,7 +46,7 @@ class _Pool:
         self.open = open_
         self.checked = 0
 
-    def _check_open(self):
+    def check_open(self):
         self.checked += 1
         if not self.open:
             raise RuntimeError("pool is closed")
@@ -276,7 +276,7 @@ def cpu_warmup(monkeypatch):
         yield
         events.append(("exit", stream))
 
-    monkeypatch.setattr(capture_steps, "side_stream", fake_side_stream)
+    monkeypatch.setattr(graph_capture, "side_stream", fake_side_stream)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d: events.append(("sync", d)))
     return events
 

@@ -47,8 +47,7 @@ def _install_on_module(module: torch.nn.Module, graphed: GraphedCallable) -> Non
         if module.__dict__.get("reset") == graphed.reset:  # bound methods compare by ==
             del module.__dict__["reset"]
 
-    graphed._eager = swap.original
-    graphed._on_reset = restore
+    graphed.bind_forward_swap(swap.original, restore)
     module.cuda_graph = graphed
     # reset() on the module, as on a graphed function, unless the class already uses
     # the name (then module.cuda_graph.reset() is the way).

@@ -201,8 +201,8 @@ def _canonical_entry(entry: Entry, args: Any, kwargs: Any, callable_name: str) -
 def check_devices(plan: GraphPlan) -> torch.device:
     """All graph inputs must be CUDA tensors of one device; return that device.
 
-    Kept apart from :func:`canonicalize` so that the rest of the validation runs (and
-    is tested) on machines without a GPU.
+    :func:`canonicalize` does not call it, so the rest of the validation runs (and is
+    tested) on machines without a GPU.
     """
     devices: dict[torch.device, str] = {}
     for e in plan.entries:

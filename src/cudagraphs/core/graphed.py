@@ -120,7 +120,7 @@ class GraphedCallable:
             return self._eager(*args, **_eager_kwargs(graphs, kwargs))
         tensors = graphs.user_tensors(args, kwargs)
         if graphs.eager_only:
-            graphs._live()
+            graphs.check_live()
             return self._eager(*args, **_eager_kwargs(graphs, kwargs))
         return self._replay(tensors)
 
@@ -164,6 +164,13 @@ class GraphedCallable:
         # that do not require grad, as eager's would not.
         graphs.replay_forward(tensors)
         return graphs.output_tree(graphs.output_tensors())
+
+    def bind_forward_swap(self, eager: Callable[..., Any], restore: Callable[[], None]) -> None:
+        """Record that this callable is installed as a module's ``forward``: eager
+        calls run ``eager`` (the module's original forward), and :meth:`reset` calls
+        ``restore`` once to give the module that forward back."""
+        self._eager = eager
+        self._on_reset = restore
 
     def reset(self) -> None:
         """Release this entry's graphs and buffers; a module gets its eager forward back.

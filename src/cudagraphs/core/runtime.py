@@ -251,7 +251,8 @@ class EntryGraphs:
         )
 
     # ---- replay -----------------------------------------------------------------
-    def _live(self) -> None:
+    def check_live(self) -> None:
+        """Raise :class:`~cudagraphs.errors.GraphReleasedError` once ``reset()`` released the graphs."""
         if self.released:
             raise GraphReleasedError(
                 f"{self.name}: its graphs were released by reset(); graph it again with "
@@ -259,7 +260,7 @@ class EntryGraphs:
             )
 
     def replay_forward(self, tensors: Any) -> None:
-        self._live()
+        self.check_live()
         if self.chained:
             self._check_chained(tensors)
         lent = self.lent
@@ -354,7 +355,7 @@ class EntryGraphs:
         """Replay the backward graph; return one gradient per Function input
         (user tensors, then parameters). ``leaves`` holds each user input that is an
         autograd leaf (``None`` for the others)."""
-        self._live()
+        self.check_live()
         n_inputs = len(self.static_inputs) + len(self.autograd_params)
         result: list[torch.Tensor | None] = [None] * n_inputs
         if self.bwd_graph is None:

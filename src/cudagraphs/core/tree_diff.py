@@ -1,6 +1,6 @@
 """Where a call's structure parts from the captured call's: the walk over two pytree
 specs behind the "call structure differs" error of :class:`~.runtime.EntryGraphs`.
-Kept apart from the per-call code: it runs only once a call has failed the spec check.
+It runs only for a call that has already failed the spec check.
 """
 
 from __future__ import annotations

@@ -19,18 +19,28 @@ must run anyway).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..torch_private import tensor_guards_class
 
-if TYPE_CHECKING:
-    from .signature import ValueTreeSignature
-
-__all__ = ["InputValidator", "compile_matcher"]
+__all__ = ["InputValidator", "SignatureTree", "compile_matcher"]
 
 Matcher = Callable[[Any], "list[torch.Tensor] | None"]
+
+
+class SignatureTree(Protocol):
+    """What a matcher reads of a signature node: the fields of
+    :class:`~cudagraphs.program.signature.SignatureTree`, which satisfies it."""
+
+    kind: str
+    leaf: Any
+    keys: tuple
+    children: tuple
+    container: Any
+
+    def flatten(self, value: Any, *, path: str = ...) -> list: ...
 
 
 class _Emitter:
@@ -55,7 +65,7 @@ class _Emitter:
         if self.checks:
             self.lines.append(f"if {condition}: return None")
 
-    def emit(self, sig: ValueTreeSignature, expr: str) -> bool:
+    def emit(self, sig: SignatureTree, expr: str) -> bool:
         """Emit checks for ``expr`` against ``sig``; False if no fast path exists."""
         kind = sig.kind
         if kind == "value":
@@ -102,7 +112,7 @@ class _Emitter:
             return True
         return all(self.emit(child, f"{name}[{i}]") for i, child in enumerate(sig.children))
 
-    def _emit_node(self, sig: ValueTreeSignature, name: str) -> bool:
+    def _emit_node(self, sig: SignatureTree, name: str) -> bool:
         # A registered container (namedtuple, OrderedDict, dataclass, ModelOutput):
         # exact type, then its own flatten function and context, as the full walk does.
         c = sig.container
@@ -119,7 +129,7 @@ class _Emitter:
 
 
 def compile_matcher(
-    signature: ValueTreeSignature, *, checks: bool = True, tensor_checks: bool = True
+    signature: SignatureTree, *, checks: bool = True, tensor_checks: bool = True
 ) -> Matcher | None:
     """A function ``value -> list of tensors | None`` for ``signature`` (see module
     docs), or ``None`` when the signature has no fast path. With ``checks=False`` it
@@ -170,7 +180,7 @@ class InputValidator:
     if it passes, the guard learns the new tensors.
     """
 
-    def __init__(self, signature: ValueTreeSignature) -> None:
+    def __init__(self, signature: SignatureTree) -> None:
         self._signature = signature
         self._structure = compile_matcher(signature, tensor_checks=False)
         self._guard: Any = None

@@ -142,10 +142,11 @@ class CudaGraphPool:
         Raises:
             ProgramClosedError: after ``close()``.
         """
-        self._check_open()
+        self.check_open()
         return self._graph_pool
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise :class:`~cudagraphs.errors.ProgramClosedError` once ``close()`` ran."""
         if self._closed:
             raise ProgramClosedError("this CudaGraphPool was closed; create a new pool")
 

@@ -20,12 +20,13 @@ from ..checks import require_cuda
 from ..errors import CudaGraphCaptureError, CudaGraphsTypeError
 from ..settings import graphs_disabled
 from ..torch_private import current_stream_key
-from .capture_steps import (
+from .graph_capture import (
+    CapturedProgram,
+    capture_program,
     check_capture_arguments,
     check_capture_options,
     first_replay_mismatch,
 )
-from .graph_capture import CapturedProgram, capture_program
 from .launch_order import LaunchOrder
 from .leaves import LeafTypes
 from .matcher import InputValidator

@@ -13,9 +13,8 @@ Vocabulary:
 
 Why ``implementation="auto"`` picks ``fused``: torch's capturable ``foreach`` AdamW
 computes the bias corrections with extra multi-tensor kernels per step; on large
-parameters it is the slowest AdamW (the issue measured 14.3 ms for a whole-step graph
-with it against 10.7 ms for eager ``foreach`` AdamW beside per-layer graphs), while the
-fused kernel does the whole update in one pass and reads a device learning rate. For
+parameters it is the slowest AdamW, slower in a whole-step graph than eager
+``foreach`` AdamW beside per-layer graphs, while the fused kernel does the whole update in one pass and reads a device learning rate. For
 SGD, ``fused`` is the implementation that reads a device learning rate; ``foreach``
 SGD would read a tensor learning rate with a host sync.
 """

@@ -1,6 +1,5 @@
 """Capturing a train step's graphs: the step as one graph, or with gradient
-accumulation as three, and the record of what they write. Runs once per step, at
-capture; the replay and the restoring of state on failure stay in :mod:`.step`.
+accumulation as three, and the record of what they write. Runs once, at capture.
 """
 
 from __future__ import annotations
