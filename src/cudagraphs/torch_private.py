@@ -6,7 +6,7 @@ over the package, a moved one failed far from here, or silently: a missing
 missing ``_cuda_endAllocateToPool`` the allocator repair after a failed capture. Here
 each is looked up once, at import, and a missing one raises
 :class:`UnsupportedTorchError` naming the torch version, the name and what needs it.
-``tests/test_torch_private.py`` asks the same of the installed torch on the CPU.
+``tests/test_torch_private_cpu.py`` asks the same of the installed torch on the CPU.
 
 The names fall in three groups:
 

@@ -297,7 +297,7 @@ def test_refusals_name_their_fixes():
 # ---- prepare_optimizer on (fake) CUDA parameters -------------------------------------
 def _fake_cuda_param(*shape):
     # Fake tensors hold metadata only, so they can claim a CUDA device on a machine
-    # without one (as in tests/core/test_canonicalize.py). Make and use them inside one
+    # without one (as in tests/core/test_canonicalize_cpu.py). Make and use them inside one
     # FakeTensorMode: the tensors prepare_optimizer creates are fake too.
     return torch.nn.Parameter(torch.empty(*shape, dtype=torch.float32, device="cuda"))
 

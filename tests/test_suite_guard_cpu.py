@@ -44,6 +44,6 @@ def test_gpu_files_alone_without_cuda_fail_too():
 
 
 def test_a_plain_run_still_skips_gpu_tests():
-    run = _pytest("tests/core/test_cuda_contract.py", "tests/core/test_hooks.py")
+    run = _pytest("tests/core/test_cuda_contract.py", "tests/core/test_hooks_cpu.py")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "skipped" in run.stdout and "passed" in run.stdout

@@ -14,7 +14,6 @@ from cudagraphs.errors import CudaGraphsError
 from cudagraphs.torch_private import (
     OPTIONAL,
     REQUIRED,
-    REQUIRED_WITH_CUDA,
     PrivateName,
     UnsupportedTorchError,
     check_torch,
@@ -26,13 +25,6 @@ SRC = Path(cudagraphs.__file__).parent
 @pytest.mark.parametrize("name", REQUIRED + OPTIONAL, ids=lambda n: f"{n.owner}.{n.name}")
 def test_every_name_resolves_on_this_torch(name):
     assert name.lookup() is not None, f"torch {torch.__version__} moved {name.owner}.{name.name}"
-
-
-@pytest.mark.cuda  # run with the GPU tests, on a CUDA build of torch
-@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="a CPU-only torch build")
-@pytest.mark.parametrize("name", REQUIRED_WITH_CUDA, ids=lambda n: n.name)
-def test_every_cuda_name_resolves_on_this_cuda_build(name):
-    assert name.lookup() is not None
 
 
 def test_a_missing_name_raises_naming_torch_the_name_and_its_use(monkeypatch):

@@ -181,7 +181,7 @@ def private_attribute_reads(modules: dict[str, Module]) -> list[str]:
             while isinstance(root, ast.Attribute):
                 root = root.value
             if isinstance(root, ast.Name) and root.id == "torch":
-                continue  # torch's privates: checked by tests/test_torch_private.py
+                continue  # torch's privates: checked by tests/test_torch_private_cpu.py
             if node.attr in own:
                 continue
             verb = "writes" if isinstance(node.ctx, ast.Store) else "reads"
