@@ -78,7 +78,9 @@ def test_reports_are_newest_first_and_every_target_is_shown(results_md, tmp_path
 
 
 def test_nested_targets_are_shown_when_a_report_has_none_at_its_top(results_md, tmp_path):
-    report = _report("2026-01-01T00:00:00+00:00", cases={"tree_64": {"targets": {"le_1.3x": False}}})
+    report = _report(
+        "2026-01-01T00:00:00+00:00", cases={"tree_64": {"targets": {"le_1.3x": False}}}
+    )
     _write(tmp_path, "r.json", report)
     assert "| `tree_64:le_1.3x` | **not met** |" in results_md.render(tmp_path)
 
@@ -91,7 +93,9 @@ def test_the_output_depends_on_the_files_only(results_md, tmp_path):
     assert results_md.render(tmp_path) != first
 
 
-def test_check_fails_on_a_stale_page_and_names_the_command(results_md, tmp_path, monkeypatch, capsys):
+def test_check_fails_on_a_stale_page_and_names_the_command(
+    results_md, tmp_path, monkeypatch, capsys
+):
     out = tmp_path / "RESULTS.md"
     monkeypatch.setattr(results_md, "OUT", out)
     monkeypatch.setattr(results_md, "REPO", tmp_path)
