@@ -2,11 +2,13 @@
 survived and equivalent, and the score over the non-equivalent ones.
 
 Run from the repository root after ``OMP_NUM_THREADS=1 mutmut run`` (see
-docs/mutation-testing.md; with torch's OpenMP pool running, mutmut's forked workers
-can hang, and a hang is reported as a "timeout", which counts as killed)::
+docs/development.md#mutation-testing; with torch's OpenMP pool running, mutmut's
+forked workers can hang, and a hang is reported as a "timeout", which counts as
+killed)::
 
     python tests/mutation/summarize.py            # print the table
     python tests/mutation/summarize.py --write    # also write docs/mutation-testing.json
+                                                  # (then: python benchmarks/results_md.py)
     python tests/mutation/summarize.py --survivors MODULE   # diffs of what survived
 
 Equivalent mutants are of two kinds:
