@@ -11,7 +11,7 @@ Two bindings give the same calls, chosen by :func:`cuda_binding`:
 * ``cuda.bindings`` (NVIDIA's ``cuda-bindings`` package, the one torch itself uses
   for graph introspection), when it imports: its calls convert arguments in compiled
   code, where ``ctypes`` converts them in Python, so the replay path's node update is
-  cheaper (0.8 us a call in ``docs/program-replay.md``).
+  cheaper (0.8 us a call in ``docs/program.md``).
 * ``ctypes`` otherwise: the driver from ``libcuda.so.1`` and the runtime torch
   loaded (the ``libcudart`` in this process's memory map). Builds that link the
   runtime statically have no such library: the driver calls still work and

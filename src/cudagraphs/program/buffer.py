@@ -95,7 +95,7 @@ class ReusableValueBuffer:
         # below autograd, so nothing is recorded (buffers may require grad, as their
         # signature says) and autograd's per-tensor bookkeeping (in-place checks,
         # version counters) is skipped, 0.06 to 0.08 us per tensor on the replay path
-        # (``docs/program-replay.md``, 64 inputs).
+        # (``docs/program.md``, 64 inputs).
         with self._below_autograd:
             _copy_groups(groups, sources, non_blocking)
 

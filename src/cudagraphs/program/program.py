@@ -127,7 +127,7 @@ class CudaGraphProgram(Generic[OutputT]):
                 fused copy into the fixed buffer per call. ``"graph"``: the graph
                 itself copies each contiguous input from the caller's tensor, whose
                 address is updated per call only when it changes (cheaper than a
-                copy launch: ``docs/program-replay.md``).
+                copy launch: ``docs/program.md``).
                 ``"auto"`` (default): ``"graph"`` for programs of at most
                 ``AUTO_GRAPH_STAGING_MAX_TENSORS`` input tensors when the CUDA runtime
                 can be reached, else ``"copy"``. See :attr:`staging`.
@@ -311,7 +311,7 @@ class CudaGraphProgram(Generic[OutputT]):
         ``validate=False`` skips the per-leaf checks for callers that guarantee the
         captured structure and metadata (a mismatch then fails inside the copy, or
         broadcasts silently); it saves about 0.1 us per input tensor (6.1 to 6.7 us
-        for 64 on an H200 host, ``docs/program-replay.md``).
+        for 64 on an H200 host, ``docs/program.md``).
 
         Raises:
             SignatureMismatchError (a CudaGraphInputError): naming every path that

@@ -4,7 +4,7 @@ Why: on the H200 host one ``copy_`` launch before a replay costs more host time 
 the replay itself (the driver call is most of it). Changing the source address of a
 memcpy node inside the instantiated graph costs less than that launch, and nothing at
 all when the caller passes the same tensor as last time. Measured in
-``docs/program-replay.md`` (one input: raw replay 2.5 to 2.7 us, replay + ``copy_``
+``docs/program.md`` (one input: raw replay 2.5 to 2.7 us, replay + ``copy_``
 9.4 to 10.2 us, ours with a new tensor each call 7.3 to 8.1 us, with the same tensor
 5.0 to 5.2 us).
 
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 #: ``staging="auto"`` stages in the graph up to this many input tensors. A changed
 #: source costs one runtime call (2.3 to 2.8 us more than the same source, on the H200
 #: host), while one fused copy of any number of same-dtype tensors costs 6.8 to 7.5 us
-#: (``docs/program-replay.md``): beyond two tensors whose sources change at every
+#: (``docs/program.md``): beyond two tensors whose sources change at every
 #: call, copies win.
 AUTO_GRAPH_STAGING_MAX_TENSORS = 2
 
