@@ -10,7 +10,7 @@ import torch
 
 from cudagraphs.errors import CudaGraphsTypeError
 from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec, plan_buckets
-from cudagraphs.serving import runner as runner_module
+from cudagraphs.serving.call_path import CallPath
 from cudagraphs.serving.static_inputs import StaticInputs
 from test_serving_runner import (
     HIDDEN,
@@ -50,7 +50,7 @@ def test_close_leaves_empty_containers_and_capture_works_again():
     runner.capture(dummy)
     runner.run(batch(3))
     runner.close()
-    assert runner.slot_inputs == [] and runner._steps == {} and runner.graphs == {}
+    assert runner.slot_inputs == [] and runner.replay_steps == {} and runner.graphs == {}
     runner.capture(dummy)
     assert torch.equal(runner.run(batch(3)), forward(**batch(3)))
 
@@ -120,7 +120,7 @@ def test_the_fast_path_plans_a_row_count_once_and_skips_the_full_path(monkeypatc
         raise AssertionError("an exactly matching batch took the full path")
 
     monkeypatch.setattr(StaticInputs, "staging", counting)
-    monkeypatch.setattr(runner_module, "run_checked", refuse)
+    monkeypatch.setattr(CallPath, "_run_checked", refuse)
     for seed in range(3):
         inputs = batch(3, seed=seed)
         assert torch.equal(runner.run(inputs), forward(**inputs))
