@@ -73,15 +73,15 @@ class CallPath:
         self.slots = slots
         self.plan = plan
         self.group = group
-        self.warn = warn
+        self._warn = warn
         #: Eager runs per cause: "no_graphs", "too_large", "pad_ratio".
         self.eager_runs: Counter[str] = Counter()
         #: Arguments ``run()`` accepted and ignored, per name ("num_tokens").
         self.ignored_arguments: Counter[str] = Counter()
-        self.graphs: dict[Bucket, BucketGraph] = {}
-        self.slot_inputs: list[StaticInputs] = []
+        #: What the runner captured and hands this path (``None``: nothing to serve).
+        self.captured: CapturedBuckets | None = None
+        #: The first slot's static inputs, read by every call (``captured.static``).
         self.static: StaticInputs | None = None
-        self.dropped: dict[Bucket, str] = {}  # named by the too-large WARNING
         #: Row count -> its replay, for batches that match the specs exactly (batch-size
         #: buckets only: token buckets choose by num_tokens).
         self.steps: dict[int, ReplayStep] = {}
@@ -89,10 +89,8 @@ class CallPath:
     def serve(self, captured: CapturedBuckets | None) -> None:
         """Serve the buckets of ``captured`` from now on (``None``: nothing is served;
         :meth:`run` raises). Forgets the replay steps of the previous value."""
-        self.graphs = {} if captured is None else captured.graphs
-        self.slot_inputs = [] if captured is None else captured.slot_inputs
+        self.captured = captured
         self.static = None if captured is None else captured.static
-        self.dropped = {} if captured is None else captured.report.dropped
         self.steps = {}
 
     def choose(self, batch_size: int, num_tokens: int | None = None) -> BucketChoice:
@@ -101,7 +99,8 @@ class CallPath:
         Raises:
             CudaGraphsValueError: as :func:`~cudagraphs.serving.buckets.choose_bucket`.
         """
-        return choose_bucket(self.graphs, batch_size, num_tokens, self.max_pad_ratio)
+        graphs = () if self.captured is None else self.captured.graphs
+        return choose_bucket(graphs, batch_size, num_tokens, self.max_pad_ratio)
 
     def run(
         self,
@@ -136,8 +135,9 @@ class CallPath:
         bucket = self.choose(rows).bucket
         if bucket is None:
             return None
-        staging = tuple(static.staging(bucket, rows) for static in self.slot_inputs)
-        step = self.steps[rows] = ReplayStep(self.graphs[bucket], staging)
+        captured = self.captured
+        staging = tuple(static.staging(bucket, rows) for static in captured.slot_inputs)
+        step = self.steps[rows] = ReplayStep(captured.graphs[bucket], staging)
         return step
 
     def _run_checked(
@@ -158,10 +158,10 @@ class CallPath:
         choice = self.choose(batch, num_tokens)
         if choice.bucket is None:
             return self._run_eagerly(inputs, rows, batch, num_tokens, choice.eager_cause)
-        entry = self.graphs[choice.bucket]
+        entry = self.captured.graphs[choice.bucket]
         index = entry.next_slot
         entry.next_slot = (index + 1) % self.slots
-        self.slot_inputs[index].stage(inputs, choice.bucket, rows)
+        self.captured.slot_inputs[index].stage(inputs, choice.bucket, rows)
         return self._replay(entry, index, rows, copy_output)
 
     def _replay(self, entry: BucketGraph, index: int, rows: int, copy_output: bool) -> Any:
@@ -174,7 +174,7 @@ class CallPath:
 
     def _ignore_num_tokens(self, num_tokens: int) -> None:
         self.ignored_arguments["num_tokens"] += 1
-        self.warn(
+        self._warn(
             "num_tokens",
             "GraphRunner: run(num_tokens=%s) is ignored: the config has no token buckets "
             "(BucketConfig(token_counts=...)), so buckets are chosen by batch size alone",
@@ -200,18 +200,18 @@ class CallPath:
         of capture)."""
         size = f"{batch}" if num_tokens is None else f"{batch} ({num_tokens} tokens)"
         if cause == "too_large":
-            dropped = self.dropped
-            self.warn(
+            dropped = self.captured.report.dropped
+            self._warn(
                 "too_large",
                 "GraphRunner: a batch of %s fits no captured bucket (the largest is %s%s): "
                 "it and later ones like it run eagerly, counted in "
                 "stats()['eager_runs']['too_large']",
                 size,
-                max(self.graphs, key=size_key),
+                max(self.captured.graphs, key=size_key),
                 f"; dropped: {', '.join(map(str, dropped))}" if dropped else "",
             )
         elif cause == "pad_ratio":
-            self.warn(
+            self._warn(
                 "pad_ratio",
                 "GraphRunner: a batch of %s would pad its bucket by more than "
                 "max_pad_ratio=%s: it and later ones like it run eagerly, counted in "
