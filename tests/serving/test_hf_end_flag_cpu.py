@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cudagraphs.serving.hf import per_token
-from cudagraphs.serving.hf.per_token import _EndFlag
+from cudagraphs.serving.hf.per_token import EndFlag
 
 CUDA = torch.device("cuda", 1)
 
@@ -60,14 +60,14 @@ def fake_cuda(monkeypatch):
 
 def test_on_cuda_the_flag_is_pinned_host_memory_with_an_event(fake_cuda):
     log, made = fake_cuda
-    flag = _EndFlag(CUDA)
+    flag = EndFlag(CUDA)
     assert made == [(((),), {"dtype": torch.bool, "pin_memory": True})]
     assert log == [("event",)] and flag.pending is False
 
 
 def test_a_record_copies_without_blocking_and_marks_the_values_device_stream(fake_cuda):
     log, _ = fake_cuda
-    flag = _EndFlag(torch.device("cuda", 0))  # the current device need not be the value's
+    flag = EndFlag(torch.device("cuda", 0))  # the current device need not be the value's
     value = _OnDevice(torch.tensor(True), CUDA)
     flag.record(value)
     assert flag.host.copies == [(value, True)]
@@ -77,7 +77,7 @@ def test_a_record_copies_without_blocking_and_marks_the_values_device_stream(fak
 
 def test_a_read_waits_on_the_event_once_then_answers_false_until_the_next_record(fake_cuda):
     log, _ = fake_cuda
-    flag = _EndFlag(CUDA)
+    flag = EndFlag(CUDA)
     flag.record(_OnDevice(torch.tensor(True), CUDA))
     assert flag.read() is True
     assert log[-1] == ("synchronize",) and log.count(("synchronize",)) == 1
@@ -95,7 +95,7 @@ def test_on_the_cpu_there_is_no_pinned_memory_and_no_event(monkeypatch):
 
     monkeypatch.setattr(per_token.torch, "zeros", zeros)
     monkeypatch.setattr(per_token.torch.cuda, "Event", _no_event)
-    flag = _EndFlag(torch.device("cpu"))
+    flag = EndFlag(torch.device("cpu"))
     assert made == [{"dtype": torch.bool, "pin_memory": False}] and flag.event is None
     flag.record(torch.tensor(True))
     assert flag.read() is True and flag.read() is False

@@ -42,7 +42,7 @@ from cudagraphs.serving.hf import (  # noqa: E402
     Sampling,
 )
 from cudagraphs.serving.hf.sampling import sampling_rule  # noqa: E402
-from cudagraphs.serving.runner import progress_bar  # noqa: E402
+from cudagraphs.serving.startup import progress_bar  # noqa: E402
 
 CPU = torch.device("cpu")
 NEW = 10

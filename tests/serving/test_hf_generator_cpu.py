@@ -41,7 +41,7 @@ from cudagraphs.errors import (  # noqa: E402
 from cudagraphs.serving import Bucket  # noqa: E402
 from cudagraphs.serving.graphs import eager_backend  # noqa: E402
 from cudagraphs.serving.hf import GraphedGenerator, check_supported  # noqa: E402
-from cudagraphs.serving.hf.generator import _EndFlag  # noqa: E402
+from cudagraphs.serving.hf.per_token import EndFlag  # noqa: E402
 
 CPU = torch.device("cpu")
 NEW = 8
@@ -337,7 +337,7 @@ def test_a_bfloat16_batch_above_the_largest_bucket_has_a_bfloat16_cache_and_equa
 
 # ---- the end-of-sequence flag --------------------------------------------------------------
 def test_the_end_flag_reads_each_recorded_value_once_and_false_when_none_is_pending():
-    flag = _EndFlag(CPU)
+    flag = EndFlag(CPU)
     assert flag.read() is False  # nothing recorded
     flag.record(torch.tensor(True))
     assert flag.read() is True

@@ -6,16 +6,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cudagraphs import CudaGraphCaptureError
-from cudagraphs.errors import CudaGraphsTypeError
+from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError
 from cudagraphs.serving import (
     DEFAULT_BATCH_SIZES,
     STRICT_BUCKETS_ENV,
     Bucket,
+    BucketChoice,
     BucketConfig,
     check_dropped_buckets,
+    choose_bucket,
     pad_ratio,
     select_bucket,
 )
+from cudagraphs.serving.buckets import size_key
 
 # --------------------------------------------------------------------------- config
 
@@ -244,6 +247,56 @@ def test_select_property_token_buckets(buckets, batch_size, extra_tokens):
         return
     assert chosen in fits
     assert chosen.rows == min(b.rows for b in fits)
+
+
+def test_choose_says_why_a_batch_runs_eagerly():
+    captured = [Bucket(2), Bucket(8)]
+    assert choose_bucket([], 3) == BucketChoice(None, "no_graphs")
+    assert choose_bucket(iter([]), 3, max_pad_ratio=0.5) == BucketChoice(None, "no_graphs")
+    assert choose_bucket(captured, 9) == BucketChoice(None, "too_large")
+    assert choose_bucket(captured, 3, max_pad_ratio=0.5) == BucketChoice(None, "pad_ratio")
+    assert choose_bucket(captured, 3, max_pad_ratio=0.625) == BucketChoice(Bucket(8))
+    assert choose_bucket(iter(captured), 2) == BucketChoice(Bucket(2), None)
+    tokens = [Bucket(2, 8), Bucket(4, 4)]
+    assert choose_bucket(tokens, 2, 9) == BucketChoice(None, "too_large")
+    assert choose_bucket(tokens, 2, 2, max_pad_ratio=0.25) == BucketChoice(None, "pad_ratio")
+    assert choose_bucket(tokens, 2, 3) == BucketChoice(Bucket(4, 4))
+
+
+def test_choose_raises_what_select_raises():
+    with pytest.raises(CudaGraphsValueError, match="batch_size must be >= 1, got 0"):
+        choose_bucket([Bucket(2)], 0)
+    with pytest.raises(CudaGraphsValueError, match="batch_size must be >= 1, got 0"):
+        choose_bucket([], 0)
+    with pytest.raises(CudaGraphsValueError, match=r"bucket\(bs=4, tokens=8\) is a token"):
+        choose_bucket([Bucket(4, 8)], 2)
+
+
+@given(
+    sizes=st.sets(st.integers(1, 128), max_size=10),
+    batch_size=st.integers(1, 160),
+    ratio=st.none() | st.floats(0.0, 0.99),
+)
+def test_choose_property_the_cause_matches_the_bucket(sizes, batch_size, ratio):
+    captured = [Bucket(s) for s in sizes]
+    choice = choose_bucket(captured, batch_size, max_pad_ratio=ratio)
+    assert choice.bucket == select_bucket(captured, batch_size, max_pad_ratio=ratio)
+    tightest = brute_force_tightest(sizes, batch_size)
+    if choice.bucket is not None:
+        assert choice.eager_cause is None and choice.bucket == tightest
+    elif not sizes:
+        assert choice.eager_cause == "no_graphs"
+    elif tightest is None:
+        assert choice.eager_cause == "too_large"
+    else:
+        assert choice.eager_cause == "pad_ratio" and pad_ratio(tightest, batch_size) > ratio
+
+
+def test_size_key_orders_by_rows_then_batch_size():
+    assert size_key(Bucket(4)) == (4, 4)
+    assert size_key(Bucket(2, 8)) == (8, 2)
+    ordered = sorted([Bucket(4, 4), Bucket(2, 8), Bucket(1), Bucket(2, 4)], key=size_key)
+    assert ordered == [Bucket(1), Bucket(2, 4), Bucket(4, 4), Bucket(2, 8)]
 
 
 # --------------------------------------------------------------------------- dropped

@@ -24,9 +24,9 @@ from cudagraphs.serving import (
     STRICT_BUCKETS_ENV,
     Bucket,
     BucketConfig,
+    BucketCost,
     check_dropped_buckets,
 )
-from cudagraphs.serving.runner import BucketCost
 from cudagraphs.settings import DISABLE_ENV
 from cudagraphs.settings import STRICT_BUCKETS_ENV as SETTINGS_STRICT_ENV
 from test_serving_runner import (
@@ -103,7 +103,7 @@ def test_output_error_at_a_smaller_bucket_releases_the_graphs_already_captured()
     assert len(made) == 2 and all(g.was_reset for g in made)
     assert runner.graphs == {} and runner.static is None
     # Capture is a transaction: a correct backend captures the same runner afterwards.
-    runner._backend = eager_backend()
+    runner.backend = eager_backend()
     runner.capture(dummy)
     assert torch.equal(runner.run(batch(3)), forward(**batch(3)))
 

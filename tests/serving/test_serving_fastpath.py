@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from cudagraphs.errors import CudaGraphInputError
-from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec, StaticInputs, full_path
-from cudagraphs.serving import runner as runner_module
+from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec, StaticInputs, call_path
 
 HIDDEN = 3
 MAX = 16
@@ -81,7 +80,7 @@ def test_the_fast_path_writes_and_returns_what_the_full_path_does():
         inputs = batch(n, seed=n)
         got = fast.run(inputs)
         want = full.run(inputs, batch_size=n)  # batch_size= takes the full path
-        assert n in fast._steps and not full._steps
+        assert n in fast.replay_steps and not full.replay_steps
         assert torch.equal(got, want) and torch.equal(got, forward(**inputs))
         for name, t in storage(fast).items():
             assert torch.equal(t, storage(full)[name]), (n, name)
@@ -130,14 +129,14 @@ def test_a_lossless_dtype_takes_the_full_path_and_is_converted():
     inputs["ids"] = inputs["ids"].int()
     assert runner.static.exact_rows(inputs) is None
     assert torch.equal(runner.run(inputs), forward(**batch(3)))
-    assert 3 not in runner._steps
+    assert 3 not in runner.replay_steps
 
 
 def test_other_mappings_take_the_full_path():
     runner = make_runner()
     inputs = types.MappingProxyType(batch(5))
     assert torch.equal(runner.run(inputs), forward(**batch(5)))
-    assert 5 not in runner._steps
+    assert 5 not in runner.replay_steps
 
 
 @pytest.mark.parametrize(
@@ -178,9 +177,9 @@ def test_batches_no_bucket_serves_run_eagerly_and_are_counted():
     assert torch.equal(runner.run(batch(1)), forward(**batch(1)))  # pads 50%: eager
     assert torch.equal(runner.run(batch(5)), forward(**batch(5)))  # pads 69%: eager
     assert runner.stats()["eager_runs"] == {"pad_ratio": 2}
-    assert 1 not in runner._steps and 5 not in runner._steps
+    assert 1 not in runner.replay_steps and 5 not in runner.replay_steps
     assert torch.equal(runner.run(batch(3)), forward(**batch(3)))  # 25%: replayed
-    assert 3 in runner._steps
+    assert 3 in runner.replay_steps
     assert runner.stats()["replays"][str(Bucket(4))] == 1
 
 
@@ -196,18 +195,17 @@ def test_token_buckets_take_the_full_path():
     runner.capture(lambda b: {"x": torch.ones(b.rows, HIDDEN)}, warmup=0)
     x = torch.randn(3, HIDDEN)
     assert torch.equal(runner.run({"x": x}, batch_size=2, num_tokens=3), x * 2)
-    assert not runner._steps
+    assert not runner.replay_steps
 
 
 def test_rank_agreement_takes_the_full_path(monkeypatch):
     runner = make_runner()
-    monkeypatch.setattr(runner_module, "is_distributed", lambda group=None: True)
-    monkeypatch.setattr(full_path, "is_distributed", lambda group=None: True)
-    monkeypatch.setattr(full_path, "agree_on_batch_size", lambda n, group=None: 7)
+    monkeypatch.setattr(call_path, "is_distributed", lambda group=None: True)
+    monkeypatch.setattr(call_path, "agree_on_batch_size", lambda n, group=None: 7)
     inputs = batch(3)
     assert torch.equal(runner.run(inputs), forward(**inputs))
     assert runner.stats()["replays"][str(Bucket(8))] == 1  # the agreed size's bucket
-    assert not runner._steps
+    assert not runner.replay_steps
 
 
 def test_double_buffered_slots_alternate_on_the_fast_path():
@@ -226,7 +224,7 @@ def test_close_forgets_the_steps_and_a_new_capture_serves():
     runner = make_runner()
     runner.run(batch(3))
     runner.close()
-    assert not runner._steps
+    assert not runner.replay_steps
     runner.capture(lambda b: batch(b.rows), warmup=0)
     assert torch.equal(runner.run(batch(3, seed=4)), forward(**batch(3, seed=4)))
 

@@ -9,7 +9,7 @@ import torch
 
 from _serving_contract import RUNNER_LOG, small_runner, warnings_about
 from cudagraphs.errors import CudaGraphInputError, CudaGraphsTypeError, CudaGraphsValueError
-from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec, full_path
+from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec, call_path
 from test_serving_runner import HIDDEN, batch, dummy, eager_backend, forward, make_runner
 
 TOO_LARGE = (
@@ -106,8 +106,8 @@ def test_rank_agreement_gets_the_batch_size_and_the_runners_group(monkeypatch):
         assert g is group
         return n + 4
 
-    monkeypatch.setattr(full_path, "is_distributed", is_distributed)
-    monkeypatch.setattr(full_path, "agree_on_batch_size", agree)
+    monkeypatch.setattr(call_path, "is_distributed", is_distributed)
+    monkeypatch.setattr(call_path, "agree_on_batch_size", agree)
     runner = make_runner(group=group)
     runner.capture(dummy)
     inputs = batch(3, seed=2)

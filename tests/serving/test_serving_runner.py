@@ -221,10 +221,10 @@ def test_static_outputs_option_selects_the_copying_capture():
     specs = [InputSpec("x", (4, HIDDEN), torch.float32)]
     config = BucketConfig(batch_sizes=(2, 4))
     assert (
-        GraphRunner(forward, specs, config, device="cpu", static_outputs=True)._backend
+        GraphRunner(forward, specs, config, device="cpu", static_outputs=True).backend
         is static_outputs_backend
     )
-    assert GraphRunner(forward, specs, config, device="cpu")._backend is default_backend
+    assert GraphRunner(forward, specs, config, device="cpu").backend is default_backend
 
 
 def test_double_buffered_slots_alternate_and_plan_runs_before_each_replay():

@@ -8,12 +8,13 @@ import re
 import pytest
 import torch
 
-from cudagraphs.errors import CudaGraphsTypeError
+from cudagraphs.errors import CudaGraphCaptureError, CudaGraphsTypeError
 from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec, plan_buckets
-from cudagraphs.serving import runner as runner_module
+from cudagraphs.serving.call_path import CallPath
 from cudagraphs.serving.static_inputs import StaticInputs
 from test_serving_runner import (
     HIDDEN,
+    EagerGraph,
     batch,
     dummy,
     eager_backend,
@@ -50,7 +51,7 @@ def test_close_leaves_empty_containers_and_capture_works_again():
     runner.capture(dummy)
     runner.run(batch(3))
     runner.close()
-    assert runner.slot_inputs == [] and runner._steps == {} and runner.graphs == {}
+    assert runner.slot_inputs == [] and runner.replay_steps == {} and runner.graphs == {}
     runner.capture(dummy)
     assert torch.equal(runner.run(batch(3)), forward(**batch(3)))
 
@@ -120,7 +121,7 @@ def test_the_fast_path_plans_a_row_count_once_and_skips_the_full_path(monkeypatc
         raise AssertionError("an exactly matching batch took the full path")
 
     monkeypatch.setattr(StaticInputs, "staging", counting)
-    monkeypatch.setattr(runner_module, "run_checked", refuse)
+    monkeypatch.setattr(CallPath, "_run_checked", refuse)
     for seed in range(3):
         inputs = batch(3, seed=seed)
         assert torch.equal(runner.run(inputs), forward(**inputs))
@@ -142,3 +143,55 @@ def test_stats_name_each_dropped_bucket_with_its_reason():
     dropped = runner.stats()["dropped"]
     assert list(dropped) == ["bucket(bs=8)"]
     assert "operation not permitted" in dropped["bucket(bs=8)"]
+
+
+def test_select_before_capture_and_after_close_runs_eagerly():
+    runner = make_runner()
+    assert runner.select(3) is None and runner.captured is None
+    runner.capture(dummy)
+    assert runner.select(3) == Bucket(4)
+    runner.close()
+    assert runner.select(3) is None
+
+
+def test_the_runner_holds_the_captured_value_and_close_keeps_its_report():
+    runner = make_runner(backend=eager_backend(fail_on=[Bucket(8)]), require_all_buckets=False)
+    runner.capture(dummy)
+    captured, report = runner.captured, runner.report
+    assert captured.report is report and captured.static is runner.static
+    assert captured.slot_inputs == runner.slot_inputs and captured.graphs is runner.graphs
+    assert list(captured.graphs) == [Bucket(b) for b in (64, 32, 16, 4, 2, 1)]
+    assert set(report.times) == set(captured.graphs)
+    before = runner.stats()
+    runner.close()
+    assert runner.captured is None and runner.report is report
+    after = runner.stats()
+    assert after["captured"] == [] and after["replays"] == {}
+    for key in ("dropped", "capture_seconds", "disabled", "memory"):
+        assert after[key] == before[key], key
+    assert list(runner.dropped_buckets) == [Bucket(8)]
+
+
+def test_a_failed_capture_releases_its_graphs_and_its_report_says_why():
+    made = []
+
+    def backend(run, pool, what):
+        if what == "bucket(bs=2)":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        out = run()
+        made.append(EagerGraph(run, out))
+        return made[-1], out
+
+    runner = make_runner(backend=backend, require_all_buckets=True)
+    with pytest.raises(CudaGraphCaptureError, match=r"bucket\(bs=2\): RuntimeError"):
+        runner.capture(dummy)
+    assert len(made) == 6 and all(g.was_reset for g in made)
+    assert runner.captured is None and runner.graphs == {} and runner.static is None
+    assert runner.dropped_buckets == {
+        Bucket(2): "RuntimeError: operation not permitted when stream is capturing"
+    }
+    assert set(runner.capture_times) == {Bucket(b) for b in (64, 32, 16, 8, 4, 1)}
+    # The next capture starts a report of its own.
+    runner.backend = eager_backend()
+    runner.capture(dummy)
+    assert runner.dropped_buckets == {} and len(runner.graphs) == 7

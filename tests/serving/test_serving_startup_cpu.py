@@ -13,12 +13,19 @@ from cudagraphs.serving import (
     Bucket,
     BucketConfig,
     BucketCost,
+    CaptureTime,
     GraphRunner,
     InputSpec,
     MemoryUse,
     startup,
 )
-from cudagraphs.serving.startup import BucketCapture, CaptureArgs, CaptureTime
+from cudagraphs.serving.startup import (
+    CaptureArgs,
+    choose_by_memory,
+    measure_bucket,
+    memory_now,
+    warmup_scope,
+)
 from test_serving_runner import (
     HIDDEN,
     EagerGraph,
@@ -32,6 +39,20 @@ from test_serving_runner import (
 LOG = "cudagraphs.serving.runner"
 MIB = 1 << 20
 ALL = [Bucket(b) for b in (64, 32, 16, 8, 4, 2, 1)]  # the default config, capture order
+
+
+def args_of(runner, make_inputs=dummy, **kw):
+    """The CaptureArgs a capture() of ``runner`` with ``kw`` hands the startup."""
+    return CaptureArgs(
+        runner.forward,
+        runner.specs,
+        runner.config,
+        runner.device,
+        make_inputs,
+        runner.backend,
+        stand_in=True,
+        **kw,
+    )
 
 
 def messages(caplog, level):
@@ -155,12 +176,12 @@ def test_each_warmup_runs_in_the_pools_warmup_scope_and_each_capture_outside_it(
     events = []
 
     @contextlib.contextmanager
-    def scope(self):
+    def scope(pool, device):
         events.append("enter")
         yield
         events.append("exit")
 
-    monkeypatch.setattr(BucketCapture, "_warmup_scope", scope)
+    monkeypatch.setattr(startup, "warmup_scope", scope)
     backend = eager_backend()
     real = backend
 
@@ -187,12 +208,10 @@ class FakePool:
 def test_warmup_scope_is_the_pools_on_cuda_and_nothing_elsewhere():
     pool = FakePool()
     cuda = torch.device("cuda", 1)
-    runner = types.SimpleNamespace(device=cuda, _pool=pool)
-    with BucketCapture(runner)._warmup_scope() as got:
+    with warmup_scope(pool, cuda) as got:
         assert got == ("warmup stream", cuda)
     assert pool.asked == [cuda]
-    runner.device = torch.device("cpu")
-    with BucketCapture(runner)._warmup_scope() as got:
+    with warmup_scope(pool, torch.device("cpu")) as got:
         assert got is None
     assert pool.asked == [cuda]
 
@@ -218,18 +237,16 @@ def fake_cuda_memory(monkeypatch, free=111, total=999, reserved=222):
 def test_memory_now_empties_the_cache_and_reads_the_runners_device(monkeypatch):
     calls = fake_cuda_memory(monkeypatch)
     cuda = torch.device("cuda", 1)
-    runner = types.SimpleNamespace(device=cuda)
-    assert BucketCapture(runner)._memory_now() == (222, 111)
+    assert memory_now(cuda) == (222, 111)
     assert calls == [("sync", cuda), ("empty",), ("reserved", cuda), ("info", cuda)]
     calls.clear()
-    runner.device = torch.device("cpu")
-    assert BucketCapture(runner)._memory_now() is None
+    assert memory_now(torch.device("cpu")) is None
     assert calls == []
 
 
 def test_memory_used_is_the_change_across_the_captures_and_is_logged(monkeypatch, caplog):
     readings = iter([(100 * MIB, 5000 * MIB), (400 * MIB, 3000 * MIB)])
-    monkeypatch.setattr(BucketCapture, "_memory_now", lambda self: next(readings))
+    monkeypatch.setattr(startup, "memory_now", lambda device: next(readings))
     runner = make_runner(backend=eager_backend())
     with caplog.at_level(logging.INFO, logger=LOG):
         runner.capture(
@@ -254,7 +271,7 @@ def test_memory_used_is_the_change_across_the_captures_and_is_logged(monkeypatch
 
 def test_without_the_memory_plan_memory_is_not_read(monkeypatch):
     read = []
-    monkeypatch.setattr(BucketCapture, "_memory_now", lambda self: read.append(1) or (1, 2))
+    monkeypatch.setattr(startup, "memory_now", lambda device: read.append(1) or (1, 2))
     runner = make_runner(backend=eager_backend())
     runner.capture(dummy)
     assert read == [] and runner.memory_used is None and runner.memory_plan is None
@@ -271,8 +288,8 @@ def test_the_plan_reads_the_devices_free_memory_when_not_given(monkeypatch):
     runner = make_runner(backend=eager_backend())
     runner.capture(dummy)
     calls = fake_cuda_memory(monkeypatch, free=134 * MIB, total=1 << 40)
-    chosen = BucketCapture(runner)._plan(
-        CaptureArgs(dummy, 2, plan_memory=True, measure=synthetic_cost)
+    chosen = choose_by_memory(
+        args_of(runner, plan_memory=True, measure=synthetic_cost), runner.captured
     )
     assert calls == [("info", runner.device)]
     assert runner.memory_plan.budget_bytes == 134 * MIB
@@ -290,9 +307,9 @@ def test_the_default_measure_runs_the_staged_bucket_on_the_warmup_stream(monkeyp
     monkeypatch.setattr(startup, "measure_bucket_cost", measure_bucket_cost)
     runner = make_runner(backend=eager_backend())
     runner.capture(dummy)
-    monkeypatch.setattr(BucketCapture, "_warmup_stream", lambda self: stream)
+    monkeypatch.setattr(startup, "warmup_stream", lambda pool, device: stream)
     inputs = {"x": torch.arange(16.0).reshape(4, HIDDEN), "scale": torch.full((4, 1), 2.0)}
-    cost = BucketCapture(runner)._measure(Bucket(4), CaptureArgs(lambda b: inputs, 2))
+    cost = measure_bucket(args_of(runner, make_inputs=lambda b: inputs), runner.captured, Bucket(4))
     assert cost == BucketCost(Bucket(4), 1, 2, 3, 4.0)
     ((bucket, out, used),) = seen
     assert bucket == Bucket(4) and used is stream

@@ -1,5 +1,6 @@
 """Batch-size (and token-count) buckets: which graphs a runner captures and which one
-a batch replays on. Pure policy, tested on the CPU."""
+a batch replays on (:func:`choose_bucket`, the one place a bucket is chosen). Pure
+policy, tested on the CPU."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ __all__ = [
     "DEFAULT_BATCH_SIZES",
     "STRICT_BUCKETS_ENV",
     "Bucket",
+    "BucketChoice",
     "BucketConfig",
     "check_dropped_buckets",
+    "choose_bucket",
     "pad_ratio",
     "select_bucket",
+    "size_key",
     "warmup_runs",
 ]
 
@@ -45,8 +49,9 @@ class Bucket:
         return self.batch_size if self.num_tokens is None else self.num_tokens
 
 
-def _size_key(bucket: Bucket) -> tuple[int, int]:
-    # Rows size the static buffers and the pool; capture and report the biggest first.
+def size_key(bucket: Bucket) -> tuple[int, int]:
+    """How buckets compare by size: rows first (they size the static buffers and the
+    pool), then batch size. Capture, reports and the choice of a bucket all order by it."""
     return (bucket.rows, bucket.batch_size)
 
 
@@ -109,7 +114,7 @@ class BucketConfig:
         else:
             buckets = _token_buckets(self.token_counts, sizes)
         # Capture order: largest first, so smaller graphs reuse the largest one's pool.
-        object.__setattr__(self, "_buckets", tuple(sorted(buckets, key=_size_key, reverse=True)))
+        object.__setattr__(self, "_buckets", tuple(sorted(buckets, key=size_key, reverse=True)))
 
     def buckets(self) -> list[Bucket]:
         """Every configured bucket, in capture order (largest first)."""
@@ -161,17 +166,28 @@ def pad_ratio(bucket: Bucket, batch_size: int, num_tokens: int | None = None) ->
     return (bucket.rows - real) / bucket.rows
 
 
-def select_bucket(
+@dataclass(frozen=True)
+class BucketChoice:
+    """Where a batch goes: the captured ``bucket`` it replays on, or ``None`` and the
+    ``eager_cause`` it runs eagerly for: ``"no_graphs"`` (nothing was captured),
+    ``"too_large"`` (no captured bucket holds it) or ``"pad_ratio"`` (the tightest one
+    would pad it more than ``max_pad_ratio``)."""
+
+    bucket: Bucket | None
+    eager_cause: str | None = None
+
+
+def choose_bucket(
     captured: Iterable[Bucket],
     batch_size: int,
     num_tokens: int | None = None,
     max_pad_ratio: float | None = None,
-) -> Bucket | None:
-    """The tightest captured bucket that fits the batch, or ``None`` (run eagerly).
+) -> BucketChoice:
+    """The tightest captured bucket that fits the batch, or why there is none.
 
     A bucket fits when its batch size (and, for token buckets, its token count) is at
-    least the batch's. Among those the smallest wins; with ``max_pad_ratio`` a bucket
-    that would be padded more than that is refused.
+    least the batch's. Among those the smallest (:func:`size_key`) wins; with
+    ``max_pad_ratio`` a bucket that would be padded more than that is refused.
 
     Raises:
         CudaGraphsValueError: a batch size below 1, or token buckets without
@@ -179,8 +195,9 @@ def select_bucket(
     """
     if batch_size < 1:
         raise CudaGraphsValueError(f"batch_size must be >= 1, got {batch_size}")
-    fitting = []
+    fitting, any_captured = [], False
     for b in captured:
+        any_captured = True
         if b.batch_size < batch_size:
             continue
         if b.num_tokens is not None:
@@ -192,11 +209,26 @@ def select_bucket(
                 continue
         fitting.append(b)
     if not fitting:
-        return None
-    best = min(fitting, key=lambda b: (b.rows, b.batch_size))
+        return BucketChoice(None, "too_large" if any_captured else "no_graphs")
+    best = min(fitting, key=size_key)
     if max_pad_ratio is not None and pad_ratio(best, batch_size, num_tokens) > max_pad_ratio:
-        return None
-    return best
+        return BucketChoice(None, "pad_ratio")
+    return BucketChoice(best)
+
+
+def select_bucket(
+    captured: Iterable[Bucket],
+    batch_size: int,
+    num_tokens: int | None = None,
+    max_pad_ratio: float | None = None,
+) -> Bucket | None:
+    """The tightest captured bucket that fits the batch, or ``None`` (run eagerly):
+    :func:`choose_bucket`'s bucket.
+
+    Raises:
+        CudaGraphsValueError: as :func:`choose_bucket`.
+    """
+    return choose_bucket(captured, batch_size, num_tokens, max_pad_ratio).bucket
 
 
 def check_dropped_buckets(dropped: Mapping[Bucket, str], require_all: bool | None = None) -> None:
@@ -215,7 +247,7 @@ def check_dropped_buckets(dropped: Mapping[Bucket, str], require_all: bool | Non
     if require_all is None:
         require_all = env_flag(STRICT_BUCKETS_ENV)
     if require_all and dropped:
-        ordered = sorted(dropped.items(), key=lambda item: _size_key(item[0]), reverse=True)
+        ordered = sorted(dropped.items(), key=lambda item: size_key(item[0]), reverse=True)
         lines = "\n  ".join(f"{b}: {why}" for b, why in ordered)
         raise CudaGraphCaptureError(
             f"{len(dropped)} bucket(s) were dropped at startup and all are required:\n  {lines}\n"
@@ -227,11 +259,12 @@ def check_dropped_buckets(dropped: Mapping[Bucket, str], require_all: bool | Non
 def warmup_runs(index: int, warmup: int, compiled: bool) -> int:
     """Eager runs before the capture of the ``index``-th bucket captured (0: the first).
 
-    Why not ``warmup`` for every bucket: measured on the H200 (16-layer decoder, 7
-    buckets), warmups were a third of the startup, and what they exist for happens once
-    (cuBLAS handles, the warmup stream's workspaces, lazily built module state).
-    One run per later bucket still meets what is built per shape; a compiled forward
-    compiles per shape, in warmup, so every bucket gets the full count then.
+    Why not ``warmup`` for every bucket: warmups are most of a runner's startup (the
+    ``capture_seconds`` of ``benchmarks/results/serving_hf-*-startup.json``), and what
+    they exist for happens once (cuBLAS handles, the warmup stream's workspaces, lazily
+    built module state). One run per later bucket still meets what is built per shape;
+    a compiled forward compiles per shape, in warmup, so every bucket gets the full
+    count then.
     """
     if compiled or index == 0:
         return warmup

@@ -1,6 +1,9 @@
-"""What a runner holds per bucket: the captured graphs (one per slot), the output
-trees they write, and how each output is cut to a batch's real rows, checked once at
-capture; and the capture backends (a graph, a graph with static outputs, or the eager
+"""What a runner's capture produces and the runner holds: :class:`CapturedBuckets` (the
+graphs per bucket, the static inputs per slot, the pool) and :class:`CaptureReport`
+(what the capture found: dropped buckets, times, memory). Per bucket a
+:class:`BucketGraph` holds a :class:`SlotGraph` per slot: a captured graph, the output
+tree it writes, and how each output is cut to a batch's real rows, checked once at
+capture. Also the capture backends (a graph, a graph with static outputs, or the eager
 stand-in under ``CUDAGRAPHS_DISABLE``)."""
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ from ..capture import GraphPool, capture_eagerly, capture_into_graph, capture_wi
 from ..errors import CudaGraphOutputError, Mismatch, describe_mismatches
 from .buckets import Bucket
 from .input_specs import Said
-from .static_inputs import PLAN_CACHE_SIZE, StagePlan
+from .memory import MemoryPlan, MemoryUse
+from .static_inputs import PLAN_CACHE_SIZE, StagePlan, StaticInputs
 
 __all__ = [
-    "BucketGraph",
     "BucketBackend",
+    "BucketGraph",
+    "CaptureReport",
+    "CaptureTime",
+    "CapturedBuckets",
     "ReplayStep",
     "SlotGraph",
     "default_backend",
@@ -161,7 +168,70 @@ class ReplayStep:
     staging: tuple[StagePlan, ...]
 
 
+@dataclass(frozen=True)
+class CaptureTime:
+    """How long one bucket took to capture (host wall time, seconds)."""
+
+    warmup_runs: int
+    warmup_s: float
+    capture_s: float  # recording and instantiation
+
+
+@dataclass
+class CaptureReport:
+    """What one capture of a runner's buckets found. The capture fills it as it goes, so
+    the runner keeps it after :meth:`~cudagraphs.serving.GraphRunner.close` and after a
+    capture that raised (then up to where that capture stopped).
+
+    Attributes:
+        disabled: ``CUDAGRAPHS_DISABLE`` was set: eager stand-ins, no graphs.
+        dropped: bucket -> why it was dropped (capture error, memory plan, ranks).
+        times: per captured bucket, its warmup runs and seconds.
+        memory_plan: the plan (with ``plan_memory``), else ``None``.
+        memory_used: what the captures took, beside the plan (with ``plan_memory``
+            on CUDA), else ``None``.
+        memory_account: where the capture's device memory went
+            (:class:`~cudagraphs.memory.MemoryAccount`; ``None`` off CUDA or when
+            disabled).
+    """
+
+    disabled: bool = False
+    dropped: dict[Bucket, str] = field(default_factory=dict)
+    times: dict[Bucket, CaptureTime] = field(default_factory=dict)
+    memory_plan: MemoryPlan | None = None
+    memory_used: MemoryUse | None = None
+    memory_account: Any = None
+
+
+@dataclass(frozen=True)
+class CapturedBuckets:
+    """Everything one capture made, owned by the runner until it closes: the graphs per
+    bucket (in capture order, largest first), the static inputs per slot (every
+    bucket's graphs read slices of them), the pool the graphs live in and the
+    :class:`CaptureReport`.
+
+    It does NOT change after the capture, except the replay counts and next slots of
+    its :class:`BucketGraph` entries, which each call advances.
+    """
+
+    graphs: dict[Bucket, BucketGraph]
+    slot_inputs: list[StaticInputs]
+    pool: GraphPool
+    report: CaptureReport
+
+    @property
+    def static(self) -> StaticInputs:
+        """The first slot's static inputs (the only ones with one slot)."""
+        return self.slot_inputs[0]
+
+    def release(self) -> None:
+        """Reset every graph (their memory goes back to the pool)."""
+        for entry in self.graphs.values():
+            entry.reset()
+
+
 def release(graphs: Any) -> None:
+    """Reset each graph that can be reset (an eager stand-in may have no ``reset``)."""
     for graph in graphs:
         reset = getattr(graph, "reset", None)
         if reset is not None:

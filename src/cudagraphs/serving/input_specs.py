@@ -1,7 +1,7 @@
 """The input specs of a runner, checked: what each named input looks like at the largest
-bucket, and how its row dimension is found. Kept apart from the buffers built from them
-(:mod:`cudagraphs.serving.static_inputs`) because these are pure checks, run once at
-construction, with no tensors of their own.
+bucket, how its row dimension is found, and how a report shows the shape a call must
+pass. Pure checks, run once at construction, holding no tensors; the buffers built from
+the specs are :class:`~cudagraphs.serving.static_inputs.StaticInputs`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ..checks import check_int, check_number
 from ..dtypes import holds_plain_values
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError
 
-__all__ = ["InputSpec", "Said", "check_specs", "infer_row_dim"]
+__all__ = ["InputSpec", "Said", "check_specs", "infer_row_dim", "shape_pattern"]
 
 
 class Said(str):
@@ -192,7 +192,7 @@ def infer_row_dim(
     )
 
 
-def _pattern(spec: InputSpec, rows: int | None) -> Said:
+def shape_pattern(spec: InputSpec, rows: int | None) -> Said:
     """The shape a call must pass, with its rows (or "rows") in the row dimension."""
     dims = [str(n) for n in spec.shape]
     dims[spec.row_dim] = "rows" if rows is None else str(rows)

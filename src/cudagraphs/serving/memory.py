@@ -1,7 +1,7 @@
 """Memory planning for bucketed capture: which buckets fit in free device memory.
 
 Costs are measured per bucket before the real capture, on the GPU
-(:func:`cudagraphs.serving.measure.measure_bucket_cost`: eager warm-up peak, a
+(:func:`cudagraphs.serving.startup.measure_bucket_cost`: eager warm-up peak, a
 thrown-away capture for the pool bytes, and executable memory per graph node through
 the driver). Everything here is a pure function of those numbers, tested (and
 mutation-tested) on the CPU with synthetic costs.
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import CudaGraphsValueError
-from .buckets import Bucket
+from .buckets import Bucket, size_key
 
 __all__ = ["BucketCost", "MemoryPlan", "MemoryUse", "plan_buckets"]
 
@@ -120,7 +120,7 @@ def plan_buckets(
         raise CudaGraphsValueError(f"duplicate buckets in costs: {buckets}")
     reserve = max((c.eager_peak_bytes for c in costs), default=0) + headroom_bytes
     budget = free_bytes - reserve
-    chosen = sorted(costs, key=lambda c: (c.bucket.rows, c.bucket.batch_size), reverse=True)
+    chosen = sorted(costs, key=lambda c: size_key(c.bucket), reverse=True)
     dropped: dict[Bucket, str] = {}
     while chosen:
         pool, execs = _need(chosen)

@@ -1,19 +1,15 @@
 """GraphRunner: one graph per batch-size bucket over shared static inputs.
 
-The user gives a forward function over named static inputs. ``capture()`` walks the
-buckets largest first into one pool: a bucket whose capture (or memory measurement)
-fails is dropped (logged at ERROR with its cause) and the others still capture; ranks
-then agree on the captured set. An output the runner could not cut to the real rows
-is a configuration error raised at capture. ``run()`` picks the tightest captured
-bucket, stages the real rows with one fused copy, pads the rest, replays, and returns
-views of the real rows of the outputs (borrowed: overwritten by the next replay) or
-owned copies. A batch that matches the specs exactly takes a fast path: what its row
-count stages, pads and returns is worked out the first time that count is seen, so a
-step costs a few attribute reads per input besides the copy, the fill and the replay;
-anything else (a lossless dtype, ``batch_size``/``num_tokens``, token buckets, rank
-agreement, a bad batch) takes the full path, with its checks and errors. A batch no
-bucket serves runs eagerly: counted per cause and said once at WARNING.
-``CUDAGRAPHS_DISABLE=1`` replaces each graph by an eager stand-in on the same path.
+The runner owns the life cycle: it checks its arguments when built, captures on
+``capture()`` (:func:`~cudagraphs.serving.startup.capture_buckets`, which returns the
+:class:`~cudagraphs.serving.graphs.CapturedBuckets` the runner then holds), serves each
+``run()`` through its :class:`~cudagraphs.serving.call_path.CallPath` (bucket choice,
+fast or full path, staging, replay, output rows), reports what happened, and releases
+everything on ``close()``. A bucket whose capture (or memory measurement) fails is
+dropped (logged at ERROR with its cause) and the others still capture; ranks then agree
+on the captured set. A batch no bucket serves runs eagerly: counted per cause and said
+once at WARNING. ``CUDAGRAPHS_DISABLE=1`` replaces each graph by an eager stand-in on
+the same path.
 """
 
 from __future__ import annotations
@@ -29,17 +25,25 @@ from ..capture import GraphPool
 from ..checks import check_callable, check_device, check_instance, check_int
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError
-from .buckets import Bucket, BucketConfig, select_bucket
+from .buckets import Bucket, BucketConfig
+from .call_path import CallPath
 from .compiling import check_compile_options
-from .distributed import is_distributed
-from .full_path import run_checked
-from .graphs import BucketBackend, BucketGraph, ReplayStep, default_backend, static_outputs_backend
+from .graphs import (
+    BucketBackend,
+    BucketGraph,
+    CapturedBuckets,
+    CaptureReport,
+    CaptureTime,
+    ReplayStep,
+    default_backend,
+    static_outputs_backend,
+)
 from .input_specs import InputSpec, check_specs
 from .memory import BucketCost, MemoryPlan, MemoryUse
-from .startup import BucketCapture, CaptureArgs, CaptureTime, progress_bar
+from .startup import CaptureArgs, capture_buckets
 from .static_inputs import StaticInputs
 
-__all__ = ["CaptureTime", "GraphRunner", "progress_bar"]
+__all__ = ["GraphRunner"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +60,14 @@ class GraphRunner:
        memory plan fits). A bucket whose capture or measurement fails is dropped and
        said at ERROR; outputs without the bucket's rows in ``output_row_dim`` are an
        error. Under ``CUDAGRAPHS_DISABLE=1`` every bucket gets an
-       :class:`~cudagraphs.capture.EagerGraph` instead of a graph.
+       :class:`~cudagraphs.capture.EagerGraph` instead of a graph. The runner holds
+       what it made in ``captured`` and what it found in ``report``.
     3. ``run(inputs)`` validates the batch, picks the tightest captured bucket, stages
        and pads, calls ``plan``, replays and returns the real rows. A batch no bucket
        serves runs ``forward`` eagerly, counted per cause in ``eager_runs`` and said
        once per cause at WARNING.
-    4. ``close()`` releases the graphs and buffers; ``capture()`` may then run again.
+    4. ``stats()`` says what it did; ``close()`` releases the graphs and buffers
+       (``report`` stays); ``capture()`` may then run again.
 
     It does NOT: capture in the constructor; graph batches larger than the largest
     captured bucket; check that forward's rows are independent of each other (padding
@@ -156,34 +162,24 @@ class GraphRunner:
         )
         self.require_all_buckets = require_all_buckets
         self.group = group
-        self._capture_backend = capture_backend
-        default = static_outputs_backend if static_outputs else default_backend
-        self._backend = capture_backend or default
-        self._token_buckets = self.config.token_counts is not None
-        self.memory_plan: MemoryPlan | None = None
-        #: With ``plan_memory``: what the captures actually took (logged beside the plan).
-        self.memory_used: MemoryUse | None = None
-        #: Where the last capture's device memory went (cudagraphs.memory.MemoryAccount).
-        self.memory_account: Any = None
-        self.slot_inputs: list[StaticInputs] = []
-        self.static: StaticInputs | None = None
-        self.graphs: dict[Bucket, BucketGraph] = {}
-        # Row count -> its replay, for batches that match the specs exactly (batch-size
-        # buckets only: token buckets choose by num_tokens). Emptied with the graphs.
-        self._steps: dict[int, ReplayStep] = {}
-        self.dropped_buckets: dict[Bucket, str] = {}
-        #: Per captured bucket: warmup runs and the seconds its warmup and capture took.
-        self.capture_times: dict[Bucket, CaptureTime] = {}
+        self.pool = pool
+        #: The caller's stand-in for the CUDA capture, or ``None``.
+        self.capture_backend = capture_backend
+        #: How each bucket is captured: ``capture_backend``, else a graph (with static
+        #: outputs when ``static_outputs``).
+        self.backend: BucketBackend = capture_backend or (
+            static_outputs_backend if static_outputs else default_backend
+        )
         #: Every bucket warms up fully: forward is compiled here or compiles inside.
         self.compiles = compile_options is not None or compiled_inside
-        #: Eager runs per cause: "no_graphs", "too_large", "pad_ratio".
-        self.eager_runs: Counter[str] = Counter()
-        #: Arguments ``run()`` accepted and ignored, per name ("num_tokens").
-        self.ignored_arguments: Counter[str] = Counter()
-        self.disabled = False
+        #: What the last capture made (``None`` before capture and after close).
+        self.captured: CapturedBuckets | None = None
+        #: What the last capture found; kept after close and after a failed capture.
+        self.report = CaptureReport()
         self._warn = WarnOnce(logger)
-        self._given_pool = pool
-        self._pool: GraphPool | None = pool
+        self._path = CallPath(
+            self.eager_forward, self.config, self.slots, self.plan, group, self._warn
+        )
 
     # ---- capture ---------------------------------------------------------------------
     def capture(
@@ -200,7 +196,7 @@ class GraphRunner:
         """Capture every configured bucket, largest first, into one pool.
 
         A transaction: if it raises, every graph it captured is released and the
-        runner is as before (``dropped_buckets`` still says why buckets went).
+        runner holds none; ``report`` (and ``dropped_buckets``) says why buckets went.
 
         Args:
             make_inputs: dummy inputs for a bucket (all its rows real), staged before
@@ -245,28 +241,50 @@ class GraphRunner:
         headroom_bytes = check_int("headroom_bytes", headroom_bytes, minimum=0)
         if measure is not None:
             check_callable("measure", measure)
-        if self.static is not None:
+        if self.captured is not None:
             raise CudaGraphsStateError(
                 "GraphRunner.capture() on a runner that is captured already; close() it first"
             )
-        BucketCapture(self).capture(
-            CaptureArgs(
-                make_inputs, warmup, plan_memory, free_bytes, headroom_bytes, measure, progress
-            )
+        args = CaptureArgs(
+            forward=self.forward,
+            specs=self.specs,
+            config=self.config,
+            device=self.device,
+            make_inputs=make_inputs,
+            backend=self.backend,
+            stand_in=self.capture_backend is not None,
+            slots=self.slots,
+            output_row_dim=self.output_row_dim,
+            pool=self.pool,
+            group=self.group,
+            require_all_buckets=self.require_all_buckets,
+            compiles=self.compiles,
+            warmup=warmup,
+            plan_memory=plan_memory,
+            free_bytes=free_bytes,
+            headroom_bytes=headroom_bytes,
+            measure=measure,
+            progress=progress,
         )
-        self._steps = {}
-        if not self.graphs:
+        self.report = CaptureReport()
+        self.captured = capture_buckets(args, self.report, self._warn)
+        self._path.serve(self.captured)
+        if not self.captured.graphs:
             self._warn(
                 "no_graphs",
                 "GraphRunner: no bucket was captured (%d dropped, see the ERROR lines): every "
                 "batch runs eagerly, counted in stats()['eager_runs']['no_graphs']",
-                len(self.dropped_buckets),
+                len(self.report.dropped),
             )
 
     # ---- run -------------------------------------------------------------------------
     def select(self, batch_size: int, num_tokens: int | None = None) -> Bucket | None:
-        """The captured bucket a batch would replay on (``None``: eager)."""
-        return select_bucket(self.graphs, batch_size, num_tokens, self.config.max_pad_ratio)
+        """The captured bucket a batch would replay on (``None``: eager).
+
+        Raises:
+            CudaGraphsValueError: as :func:`~cudagraphs.serving.buckets.choose_bucket`.
+        """
+        return self._path.choose(batch_size, num_tokens).bucket
 
     def run(
         self,
@@ -276,7 +294,8 @@ class GraphRunner:
         num_tokens: int | None = None,
         copy_output: bool = False,
     ) -> Any:
-        """Run one step: replay the tightest captured bucket, or eagerly.
+        """Run one step: replay the tightest captured bucket, or eagerly
+        (:class:`~cudagraphs.serving.call_path.CallPath` shows each step of it).
 
         Args:
             inputs: the real rows of every named input (a tensor of another dtype is
@@ -301,41 +320,71 @@ class GraphRunner:
             CudaGraphsTypeError, CudaGraphsValueError: a bad ``batch_size``, or token
                 buckets without ``num_tokens``.
         """
-        static = self.static
-        if static is None:
-            raise CudaGraphsStateError(
-                "GraphRunner.run() before capture() (or after close()): call "
-                "capture(make_inputs) first"
-            )
-        if batch_size is None and num_tokens is None and not self._token_buckets:
-            rows = static.exact_rows(inputs)
-            if rows is not None and not is_distributed(self.group):
-                step = self._steps.get(rows) or self._replay_step(rows)
-                if step is not None:
-                    entry = step.entry
-                    index = entry.next_slot
-                    entry.next_slot = (index + 1) % self.slots
-                    step.staging[index].write(inputs)
-                    return self._replay(entry, index, rows, copy_output)
-        return run_checked(self, inputs, batch_size, num_tokens, copy_output)
+        return self._path.run(inputs, batch_size, num_tokens, copy_output)
 
-    def _replay_step(self, rows: int) -> ReplayStep | None:
-        """The replay of an exactly matching batch of ``rows`` rows (kept), or ``None``
-        when it runs eagerly (the full path counts and says that)."""
-        bucket = self.select(rows)
-        if bucket is None:
-            return None
-        staging = tuple(static.staging(bucket, rows) for static in self.slot_inputs)
-        step = self._steps[rows] = ReplayStep(self.graphs[bucket], staging)
-        return step
+    # ---- what the runner holds -------------------------------------------------------
+    @property
+    def graphs(self) -> dict[Bucket, BucketGraph]:
+        """Captured bucket -> its graphs, in capture order (empty before capture and
+        after close). Read it, don't edit it."""
+        return {} if self.captured is None else self.captured.graphs
 
-    def _replay(self, entry: BucketGraph, index: int, rows: int, copy_output: bool) -> Any:
-        if self.plan is not None:
-            self.plan(entry.bucket, index)
-        slot = entry.slots[index]
-        slot.graph.replay()
-        entry.replays += 1
-        return slot.real_rows(rows, entry.bucket.rows, copy_output)
+    @property
+    def slot_inputs(self) -> list[StaticInputs]:
+        """The static inputs of every slot (empty before capture and after close)."""
+        return [] if self.captured is None else self.captured.slot_inputs
+
+    @property
+    def static(self) -> StaticInputs | None:
+        """The first slot's static inputs (``None`` before capture and after close)."""
+        return None if self.captured is None else self.captured.static
+
+    @property
+    def disabled(self) -> bool:
+        """``CUDAGRAPHS_DISABLE`` was set at the last capture."""
+        return self.report.disabled
+
+    @property
+    def dropped_buckets(self) -> dict[Bucket, str]:
+        """Bucket -> why the last capture dropped it."""
+        return self.report.dropped
+
+    @property
+    def capture_times(self) -> dict[Bucket, CaptureTime]:
+        """Per captured bucket: warmup runs and the seconds its warmup and capture took."""
+        return self.report.times
+
+    @property
+    def memory_plan(self) -> MemoryPlan | None:
+        """The last capture's memory plan (with ``plan_memory``)."""
+        return self.report.memory_plan
+
+    @property
+    def memory_used(self) -> MemoryUse | None:
+        """With ``plan_memory``: what the captures actually took (logged beside the plan)."""
+        return self.report.memory_used
+
+    @property
+    def memory_account(self) -> Any:
+        """Where the last capture's device memory went
+        (:class:`~cudagraphs.memory.MemoryAccount`; ``None`` off CUDA or when disabled)."""
+        return self.report.memory_account
+
+    @property
+    def eager_runs(self) -> Counter[str]:
+        """Eager runs per cause: "no_graphs", "too_large", "pad_ratio"."""
+        return self._path.eager_runs
+
+    @property
+    def ignored_arguments(self) -> Counter[str]:
+        """Arguments ``run()`` accepted and ignored, per name ("num_tokens")."""
+        return self._path.ignored_arguments
+
+    @property
+    def replay_steps(self) -> Mapping[int, ReplayStep]:
+        """Row count -> the replay its exactly matching batches take (the fast path),
+        made on first use and forgotten at capture and close. Read it, don't edit it."""
+        return self._path.steps
 
     # ---- reporting and teardown ------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -374,14 +423,11 @@ class GraphRunner:
 
     def close(self) -> None:
         """Release every graph and the static buffers (idempotent); a given pool is
-        kept for the next :meth:`capture`."""
-        for entry in self.graphs.values():
-            entry.reset()
-        self.graphs = {}
-        self._steps = {}
-        self.static = None
-        self.slot_inputs = []
-        self._pool = self._given_pool
+        kept for the next :meth:`capture`, and ``report`` keeps what the capture found."""
+        captured, self.captured = self.captured, None
+        self._path.serve(None)
+        if captured is not None:
+            captured.release()
 
 
 def _checked_config(config: Any) -> BucketConfig:

@@ -30,7 +30,7 @@ import torch
 from ..dtypes import converts_losslessly
 from ..errors import CudaGraphInputError, Mismatch, describe_mismatches
 from .buckets import Bucket
-from .input_specs import InputSpec, Said, _pattern, check_specs
+from .input_specs import InputSpec, Said, check_specs, shape_pattern
 
 __all__ = ["StagePlan", "StaticInputs"]
 
@@ -268,7 +268,7 @@ class StaticInputs:
             found.append(Mismatch(path, "requires_grad", False, True))
         trailing = tuple(n for i, n in enumerate(t.shape) if i != spec.row_dim)
         if t.dim() != len(spec.shape) or trailing != spec.trailing:
-            found.append(Mismatch(path, "shape", _pattern(spec, rows), tuple(t.shape)))
+            found.append(Mismatch(path, "shape", shape_pattern(spec, rows), tuple(t.shape)))
             return found
         counts[name] = t.shape[spec.row_dim]
         if rows is not None and counts[name] != rows:

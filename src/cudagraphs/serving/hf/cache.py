@@ -213,7 +213,10 @@ def _bind_layer(
     layer: Any, keys: torch.Tensor, values: torch.Tensor, counter: torch.Tensor
 ) -> None:
     # What StaticLayer.lazy_initialization sets, with our storage in place of its own
-    # allocation (and without torch._dynamo.mark_static_address: nothing is compiled).
+    # allocation. Without its torch._dynamo.mark_static_address: that mark tells
+    # inductor's CUDA-graph trees an input keeps its address, and the generator's
+    # compile_options never turn those trees on (compiling.check_compile_options refuses
+    # them); the bucket graphs record the compiled kernels over this storage directly.
     layer.keys, layer.values = keys, values
     layer.device, layer.dtype = keys.device, keys.dtype
     layer.batch_size, layer.num_heads = keys.shape[0], keys.shape[1]

@@ -41,7 +41,7 @@ from ..input_specs import InputSpec
 from ..runner import GraphRunner
 from .cache import LayerShape, SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
 from .experts import DecodeExperts, decode_experts
-from .per_token import _EndFlag, decode_loop
+from .per_token import EndFlag, decode_loop
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens, vocab_size_of
 from .support import WeightAddresses, check_supported
@@ -161,7 +161,7 @@ class GraphedGenerator:
         #: Requests per path: "graphs" (decode through the runner) and "too_large".
         self.requests: Counter[str] = Counter()
         self.tokens = 0
-        self._ended: _EndFlag | None = None
+        self._ended: EndFlag | None = None
         self._weights = WeightAddresses((), ())  # taken at capture
         self._experts = DecodeExperts()  # decided at capture
         self._warn = WarnOnce(logger)
@@ -412,11 +412,11 @@ class GraphedGenerator:
                 max_cache_len=self.max_cache_len,
             )
 
-    def _end_flag(self) -> _EndFlag:
+    def _end_flag(self) -> EndFlag:
         # One per generator: pinned memory is slow to allocate, and requests run one
         # at a time.
         if self._ended is None:
-            self._ended = _EndFlag(self.device)
+            self._ended = EndFlag(self.device)
         self._ended.pending = False
         return self._ended
 

@@ -1,8 +1,7 @@
 """The generator's decode loop after the prefill (:func:`decode_loop`) and what it does
 per token outside the graph: choose the next token from the logits, and learn one step
-late whether every sequence has ended. Kept apart from
-:class:`~cudagraphs.serving.hf.generator.GraphedGenerator` because none of it touches
-the model, the cache or the runner: a decode step is a callable it is given.
+late whether every sequence has ended (:class:`EndFlag`). It touches neither the model
+nor the cache nor the runner: a decode step is a callable it is given.
 """
 
 from __future__ import annotations
@@ -15,12 +14,17 @@ import torch
 from .requests import Request
 from .sampling import Sampling, StopTokens
 
-__all__ = ["decode_loop"]
+__all__ = ["EndFlag", "decode_loop"]
 
 
-class _EndFlag:
+class EndFlag:
     """A device boolean read on the host one step late: copied into pinned memory
-    without blocking, with an event to wait on when it is read."""
+    without blocking, with an event to wait on when it is read.
+
+    Args:
+        device: where the recorded values live (pinned memory and an event on CUDA;
+            neither elsewhere).
+    """
 
     def __init__(self, device: torch.device) -> None:
         cuda = device.type == "cuda"
@@ -69,14 +73,14 @@ def decode_loop(
     sampling: Sampling,
     stops: StopTokens,
     generator: torch.Generator | None,
-    ended: _EndFlag | None,
+    ended: EndFlag | None,
     max_cache_len: int,
 ) -> torch.Tensor:
     """Choose ``request.max_new_tokens`` tokens, the first from the prefill's last
     ``logits`` (float, ``[batch, vocab]``), each later one from ``step`` (a decode step
     of the last tokens, their positions and the boolean ``[batch, max_cache_len]``
     mask); ``positions`` are the prompt's. With stop tokens, finished sequences get the
-    pad token, and ``ended`` (the generator's :class:`_EndFlag`) ends the loop one step
+    pad token, and ``ended`` (the generator's :class:`EndFlag`) ends the loop one step
     after every sequence finished.
 
     Returns:
