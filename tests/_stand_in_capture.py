@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from cudagraphs.capture import GraphPool
+from cudagraphs.capture import GraphMemoryPool
 from cudagraphs.core import capture_phase
 from cudagraphs.core.capture_phase import CaptureOptions
 
@@ -75,7 +75,7 @@ class StandInCapture:
 def cpu_options(**fields) -> CaptureOptions:
     """CaptureOptions for a CPU capture: a fresh pool, a stream stand-in on the CPU."""
     base = dict(
-        pool=GraphPool(),
+        pool=GraphMemoryPool(),
         stream=SimpleNamespace(device=torch.device("cpu")),
         allow_unused_input=False,
         retain_graph_in_backward=False,

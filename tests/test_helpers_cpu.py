@@ -77,7 +77,7 @@ def _named(name):
     return type(name, (), {"__repr__": lambda self: f"<{name}>"})()
 
 
-@pytest.mark.parametrize("name", ["MemPool", "GraphPool", "CudaGraphPool"])
+@pytest.mark.parametrize("name", ["MemPool", "GraphMemoryPool", "CudaGraphPool"])
 def test_pool_objects_by_their_class_name_are_refused_fifth(name):
     with pytest.raises(CudaGraphsTypeError, match=rf"pool handle was passed there \(<{name}>\)"):
         check_fifth_argument(_named(name))

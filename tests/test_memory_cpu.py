@@ -1,4 +1,4 @@
-"""CPU tests of the memory account and its policies: GraphPool freshness (where warmups
+"""CPU tests of the memory account and its policies: GraphMemoryPool freshness (where warmups
 run), the owned-gradient staging buffer, MemoryAccount arithmetic and MemoryMeter's
 release decision (the CUDA calls replaced by a fake device)."""
 
@@ -9,13 +9,13 @@ from hypothesis import strategies as st
 
 from cudagraphs.core.grad_staging import GradStaging
 from cudagraphs.errors import CudaGraphsValueError
-from cudagraphs.graph_pool import GraphPool
+from cudagraphs.graph_pool import GraphMemoryPool
 from cudagraphs.memory import KEEP_CACHE_ENV, MemoryAccount, MemoryMeter, release_unused_cache
 
 
-# ---- GraphPool.fresh ------------------------------------------------------------------
+# ---- GraphMemoryPool.fresh ------------------------------------------------------------------
 def test_a_pool_made_here_is_fresh_until_a_capture_and_again_after_a_retire():
-    pool = GraphPool()
+    pool = GraphMemoryPool()
     assert pool.fresh
     pool.mark_captured()
     assert not pool.fresh
@@ -26,11 +26,11 @@ def test_a_pool_made_here_is_fresh_until_a_capture_and_again_after_a_retire():
 def test_a_pool_around_a_handle_passed_in_is_never_fresh():
     # The handle may hold graphs captured elsewhere; a warmup inside it could take
     # their temporaries' memory.
-    assert not GraphPool(handle=(3, 4)).fresh
+    assert not GraphMemoryPool(handle=(3, 4)).fresh
 
 
 def test_handles_lists_the_retired_and_the_current():
-    pool = GraphPool(handle=(1, 2))
+    pool = GraphMemoryPool(handle=(1, 2))
     assert pool.handles() == ((1, 2),)
     pool.retire()
     assert pool.handles() == ((1, 2),)  # no new handle made yet

@@ -20,7 +20,13 @@
   other environment switches.
 """
 
-from .capture import GraphPool, capture_into_graph, capture_with_static_outputs, new_pool
+from .capture import (
+    GraphMemoryPool,
+    GraphPool,
+    capture_into_graph,
+    capture_with_static_outputs,
+    new_pool,
+)
 from .capturing import is_graph_capturing
 from .core import GraphedCallable, GraphedStack, graph_stack, make_graphed_callables
 from .errors import (
@@ -86,7 +92,8 @@ __all__ = [
     "CudaGraphsStateError",
     "CudaGraphsTypeError",
     "CudaGraphsValueError",
-    "GraphPool",
+    "GraphMemoryPool",
+    "GraphPool",  # deprecated alias of GraphMemoryPool
     "GraphReleasedError",
     "Mismatch",
     "MissingDependencyError",

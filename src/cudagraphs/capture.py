@@ -33,10 +33,19 @@ from .errors import (
     CudaGraphsStateError,
     CudaGraphsValueError,
 )
-from .graph_pool import GraphPool, PoolHandle, as_graph_pool, new_pool, new_torch_graph, side_stream
+from .graph_pool import (
+    GraphMemoryPool,
+    GraphPool,
+    PoolHandle,
+    as_graph_pool,
+    new_pool,
+    new_torch_graph,
+    side_stream,
+)
 from .torch_private import dynamo_loaded, end_allocate_to_pool
 
 __all__ = [
+    "GraphMemoryPool",
     "GraphPool",
     "PoolHandle",
     "as_graph_pool",
@@ -178,7 +187,7 @@ def _begin_options(capture_error_mode: str, check_input_liveness: bool) -> dict[
 
 def capture_into_graph(
     run: Callable[[], T],
-    pool: GraphPool | PoolHandle | None = None,
+    pool: GraphMemoryPool | PoolHandle | None = None,
     *,
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "thread_local",
@@ -192,13 +201,13 @@ def capture_into_graph(
         run: called once, with the capture stream current; its CUDA work is recorded,
             not executed. Whatever it returns is returned as ``output``: tensors in it
             live in the pool and are overwritten by every replay.
-        pool: the :class:`GraphPool` shared with other graphs (:func:`new_pool`), a
+        pool: the :class:`GraphMemoryPool` shared with other graphs (:func:`new_pool`), a
             raw torch pool handle (wrapped; see :func:`as_graph_pool`), or ``None`` for
             a new pool. Graphs sharing a pool must be replayed in an order where no
             graph reads memory that a later-captured graph reuses; in practice,
             replay in capture order.
         stream: side stream to capture on; ``None`` for the pool's
-            :meth:`GraphPool.capture_stream` (warm up in :meth:`GraphPool.warmup_scope`,
+            :meth:`GraphMemoryPool.capture_stream` (warm up in :meth:`GraphMemoryPool.warmup_scope`,
             which runs on the capture stream only while it routes the warmup's memory
             into the pool). Work
             already queued on the device is finished before capture starts.
@@ -296,7 +305,7 @@ def _failure_hint(message: str) -> str:
 def capture_with_static_outputs(
     run: Callable[[], Any],
     like: Any,
-    pool: GraphPool | PoolHandle | None = None,
+    pool: GraphMemoryPool | PoolHandle | None = None,
     **capture_kwargs: Any,
 ) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture ``run()`` and end the graph with a copy of its outputs into buffers

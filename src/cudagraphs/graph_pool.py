@@ -1,6 +1,6 @@
 """Graph pools: the memory that captured graphs share, and the stream they capture on.
 
-:class:`GraphPool` wraps torch's pool handle so that a failed capture can retire a
+:class:`GraphMemoryPool` wraps torch's pool handle so that a failed capture can retire a
 poisoned handle (see its docs); :func:`side_stream` orders warmup and capture work
 after the caller's stream and back. Re-exported by :mod:`cudagraphs.capture`.
 """
@@ -18,7 +18,12 @@ from .checks import require_cuda
 from .errors import CudaGraphsTypeError
 from .torch_private import begin_allocate_to_pool, device_index, end_allocate_to_pool, release_pool
 
-__all__ = ["GraphPool", "PoolHandle", "as_graph_pool", "new_pool", "new_torch_graph", "side_stream"]
+__all__ = [
+    "GraphMemoryPool",
+    "GraphPool",
+    "PoolHandle", "as_graph_pool", "new_pool", "new_torch_graph",
+    "side_stream",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +38,7 @@ def new_torch_graph(keep_graph: bool) -> torch.cuda.CUDAGraph:
     return torch.cuda.CUDAGraph()
 
 
-class GraphPool:
+class GraphMemoryPool:
     """A memory pool that graphs share, and that stays usable after a failed capture.
 
     torch identifies a graph pool by a handle (``torch.cuda.graph_pool_handle()``), and
@@ -45,7 +50,7 @@ class GraphPool:
     * Once the last graph of a handle is released, capturing into it again trips an
       internal use-count assertion.
 
-    A ``GraphPool`` is therefore a logical pool. It keeps one tiny *anchor* graph in
+    A ``GraphMemoryPool`` is therefore a logical pool. It keeps one tiny *anchor* graph in
     its current handle (captured lazily before the first real capture; it allocates
     nothing), so the handle never runs out of users, and after a failed capture it
     retires the handle and moves on to a fresh one. Graphs captured before a failure
@@ -197,7 +202,16 @@ class GraphPool:
         self._anchor = None  # releases the old handle once its other graphs are gone
 
     def __repr__(self) -> str:
-        return f"GraphPool(handle={self._handle}, fresh={self._fresh}, retired={len(self.retired)})"
+        return (
+            f"GraphMemoryPool(handle={self._handle}, fresh={self._fresh}, "
+            f"retired={len(self.retired)})"
+        )
+
+
+# Deprecated alias of GraphMemoryPool, kept for one release. The name read too close
+# to the program layer's CudaGraphPool, which is a different thing (the scratch that
+# programs share).
+GraphPool = GraphMemoryPool
 
 
 @contextlib.contextmanager
@@ -206,8 +220,8 @@ def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
     stream, and order the current stream after it again on exit (also on error).
 
     ``None`` is a no-op (CPU code paths). Warmups run here on the pool's
-    :meth:`GraphPool.warmup_stream`, never on its capture stream (see
-    :meth:`GraphPool.capture_stream` for why).
+    :meth:`GraphMemoryPool.warmup_stream`, never on its capture stream (see
+    :meth:`GraphMemoryPool.capture_stream` for why).
     """
     if stream is None:
         yield
@@ -221,48 +235,48 @@ def side_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
         caller.wait_stream(stream)
 
 
-def new_pool() -> GraphPool:
-    """A fresh :class:`GraphPool` for graphs that should share memory.
+def new_pool() -> GraphMemoryPool:
+    """A fresh :class:`GraphMemoryPool` for graphs that should share memory.
 
     Raises:
         NoCudaDeviceError: torch finds no usable CUDA device (graph pools live on one).
     """
     require_cuda("new_pool()")
-    return GraphPool()
+    return GraphMemoryPool()
 
 
-def as_graph_pool(pool: Any) -> GraphPool:
-    """The :class:`GraphPool` for what a caller passed as ``pool``.
+def as_graph_pool(pool: Any) -> GraphMemoryPool:
+    """The :class:`GraphMemoryPool` for what a caller passed as ``pool``.
 
-    Accepted: a :class:`GraphPool` (itself); ``None`` (a new pool); a raw torch pool
+    Accepted: a :class:`GraphMemoryPool` (itself); ``None`` (a new pool); a raw torch pool
     handle, as ``torch.cuda.graph_pool_handle()`` and Transformer Engine's
     ``graph_pool_handle()`` return; a ``torch.cuda.MemPool`` (its handle, with the
     ``MemPool`` kept alive as long as the wrapper); and any object with a
-    ``graph_pool`` attribute holding a :class:`GraphPool` (a
+    ``graph_pool`` attribute holding a :class:`GraphMemoryPool` (a
     :class:`~cudagraphs.CudaGraphPool`: graphs then share its scratch memory).
 
     A raw handle or ``MemPool`` is wrapped; the wrapper retires the handle on failure
-    like any ``GraphPool``, but only for the captures that go through the same
+    like any ``GraphMemoryPool``, but only for the captures that go through the same
     wrapper, so keep the returned object (or pass ``new_pool()`` from the start) to
     capture again.
 
     Raises:
         CudaGraphsTypeError: anything else, naming what was passed.
     """
-    if isinstance(pool, GraphPool):
+    if isinstance(pool, GraphMemoryPool):
         return pool
     if pool is None:
-        return GraphPool()
+        return GraphMemoryPool()
     inner = getattr(pool, "graph_pool", None)
-    if isinstance(inner, GraphPool):
+    if isinstance(inner, GraphMemoryPool):
         return inner
     if _is_handle(pool):
-        return GraphPool(handle=tuple(pool))
+        return GraphMemoryPool(handle=tuple(pool))
     mem_pool = getattr(torch.cuda, "MemPool", None)
     if isinstance(mem_pool, type) and isinstance(pool, mem_pool) and _is_handle(pool.id):
-        return GraphPool(handle=tuple(pool.id), owner=pool)
+        return GraphMemoryPool(handle=tuple(pool.id), owner=pool)
     raise CudaGraphsTypeError(
-        "pool must be a cudagraphs.GraphPool, a CudaGraphPool, a torch.cuda.MemPool, a "
+        "pool must be a cudagraphs.GraphMemoryPool, a CudaGraphPool, a torch.cuda.MemPool, a "
         f"handle from torch.cuda.graph_pool_handle() or None; got {type(pool).__name__} "
         f"{pool!r}"
     )

@@ -105,7 +105,7 @@ REQUIRED_WITH_CUDA: tuple[PrivateName, ...] = (
         "torch._C",
         "_cuda_beginAllocateToPool",
         "warming up inside a fresh graph pool, so that the capture reuses the warmup's "
-        "memory (GraphPool.warmup_scope)",
+        "memory (GraphMemoryPool.warmup_scope)",
     ),
     PrivateName(
         "torch._C",

@@ -124,21 +124,21 @@ def test_graph_memory_per_node():
 
 
 def test_as_graph_pool_accepts_pools_and_handles_only():
-    from cudagraphs import GraphPool
+    from cudagraphs import GraphMemoryPool
     from cudagraphs.capture import as_graph_pool
 
-    pool = GraphPool(handle=(0, 7))
+    pool = GraphMemoryPool(handle=(0, 7))
     assert as_graph_pool(pool) is pool
     wrapped = as_graph_pool((0, 9))
-    assert isinstance(wrapped, GraphPool) and wrapped.handle == (0, 9)
-    with pytest.raises(TypeError, match="pool must be a cudagraphs.GraphPool"):
+    assert isinstance(wrapped, GraphMemoryPool) and wrapped.handle == (0, 9)
+    with pytest.raises(TypeError, match="pool must be a cudagraphs.GraphMemoryPool"):
         as_graph_pool("pool")
 
 
 def test_graph_pool_retire_moves_off_the_failed_handle(caplog):
-    from cudagraphs import GraphPool
+    from cudagraphs import GraphMemoryPool
 
-    pool = GraphPool(handle=(0, 11))
+    pool = GraphMemoryPool(handle=(0, 11))
     with caplog.at_level("WARNING", logger="cudagraphs.capture"):
         pool.retire()
     assert pool.retired == [(0, 11)]
@@ -185,3 +185,11 @@ def test_interleaved_step_times_can_shuffle_the_order_of_each_round():
         steps, iters=1, warmup=0, repeats=20, synchronize=lambda: None, shuffle_seed=0
     )
     assert again == order  # seeded: the same orders again
+
+
+def test_graph_pool_is_the_deprecated_alias_of_graph_memory_pool():
+    import cudagraphs
+    from cudagraphs import capture
+
+    assert cudagraphs.GraphPool is cudagraphs.GraphMemoryPool is capture.GraphMemoryPool
+    assert "GraphPool" in cudagraphs.__all__ and "GraphMemoryPool" in cudagraphs.__all__

@@ -1,7 +1,7 @@
 """A graph keeps working when torch drops the cuBLAS workspaces (torch.compile's
 CUDA-graph trees do so each time they record): captures run on the pool's capture
 stream, whose workspace is made inside the pool, and warmups on another stream
-(``GraphPool.capture_stream``). Each scenario runs in its own process, since a replay
+(``GraphMemoryPool.capture_stream``). Each scenario runs in its own process, since a replay
 into freed memory can poison the CUDA context; the control shows that the scenario
 catches the hazard on the torch where it was measured."""
 

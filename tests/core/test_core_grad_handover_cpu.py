@@ -246,10 +246,10 @@ def test_a_released_entry_hands_out_nothing(clone):
 
 
 def test_graphs_of_one_pool_object_share_one_registry():
-    from cudagraphs import GraphPool
+    from cudagraphs import GraphMemoryPool
     from cudagraphs.core.lent_grads import lent_grads_of
 
-    pool, other = GraphPool(), GraphPool()
+    pool, other = GraphMemoryPool(), GraphMemoryPool()
     assert lent_grads_of(pool) is lent_grads_of(pool)
     assert lent_grads_of(pool) is not lent_grads_of(other)
 

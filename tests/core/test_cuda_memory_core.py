@@ -10,7 +10,7 @@ import torch
 
 import cudagraphs
 from _core_cuda import count_backward_replays
-from cudagraphs.graph_pool import GraphPool
+from cudagraphs.graph_pool import GraphMemoryPool
 
 pytestmark = pytest.mark.cuda
 
@@ -41,7 +41,7 @@ def test_a_warmup_in_a_fresh_pool_leaves_no_cache_beside_the_graphs():
         torch.cuda.empty_cache()
         model = _mlp(width=2048)
         x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
-        pool = GraphPool() if fresh else GraphPool(handle=torch.cuda.graph_pool_handle())
+        pool = GraphMemoryPool() if fresh else GraphMemoryPool(handle=torch.cuda.graph_pool_handle())
         assert pool.fresh is fresh
         before = _cached_outside(())
         graphed = cudagraphs.make_graphed_callables(model, (x,), pool=pool)
@@ -62,7 +62,7 @@ def test_a_pool_holding_a_graph_warms_up_outside_it_and_gives_the_cache_back():
     torch.cuda.empty_cache()
     first, second = _mlp(), _mlp()
     x = torch.randn(512, 1024, device="cuda", requires_grad=True)
-    pool = GraphPool()
+    pool = GraphMemoryPool()
     cudagraphs.make_graphed_callables(first, (x,), pool=pool)
     assert not pool.fresh
     graphed = cudagraphs.make_graphed_callables(second, (x,), pool=pool)
@@ -114,7 +114,7 @@ def test_staged_owned_gradients_equal_eager_and_leave_one_shared_buffer():
 def test_a_failed_warmup_inside_a_pool_leaves_allocator_and_pool_usable():
     model = _mlp()
     x = torch.randn(64, 1024, device="cuda", requires_grad=True)
-    pool = GraphPool()
+    pool = GraphMemoryPool()
 
     def fails():
         raise RuntimeError("warmup hook failed")

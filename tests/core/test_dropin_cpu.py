@@ -17,7 +17,7 @@ from cudagraphs import (
     CudaGraphsError,
     CudaGraphsTypeError,
     CudaGraphsValueError,
-    GraphPool,
+    GraphMemoryPool,
     NoCudaDeviceError,
     QuantizationNotSupportedError,
     is_graph_capturing,
@@ -153,7 +153,7 @@ def test_both_names_of_one_argument_must_agree():
 
 
 # ---- torch's positional order --------------------------------------------------------------
-@pytest.mark.parametrize("pool", [(0, 1), GraphPool(handle=(0, 1))], ids=["handle", "graph_pool"])
+@pytest.mark.parametrize("pool", [(0, 1), GraphMemoryPool(handle=(0, 1))], ids=["handle", "graph_pool"])
 def test_a_pool_passed_fifth_is_named_as_a_pool(pool):
     # torch: make_graphed_callables(callables, sample_args, warmup, allow_unused, pool)
     with pytest.raises(
@@ -177,21 +177,21 @@ class _HasGraphPool:
     """What a CudaGraphPool looks like to as_graph_pool (it needs CUDA to build)."""
 
     def __init__(self):
-        self.graph_pool = GraphPool(handle=(7, 8))
+        self.graph_pool = GraphMemoryPool(handle=(7, 8))
 
 
 def test_pool_accepts_handles_graph_pools_and_program_pools():
-    gp = GraphPool(handle=(1, 2))
+    gp = GraphMemoryPool(handle=(1, 2))
     assert as_graph_pool(gp) is gp
     assert as_graph_pool((3, 4)).handle == (3, 4)
     owner = _HasGraphPool()
     assert as_graph_pool(owner) is owner.graph_pool
-    assert isinstance(as_graph_pool(None), GraphPool)
+    assert isinstance(as_graph_pool(None), GraphMemoryPool)
 
 
 @pytest.mark.parametrize("bad", [3, "pool", (1, 2, 3), (1.0, 2.0), [1, 2]])
 def test_pool_of_another_kind_is_a_type_error(bad):
-    with pytest.raises(CudaGraphsTypeError, match="pool must be a cudagraphs.GraphPool"):
+    with pytest.raises(CudaGraphsTypeError, match="pool must be a cudagraphs.GraphMemoryPool"):
         as_graph_pool(bad)
 
 

@@ -30,7 +30,7 @@ from _hf_generate import (  # noqa: E402
     hf_keyword,
     prompts,
 )
-from cudagraphs.capture import GraphPool  # noqa: E402
+from cudagraphs.capture import GraphMemoryPool  # noqa: E402
 from cudagraphs.errors import (  # noqa: E402
     CudaGraphCaptureError,
     CudaGraphsStateError,
@@ -246,7 +246,7 @@ def test_required_buckets_make_a_failed_capture_an_error_and_generate_refuses_un
 
 
 def test_buckets_capture_into_the_pool_the_generator_is_given(model):
-    pool = GraphPool()
+    pool = GraphMemoryPool()
     seen = []
 
     def backend(run, given, what):

@@ -462,7 +462,7 @@ def good_runner_kwargs():
             "require_all_buckets must be a bool or None",
         ),
         ({"static_outputs": None}, CudaGraphsTypeError, "static_outputs must be a bool"),
-        ({"pool": "shared"}, CudaGraphsTypeError, "pool must be a GraphPool or None"),
+        ({"pool": "shared"}, CudaGraphsTypeError, "pool must be a GraphMemoryPool or None"),
         ({"capture_backend": 3}, CudaGraphsTypeError, "capture_backend must be callable"),
         ({"device": 1.5}, CudaGraphsTypeError, "device must be a torch.device or a str"),
         ({"device": "gpu"}, CudaGraphsValueError, "device 'gpu' is not a device torch knows"),

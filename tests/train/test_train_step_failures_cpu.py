@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from _train_cpu import OPTIMIZERS, _assert_same_training, _batches, _eager_loop, _step_fn
-from cudagraphs.capture import GraphPool
+from cudagraphs.capture import GraphMemoryPool
 from cudagraphs.train import prepare_optimizer
 from cudagraphs.train import step as step_module
 from cudagraphs.train.records import TrainStepOptions
@@ -32,7 +32,7 @@ class PlantedError(RuntimeError):
     pass
 
 
-class CpuPool(GraphPool):
+class CpuPool(GraphMemoryPool):
     def capture_stream(self, device=None):
         return SimpleNamespace(device=torch.device("cpu"))
 

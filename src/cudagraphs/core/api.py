@@ -175,7 +175,7 @@ def make_graphed_callables(
             forward of the chunk's next microbatch, negative for its backward.
         _num_layers_per_chunk: layers per chunk under ``_order`` (default: even split).
         pool: the memory pool to capture into, shared by all graphs made here: a
-            :class:`~cudagraphs.GraphPool`, ``torch.cuda.graph_pool_handle()`` (or
+            :class:`~cudagraphs.GraphMemoryPool`, ``torch.cuda.graph_pool_handle()`` (or
             Transformer Engine's), a ``torch.cuda.MemPool``, or a
             :class:`~cudagraphs.CudaGraphPool` (its scratch pool); a new one when
             ``None``.
@@ -313,8 +313,8 @@ def make_graphed_callables(
     with torch.cuda.device(device), capture_scope():
         # Inside a fresh pool the warmup runs on the capture stream with its memory in
         # the pool, which the captures then reuse; otherwise on the warmup stream
-        # (GraphPool.warmup_scope). Either way the cuBLAS workspace the graphs use is
-        # inside the pool (GraphPool.capture_stream).
+        # (GraphMemoryPool.warmup_scope). Either way the cuBLAS workspace the graphs use is
+        # inside the pool (GraphMemoryPool.capture_stream).
         stream = graph_pool.capture_stream(device)
         meter = MemoryMeter.start(device)
         t0 = time.perf_counter()

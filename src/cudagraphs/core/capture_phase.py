@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..capture import GraphPool, capture_into_graph
+from ..capture import GraphMemoryPool, capture_into_graph
 from .canonicalize import EntrySpec, GraphPlan
 from .grad_staging import GradStaging
 from .grad_targets import GradTargets
@@ -29,7 +29,7 @@ __all__ = ["BackwardCapture", "CaptureOptions", "ForwardCapture", "capture_plan"
 
 @dataclass(frozen=True)
 class CaptureOptions:
-    pool: GraphPool
+    pool: GraphMemoryPool
     stream: torch.cuda.Stream
     allow_unused_input: bool
     retain_graph_in_backward: bool

@@ -21,14 +21,14 @@ records what was lent; :meth:`LentGrads.settle` runs before every forward replay
 a graph in the pool (by then the backward pass that lent the buffers is over, so
 autograd has adopted or added each gradient) and moves what still aliases, in one
 fused copy; the backward replay checks its own buffers itself. One registry per
-:class:`~cudagraphs.GraphPool` object, so calls that share a pool object share it.
+:class:`~cudagraphs.GraphMemoryPool` object, so calls that share a pool object share it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..graph_pool import GraphPool
+from ..graph_pool import GraphMemoryPool
 
 __all__ = ["LentGrads", "lent_grads_of", "move_aliased_grads"]
 
@@ -67,7 +67,7 @@ def move_aliased_grads(params: list[torch.nn.Parameter], ptrs: list[int]) -> Non
             p.grad = c
 
 
-def lent_grads_of(pool: GraphPool) -> LentGrads:
+def lent_grads_of(pool: GraphMemoryPool) -> LentGrads:
     """The registry of ``pool`` (made on first use)."""
     registry = pool.lent_grads
     if registry is None:

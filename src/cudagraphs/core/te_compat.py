@@ -114,7 +114,7 @@ def check_fifth_argument(sample_kwargs: Any) -> None:
 def _looks_like_pool(value: Any) -> bool:
     if value is None or isinstance(value, (Mapping, str, bytes)):
         return False
-    if type(value).__name__ in ("MemPool", "GraphPool", "CudaGraphPool"):
+    if type(value).__name__ in ("MemPool", "GraphMemoryPool", "CudaGraphPool"):
         return True
     # torch.cuda.graph_pool_handle() / MemPool.id: a pair of ints.
     return (

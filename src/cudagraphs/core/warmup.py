@@ -2,9 +2,9 @@
 
 Warmup makes every lazy initialization happen outside capture: cuBLAS/cuDNN handles,
 autotuning, Triton compilation, optimizer-free parameter materialization. It runs in
-``GraphPool.warmup_scope``: inside a fresh pool on its capture stream, so that the
+``GraphMemoryPool.warmup_scope``: inside a fresh pool on its capture stream, so that the
 captures reuse the warmup's memory, else on the pool's warmup stream; either way the
-capture stream's cuBLAS workspace is made inside the pool (``GraphPool.capture_stream``
+capture stream's cuBLAS workspace is made inside the pool (``GraphMemoryPool.capture_stream``
 says why). It follows the same schedule as capture so that capture-time hooks see the
 same order in both phases.
 

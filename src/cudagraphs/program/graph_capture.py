@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..capture import (
-    GraphPool,
+    GraphMemoryPool,
     capture_eagerly,
     capture_into_graph,
     capture_with_static_outputs,
@@ -210,7 +210,7 @@ class CapturedProgram:
     signature: ValueTreeSignature
     leaf_types: LeafTypes | None
     pool: CudaGraphPool | None  # shared scratch, or None
-    graph_pool: GraphPool | None  # the program's own pool; None in a shared one
+    graph_pool: GraphMemoryPool | None  # the program's own pool; None in a shared one
     buffer: ReusableValueBuffer  # the fixed input buffer, holding the example inputs
     captured: CapturedGraph
     last: Any  # the last warmup output (None without warmup)
@@ -248,8 +248,8 @@ def capture_program(
     current. Raises what warm-up and capture raise (``CudaGraphCaptureError``)."""
     name = getattr(function, "__qualname__", type(function).__name__)
     # Programs of one pool share its capture stream, and so one cuBLAS workspace, made
-    # inside the pool (GraphPool.capture_stream); warmups run on its warmup stream.
-    graph_pool = pool.graph_pool if pool is not None else GraphPool()
+    # inside the pool (GraphMemoryPool.capture_stream); warmups run on its warmup stream.
+    graph_pool = pool.graph_pool if pool is not None else GraphMemoryPool()
     t0 = time.perf_counter()
     last = None
     if not disabled:
@@ -296,7 +296,7 @@ def capture_function(
     buffer: ReusableValueBuffer,
     *,
     last: Any,
-    graph_pool: GraphPool,
+    graph_pool: GraphMemoryPool,
     stream: torch.cuda.Stream,
     shared_pool: bool,
     leaf_types: LeafTypes | None,

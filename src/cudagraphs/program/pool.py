@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from ..capture import GraphPool
+from ..capture import GraphMemoryPool
 from ..checks import require_cuda
 from ..errors import (
     CudaGraphInputError,
@@ -86,7 +86,7 @@ class CudaGraphPool:
 
     Args:
         device: the CUDA device of the scratch memory (``"cuda"``: the current one).
-        pool: the :class:`~cudagraphs.GraphPool` to take the scratch from (share one
+        pool: the :class:`~cudagraphs.GraphMemoryPool` to take the scratch from (share one
             with the core helper's or a runner's graphs); a new one by default.
 
     Raises:
@@ -95,7 +95,7 @@ class CudaGraphPool:
     """
 
     def __init__(
-        self, device: torch.device | str | int = "cuda", *, pool: GraphPool | None = None
+        self, device: torch.device | str | int = "cuda", *, pool: GraphMemoryPool | None = None
     ) -> None:
         if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
             raise CudaGraphsTypeError(
@@ -114,12 +114,12 @@ class CudaGraphPool:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self._device = device
-        if pool is not None and not isinstance(pool, GraphPool):
+        if pool is not None and not isinstance(pool, GraphMemoryPool):
             raise CudaGraphsTypeError(
-                f"CudaGraphPool(pool=...) takes a cudagraphs.GraphPool (new_pool()), got "
+                f"CudaGraphPool(pool=...) takes a cudagraphs.GraphMemoryPool (new_pool()), got "
                 f"{type(pool).__name__}"
             )
-        self._graph_pool = GraphPool() if pool is None else pool
+        self._graph_pool = GraphMemoryPool() if pool is None else pool
         self._members: weakref.WeakSet[_Member] = weakref.WeakSet()
         #: Launches of member programs share the scratch: one on another stream than
         #: the last waits for it (:class:`LaunchOrder`).
@@ -135,8 +135,8 @@ class CudaGraphPool:
         return self._closed
 
     @property
-    def graph_pool(self) -> GraphPool:
-        """The :class:`~cudagraphs.GraphPool` holding the scratch: pass it (or this
+    def graph_pool(self) -> GraphMemoryPool:
+        """The :class:`~cudagraphs.GraphMemoryPool` holding the scratch: pass it (or this
         object) as ``pool=`` to other layers' captures to share the memory.
 
         Raises:

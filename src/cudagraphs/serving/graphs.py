@@ -15,7 +15,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..capture import GraphPool, capture_eagerly, capture_into_graph, capture_with_static_outputs
+from ..capture import (
+    GraphMemoryPool,
+    capture_eagerly,
+    capture_into_graph,
+    capture_with_static_outputs,
+)
 from ..errors import CudaGraphOutputError, Mismatch, describe_mismatches
 from .buckets import Bucket
 from .input_specs import Said
@@ -39,20 +44,20 @@ __all__ = [
 
 #: How a runner captures one bucket:
 #: ``backend(run, pool, what) -> (graph with .replay() and .reset(), output)``
-BucketBackend = Callable[[Callable[[], Any], GraphPool, str], tuple[Any, Any]]
+BucketBackend = Callable[[Callable[[], Any], GraphMemoryPool, str], tuple[Any, Any]]
 
 
-def default_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:
+def default_backend(run: Callable[[], Any], pool: GraphMemoryPool, what: str) -> tuple[Any, Any]:
     return capture_into_graph(run, pool, what=what)
 
 
-def static_outputs_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:
+def static_outputs_backend(run: Callable[[], Any], pool: GraphMemoryPool, what: str) -> tuple[Any, Any]:
     # Piecewise regions: the graph ends by copying its outputs into buffers outside the
     # pool, so regions sharing the pool may replay in any order around eager code.
     return capture_with_static_outputs(run, run(), pool, what=what)
 
 
-def eager_backend(run: Callable[[], Any], pool: GraphPool, what: str) -> tuple[Any, Any]:
+def eager_backend(run: Callable[[], Any], pool: GraphMemoryPool, what: str) -> tuple[Any, Any]:
     """``CUDAGRAPHS_DISABLE``: an :class:`~cudagraphs.capture.EagerGraph` in place of
     each graph; its replay runs ``run()`` (forward on the static input views) and
     copies the result into the output tree returned here, so the runner's path
@@ -216,7 +221,7 @@ class CapturedBuckets:
 
     graphs: dict[Bucket, BucketGraph]
     slot_inputs: list[StaticInputs]
-    pool: GraphPool
+    pool: GraphMemoryPool
     report: CaptureReport
 
     @property

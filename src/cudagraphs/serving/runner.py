@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..capture import GraphPool
+from ..capture import GraphMemoryPool
 from ..checks import check_callable, check_device, check_instance, check_int
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError
@@ -93,7 +93,7 @@ class GraphRunner:
         static_outputs: end each graph with a copy of its outputs into buffers outside
             the pool (piecewise regions: several runners share a pool and replay in
             any order, with eager code between them).
-        pool: the :class:`GraphPool` to capture into (share one between the runners of
+        pool: the :class:`GraphMemoryPool` to capture into (share one between the runners of
             piecewise regions); a new one by default. Borrowed.
         slots: input/graph sets per bucket, used in turn by consecutive steps (2 for
             double buffering: host-side planning of step N+1 writes the other slot's
@@ -115,7 +115,7 @@ class GraphRunner:
         CudaGraphsTypeError: an argument of the wrong type (naming it): ``forward`` or
             ``plan`` not callable, ``config`` not a ``BucketConfig``, ``inputs`` not a
             sequence of ``InputSpec``, ``output_row_dim`` or ``slots`` not an int,
-            ``compile_options`` not a mapping, ``pool`` not a ``GraphPool``.
+            ``compile_options`` not a mapping, ``pool`` not a ``GraphMemoryPool``.
         CudaGraphsValueError: ``compile_options`` whose mode records CUDA graphs of
             its own, ``slots`` below 1, a device torch does not know, input
             specs that repeat names or lack the largest bucket's rows.
@@ -133,7 +133,7 @@ class GraphRunner:
         group: object | None = None,
         capture_backend: BucketBackend | None = None,
         static_outputs: bool = False,
-        pool: GraphPool | None = None,
+        pool: GraphMemoryPool | None = None,
         slots: int = 1,
         plan: Callable[[Bucket, int], None] | None = None,
         compile_options: Mapping[str, Any] | None = None,
@@ -149,7 +149,7 @@ class GraphRunner:
             "require_all_buckets", require_all_buckets, (bool, type(None)), "a bool or None"
         )
         check_instance("static_outputs", static_outputs, bool, "a bool")
-        check_instance("pool", pool, (GraphPool, type(None)), "a GraphPool or None")
+        check_instance("pool", pool, (GraphMemoryPool, type(None)), "a GraphMemoryPool or None")
         self.compile_options = check_compile_options("GraphRunner", compile_options)
         check_instance("compiled_inside", compiled_inside, bool, "a bool")
         if capture_backend is not None:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..capture import GraphPool, capture_into_graph, gc_paused
+from ..capture import GraphMemoryPool, capture_into_graph, gc_paused
 from ..capturing import capture_scope
 from ..checks import require_cuda
 from ..diagnostics import WarnOnce
@@ -104,7 +104,7 @@ class CaptureArgs:
     stand_in: bool = False
     slots: int = 1
     output_row_dim: int = 0
-    pool: GraphPool | None = None
+    pool: GraphMemoryPool | None = None
     group: object | None = None
     require_all_buckets: bool | None = None
     compiles: bool = False
@@ -162,7 +162,7 @@ def capture_buckets(args: CaptureArgs, report: CaptureReport, warn: WarnOnce) ->
         StaticInputs(args.specs, args.config.largest.rows, args.device) for _ in range(args.slots)
     ]
     captured = CapturedBuckets(
-        {}, slot_inputs, GraphPool() if args.pool is None else args.pool, report
+        {}, slot_inputs, GraphMemoryPool() if args.pool is None else args.pool, report
     )
     try:
         with nullcontext() if disabled else capture_scope():
@@ -378,7 +378,7 @@ def measure_bucket_cost(
     The eager step and the capture run on ``stream`` (default: a new side stream; the
     runner passes its pool's warmup stream): the stream's cuBLAS workspace is then made
     by the eager step and is not counted as pool bytes. The real captures add one
-    workspace to their pool, once (:meth:`~cudagraphs.capture.GraphPool.capture_stream`).
+    workspace to their pool, once (:meth:`~cudagraphs.capture.GraphMemoryPool.capture_stream`).
 
     Raises:
         Whatever the eager step raises, and CudaGraphCaptureError when the thrown-away
@@ -398,7 +398,7 @@ def measure_bucket_cost(
     # adds is new, and emptying the cache could drop the stream's workspace again.
     reserved = torch.cuda.memory_reserved()
     graph, out = capture_into_graph(
-        run, GraphPool(), stream=stream, keep_graph=True, what=f"measuring {bucket}"
+        run, GraphMemoryPool(), stream=stream, keep_graph=True, what=f"measuring {bucket}"
     )
     try:
         pool_bytes = torch.cuda.memory_reserved() - reserved
@@ -427,21 +427,21 @@ def memory_now(device: torch.device) -> tuple[int, int] | None:
 
 
 # ---- streams and progress --------------------------------------------------------------
-def warmup_stream(pool: GraphPool, device: torch.device) -> torch.cuda.Stream | None:
+def warmup_stream(pool: GraphMemoryPool, device: torch.device) -> torch.cuda.Stream | None:
     """The stream a bucket is measured on: the pool's warmup stream (None off CUDA).
 
     Every bucket warms up (and is measured) on the pool's warmup stream and is captured
     on its capture stream, so the cuBLAS workspace of the graphs is made once, inside
-    the pool (:meth:`~cudagraphs.capture.GraphPool.capture_stream`).
+    the pool (:meth:`~cudagraphs.capture.GraphMemoryPool.capture_stream`).
     """
     if device.type != "cuda":
         return None
     return pool.warmup_stream(device)
 
 
-def warmup_scope(pool: GraphPool, device: torch.device) -> AbstractContextManager:
+def warmup_scope(pool: GraphMemoryPool, device: torch.device) -> AbstractContextManager:
     """Where a bucket's warmup runs: inside the pool while no graph is in it, else on
-    its warmup stream (:meth:`~cudagraphs.capture.GraphPool.warmup_scope`); nothing off
+    its warmup stream (:meth:`~cudagraphs.capture.GraphMemoryPool.warmup_scope`); nothing off
     CUDA."""
     if device.type != "cuda":
         return nullcontext()

@@ -22,7 +22,7 @@ import torch
 
 from ..checks import check_callable, check_instance, require_cuda
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError, GraphReleasedError
-from ..graph_pool import GraphPool, as_graph_pool
+from ..graph_pool import GraphMemoryPool, as_graph_pool
 from ..hf_masks import eager_mask_choice, unread_masks_warning
 from ..memory import MemoryMeter
 from ..program.buffer import ReusableValueBuffer
@@ -50,7 +50,7 @@ class GraphedTrainStep:
     1. ``__init__`` checks the arguments and prepares the optimizer
        (:func:`~cudagraphs.train.prepare_optimizer`); nothing is captured.
     2. :meth:`capture` warms up (real steps on the sample batch, at learning rate 0,
-       inside the pool while it holds no graph: ``GraphPool.warmup_scope``), restores
+       inside the pool while it holds no graph: ``GraphMemoryPool.warmup_scope``), restores
        optimizer state and learning rates as they were, and captures: the warmup
        leaves no trace in the model and no second copy of it on the device
        (:class:`~cudagraphs.train.optimizers.OptimizerSnapshot`).
@@ -174,7 +174,7 @@ class GraphedTrainStep:
         return losses[0] if len(losses) == 1 else torch.stack(losses)
 
     # ---- capture -------------------------------------------------------------------
-    def capture(self, pool: GraphPool | Any = None) -> GraphedTrainStep:
+    def capture(self, pool: GraphMemoryPool | Any = None) -> GraphedTrainStep:
         """Warm up and capture (see the class docs). Returns ``self``.
 
         With ``CUDAGRAPHS_DISABLE`` set, nothing is captured and each call runs the

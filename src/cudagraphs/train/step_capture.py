@@ -12,7 +12,7 @@ import torch
 
 from ..capture import capture_into_graph
 from ..errors import CudaGraphCaptureError
-from ..graph_pool import GraphPool
+from ..graph_pool import GraphMemoryPool
 
 __all__ = ["CapturedStep", "capture_step_graphs"]
 
@@ -34,7 +34,7 @@ def capture_step_graphs(
     update_step: Callable[[], torch.Tensor | None],
     batch: Any,
     accumulation_steps: int,
-    pool: GraphPool,
+    pool: GraphMemoryPool,
     stream: torch.cuda.Stream,
 ) -> CapturedStep:
     """Capture the step reading ``batch`` (the input buffer's value) into ``pool`` on
