@@ -11,7 +11,7 @@ from cudagraphs.serving import (
     GraphRunner,
     InputSpec,
 )
-from test_serving_runner import (
+from helpers.serving_runner import (
     HIDDEN,
     forward,
 )

@@ -22,7 +22,7 @@ from cudagraphs.core.capture_phase import (
 from cudagraphs.core.runtime import EntryGraphs
 from cudagraphs.core.sharing import BufferSharing, chained_inputs, check_sharing
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, Mismatch
-from test_dropin_cpu import _past_the_argument_checks
+from helpers.dropin import past_the_argument_checks
 
 CPU = torch.device("cpu")
 ORDER_TEXT = (
@@ -293,7 +293,7 @@ def test_links_are_checked_against_the_plan_before_cuda():
     with pytest.raises(CudaGraphsValueError, match=r"\[\(1, 0\)\] = \(2, 0\): entries are 0"):
         make_graphed_callables(two_layers(), samples(), _buffer_sharing=links({(1, 0): (2, 0)}))
     # A valid request gets as far as the device checks.
-    _past_the_argument_checks(
+    past_the_argument_checks(
         lambda: make_graphed_callables(
             two_layers(), samples(), _buffer_sharing=links({(1, 2): (0, 0)}, True)
         )

@@ -31,7 +31,7 @@ from cudagraphs import (
 )
 from cudagraphs.capturing import TE_GRAPH_MODULE
 from cudagraphs.settings import DISABLE_ENV
-from test_dropin_cpu import FakeTE
+from helpers.dropin import FakeTE
 
 pytestmark = pytest.mark.cuda
 

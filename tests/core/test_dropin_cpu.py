@@ -18,7 +18,6 @@ from cudagraphs import (
     CudaGraphsTypeError,
     CudaGraphsValueError,
     GraphMemoryPool,
-    NoCudaDeviceError,
     QuantizationNotSupportedError,
     is_graph_capturing,
     make_graphed_callables,
@@ -26,6 +25,7 @@ from cudagraphs import (
 from cudagraphs.capture import as_graph_pool
 from cudagraphs.capturing import TE_GRAPH_MODULE, capture_scope
 from cudagraphs.serving import BucketConfig, GraphRunner, InputSpec
+from helpers.dropin import FakeTE, past_the_argument_checks
 
 # Transformer Engine's positional parameters (2.x names), in its order.
 TE_ORDER = [
@@ -53,18 +53,6 @@ def lin():
 
 def x():
     return torch.randn(2, 4)
-
-
-def _past_the_argument_checks(call):
-    """Run a call whose arguments are all acceptable but whose sample tensors are on the
-    CPU: it gets as far as the device checks, the last before any GPU work (the GPU
-    file graphs such calls)."""
-    if torch.cuda.is_available():
-        error, message = CudaGraphsValueError, "graph inputs must be CUDA tensors"
-    else:
-        error, message = NoCudaDeviceError, "needs a CUDA device"
-    with pytest.raises(error, match=message):
-        call()
 
 
 # ---- the signature -------------------------------------------------------------------------
@@ -111,13 +99,13 @@ GROUP = object()
     ids=["te2", "te2_caching", "te1", "te1_caching", "per_module", "both_names_agree"],
 )
 def test_quantization_arguments_that_leave_it_off_are_accepted(kwargs):
-    _past_the_argument_checks(lambda: make_graphed_callables(lin(), (x(),), **kwargs))
+    past_the_argument_checks(lambda: make_graphed_callables(lin(), (x(),), **kwargs))
 
 
 def test_quantization_arguments_in_transformer_engine_positions_are_accepted():
     # As a TE 1.x call site passes them: fp8_enabled, fp8_calibrating, fp8_recipe,
     # fp8_group, fp8_weight_caching after sample_kwargs.
-    _past_the_argument_checks(
+    past_the_argument_checks(
         lambda: make_graphed_callables(
             lin(), (x(),), 3, False, None, False, False, RECIPE, GROUP, True
         )
@@ -165,7 +153,7 @@ def test_a_pool_passed_fifth_is_named_as_a_pool(pool):
 
 
 def test_two_dicts_fifth_are_still_sample_kwargs():
-    _past_the_argument_checks(
+    past_the_argument_checks(
         lambda: make_graphed_callables(
             (lambda a, b=None: a, lambda a, b=None: a), ((x(),), (x(),)), 3, False, ({}, {})
         )
@@ -236,25 +224,6 @@ def test_capturing_is_per_thread():
         thread.start()
         thread.join()
     assert seen == [False]
-
-
-class FakeTE(types.ModuleType):
-    """A stand-in for transformer_engine.pytorch.graph that records its calls."""
-
-    def __init__(self, capturing=False):
-        super().__init__(TE_GRAPH_MODULE)
-        self.calls, self.flag = [], capturing
-
-    def set_capture_start(self):
-        self.calls.append("start")
-        self.flag = True
-
-    def set_capture_end(self):
-        self.calls.append("end")
-        self.flag = False
-
-    def is_graph_capturing(self):
-        return self.flag
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cudagraphs.errors import CudaGraphsError
-from test_serving_runner import HIDDEN, batch, dummy, forward, make_runner
+from helpers.serving_runner import HIDDEN, batch, dummy, forward, make_runner
 
 
 def _bad_calls():

@@ -10,7 +10,7 @@ import torch
 from _serving_contract import RUNNER_LOG, small_runner, warnings_about
 from cudagraphs.errors import CudaGraphInputError, CudaGraphsTypeError, CudaGraphsValueError
 from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec, call_path
-from test_serving_runner import HIDDEN, batch, dummy, eager_backend, forward, make_runner
+from helpers.serving_runner import HIDDEN, batch, dummy, eager_backend, forward, make_runner
 
 TOO_LARGE = (
     "GraphRunner: a batch of {} fits no captured bucket (the largest is {}): it and later "

@@ -26,7 +26,7 @@ from cudagraphs.serving.startup import (
     memory_now,
     warmup_scope,
 )
-from test_serving_runner import (
+from helpers.serving_runner import (
     HIDDEN,
     EagerGraph,
     dummy,

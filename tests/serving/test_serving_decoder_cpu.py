@@ -7,7 +7,7 @@ import torch
 
 from cudagraphs.models import DecoderConfig, TinyDecoder, greedy_decode
 from cudagraphs.serving import BucketConfig, GraphRunner, InputSpec
-from test_serving_runner import eager_backend
+from helpers.serving_runner import eager_backend
 
 CFG = DecoderConfig(
     vocab=64, hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, max_seq=16, max_batch=64

@@ -12,7 +12,7 @@ from cudagraphs.errors import CudaGraphCaptureError, CudaGraphsTypeError
 from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec, plan_buckets
 from cudagraphs.serving.call_path import CallPath
 from cudagraphs.serving.static_inputs import StaticInputs
-from test_serving_runner import (
+from helpers.serving_runner import (
     HIDDEN,
     EagerGraph,
     batch,

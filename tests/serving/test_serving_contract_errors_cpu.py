@@ -31,7 +31,7 @@ from cudagraphs.serving import (
     InputSpec,
 )
 from cudagraphs.settings import DISABLE_ENV
-from test_serving_runner import (
+from helpers.serving_runner import (
     HIDDEN,
     batch,
     dummy,

@@ -29,7 +29,7 @@ from cudagraphs.serving import (
 )
 from cudagraphs.settings import DISABLE_ENV
 from cudagraphs.settings import STRICT_BUCKETS_ENV as SETTINGS_STRICT_ENV
-from test_serving_runner import (
+from helpers.serving_runner import (
     HIDDEN,
     EagerGraph,
     batch,
