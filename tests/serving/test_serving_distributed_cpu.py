@@ -26,7 +26,7 @@ def _runner_on_rank(rank):
     """A runner whose bucket 8 fails to capture on rank 1 only; batches of 3 (rank 0)
     and 5 (rank 1) must replay the same bucket on both ranks."""
     from cudagraphs.serving import Bucket
-    from test_serving_runner import batch, dummy, eager_backend, make_runner
+    from helpers.serving_runner import batch, dummy, eager_backend, make_runner
 
     backend = eager_backend(fail_on=[Bucket(8)] if rank == 1 else [])
     runner = make_runner(backend=backend, require_all_buckets=False)
