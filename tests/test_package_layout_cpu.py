@@ -33,7 +33,7 @@ LAYERS: dict[str, int] = {
     "cudagraphs.errors": 0,
     "cudagraphs.dtypes": 0,
     "cudagraphs.forward_swap": 0,
-    "cudagraphs.capturing": 0,
+    "cudagraphs.capture_state": 0,
     "cudagraphs.diagnostics": 0,
     "cudagraphs.hf_masks": 0,
     "cudagraphs.settings": 0,

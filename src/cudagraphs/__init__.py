@@ -27,7 +27,7 @@ from .capture import (
     capture_with_static_outputs,
     new_pool,
 )
-from .capturing import is_graph_capturing
+from .capture_state import is_graph_capturing
 from .core import GraphedCallable, GraphedStack, graph_stack, make_graphed_callables
 from .errors import (
     CaptureTimeHookError,

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils import _pytree as pytree
 
-from .capturing import capture_scope
+from .capture_state import capture_scope
 from .checks import require_cuda
 from .errors import (
     CudaGraphCaptureError,

@@ -29,7 +29,7 @@ from cudagraphs import (
     make_graphed_callables,
     new_pool,
 )
-from cudagraphs.capturing import TE_GRAPH_MODULE
+from cudagraphs.capture_state import TE_GRAPH_MODULE
 from cudagraphs.settings import DISABLE_ENV
 from helpers.dropin import FakeTE
 

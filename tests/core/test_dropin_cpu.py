@@ -23,7 +23,7 @@ from cudagraphs import (
     make_graphed_callables,
 )
 from cudagraphs.capture import as_graph_pool
-from cudagraphs.capturing import TE_GRAPH_MODULE, capture_scope
+from cudagraphs.capture_state import TE_GRAPH_MODULE, capture_scope
 from cudagraphs.serving import BucketConfig, GraphRunner, InputSpec
 from helpers.dropin import FakeTE, past_the_argument_checks
 

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from cudagraphs.capturing import TE_GRAPH_MODULE
+from cudagraphs.capture_state import TE_GRAPH_MODULE
 from cudagraphs.errors import CudaGraphsValueError, NoCudaDeviceError
 
 

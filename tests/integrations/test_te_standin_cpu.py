@@ -13,7 +13,7 @@ from te_standin import STANDIN_MARKER, TE_MODULES, TE_VERSION, te_standin
 from torch import nn
 
 import cudagraphs
-from cudagraphs.capturing import TE_GRAPH_MODULE, capture_scope, is_graph_capturing
+from cudagraphs.capture_state import TE_GRAPH_MODULE, capture_scope, is_graph_capturing
 
 
 def _te_entries():

@@ -9,7 +9,7 @@ import torch
 
 import cudagraphs.core
 from _toy_models import Toy
-from cudagraphs.capturing import is_graph_capturing
+from cudagraphs.capture_state import is_graph_capturing
 from cudagraphs.core.sharing import BufferSharing
 from cudagraphs.errors import CudaGraphsStateError, CudaGraphsValueError, TargetSelectionError
 from cudagraphs.partial import PartialCudaGraphManager, graphing

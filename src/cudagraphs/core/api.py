@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..capture import as_graph_pool
-from ..capturing import capture_scope
+from ..capture_state import capture_scope
 from ..checks import check_callable, require_cuda
 from ..errors import CudaGraphsValueError
 from ..forward_swap import swap_forward

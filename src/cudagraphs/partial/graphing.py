@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..capturing import capture_scope
+from ..capture_state import capture_scope
 from ..core.sharing import BufferSharing
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsValueError, TargetSelectionError

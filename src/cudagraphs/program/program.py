@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ..capturing import capture_scope
+from ..capture_state import capture_scope
 from ..checks import require_cuda
 from ..errors import CudaGraphCaptureError, CudaGraphsTypeError
 from ..settings import graphs_disabled

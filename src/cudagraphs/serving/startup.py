@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..capture import GraphMemoryPool, capture_into_graph, gc_paused
-from ..capturing import capture_scope
+from ..capture_state import capture_scope
 from ..checks import require_cuda
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphOutputError, CudaGraphsTypeError, CudaGraphsValueError
