@@ -10,8 +10,8 @@ from torch import nn
 
 from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.partial import PartialCudaGraphManager
+from cudagraphs.partial.contract import flatten_call
 from cudagraphs.partial.entry import RecordedVariant, _checked_replay
-from cudagraphs.partial.flatten import flatten_call
 
 
 def graphed(in_spec, eager_only=False):

@@ -21,7 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..core.sharing import BufferSharing
-from .flatten import flatten_call
+from .contract import flatten_call
 
 if TYPE_CHECKING:
     from .entry import PartialGraphEntry

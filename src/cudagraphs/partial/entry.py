@@ -17,9 +17,8 @@ from ..core.graphed import GraphedCallable
 from ..diagnostics import WarnOnce
 from ..errors import ChainedInputError, CudaGraphInputError, describe_mismatches
 from ..forward_swap import ForwardSwap
-from .contract import CallContract, ContractSet, FallbackCounter
+from .contract import CallContract, ContractSet, FallbackCounter, flatten_call
 from .discovery import Target
-from .flatten import flatten_call
 from .recording import is_inference_call
 
 __all__ = ["PartialGraphEntry"]

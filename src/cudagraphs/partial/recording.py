@@ -21,8 +21,8 @@ from torch import nn
 
 from ..errors import CudaGraphsValueError
 from ..torch_private import current_graph_task_id
-from .autocast import AutocastState
 from .chaining import OutputLinks
+from .contract import AutocastState
 
 if TYPE_CHECKING:
     from .entry import PartialGraphEntry
