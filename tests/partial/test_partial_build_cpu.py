@@ -61,9 +61,7 @@ class Switchable(nn.Module):
 def test_skipped_blocks_of_every_part_are_kept():
     # DeepSeek-V3's layer 0 is dense: with scopes=("moe",) it is skipped in each part.
     parts = [tiny("deepseek_v3", seed=0), tiny("deepseek_v3", seed=1)]
-    built = build_entries(
-        parts, attention=True, router=True, include=None, max_variants=2, scopes=("moe",)
-    )
+    built = build_entries(parts, include=None, max_variants=2, scopes=("moe",))
     assert [e.name for e in built.entries] == ["model.layers.1.mlp"] * 2
     assert [(b.name, b.reason) for b in built.skipped] == [
         ("model.layers.0", "no_graph_safe_scope")
@@ -75,9 +73,7 @@ def test_narrowed_blocks_of_every_part_are_kept():
     parts = [tiny("qwen3_moe", seed=0), tiny("qwen3_moe", seed=1)]
     for part in parts:
         part.set_experts_implementation("eager")
-    built = build_entries(
-        parts, attention=True, router=True, include=None, max_variants=2, scopes=SCOPES
-    )
+    built = build_entries(parts, include=None, max_variants=2, scopes=SCOPES)
     assert [(b.name, b.reason) for b in built.narrowed] == [
         ("model.layers.0", "eager_experts"),
         ("model.layers.1", "eager_experts"),
@@ -198,6 +194,9 @@ def test_the_targets_are_said_at_info(caplog):
     mgr.close()
 
 
+EVERY_SCOPE = "attention, moe_router, mlp, moe, layer"  # the default: SCOPES
+
+
 def nothing_found(why):
     return (
         f"partial graphs: nothing graphable found ({why}); the model trains eagerly and "
@@ -208,13 +207,13 @@ def nothing_found(why):
 @pytest.mark.parametrize(
     "kwargs, asked",
     [
-        (dict(router=False), "attention"),
-        (dict(attention=False), "MoE routers"),
+        (dict(), f"scopes {EVERY_SCOPE}"),
+        (dict(scopes=("moe_router",)), "scopes moe_router"),
         (dict(scopes=("attention",)), "scopes attention"),
         (dict(scopes=("attention",), include="no.such"), "scopes attention, include='no.such'"),
-        (dict(router=False, include=["x.*"]), "attention, include=['x.*']"),
+        (dict(include=["x.*"]), f"scopes {EVERY_SCOPE}, include=['x.*']"),
     ],
-    ids=["attention", "router", "scopes", "scopes-include", "attention-include"],
+    ids=["default", "router", "scopes", "scopes-include", "default-include"],
 )
 def test_nothing_found_says_what_was_looked_for(caplog, kwargs, asked):
     with caplog.at_level(logging.INFO, logger=LOGGER):

@@ -154,7 +154,7 @@ class Stepped(Toy):
 
 def captured(core, model, forwards=1, backward=True, **kwargs):
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, attention=False, include="layers.?", speed_check=False, **kwargs
+        model, scopes=("moe_router",), include="layers.?", speed_check=False, **kwargs
     )
     mgr.start_recording()
     for _ in range(forwards):
@@ -237,7 +237,7 @@ def test_a_refused_chained_input_runs_eagerly_counted_and_said_once(caplog, monk
     monkeypatch.delenv("CUDAGRAPHS_DISABLE", raising=False)
     model = Toy()
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, attention=False, include="layers.?", capture_backend=refusing_second
+        model, scopes=("moe_router",), include="layers.?", capture_backend=refusing_second
     )
     mgr.start_recording()
     model(torch.randn(2, 8))
@@ -391,7 +391,7 @@ def test_a_managers_stats_report_its_graphs_memory(monkeypatch):
     model = Toy()
     mgr = PartialCudaGraphManager.from_model_parts(
         model,
-        attention=False,
+        scopes=("moe_router",),
         include="layers.?",
         capture_backend=lambda c, a, k: [Graphed(fn, 64 * (n + 1)) for n, fn in enumerate(c)],
     )

@@ -94,7 +94,7 @@ def test_dispatch_hands_the_parameters_then_the_call_tensors_in_flatten_order():
 
     net = Net()
     mgr = PartialCudaGraphManager.from_model_parts(
-        net, include=["inner"], attention=False, router=False, capture_backend=backend
+        net, include=["inner"], scopes=(), capture_backend=backend
     )
     mgr.start_recording()
     x = torch.ones(3, requires_grad=True)

@@ -89,7 +89,7 @@ def repeated(where):
         f"['layers.0.self_attn'] ran more than once {where}; one graph cannot stand for "
         "several calls of one forward (the second replay would overwrite the first one's "
         "outputs and saved activations). Fix: leave these modules out of the targets "
-        "(attention=False / router=False, or an include that does not name them)."
+        "(scopes= without their scope, or an include= that does not name them)."
     )
 
 
@@ -102,9 +102,7 @@ def test_a_repeat_within_one_forward_is_refused_with_the_whole_message(enabled):
 
 def test_a_repeat_without_model_parts_explains_why_forwards_look_alike(enabled):
     model = Toy(twice=True)
-    built = build_entries(
-        [model], attention=True, router=True, include=None, max_variants=4, scopes=NARROW
-    )
+    built = build_entries([model], include=None, max_variants=4, scopes=NARROW)
     mgr = PartialCudaGraphManager(built.entries, capture_backend=counting_backend([]))
     mgr.start_recording()
     model(torch.randn(2, 8))
@@ -283,7 +281,7 @@ def test_the_default_backend_takes_a_single_result_for_one_callable(enabled, mon
     monkeypatch.setattr(cudagraphs.core, "make_graphed_callables", core)
     model = Toy()
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, attention=False, include="layers.0.self_attn"
+        model, scopes=("moe_router",), include="layers.0.self_attn"
     )
     mgr.start_recording()
     model(torch.randn(2, 8))

@@ -466,7 +466,7 @@ def test_include_string_graphs_the_named_modules_and_equals_eager():
     model = tiny()
     ref = copy.deepcopy(model)
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, attention=False, include="model.layers.*.mlp", capture_backend=eager_backend
+        model, scopes=("moe_router",), include="model.layers.*.mlp", capture_backend=eager_backend
     )
     assert [e.name for e in mgr.entries] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     ids = torch.randint(0, 128, (2, 8))
@@ -484,23 +484,18 @@ def test_include_string_graphs_the_named_modules_and_equals_eager():
 def test_nothing_found_reasons(caplog):
     with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
         assert PartialCudaGraphManager.from_model_parts([], scopes=NARROW) is None
-        assert PartialCudaGraphManager.from_model_parts(tiny(), attention=False) is None
+        assert PartialCudaGraphManager.from_model_parts(tiny(), scopes=("moe_router",)) is None
         assert (
             PartialCudaGraphManager.from_model_parts(
                 tiny(), include="no.such.module", scopes=NARROW
             )
             is not None
         )
-        assert (
-            PartialCudaGraphManager.from_model_parts(
-                tiny(), attention=False, router=False, include=None
-            )
-            is None
-        )
+        assert PartialCudaGraphManager.from_model_parts(tiny(), scopes=(), include=None) is None
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(said) == 3
     assert "no model parts were given" in said[0]
-    assert "LlamaForCausalLM with 2 block(s), looking for MoE routers" in said[1]
+    assert "LlamaForCausalLM with 2 block(s), looking for scopes moe_router" in said[1]
     assert "nothing asked for" in said[2]
 
 

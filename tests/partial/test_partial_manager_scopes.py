@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _hf_models import tiny
-from cudagraphs.errors import CudaGraphsValueError
+from cudagraphs.errors import CudaGraphsTypeError
 from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager
 
@@ -125,24 +125,23 @@ def test_whole_layers_under_activation_checkpointing_keep_the_checkpoint_inside(
     assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * 2, stats
 
 
-def test_scopes_and_the_old_switches_do_not_mix():
-    with pytest.raises(CudaGraphsValueError, match="one or the other"):
+def test_a_retired_switch_is_refused_beside_scopes():
+    with pytest.raises(CudaGraphsTypeError, match="attention= and router= are retired"):
         PartialCudaGraphManager.from_model_parts(
             tiny("llama"), capture_backend=backend, scopes=("layer",), attention=False
         )
 
 
-def test_the_default_is_every_scope_and_the_switches_keep_the_first_release():
+def test_the_default_is_every_scope():
     model = tiny("qwen3_moe")
     by_default = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
     assert [e.target.kind for e in by_default.entries] == ["layer", "layer"]
     by_default.close()
-    # A switch turned off: the switches decide, as before scopes existed.
-    no_router = PartialCudaGraphManager.from_model_parts(
-        model, capture_backend=backend, router=False
+    attention = PartialCudaGraphManager.from_model_parts(
+        model, capture_backend=backend, scopes=("attention",)
     )
-    assert [e.target.kind for e in no_router.entries] == ["attention", "attention"]
-    no_router.close()
+    assert [e.target.kind for e in attention.entries] == ["attention", "attention"]
+    attention.close()
 
 
 def test_a_default_narrowing_is_said_at_info_and_an_asked_one_at_warning(caplog):

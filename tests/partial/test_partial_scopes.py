@@ -56,15 +56,14 @@ def test_targets_per_scope_set(family, scope_set):
 
 
 @pytest.mark.parametrize("family", sorted(EXPECTED))
-def test_attention_and_router_scopes_equal_the_default_plan(family):
+def test_the_default_plan_is_every_scope(family):
     model = model_of(family)
-    default, scoped = plan_targets(model), plan_targets(model, scopes=ATTN_ROUTER)
-    assert plan_targets(model, scopes=None) == default
-    assert scoped.targets == default.targets
-    assert [(s.name, s.reason) for s in scoped.skipped] == [
-        (s.name, s.reason) for s in default.skipped
-    ]
-    assert default.narrowed == [] and scoped.narrowed == []
+    default = plan_targets(model)
+    assert plan_targets(model, scopes=None) == default == plan_targets(model, scopes=SCOPES)
+    targets, skips, narrowed = EXPECTED[family]["all"]
+    assert names_kinds(default) == targets
+    assert [(s.name, s.reason) for s in default.skipped] == skips
+    assert narrowings(default) == narrowed
 
 
 def test_deepseek_moe_scope_holds_router_experts_and_shared_experts():

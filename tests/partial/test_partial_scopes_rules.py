@@ -225,20 +225,19 @@ def test_check_scopes_returns_a_tuple():
         (dict(attention=False), "attention=False"),
         (dict(router=False), "router=False"),
         (dict(attention=False, router=False), "attention=False and router=False"),
+        (dict(attention=1), "attention=1"),
     ],
 )
-def test_scopes_with_flags_switched_off_are_refused(flags, named):
-    with pytest.raises(CudaGraphsValueError, match=f"{named}: .*use one or the other"):
+def test_scopes_beside_a_retired_switch_are_refused(flags, named):
+    with pytest.raises(CudaGraphsTypeError, match=f"got {named}; attention= and router= are"):
         plan_targets(model_of("llama"), scopes=("layer",), **flags)
-    with pytest.raises(CudaGraphsTypeError, match="attention must be a bool"):
-        plan_targets(model_of("llama"), scopes=("layer",), attention=1)
 
 
 def test_why_nothing_found_names_the_scopes():
     model = toy_model()
-    why = why_nothing_found([model], attention=True, router=True, include=None, scopes=("moe",))
+    why = why_nothing_found([model], include=None, scopes=("moe",))
     assert "looking for scopes moe" in why
-    why = why_nothing_found([model], attention=True, router=True, include=None, scopes=())
+    why = why_nothing_found([model], include=None, scopes=())
     assert "scopes=() and no include: nothing asked for" in why
 
 
@@ -348,7 +347,5 @@ def test_check_scopes_hints_only_where_they_help(value, error, absent):
 
 
 def test_why_nothing_found_lists_every_scope():
-    why = why_nothing_found(
-        [toy_model()], attention=True, router=True, include=None, scopes=("layer", "moe")
-    )
+    why = why_nothing_found([toy_model()], include=None, scopes=("layer", "moe"))
     assert "looking for scopes layer, moe;" in why

@@ -20,7 +20,7 @@ from .graphing import TargetsBackend
 from .model_scope import MODEL_KIND, ModelScopeOff, fsdp_refusal
 from .planning import plan_targets, why_nothing_found
 from .recording import InferenceCalls, check_inference_calls
-from .scopes import SCOPES
+from .scopes import requested_scopes
 from .selectors import Predicate, Selector, as_model_parts, include_predicate
 from .skips import NarrowedBlock, SkippedBlock
 from .speed import SpeedCheck, speed_check_of
@@ -49,8 +49,6 @@ class BuiltEntries:
 def build_entries(
     parts: Sequence[nn.Module],
     *,
-    attention: bool,
-    router: bool,
     include: Predicate | None,
     max_variants: int,
     scopes: Sequence[str] | None = None,
@@ -66,9 +64,7 @@ def build_entries(
     out, seen = BuiltEntries(), {}
     for part in parts:
         sharded = fsdp_managed_modules(part)
-        plan = plan_targets(
-            part, attention=attention, router=router, include=include, scopes=scopes
-        )
+        plan = plan_targets(part, include=include, scopes=scopes)
         out.skipped += plan.skipped
         out.narrowed += plan.narrowed
         targets = plan.targets
@@ -192,8 +188,6 @@ def entries_from_model_parts(
     model_parts: nn.Module | Sequence[nn.Module],
     *,
     activation_checkpointing: bool,
-    attention: bool,
-    router: bool,
     include: Selector | None,
     max_variants: int,
     capture_backend: TargetsBackend | None,
@@ -215,12 +209,7 @@ def entries_from_model_parts(
         What ``from_model_parts`` documents.
     """
     parts = as_model_parts(model_parts)
-    for name, flag in (
-        ("activation_checkpointing", activation_checkpointing),
-        ("attention", attention),
-        ("router", router),
-    ):
-        check_bool(name, flag)
+    check_bool("activation_checkpointing", activation_checkpointing)
     max_variants = check_int("max_variants", max_variants, minimum=1)
     check_inference_calls(inference_calls)
     speed_check_of(speed_check)
@@ -234,24 +223,16 @@ def entries_from_model_parts(
     if capture_backend is not None:
         check_callable("capture_backend", capture_backend)
     asked = scopes is not None
-    if not asked and attention and router:
-        scopes = SCOPES  # the default: the widest graph-safe scope of each layer
+    requested = requested_scopes(scopes)
     built = build_entries(
-        parts,
-        attention=attention,
-        router=router,
-        include=include_predicate(include),
-        max_variants=max_variants,
-        scopes=scopes,
+        parts, include=include_predicate(include), max_variants=max_variants, scopes=requested
     )
     entries = built.entries
     if not entries:
         logger.warning(
             "partial graphs: nothing graphable found (%s); the model trains eagerly "
             "and from_model_parts returns None",
-            why_nothing_found(
-                parts, attention=attention, router=router, include=include, scopes=scopes
-            ),
+            why_nothing_found(parts, include=include, scopes=requested),
         )
         return None
     logger.info("partial graphs: %d target(s): %s", len(entries), [e.name for e in entries])

@@ -131,7 +131,7 @@ def calls_to_capture(
             f"{repeated} ran more than once {where}; one graph cannot stand for "
             "several calls of one forward (the second replay would overwrite the "
             "first one's outputs and saved activations). Fix: leave these modules "
-            "out of the targets (attention=False / router=False, or an include that "
+            "out of the targets (scopes= without their scope, or an include= that "
             "does not name them)."
         )
     _turn_off_stateful(recorder.order, logger)

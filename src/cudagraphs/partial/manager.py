@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -48,7 +49,7 @@ from .graphing import (
 )
 from .model_scope import ModelScopeOff, capture_model_first
 from .recording import InferenceCalls, Recorder, check_inference_calls
-from .selectors import Selector, as_model_parts
+from .selectors import RETIRED, Selector, as_model_parts, refuse_retired
 from .skips import NarrowedBlock, SkippedBlock
 from .speed import SpeedCheck, speed_check_of, turn_off_slower
 from .stats import stats_of
@@ -194,10 +195,8 @@ class PartialCudaGraphManager:
         cls,
         model_parts: nn.Module | Sequence[nn.Module],
         activation_checkpointing: bool = False,
-        pipeline_parallel: bool = False,
+        pipeline_parallel: Any = RETIRED,
         *,
-        attention: bool = True,
-        router: bool = True,
         include: Selector | None = None,
         max_variants: int = 4,
         capture_backend: TargetsBackend | None = None,
@@ -205,6 +204,8 @@ class PartialCudaGraphManager:
         speed_check: bool | SpeedCheck = True,
         experts_implementation: str | None = None,
         scopes: Sequence[str] | None = None,
+        attention: Any = RETIRED,
+        router: Any = RETIRED,
     ) -> PartialCudaGraphManager | None:
         """Discover targets in already-built model parts (pipeline stages).
 
@@ -218,9 +219,6 @@ class PartialCudaGraphManager:
                 that replay cannot overwrite another graph's live output (more memory,
                 never wrong values). A recompute seen while recording turns this on by
                 itself. Checkpoint wrapper modules are always unwrapped.
-            pipeline_parallel: accepted for interface compatibility: each part is
-                searched on its own.
-            attention, router: graph the discovered attention modules / MoE routers.
             include: more targets: one glob pattern over qualified names (a plain
                 string such as ``"model.layers.*.mlp"``), a list or tuple of
                 patterns, or a predicate ``(name, module) -> bool``.
@@ -250,9 +248,7 @@ class PartialCudaGraphManager:
                 for is listed in :attr:`narrowed` (``stats()['narrowed_<reason>']``,
                 one WARNING). ``None`` (default): all of :data:`SCOPES`, so each layer
                 is graphed as widely as is safe (said at INFO where a layer narrows);
-                but with ``attention=False`` or ``router=False`` those switches decide
-                instead (the first release's ``("attention", "moe_router")`` without
-                them). With ``scopes`` leave the switches alone. ``"model"``
+                :func:`~cudagraphs.partial.plan_targets` previews it per part. ``"model"``
                 (:data:`~cudagraphs.partial.MODEL_SCOPE`, never a default) graphs
                 each part whole, its layers kept in reserve should it not capture
                 (:mod:`.model_scope`; refusals in :attr:`model_off`).
@@ -262,6 +258,10 @@ class PartialCudaGraphManager:
                 ``set_experts_implementation``. ``None`` (default) leaves the model as
                 it is; an MoE layer whose experts run the ``eager`` loop is then
                 graphed at narrower scopes, said in the log.
+            pipeline_parallel, attention, router: retired; passing any of them raises
+                :class:`~cudagraphs.errors.CudaGraphsTypeError` naming what to pass
+                instead (each part is graphed on its own; ``scopes=`` says what is
+                graphed).
 
         Targets under FSDP2 (``fully_shard``) are supported: their unsharded
         parameters are copied into the graph at each call (:mod:`.fsdp`).
@@ -271,8 +271,8 @@ class PartialCudaGraphManager:
             the reason: the model trains eagerly).
 
         Raises:
-            CudaGraphsTypeError: an argument of the wrong type (named): model parts
-                that are not modules, a non-bool flag, ``max_variants`` that is not
+            CudaGraphsTypeError: a retired argument, or an argument of the wrong type
+                (named): model parts that are not modules, a non-bool flag, ``max_variants`` that is not
                 an int (``True`` included), an ``include`` of an unusable type, a
                 ``capture_backend`` that is not callable.
             CudaGraphsValueError: ``max_variants`` < 1, ``inference_calls`` not one of
@@ -280,12 +280,15 @@ class PartialCudaGraphManager:
             TargetSelectionError: a module shared under two names, nested targets, or
                 DTensor parameters that FSDP2 does not manage.
         """
-        del pipeline_parallel  # accepted for compatibility and not used: see the docstring
+        refuse_retired(
+            "from_model_parts",
+            pipeline_parallel=pipeline_parallel,
+            attention=attention,
+            router=router,
+        )
         found = entries_from_model_parts(
             model_parts,
             activation_checkpointing=activation_checkpointing,
-            attention=attention,
-            router=router,
             include=include,
             max_variants=max_variants,
             capture_backend=capture_backend,

@@ -66,6 +66,7 @@ __all__ = [
     "find_mlp",
     "forward_parameters",
     "names_overlap",
+    "requested_scopes",
     "scope_block",
     "static_experts",
 ]
@@ -121,6 +122,14 @@ def check_scopes(value: Any) -> tuple[str, ...]:
             )
         first[name] = i
     return tuple(value)
+
+
+def requested_scopes(scopes: Any) -> tuple[str, ...]:
+    """The scopes asked for: ``scopes`` checked (:func:`check_scopes`), or with
+    ``None`` every one of :data:`SCOPES`, so that each layer is graphed as widely as is
+    graph-safe. The one place the default is decided: :func:`~.planning.plan_targets`
+    and the manager both plan through it."""
+    return SCOPES if scopes is None else check_scopes(scopes)
 
 
 def forward_parameters(module: nn.Module) -> list[inspect.Parameter]:
