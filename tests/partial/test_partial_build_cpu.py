@@ -16,7 +16,7 @@ from cudagraphs.partial.build import (
     report_blocks,
     switch_experts_implementation,
 )
-from cudagraphs.partial.skips import NarrowedBlock, SkippedBlock
+from cudagraphs.partial.vocabulary import NarrowedBlock, SkippedBlock
 
 LOGGER = "cudagraphs.partial.manager"
 STRUCTURE_RULE = (

@@ -17,10 +17,10 @@ from cudagraphs.errors import ChainedInputError, Mismatch
 from cudagraphs.partial import PartialCudaGraphManager
 from cudagraphs.partial.chaining import OutputLinks, group_sharing
 from cudagraphs.partial.contract import ContractSet
-from cudagraphs.partial.discovery import Target
 from cudagraphs.partial.entry import PartialGraphEntry, RecordedVariant
 from cudagraphs.partial.speed import chained_call
 from cudagraphs.partial.stats import stats_of
+from cudagraphs.partial.vocabulary import Target
 from test_partial_graphing_cpu import FakeCore
 
 LOGGER = "cudagraphs.partial.manager"

@@ -33,7 +33,7 @@ from cudagraphs.partial import (
     select_targets,
     unwrap_checkpoint,
 )
-from cudagraphs.partial.selectors import include_predicate
+from cudagraphs.partial.arguments import include_predicate
 
 # --- the four HF families -----------------------------------------------------------
 

@@ -21,8 +21,9 @@ from cudagraphs.partial import (
     plan_targets,
     select_targets,
 )
-from cudagraphs.partial.metadata import ClassSpec, first_declared, read_metadata
+from cudagraphs.partial.metadata import first_declared, read_metadata
 from cudagraphs.partial.planning import why_nothing_found
+from cudagraphs.partial.vocabulary import ClassSpec
 
 A, R = "attention", "router"
 NO_SCOPE = "no_graph_safe_scope"

@@ -24,8 +24,8 @@ from cudagraphs.partial import (
     plan_targets,
     select_targets,
 )
+from cudagraphs.partial.arguments import as_model_parts
 from cudagraphs.partial.planning import why_nothing_found
-from cudagraphs.partial.selectors import as_model_parts
 
 # --- physical modules invoked more than once per forward ------------------------------
 

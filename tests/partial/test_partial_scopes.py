@@ -26,14 +26,10 @@ from _scopes import (
     per_layer,
     toy_model,
 )
+from cudagraphs.moe_kernels import experts_implementation, static_experts
 from cudagraphs.partial.discovery import discover_blocks
 from cudagraphs.partial.planning import plan_targets, select_targets
-from cudagraphs.partial.scopes import (
-    SCOPES,
-    experts_implementation,
-    static_experts,
-)
-from cudagraphs.partial.skips import NarrowedBlock
+from cudagraphs.partial.vocabulary import SCOPES, NarrowedBlock
 
 # --- targets per model and scope set --------------------------------------------------
 

@@ -26,18 +26,17 @@ from _scopes import (
     toy_model,
 )
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
-from cudagraphs.partial.discovery import DiscoveredBlock, Target
+from cudagraphs.moe_kernels import experts_implementation
 from cudagraphs.partial.planning import plan_targets, why_nothing_found
 from cudagraphs.partial.scopes import (
-    SCOPES,
     BlockOffer,
     ScopeChoice,
     check_scopes,
     choose_scopes,
-    experts_implementation,
     find_mlp,
     scope_block,
 )
+from cudagraphs.partial.vocabulary import SCOPES, DiscoveredBlock, Target
 
 # --- the choice rules alone -----------------------------------------------------------
 

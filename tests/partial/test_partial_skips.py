@@ -11,10 +11,10 @@ from torch import nn
 
 from _hf_models import tiny, tiny_arch
 from cudagraphs.moe_kernels import GroupedMMProbe
-from cudagraphs.partial.discovery import DiscoveredBlock
 from cudagraphs.partial.planning import plan_targets
-from cudagraphs.partial.scopes import SCOPES, BlockOffer, ScopeChoice, ScopedBlock
+from cudagraphs.partial.scopes import BlockOffer, ScopeChoice, ScopedBlock
 from cudagraphs.partial.skips import narrow_record, scoped_skip_record
+from cudagraphs.partial.vocabulary import SCOPES, DiscoveredBlock
 
 ML = "model.layers"
 NO_SCOPE = "no_graph_safe_scope"

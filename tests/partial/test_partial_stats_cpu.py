@@ -3,10 +3,9 @@
 from torch import nn
 
 from cudagraphs.partial.contract import ContractSet
-from cudagraphs.partial.discovery import Target
 from cudagraphs.partial.entry import PartialGraphEntry, RecordedVariant
-from cudagraphs.partial.skips import NarrowedBlock, SkippedBlock
 from cudagraphs.partial.stats import stats_of
+from cudagraphs.partial.vocabulary import NarrowedBlock, SkippedBlock, Target
 
 
 def _entry(name, graphs=1, off_reason=None, replayed=0, fallbacks=()):

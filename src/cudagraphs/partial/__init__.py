@@ -39,21 +39,22 @@ layers kept in reserve should the part not capture (:mod:`.model_scope`).
 
 from ..errors import TargetSelectionError
 from .contract import CallContract, ContractSet, FallbackCounter
-from .discovery import (
-    DiscoveredBlock,
-    Target,
-    discover_blocks,
-    find_attention,
-    find_moe,
-    unwrap_checkpoint,
-)
+from .discovery import discover_blocks, find_attention, find_moe
 from .entry import PartialGraphEntry
 from .manager import PartialCudaGraphManager, TargetsBackend
-from .model_scope import ModelScopeOff
 from .planning import TargetPlan, model_label, plan_targets, select_targets
-from .scopes import MODEL_SCOPE, SCOPES, check_scopes
-from .skips import NarrowedBlock, SkippedBlock
+from .scopes import check_scopes
 from .speed import SpeedCheck, SpeedVerdict
+from .tree import unwrap_checkpoint
+from .vocabulary import (
+    MODEL_SCOPE,
+    SCOPES,
+    DiscoveredBlock,
+    ModelScopeOff,
+    NarrowedBlock,
+    SkippedBlock,
+    Target,
+)
 
 __all__ = [
     "MODEL_SCOPE",

@@ -13,17 +13,17 @@ from torch import nn
 
 from ..checks import check_bool, check_callable, check_int
 from ..errors import TargetSelectionError
+from .arguments import Predicate, Selector, as_model_parts, include_predicate
 from .contract import ContractSet
 from .entry import PartialGraphEntry
 from .fsdp import check_target_parameters, fsdp_managed_modules
 from .graphing import TargetsBackend
-from .model_scope import MODEL_KIND, ModelScopeOff, fsdp_refusal
+from .model_scope import fsdp_refusal
 from .planning import plan_targets, why_nothing_found
 from .recording import InferenceCalls, check_inference_calls
 from .scopes import requested_scopes
-from .selectors import Predicate, Selector, as_model_parts, include_predicate
-from .skips import NarrowedBlock, SkippedBlock
 from .speed import SpeedCheck, speed_check_of
+from .vocabulary import MODEL_KIND, ModelScopeOff, NarrowedBlock, SkippedBlock
 
 __all__ = [
     "BuiltEntries",

@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from ..checks import check_int
 from ..errors import Mismatch
+from .vocabulary import CONTRACT_REASONS, FALLBACK
 
 __all__ = [
     "REASONS",
@@ -154,21 +155,9 @@ def autocast_text(state: AutocastState) -> str:
     return ", ".join(f"{device}: {str(dtype).removeprefix('torch.')}" for device, dtype in state)
 
 
-#: Why a call did not replay, most structural first (the first difference is reported).
-REASONS = (
-    "structure",
-    "tensor_type",
-    "device",
-    "dtype",
-    "shape",
-    "stride",
-    "requires_grad",
-    "alias",
-    "control",
-    "grad_mode",
-    "autocast",
-    "training",
-)
+#: Why a call does not match a contract, most structural first (the first difference
+#: is reported); the names and their meaning are :data:`~.vocabulary.FALLBACK`'s.
+REASONS = CONTRACT_REASONS
 
 TensorMeta = tuple[type, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
 _META_FIELDS = ("tensor_type", "shape", "stride", "dtype", "device", "requires_grad")
@@ -521,5 +510,5 @@ class FallbackCounter:
 
     def as_dict(self) -> dict[str, int]:
         out = {"replayed": self.replayed, "fallbacks": sum(self.fallbacks.values())}
-        out.update({f"fallback_{r}": n for r, n in sorted(self.fallbacks.items())})
+        out.update({FALLBACK.key(r): n for r, n in sorted(self.fallbacks.items())})
         return out

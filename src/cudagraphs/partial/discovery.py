@@ -44,71 +44,33 @@ contract and the capture do.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Literal
 
 from torch import nn
 
-from .metadata import ModelMetadata, first_declared, read_metadata
-from .scopes import Scope, forward_parameters
+from .metadata import first_declared, read_metadata
 from .tree import children as _children
+from .tree import forward_parameters
 from .tree import join_name as _join
 from .tree import named_modules as _named_modules
-from .tree import unwrap_checkpoint
+from .vocabulary import DiscoveredBlock, ModelMetadata, Source, Target
 
 __all__ = [
-    "KIND_OF_SCOPE",
-    "DiscoveredBlock",
-    "Source",
-    "Target",
     "discover_blocks",
     "find_attention",
     "find_moe",
     "is_attention",
-    "unwrap_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
 
-TargetKind = Literal["attention", "router", "custom", "layer", "moe", "mlp", "model"]
-Source = Literal["metadata", "structure"]
 _ROUTER_NAMES = ("gate", "router")  # the router child of an MoE sublayer
 _EXPERT_NAMES = ("experts",)
-# The Target kind of each scope: the router keeps the kind it has without scopes.
-KIND_OF_SCOPE: dict[Scope, TargetKind] = {
-    "attention": "attention",
-    "moe_router": "router",
-    "mlp": "mlp",
-    "moe": "moe",
-    "layer": "layer",
-}
-
-
-@dataclass(frozen=True)
-class Target:
-    """One module to graph."""
-
-    name: str  # qualified name in the model part, wrappers unwrapped
-    module: nn.Module = field(compare=False)
-    kind: TargetKind
-    block: str | None = None  # the block it belongs to, when discovered in one
-
-
-@dataclass(frozen=True)
-class DiscoveredBlock:
-    """One transformer block and the graphable pieces found in it."""
-
-    name: str
-    module: nn.Module = field(compare=False)
-    attention: Target | None
-    router: Target | None
-    moe: str | None  # qualified name of the MoE sublayer, if any
-    source: Source = "structure"  # what named it a block, and the rule used inside it
-    # The declaration in force (None for a structural block): skip reports name its classes.
-    metadata: ModelMetadata | None = field(default=None, compare=False, repr=False)
 
 
 def is_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is called and built like attention: called with hidden states
+    (``hidden_states`` or ``x``) and an attention mask or positions, owning at least
+    two ``nn.Linear`` projections."""
     params = {p.name for p in forward_parameters(module)}
     takes_hidden = "hidden_states" in params or "x" in params
     takes_context = bool({"attention_mask", "position_embeddings", "position_ids"} & params)

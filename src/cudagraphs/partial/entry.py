@@ -18,8 +18,8 @@ from ..diagnostics import WarnOnce
 from ..errors import ChainedInputError, CudaGraphInputError, describe_mismatches
 from ..forward_swap import ForwardSwap
 from .contract import CallContract, ContractSet, FallbackCounter, flatten_call
-from .discovery import Target
 from .recording import is_inference_call
+from .vocabulary import Target
 
 __all__ = ["PartialGraphEntry"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import CudaGraphsValueError, TargetSelectionError
-from .discovery import Target
+from .vocabulary import Target
 
 __all__ = ["check_target_parameters", "fsdp_managed_modules"]
 

@@ -37,6 +37,7 @@ from ..checks import check_bool, check_callable
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError
 from ..forward_swap import swap_forward
+from .arguments import RETIRED, Selector, as_model_parts, refuse_retired
 from .build import entries_from_model_parts
 from .entry import PartialGraphEntry
 from .graphing import (
@@ -47,12 +48,11 @@ from .graphing import (
     read_disabled,
     release_cached,
 )
-from .model_scope import ModelScopeOff, capture_model_first
+from .model_scope import capture_model_first
 from .recording import InferenceCalls, Recorder, check_inference_calls
-from .selectors import RETIRED, Selector, as_model_parts, refuse_retired
-from .skips import NarrowedBlock, SkippedBlock
 from .speed import SpeedCheck, speed_check_of, turn_off_slower
 from .stats import stats_of
+from .vocabulary import ModelScopeOff, NarrowedBlock, SkippedBlock
 
 __all__ = ["TargetsBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
 

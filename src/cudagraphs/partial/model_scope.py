@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,37 +43,20 @@ from torch import nn
 from ..errors import CudaGraphCaptureError, CudaGraphOutputError
 from ..moe_kernels import GroupedMMProbe
 from .contract import ContractSet
-from .discovery import DiscoveredBlock
 from .entry import PartialGraphEntry
 from .recording import Call
 from .scopes import scope_block
 from .speed import turn_off_slower
+from .vocabulary import MODEL_KIND, DiscoveredBlock, ModelScopeOff
 
 __all__ = [
-    "MODEL_KIND",
-    "ModelRefusal",
-    "ModelScopeOff",
     "capture_model_first",
     "model_scope_refusal",
     "part_label",
 ]
 
-MODEL_KIND = "model"  # the Target kind of a whole part
-
-#: Why a part is not graphed whole, decided at planning.
-ModelRefusal = Literal["no_blocks", "include", "layers_not_whole", "no_forward", "fsdp"]
-
 # Plain values a graph may hand back as they were at capture: they cannot go stale.
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
-
-
-@dataclass(frozen=True)
-class ModelScopeOff:
-    """A model part not graphed whole at planning, and why."""
-
-    part: str  # the part's class name
-    reason: ModelRefusal
-    detail: str  # what refused it, and the fix
 
 
 def part_label(part: nn.Module) -> str:

@@ -18,21 +18,25 @@ from torch import nn
 
 from ..errors import CudaGraphsTypeError, TargetSelectionError
 from ..moe_kernels import GroupedMMProbe
-from .discovery import (
-    KIND_OF_SCOPE,
-    DiscoveredBlock,
-    Source,
-    Target,
-    discover_blocks,
-    is_attention,
-)
-from .model_scope import MODEL_KIND, ModelScopeOff, model_scope_refusal
-from .scopes import MODEL_SCOPE, requested_scopes, scope_block
-from .selectors import RETIRED, Selector, include_predicate, refuse_retired
-from .skips import NarrowedBlock, SkippedBlock, block_reports
+from .arguments import RETIRED, Selector, include_predicate, refuse_retired
+from .discovery import discover_blocks, is_attention
+from .model_scope import model_scope_refusal
+from .scopes import requested_scopes, scope_block
+from .skips import block_reports
 from .tree import children as _children
 from .tree import join_name as _join
 from .tree import named_modules as _named_modules
+from .vocabulary import (
+    KIND_OF_SCOPE,
+    MODEL_KIND,
+    MODEL_SCOPE,
+    DiscoveredBlock,
+    ModelScopeOff,
+    NarrowedBlock,
+    SkippedBlock,
+    Source,
+    Target,
+)
 
 __all__ = ["TargetPlan", "model_label", "plan_targets", "select_targets", "why_nothing_found"]
 
@@ -84,7 +88,7 @@ def plan_targets(
             when :func:`~.model_scope.model_scope_refusal` allows it; the per-layer
             targets are kept beside it for the capture to fall back on.
         attention, router: retired; passing either raises (see
-            :func:`~.selectors.refuse_retired`).
+            :func:`~.arguments.refuse_retired`).
 
     Returns:
         A :class:`TargetPlan`: the targets in the order of ``model``'s modules (empty

@@ -33,53 +33,35 @@ import inspect
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError
 from ..moe_kernels import (
-    STATIC_EXPERTS,
     GroupedMMProbe,
     experts_implementation,
     experts_weight,
     static_experts,
 )
-from .tree import children, join_name
-
-if TYPE_CHECKING:
-    from .discovery import DiscoveredBlock
+from .tree import children, forward_parameters, join_name, names_overlap
+from .vocabulary import MODEL_SCOPE, SCOPES, DiscoveredBlock, NarrowReason, Scope
 
 __all__ = [
-    "MODEL_SCOPE",
-    "SCOPES",
-    "STATIC_EXPERTS",
     "BlockOffer",
-    "NarrowReason",
-    "Scope",
     "ScopeChoice",
     "ScopedBlock",
     "check_scopes",
     "choose_scopes",
-    "experts_implementation",
     "find_mlp",
-    "forward_parameters",
-    "names_overlap",
     "requested_scopes",
     "scope_block",
-    "static_experts",
 ]
 
 logger = logging.getLogger(__name__)
 
-Scope = Literal["attention", "moe_router", "mlp", "moe", "layer"]
-SCOPES: tuple[Scope, ...] = ("attention", "moe_router", "mlp", "moe", "layer")
-#: The scope of a whole model part (embeddings, every layer, head and loss as its forward
-#: runs them): wider than any layer, so never a default; see :mod:`.model_scope`.
-MODEL_SCOPE: Literal["model"] = "model"
 _ACCEPTED: tuple[str, ...] = (*SCOPES, MODEL_SCOPE)
-NarrowReason = Literal["no_attention", "eager_experts", "unknown_experts", "host_grouped_mm"]
 
 # torch's own norms. transformers' RMSNorm classes are not among them; they hold only a
 # 1-D weight, so the two-projection rule of find_mlp leaves them out.
@@ -132,14 +114,6 @@ def requested_scopes(scopes: Any) -> tuple[str, ...]:
     return SCOPES if scopes is None else check_scopes(scopes)
 
 
-def forward_parameters(module: nn.Module) -> list[inspect.Parameter]:
-    """The parameters of ``module.forward`` (empty when it has no signature)."""
-    try:
-        return list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return []
-
-
 def _one_tensor_argument(module: nn.Module) -> bool:
     # Exactly one parameter and no *args / **kwargs: a Mamba or linear-attention mixer
     # (hidden_states plus cache / mask, often **kwargs) is not a dense MLP.
@@ -179,12 +153,6 @@ def find_mlp(
             [n for n, _ in found],
         )
     return found[0] if found else None
-
-
-def names_overlap(a: str, b: str) -> bool:
-    """Whether qualified names ``a`` and ``b`` are the same module or one lies in the
-    other (dot-separated: ``layers.1`` does not hold ``layers.10``)."""
-    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,10 @@
-"""Why a discovered block yields no target: one :class:`SkippedBlock` per such block,
-with a reason slug a program can count and a sentence a user can act on (what the
-block holds, what was looked for, the fix).
-
-Reasons:
-
-- ``"no_graph_safe_scope"``: no scope asked for fits the block (a Mamba or
-  linear-attention layer asked for attention alone; any block without a router when
-  only routers are asked for).
-- ``"nothing_asked"``: ``scopes=()``, and ``include`` names nothing in the block.
-
-A block that yields some target but not the widest scope asked for is one
-:class:`NarrowedBlock` (reasons in :mod:`.scopes`: ``"no_attention"``,
-``"eager_experts"``, ``"unknown_experts"``, ``"host_grouped_mm"``); one that yields none
-is a :class:`SkippedBlock` (``"no_graph_safe_scope"``) whose detail gives the same
-reasons.
+"""Why a discovered block yields no target, or a narrower one than asked: one
+:class:`~.vocabulary.SkippedBlock` per block with no target and one
+:class:`~.vocabulary.NarrowedBlock` per block graphed at narrower scopes, each with a
+reason a program can count (from :data:`~.vocabulary.SKIPPED` and
+:data:`~.vocabulary.NARROWED`) and a detail a user can act on: what the block holds,
+what was looked for and why each scope was refused (by the rules of :mod:`.scopes`),
+and the fixes as numbered options.
 
 What this module does NOT do: it decides no target (:mod:`.discovery` and
 :mod:`.scopes` do) and does not log; the caller reports the records.
@@ -22,55 +13,30 @@ What this module does NOT do: it decides no target (:mod:`.discovery` and
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
-from .metadata import ClassSpec, ModelMetadata
-from .scopes import NarrowReason, Scope, ScopedBlock, names_overlap
-from .tree import children
-
-if TYPE_CHECKING:
-    from .discovery import DiscoveredBlock
+from .scopes import ScopedBlock
+from .tree import children, names_overlap
+from .vocabulary import (
+    ClassSpec,
+    DiscoveredBlock,
+    ModelMetadata,
+    NarrowedBlock,
+    NarrowReason,
+    Scope,
+    SkippedBlock,
+)
 
 __all__ = [
-    "NarrowReason",
-    "NarrowedBlock",
-    "SkipReason",
-    "SkippedBlock",
     "block_reports",
     "narrow_record",
     "scoped_skip_record",
 ]
-
-SkipReason = Literal["no_graph_safe_scope", "nothing_asked"]
 
 _NOT_ATTENTION = (
     "no attention-like child (called with hidden_states plus an attention mask or "
     "positions, owning two or more projections)"
 )
 _NOT_ROUTER = "no MoE router (a gate or router with a 2-D weight beside experts)"
-
-
-@dataclass(frozen=True)
-class SkippedBlock:
-    """A block that yields no target, and why (so that nothing is left out silently)."""
-
-    name: str  # qualified block name
-    block_type: str  # class name
-    reason: SkipReason  # short slug, see the module docstring
-    detail: str  # what was found, why it was skipped, the fix (include=)
-
-
-@dataclass(frozen=True)
-class NarrowedBlock:
-    """A block graphed at narrower scopes than the widest one asked for, and why."""
-
-    name: str  # qualified block name
-    block_type: str  # class name
-    wanted: Scope  # the widest requested scope refused ("layer" or "moe")
-    got: tuple[Scope, ...]  # the scopes taken instead: attention, then feed-forward (never ())
-    reason: NarrowReason  # the first refusal; the detail names every one
-    detail: str  # what was refused, why, what was taken, the fixes
 
 
 def _head(block: DiscoveredBlock) -> tuple[str, str]:

@@ -12,8 +12,16 @@ from collections.abc import Sequence
 
 from ..memory import MemoryAccount
 from .entry import PartialGraphEntry
-from .model_scope import ModelScopeOff
-from .skips import NarrowedBlock, SkippedBlock
+from .vocabulary import (
+    MODEL_REFUSED,
+    NARROWED,
+    OFF,
+    SCOPE_OF_KIND,
+    SKIPPED,
+    ModelScopeOff,
+    NarrowedBlock,
+    SkippedBlock,
+)
 
 __all__ = ["stats_of"]
 
@@ -39,27 +47,15 @@ def stats_of(
     for entry in entries:
         for key, n in entry.counter.as_dict().items():
             out[key] = out.get(key, 0) + n
-    for block in skipped:
-        key = f"skipped_{block.reason}"
+    reasons = [SKIPPED.key(b.reason) for b in skipped]
+    reasons += [NARROWED.key(b.reason) for b in narrowed]
+    reasons += [MODEL_REFUSED.key(p.reason) for p in model_off]
+    reasons += [OFF.key(e.off_reason) for e in entries if e.off_reason is not None]
+    for key in reasons:
         out[key] = out.get(key, 0) + 1
-    for block in narrowed:
-        key = f"narrowed_{block.reason}"
-        out[key] = out.get(key, 0) + 1
-    for part in model_off:
-        key = f"model_refused_{part.reason}"
-        out[key] = out.get(key, 0) + 1
-    for entry in entries:
-        if entry.off_reason is not None:
-            key = f"off_{entry.off_reason}"
-            out[key] = out.get(key, 0) + 1
     _add_memory(out, entries)
     _add_accounts(out, entries, released_bytes)
     return out
-
-
-# The scope name a target kind is reported under: the router is the "moe_router" scope
-# and an include's target is "include"; the others are named as their scope.
-_SCOPE_OF_KIND = {"router": "moe_router", "custom": "include"}
 
 
 def _add_memory(out: dict[str, int], entries: Sequence[PartialGraphEntry]) -> None:
@@ -71,7 +67,7 @@ def _add_memory(out: dict[str, int], entries: Sequence[PartialGraphEntry]) -> No
             graphs = getattr(graph, "graphs", None)
             if graphs is None or getattr(graphs, "eager_only", True):
                 continue
-            scope = _SCOPE_OF_KIND.get(entry.target.kind, entry.target.kind)
+            scope = SCOPE_OF_KIND.get(entry.target.kind, entry.target.kind)
             for what in ("pool_bytes", "buffer_bytes"):
                 for key in (what, f"{what}_{scope}"):
                     out[key] = out.get(key, 0) + getattr(graphs, what, 0)

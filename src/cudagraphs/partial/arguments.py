@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import CudaGraphsTypeError
-from .scopes import SCOPES
+from .vocabulary import SCOPES
 
 __all__ = [
     "RETIRED",
