@@ -97,13 +97,13 @@ def test_arguments_are_checked_even_when_nothing_is_found():
 
 
 def test_constructor_argument_errors():
-    entry = build().entries[0]
-    with pytest.raises(CudaGraphsTypeError, match=r"entries\[1\] must be a PartialGraphEntry"):
-        PartialCudaGraphManager([entry, "attn"])
+    dispatcher = build().dispatchers[0]
+    with pytest.raises(CudaGraphsTypeError, match=r"dispatchers\[1\] must be a TargetDispatcher"):
+        PartialCudaGraphManager([dispatcher, "attn"])
     with pytest.raises(CudaGraphsTypeError, match="capture_backend must be callable"):
-        PartialCudaGraphManager([entry], capture_backend=3)
+        PartialCudaGraphManager([dispatcher], capture_backend=3)
     with pytest.raises(CudaGraphsTypeError, match="activation_checkpointing must be a bool"):
-        PartialCudaGraphManager([entry], activation_checkpointing=None)
+        PartialCudaGraphManager([dispatcher], activation_checkpointing=None)
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ MODELS = {
 def graphed(model, **kwargs):
     mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=eager_backend, **kwargs)
     try:
-        return [e.target for e in mgr.entries], mgr.skipped, mgr.narrowed
+        return [e.target for e in mgr.recordings], mgr.skipped, mgr.narrowed
     finally:
         mgr.close()
 

@@ -40,9 +40,10 @@ layers kept in reserve should the part not capture (:mod:`.model_scope`).
 from ..errors import TargetSelectionError
 from .contract import CallContract, ContractSet, FallbackCounter
 from .discovery import discover_blocks, find_attention, find_moe
-from .entry import PartialGraphEntry
 from .manager import PartialCudaGraphManager, TargetsBackend
 from .planning import TargetPlan, model_label, plan_targets, select_targets
+from .recording import TargetRecording
+from .replay import PartialGraphEntry, TargetDispatcher
 from .scopes import check_scopes
 from .speed import SpeedCheck, SpeedVerdict
 from .tree import unwrap_checkpoint
@@ -65,6 +66,8 @@ __all__ = [
     "TargetsBackend",
     "PartialCudaGraphManager",
     "PartialGraphEntry",
+    "TargetDispatcher",
+    "TargetRecording",
     "CallContract",
     "ContractSet",
     "DiscoveredBlock",
