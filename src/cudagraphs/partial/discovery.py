@@ -43,13 +43,16 @@ contract and the capture do.
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Collection
 
+import torch
 from torch import nn
 
 from .metadata import first_declared, read_metadata
 from .tree import children as _children
-from .tree import forward_parameters
+from .tree import forward_parameters, names_overlap
 from .tree import join_name as _join
 from .tree import named_modules as _named_modules
 from .vocabulary import DiscoveredBlock, ModelMetadata, Source, Target
@@ -57,6 +60,7 @@ from .vocabulary import DiscoveredBlock, ModelMetadata, Source, Target
 __all__ = [
     "discover_blocks",
     "find_attention",
+    "find_mlp",
     "find_moe",
     "is_attention",
 ]
@@ -65,6 +69,9 @@ logger = logging.getLogger(__name__)
 
 _ROUTER_NAMES = ("gate", "router")  # the router child of an MoE sublayer
 _EXPERT_NAMES = ("experts",)
+# torch's own norms. transformers' RMSNorm classes are not among them; they hold only a
+# 1-D weight, so the two-projection rule of find_mlp leaves them out.
+_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
 
 
 def is_attention(module: nn.Module) -> bool:
@@ -119,6 +126,47 @@ def find_moe(block: nn.Module, prefix: str = "") -> tuple[str, nn.Module, str, n
         for child_name, child in _children(module):
             stack.append((f"{name}.{child_name}" if name else child_name, child))
     return None
+
+
+def _one_tensor_argument(module: nn.Module) -> bool:
+    # Exactly one parameter and no *args / **kwargs: a Mamba or linear-attention mixer
+    # (hidden_states plus cache / mask, often **kwargs) is not a dense MLP.
+    params = forward_parameters(module)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(params) == 1 and params[0].kind in positional
+
+
+def _projections(module: nn.Module) -> int:
+    # A 2-D weight: nn.Linear and GPT-2's Conv1D (weight stored transposed) alike.
+    count = 0
+    for m in module.modules():
+        weight = getattr(m, "weight", None)
+        count += isinstance(weight, torch.Tensor) and weight.dim() == 2
+    return count
+
+
+def find_mlp(
+    block: nn.Module, prefix: str = "", *, taken: Collection[str] = ()
+) -> tuple[str, nn.Module] | None:
+    """The block's dense MLP sublayer: a direct child that neither is nor holds nor lies
+    in a module named in ``taken`` (the attention and the MoE sublayer), is not a torch
+    norm, owns two or more projections (modules with a 2-D weight) and whose forward
+    takes one tensor argument. The first in module order when several qualify (logged
+    at DEBUG). No metadata declares MLPs: this rule is structural only."""
+    found = []
+    for child_name, child in _children(block):
+        name = _join(prefix, child_name)
+        if any(names_overlap(name, t) for t in taken) or isinstance(child, _NORMS):
+            continue
+        if _projections(child) >= 2 and _one_tensor_argument(child):
+            found.append((name, child))
+    if len(found) > 1:
+        logger.debug(
+            "block %s has several MLP-like children %s; taking the first",
+            prefix,
+            [n for n, _ in found],
+        )
+    return found[0] if found else None
 
 
 def _is_block_stack(container: nn.Module) -> bool:
@@ -202,6 +250,10 @@ def _block_record(
     source: Source,
     declared: ModelMetadata | None,
 ) -> DiscoveredBlock:
+    # The MLP is found by structure alone (no metadata declares one), beside the
+    # attention and the MoE sublayer.
+    taken = [n for n in (moe[0] if moe else None, attn[0] if attn else None) if n is not None]
+    mlp = find_mlp(block, name, taken=taken)
     return DiscoveredBlock(
         name=name,
         module=block,
@@ -210,4 +262,6 @@ def _block_record(
         moe=moe[0] if moe else None,
         source=source,
         metadata=declared,
+        moe_module=moe[1] if moe else None,
+        mlp=Target(mlp[0], mlp[1], "mlp", name) if mlp else None,
     )

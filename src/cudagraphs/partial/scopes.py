@@ -21,21 +21,18 @@ static shapes, read from what the model says is in effect
 ``grouped_mm`` experts, also whether torch runs their dtype on this GPU without a host
 sync (:mod:`cudagraphs.moe_kernels`: bfloat16 yes, float32 no on torch 2.11).
 
-What this module does NOT do: it finds no blocks, attention or routers
-(:mod:`.discovery` does), builds no :class:`~.discovery.Target`, and does not prove a
-scope graph-safe: the replay contract and the capture check each call.
+What this module does NOT do: it finds no blocks, attention, routers, MoE sublayers or
+MLPs (:mod:`.discovery` does), builds no :class:`~.vocabulary.Target`, and does not
+prove a scope graph-safe: the replay contract and the capture check each call.
 """
 
 from __future__ import annotations
 
 import difflib
-import inspect
-import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError
@@ -45,7 +42,6 @@ from ..moe_kernels import (
     experts_weight,
     static_experts,
 )
-from .tree import children, forward_parameters, join_name, names_overlap
 from .vocabulary import MODEL_SCOPE, SCOPES, DiscoveredBlock, NarrowReason, Scope
 
 __all__ = [
@@ -54,18 +50,11 @@ __all__ = [
     "ScopedBlock",
     "check_scopes",
     "choose_scopes",
-    "find_mlp",
     "requested_scopes",
     "scope_block",
 ]
 
-logger = logging.getLogger(__name__)
-
 _ACCEPTED: tuple[str, ...] = (*SCOPES, MODEL_SCOPE)
-
-# torch's own norms. transformers' RMSNorm classes are not among them; they hold only a
-# 1-D weight, so the two-projection rule of find_mlp leaves them out.
-_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
 
 
 def check_scopes(value: Any) -> tuple[str, ...]:
@@ -112,47 +101,6 @@ def requested_scopes(scopes: Any) -> tuple[str, ...]:
     graph-safe. The one place the default is decided: :func:`~.planning.plan_targets`
     and the manager both plan through it."""
     return SCOPES if scopes is None else check_scopes(scopes)
-
-
-def _one_tensor_argument(module: nn.Module) -> bool:
-    # Exactly one parameter and no *args / **kwargs: a Mamba or linear-attention mixer
-    # (hidden_states plus cache / mask, often **kwargs) is not a dense MLP.
-    params = forward_parameters(module)
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return len(params) == 1 and params[0].kind in positional
-
-
-def _projections(module: nn.Module) -> int:
-    # A 2-D weight: nn.Linear and GPT-2's Conv1D (weight stored transposed) alike.
-    count = 0
-    for m in module.modules():
-        weight = getattr(m, "weight", None)
-        count += isinstance(weight, torch.Tensor) and weight.dim() == 2
-    return count
-
-
-def find_mlp(
-    block: nn.Module, prefix: str = "", *, taken: Collection[str] = ()
-) -> tuple[str, nn.Module] | None:
-    """The block's dense MLP sublayer: a direct child that neither is nor holds nor lies
-    in a module named in ``taken`` (the attention and the MoE sublayer), is not a torch
-    norm, owns two or more projections (modules with a 2-D weight) and whose forward
-    takes one tensor argument. The first in module order when several qualify (logged
-    at DEBUG). No metadata declares MLPs: this rule is structural only."""
-    found = []
-    for child_name, child in children(block):
-        name = join_name(prefix, child_name)
-        if any(names_overlap(name, t) for t in taken) or isinstance(child, _NORMS):
-            continue
-        if _projections(child) >= 2 and _one_tensor_argument(child):
-            found.append((name, child))
-    if len(found) > 1:
-        logger.debug(
-            "block %s has several MLP-like children %s; taking the first",
-            prefix,
-            [n for n, _ in found],
-        )
-    return found[0] if found else None
 
 
 @dataclass(frozen=True)
@@ -248,11 +196,8 @@ def scope_block(
     runs their dtype on the device without a host sync (a fresh one when ``None``;
     pass one per discovery pass to ask torch once). Borrows everything; modifies
     nothing."""
-    moe_at = (block.moe, _module_at(block, block.moe)) if block.moe is not None else None
-    taken = [
-        n for n in (block.moe, block.attention.name if block.attention else None) if n is not None
-    ]
-    mlp = find_mlp(block.module, block.name, taken=taken)
+    moe_at = (block.moe, block.moe_module) if block.moe is not None else None
+    mlp = (block.mlp.name, block.mlp.module) if block.mlp is not None else None
     experts = experts_implementation(moe_at[1], model) if moe_at is not None else None
     grouped_on_device = True
     if experts == "grouped_mm" and moe_at is not None:
@@ -279,16 +224,3 @@ def scope_block(
         assert hit is not None, f"scope {scope} chosen in {block.name} without its module"
         pieces.append((hit[0], hit[1], scope))
     return ScopedBlock(offer, choice, tuple(pieces))
-
-
-def _module_at(block: DiscoveredBlock, name: str) -> nn.Module:
-    # Walked through tree.children, not get_submodule(): names are reported with
-    # checkpoint wrappers unwrapped, and the module must be the wrapped one. Discovery
-    # names the MoE sublayer inside its block, so every part is found.
-    if name == block.name:
-        return block.module
-    head = block.name + "." if block.name else ""
-    module = block.module
-    for part in name[len(head) :].split("."):
-        module = dict(children(module))[part]
-    return module

@@ -167,10 +167,12 @@ class DiscoveredBlock:
     module: nn.Module = field(compare=False)
     attention: Target | None
     router: Target | None
-    moe: str | None  # qualified name of the MoE sublayer, if any
+    moe: str | None  # qualified name of the MoE sublayer (the router's parent), if any
     source: Source = "structure"  # what named it a block, and the rule used inside it
     # The declaration in force (None for a structural block): skip reports name its classes.
     metadata: ModelMetadata | None = field(default=None, compare=False, repr=False)
+    moe_module: nn.Module | None = field(default=None, compare=False, repr=False)
+    mlp: Target | None = None  # the dense MLP sublayer, if any (kind "mlp")
 
 
 # ---- every reason ---------------------------------------------------------------------
