@@ -1,5 +1,6 @@
-"""Discovery of partial-graph targets in a training model: from the model's own
-metadata where it declares some, from its structure otherwise.
+"""Discovery, the first step of the select phase: the transformer blocks of a training
+model and the pieces of each (attention, MoE router, MoE sublayer, dense MLP), from
+the model's own metadata where it declares some, from its structure otherwise.
 
 Nothing here looks at model names, and no list of architectures is kept here: class
 names come from the model's own declarations, and a model label is produced for
@@ -26,16 +27,19 @@ diagnostics only.
    attention module; attention is recognized by how it is called (``hidden_states``
    plus an attention mask or position embeddings) and what it owns (projections); an
    MoE sublayer by having a router (a gate with a 2-D weight) beside experts.
+3. The dense MLP, under either rule, by structure (no metadata declares one): a direct
+   child, not the attention, the MoE sublayer or a norm, owning two or more
+   projections and called with one tensor (:func:`find_mlp`).
 
 What a manager graphs is decided from these blocks by :mod:`.planning`
-(``plan_targets``): by default each block's whole attention module and its MoE
-router, with ``scopes`` the widest graph-safe scope per block, plus what ``include``
-names; each skipped or narrowed block is reported with the reason and the fix.
+(:func:`~.planning.plan_targets`): by default, per block, the widest scope the rules
+of :mod:`.scopes` find graph-safe (the whole layer where it can be), plus what
+``include`` names; each skipped or narrowed block is reported with the reason and the
+fix.
 
 What this module does NOT do: it does not choose targets (:mod:`.planning` does); it
-does not tell
-encoder layers from decoder layers (no metadata does: a T5 encoder's self-attention is
-a target like its decoder's); beneath a declaration it does not look for structural
+does not tell encoder layers from decoder layers (no metadata does: a T5 encoder's
+self-attention is a target like its decoder's); beneath a declaration it does not look for structural
 stacks the declaration leaves out (``include`` names those); and it does not judge
 whether a module is graph-safe (host syncs, data-dependent shapes): the replay
 contract and the capture do.

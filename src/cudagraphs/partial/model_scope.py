@@ -4,9 +4,9 @@ reserve.
 Why a scope beyond the layers: graphs of whole layers leave the rest of the step eager:
 the embedding, the attention mask and rotary tables, the final norm, the head, the loss,
 and the host work of the model's own forward around its layers. On a launch-bound step
-that rest is what remains of the host's time (measured in ``benchmarks/partial_train.py``,
-rows ``partial_layers`` and ``partial_widest``; the README's partial-graphs section), so
-only a graph of the part's whole forward takes that ground.
+that rest is what remains of the host's time (measured by ``benchmarks/partial_train.py``,
+rows ``partial_layers`` and ``partial_widest``), so only a graph of the part's whole
+forward takes that ground.
 
 When it is taken. At planning (:func:`model_scope_refusal`): the scope is asked for by
 name (it is never a default: it graphs code outside the decoder layers, the caller's
