@@ -231,3 +231,67 @@ def test_a_bad_backend_is_refused_before_discovery():
     # Nothing graphable here: without the early check this would return None.
     with pytest.raises(CudaGraphsTypeError, match="capture_backend"):
         PartialCudaGraphManager.from_model_parts(nn.Linear(2, 2), capture_backend=5)
+
+
+def test_turning_a_dispatcher_off_gives_the_module_its_own_forward_back():
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    mgr.capture()
+    first, second = mgr.dispatchers
+    assert model.layers[0].self_attn.forward is first
+    first.turn_off("slower_than_eager")
+    assert "forward" not in vars(model.layers[0].self_attn), "the class's forward again"
+    assert first.recording.off_reason == "slower_than_eager"
+    assert first.recording.graphs() == [] and first.swap is None
+    model(torch.randn(2, 8))
+    stats = mgr.stats()
+    assert (
+        stats["replayed"] == 1 and stats["fallbacks"] == 0 and stats["off_slower_than_eager"] == 1
+    )
+    mgr.close()
+
+
+def test_while_a_capture_runs_the_dispatchers_pass_calls_through_uncounted():
+    from cudagraphs.partial.replay import dispatch_paused
+
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    mgr.capture()
+    with dispatch_paused(mgr.dispatchers):
+        model(torch.randn(2, 8))
+    assert mgr.stats()["replayed"] == 0 and mgr.stats()["fallbacks"] == 0
+    assert not any(d.passthrough for d in mgr.dispatchers)
+    model(torch.randn(2, 8))
+    assert mgr.stats()["replayed"] == 2
+    mgr.close()
+
+
+def test_a_second_capture_timing_its_graphs_counts_no_call_of_its_own():
+    from cudagraphs.partial.speed import SpeedCheck
+
+    model = Toy()
+    # A clock that never moves: every graph ties with eager, and a tie keeps the graph.
+    check = SpeedCheck(rounds=1, iters=1, warmup=1, clock=lambda: 0.0, synchronize=lambda: None)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW, speed_check=check
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    mgr.capture()
+    mgr.start_recording()  # another variant, while the first one's dispatchers are installed
+    model(torch.randn(3, 8, requires_grad=True)).sum().backward()
+    before = mgr.stats()  # recorded before the dispatch: the new variant, not captured yet
+    assert before["fallback_not_captured"] == 2 and before["replayed"] == 0
+    mgr.capture()  # the speed check runs each target's forward several times
+    assert mgr.stats() == before | {"captured": 4}
+    model(torch.randn(3, 8, requires_grad=True))
+    assert mgr.stats()["replayed"] == 2
+    mgr.close()

@@ -105,3 +105,14 @@ def test_after_a_refusal_the_next_good_call_works():
     model(torch.randn(2, 8))
     assert mgr.stats()["replayed"] == 2 and mgr.stats()["fallbacks"] == 0
     mgr.close()
+
+
+def test_the_former_names_of_the_dispatcher_stay_for_one_release():
+    from cudagraphs.partial import PartialGraphEntry, TargetDispatcher
+
+    assert PartialGraphEntry is TargetDispatcher
+    mgr = from_model_parts(Toy(), scopes=("attention",))
+    assert mgr.entries is mgr.dispatchers
+    assert all(isinstance(d, PartialGraphEntry) for d in mgr.entries)
+    assert [d.recording for d in mgr.dispatchers] == mgr.recordings
+    mgr.close()
