@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..checks import check_bool, check_callable, check_int
-from ..errors import TargetSelectionError
+from ..errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
 from .arguments import Predicate, Selector, as_model_parts, include_predicate
 from .contract import ContractSet
 from .fsdp import check_target_parameters, fsdp_managed_modules
@@ -112,8 +112,6 @@ def switch_experts_implementation(parts: Sequence[nn.Module], implementation: st
             (not a transformers 5 MoE model), or the model refused the value (its
             message is chained).
     """
-    from ..errors import CudaGraphsTypeError, CudaGraphsValueError
-
     if not isinstance(implementation, str):
         raise CudaGraphsTypeError(
             "experts_implementation must be a str such as 'grouped_mm', got "

@@ -50,7 +50,7 @@ class TargetPlan:
     targets: list[Target]  # in module order, as select_targets returns them
     skipped: list[SkippedBlock]  # in module order
     source: Source  # "metadata" when any block came from the model's own declarations
-    # With scopes: the blocks graphed at narrower scopes than the widest asked for.
+    # The blocks graphed at narrower scopes than the widest asked for.
     narrowed: list[NarrowedBlock] = field(default_factory=list)
     # With the "model" scope asked for and refused: why the part is not graphed whole.
     model_off: ModelScopeOff | None = None

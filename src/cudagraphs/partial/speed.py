@@ -8,7 +8,7 @@ measurement on the user's own shapes says which; a rule of thumb would be wrong 
 some model or GPU.
 
 How: right after capture, on the recorded sample inputs, forward and backward of the
-graphed callable and of the eager adapter, ``iters`` calls per sample, rounds
+graphed callable and of the function it graphs run eagerly, ``iters`` calls per sample, rounds
 alternating which goes first (host speed drifts; a fixed order would bias one side),
 compared by their medians. Backward runs through ``torch.autograd.grad`` on the
 inputs, so no ``.grad`` of the model changes, and the random-number state is restored
@@ -34,6 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..checks import check_int
+from ..errors import CudaGraphsTypeError
 
 __all__ = [
     "SpeedCheck",
@@ -141,8 +142,6 @@ def speed_check_of(value: Any) -> SpeedCheck | bool:
     """
     if isinstance(value, (bool, SpeedCheck)):
         return value
-    from ..errors import CudaGraphsTypeError
-
     raise CudaGraphsTypeError(
         f"speed_check must be a bool or a SpeedCheck, got {type(value).__name__} {value!r}"
     )
