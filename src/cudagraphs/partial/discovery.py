@@ -75,7 +75,18 @@ _ROUTER_NAMES = ("gate", "router")  # the router child of an MoE sublayer
 _EXPERT_NAMES = ("experts",)
 # torch's own norms. transformers' RMSNorm classes are not among them; they hold only a
 # 1-D weight, so the two-projection rule of find_mlp leaves them out.
-_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+_NORMS: tuple[type, ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
 
 
 def is_attention(module: nn.Module) -> bool:
