@@ -248,7 +248,7 @@ def build_partial(model: str, shape: Shape, scopes: tuple[str, ...] = PARTIAL_SC
     except BaseException:
         mgr.close()
         raise
-    kinds = Counter(entry.target.kind for entry in mgr.entries)
+    kinds = Counter(d.target.kind for d in mgr.dispatchers)
     info = {"scopes": list(scopes), "graphed_targets": dict(kinds)}
     if model in MOE_MODELS:
         info["experts"] = EXPERTS

@@ -8,6 +8,10 @@ from cudagraphs.partial import (
     Target,
 )
 
+#: The scopes the discovery tests plan with: each block's attention and MoE router, the
+#: pieces discovery itself finds (the wider scopes are tested in test_partial_scopes*.py).
+ATTN_ROUTER = ("attention", "moe_router")
+
 ATTN = "model.layers.{}.self_attn"
 
 

@@ -8,9 +8,7 @@ from torch import nn
 
 from _hf_models import CONFIGS, tiny, tiny_arch
 from cudagraphs.partial.planning import TargetPlan
-from cudagraphs.partial.scopes import (
-    SCOPES,
-)
+from cudagraphs.partial.vocabulary import SCOPES
 
 A, R, L, M, P = "attention", "router", "layer", "moe", "mlp"
 NO_SCOPE = "no_graph_safe_scope"

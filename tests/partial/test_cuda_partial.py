@@ -63,7 +63,7 @@ def test_training_steps_equal_eager(kind):
         stats = mgr.stats()
         assert stats["replayed"] > 0 and stats["fallbacks"] == 0, stats
         # The core's graphs replay from the contract's tensors (one flatten per call).
-        assert all(v.replay_checked is not None for e in mgr.entries for v in e.variants)
+        assert all(v.replay_checked is not None for e in mgr.recordings for v in e.variants)
         loss_of(model, torch.randint(0, 128, (2, 24), device="cuda")).backward()
         assert mgr.stats()["fallback_shape"] > 0
     finally:
@@ -98,7 +98,7 @@ def test_with_activation_checkpointing_losses_and_grads_equal_eager():
         assert stats["captured"] > 0 and stats["fallbacks"] == 0, stats
         # Two steps after capture, each target replayed in the forward and again in the
         # backward's recompute.
-        assert stats["replayed"] - replayed_at_capture == 2 * len(mgr.entries) * 2, stats
+        assert stats["replayed"] - replayed_at_capture == 2 * len(mgr.recordings) * 2, stats
         assert mgr.activation_checkpointing  # one pool per graph: a recompute is safe
     finally:
         mgr.close()
@@ -146,7 +146,7 @@ def test_fsdp2_world_size_1_training_equals_eager(tmp_path):
         gen = torch.Generator(device="cuda").manual_seed(4)
         batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(4)]
         mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False)
-        assert all(e.fsdp for e in mgr.entries)
+        assert all(e.fsdp for e in mgr.recordings)
         mgr.start_recording()
         try:
             for i, ids in enumerate(batches):
@@ -190,7 +190,7 @@ def test_the_default_speed_check_runs_on_the_gpu_and_training_stays_equal(kind, 
     mgr = PartialCudaGraphManager.from_model_parts([model])  # speed_check=True
     try:
         train_both(model, ref, mgr, batches)
-        assert len(verdicts) == len(mgr.entries), "one verdict per training target"
+        assert len(verdicts) == len(mgr.recordings), "one verdict per training target"
         assert all(v.graph_ms > 0 and v.eager_ms > 0 for v in verdicts)
         stats = mgr.stats()
         off = stats.get("off_slower_than_eager", 0)
@@ -232,7 +232,7 @@ def test_wider_scopes_train_equal_to_eager_for_five_adamw_steps(kind, scopes):
         train_both(model, ref, mgr, batches, (opt, ref_opt))
         stats = mgr.stats()
         assert stats["fallbacks"] == 0, stats
-        assert stats["replayed"] == 5 * len(mgr.entries), stats
+        assert stats["replayed"] == 5 * len(mgr.recordings), stats
     finally:
         mgr.close()
 
@@ -267,7 +267,7 @@ def test_float32_grouped_mm_experts_narrow_where_torch_runs_them_on_the_host():
         [model], scopes=("layer",) + ATTN_ROUTER, speed_check=False
     )
     try:
-        kinds = [e.target.kind for e in mgr.entries]
+        kinds = [e.target.kind for e in mgr.recordings]
         if on_device:  # a torch with a float32 kernel on this GPU: whole layers
             assert kinds == ["layer", "layer"] and not mgr.narrowed
         else:
@@ -275,6 +275,6 @@ def test_float32_grouped_mm_experts_narrow_where_torch_runs_them_on_the_host():
             assert [b.reason for b in mgr.narrowed] == ["host_grouped_mm"] * 2
         train_both(model, ref, mgr, batches)
         stats = mgr.stats()
-        assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * len(mgr.entries), stats
+        assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * len(mgr.recordings), stats
     finally:
         mgr.close()

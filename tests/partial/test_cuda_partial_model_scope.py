@@ -69,7 +69,7 @@ def test_whole_model_trains_bitwise_equal_to_eager_for_five_adamw_steps(kind):
     batches = [batch(gen, pad=1 + i) for i in range(6)]
     mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
     try:
-        assert [e.target.kind for e in mgr.entries] == ["model", "layer", "layer"]
+        assert [e.target.kind for e in mgr.recordings] == ["model", "layer", "layer"]
         train_both(model, ref, mgr, batches, lambda m, *b: hf_loss(m, *b, use_cache=False))
         stats = mgr.stats()
         assert stats["captured"] == 1 and stats["replayed"] == 5, stats

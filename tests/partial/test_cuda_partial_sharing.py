@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cuda
 
 
 def graphs_of(mgr):
-    return [e.variants[0].graph.graphs for e in mgr.entries]
+    return [e.variants[0].graph.graphs for e in mgr.recordings]
 
 
 def out0(graphs):
@@ -35,10 +35,10 @@ def test_layers_chain_share_gradient_buffers_and_train_bitwise(kind):
     batches = [batch(gen, pad=1 + i % 3) for i in range(5)]  # one mask contract
     mgr = PartialCudaGraphManager.from_model_parts(model, speed_check=False)
     try:
-        assert [e.target.kind for e in mgr.entries] == ["layer", "layer"]
+        assert [e.target.kind for e in mgr.recordings] == ["layer", "layer"]
         train_both(model, ref, mgr, batches, lambda m, *b: hf_loss(m, *b, use_cache=False))
         first, second = graphs_of(mgr)
-        hidden = len(mgr.entries[1].params)  # parameters come first, then hidden_states
+        hidden = len(mgr.recordings[1].params)  # parameters come first, then hidden_states
         assert [i for i, _ in second.chained] == [hidden] and first.chained == ()
         assert second.static_inputs[hidden].data_ptr() == out0(first).data_ptr()
         assert [g.data_ptr() for g in first.static_grad_outputs] == [
@@ -102,7 +102,10 @@ def test_another_tensor_where_a_graph_reads_in_place_runs_eagerly_counted_and_eq
     ref = copy.deepcopy(model)
     x = torch.randn(4, 16, device="cuda")
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, attention=False, include=["layers.0", "layers.1", "layers.2"], speed_check=False
+        model,
+        scopes=("moe_router",),
+        include=["layers.0", "layers.1", "layers.2"],
+        speed_check=False,
     )
     mgr.start_recording()
     step(model, x)
@@ -119,8 +122,8 @@ def test_another_tensor_where_a_graph_reads_in_place_runs_eagerly_counted_and_eq
         assert stats["replayed"] == 8, stats
         # The second layer's source released: its buffer becomes its own, and a call
         # passing another tensor is copied in and replays.
-        mgr.entries[0].turn_off("test")
-        assert mgr.entries[1].variants[0].graph.graphs.chained == ()
+        mgr.dispatchers[0].turn_off("test")
+        assert mgr.recordings[1].variants[0].graph.graphs.chained == ()
         for a, b in zip(step(model, x), step(ref, x)):
             assert torch.equal(a, b)
         assert mgr.stats()["replayed"] == 10 and mgr.stats()["fallbacks"] == 1

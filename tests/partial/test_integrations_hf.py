@@ -146,7 +146,7 @@ def test_scopes_choose_the_targets_and_training_is_unchanged(tmp_path, scopes, k
     class Spy(PartialGraphsCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if self.manager is not None:
-                seen.extend(e.target.kind for e in self.manager.entries)
+                seen.extend(e.target.kind for e in self.manager.recordings)
             return super().on_step_end(args, state, control, **kwargs)
 
     callback = Spy(scopes=scopes, capture_backend=Backend())

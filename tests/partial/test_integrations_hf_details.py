@@ -102,7 +102,7 @@ def test_the_defaults_reach_the_manager_and_stats_are_live_while_training():
     callback = begun()
     manager = callback.manager
     assert callback.off_reason is None and manager._speed_check is True
-    assert all(e.contracts.max_variants == 4 for e in manager.entries)
+    assert all(e.contracts.max_variants == 4 for e in manager.recordings)
     assert callback.stats() == manager.stats() and "captured" in callback.stats()
     callback.on_train_end(SimpleNamespace(), SimpleNamespace(), None)
     assert callback.manager is None and callback.stats() == manager.stats()

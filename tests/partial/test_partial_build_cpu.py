@@ -1,4 +1,4 @@
-"""From model parts to entries on the CPU: argument checks, the experts switch, blocks
+"""From model parts to the targets' recording stores on the CPU: argument checks, the experts switch, blocks
 gathered over several parts, and the exact log lines of from_model_parts."""
 
 import logging
@@ -11,12 +11,12 @@ from _toy_models import Toy
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager
 from cudagraphs.partial.build import (
-    BuiltEntries,
-    build_entries,
+    BuiltTargets,
+    build_recordings,
     report_blocks,
     switch_experts_implementation,
 )
-from cudagraphs.partial.skips import NarrowedBlock, SkippedBlock
+from cudagraphs.partial.vocabulary import NarrowedBlock, SkippedBlock
 
 LOGGER = "cudagraphs.partial.manager"
 STRUCTURE_RULE = (
@@ -61,10 +61,8 @@ class Switchable(nn.Module):
 def test_skipped_blocks_of_every_part_are_kept():
     # DeepSeek-V3's layer 0 is dense: with scopes=("moe",) it is skipped in each part.
     parts = [tiny("deepseek_v3", seed=0), tiny("deepseek_v3", seed=1)]
-    built = build_entries(
-        parts, attention=True, router=True, include=None, max_variants=2, scopes=("moe",)
-    )
-    assert [e.name for e in built.entries] == ["model.layers.1.mlp"] * 2
+    built = build_recordings(parts, include=None, max_variants=2, scopes=("moe",))
+    assert [r.name for r in built.recordings] == ["model.layers.1.mlp"] * 2
     assert [(b.name, b.reason) for b in built.skipped] == [
         ("model.layers.0", "no_graph_safe_scope")
     ] * 2
@@ -75,14 +73,12 @@ def test_narrowed_blocks_of_every_part_are_kept():
     parts = [tiny("qwen3_moe", seed=0), tiny("qwen3_moe", seed=1)]
     for part in parts:
         part.set_experts_implementation("eager")
-    built = build_entries(
-        parts, attention=True, router=True, include=None, max_variants=2, scopes=SCOPES
-    )
+    built = build_recordings(parts, include=None, max_variants=2, scopes=SCOPES)
     assert [(b.name, b.reason) for b in built.narrowed] == [
         ("model.layers.0", "eager_experts"),
         ("model.layers.1", "eager_experts"),
     ] * 2
-    assert len(built.entries) == 8 and built.skipped == []
+    assert len(built.recordings) == 8 and built.skipped == []
 
 
 # --- argument checks ---------------------------------------------------------------------
@@ -108,7 +104,7 @@ def test_max_variants_is_checked_before_the_experts_switch():
 
 def test_max_variants_of_one_is_accepted():
     mgr = PartialCudaGraphManager.from_model_parts(Toy(), capture_backend=backend, max_variants=1)
-    assert [e.contracts.max_variants for e in mgr.entries] == [1, 1]
+    assert [r.contracts.max_variants for r in mgr.recordings] == [1, 1]
 
 
 # --- the experts switch -------------------------------------------------------------------
@@ -198,6 +194,9 @@ def test_the_targets_are_said_at_info(caplog):
     mgr.close()
 
 
+EVERY_SCOPE = "attention, moe_router, mlp, moe, layer"  # the default: SCOPES
+
+
 def nothing_found(why):
     return (
         f"partial graphs: nothing graphable found ({why}); the model trains eagerly and "
@@ -208,13 +207,13 @@ def nothing_found(why):
 @pytest.mark.parametrize(
     "kwargs, asked",
     [
-        (dict(router=False), "attention"),
-        (dict(attention=False), "MoE routers"),
+        (dict(), f"scopes {EVERY_SCOPE}"),
+        (dict(scopes=("moe_router",)), "scopes moe_router"),
         (dict(scopes=("attention",)), "scopes attention"),
         (dict(scopes=("attention",), include="no.such"), "scopes attention, include='no.such'"),
-        (dict(router=False, include=["x.*"]), "attention, include=['x.*']"),
+        (dict(include=["x.*"]), f"scopes {EVERY_SCOPE}, include=['x.*']"),
     ],
-    ids=["attention", "router", "scopes", "scopes-include", "attention-include"],
+    ids=["default", "router", "scopes", "scopes-include", "default-include"],
 )
 def test_nothing_found_says_what_was_looked_for(caplog, kwargs, asked):
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -240,7 +239,7 @@ def blocks():
         SkippedBlock("m.2", "Mamba", "no_graph_safe_scope", "still none"),
     ]
     narrowed = [NarrowedBlock("m.1", "Moe", "layer", ("attention",), "eager_experts", "eager")]
-    return BuiltEntries(skipped=skipped, narrowed=narrowed)
+    return BuiltTargets(skipped=skipped, narrowed=narrowed)
 
 
 def test_report_blocks_says_skipped_and_narrowed_blocks(caplog):
@@ -265,5 +264,5 @@ def test_report_blocks_says_skipped_and_narrowed_blocks(caplog):
 def test_report_blocks_says_nothing_without_blocks(caplog):
     log = logging.getLogger("test.report_blocks")
     with caplog.at_level(logging.DEBUG, logger=log.name):
-        report_blocks(BuiltEntries(), log)
+        report_blocks(BuiltTargets(), log)
     assert caplog.records == []

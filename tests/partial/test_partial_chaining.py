@@ -17,10 +17,11 @@ from cudagraphs.errors import ChainedInputError, Mismatch
 from cudagraphs.partial import PartialCudaGraphManager
 from cudagraphs.partial.chaining import OutputLinks, group_sharing
 from cudagraphs.partial.contract import ContractSet
-from cudagraphs.partial.discovery import Target
-from cudagraphs.partial.entry import PartialGraphEntry, RecordedVariant
+from cudagraphs.partial.recording import RecordedVariant, TargetRecording
+from cudagraphs.partial.replay import TargetDispatcher
 from cudagraphs.partial.speed import chained_call
 from cudagraphs.partial.stats import stats_of
+from cudagraphs.partial.vocabulary import Target
 from test_partial_graphing_cpu import FakeCore
 
 LOGGER = "cudagraphs.partial.manager"
@@ -38,7 +39,7 @@ def test_an_input_that_is_an_earlier_output_object_is_linked_by_tensor_index():
     links.note_output(a, 0, (3, t0, {"k": t1}), forward=1)  # tensor outputs 0 and 1
     params = (torch.zeros(1), torch.zeros(1))
     # Tensors: params 0-1, then args (x=2), then keywords sorted (a=3, z=4).
-    links.note_call(b, 0, params, (torch.zeros(2), 5), {"z": t0, "a": t1}, forward=1)
+    links.note_call(b, b.variants[0], params, (torch.zeros(2), 5), {"z": t0, "a": t1}, forward=1)
     assert b.variants[0].chained == {3: (a, 0, 1), 4: (a, 0, 0)}
     assert a.variants[0].chained is None, "a's own call was not noted"
 
@@ -47,9 +48,11 @@ def test_copies_views_equal_values_and_a_targets_own_output_are_not_links():
     a, links = stand_in(), OutputLinks()
     out = torch.arange(3.0)
     links.note_output(a, 0, out, forward=1)
-    links.note_call(a, 0, (), (out,), {}, forward=1)
+    links.note_call(a, a.variants[0], (), (out,), {}, forward=1)
     b = stand_in()
-    links.note_call(b, 0, (), (out.clone(), out.view(3), out.detach(), out + 0), {}, forward=1)
+    links.note_call(
+        b, b.variants[0], (), (out.clone(), out.view(3), out.detach(), out + 0), {}, forward=1
+    )
     assert a.variants[0].chained == {} and b.variants[0].chained == {}
 
 
@@ -58,7 +61,7 @@ def test_a_link_is_kept_only_when_every_call_of_the_variant_had_it():
     for forward, (variant, keep) in enumerate([(0, True), (0, True), (1, True), (0, False)]):
         out = torch.zeros(2)
         links.note_output(a, variant, out, forward=forward)
-        links.note_call(b, 0, (), (out if keep else out.clone(),), {}, forward=forward)
+        links.note_call(b, b.variants[0], (), (out if keep else out.clone(),), {}, forward=forward)
         if forward == 1:
             assert b.variants[0].chained == {0: (a, 0, 0)}, "same source twice: kept"
         if forward == 2:
@@ -67,7 +70,7 @@ def test_a_link_is_kept_only_when_every_call_of_the_variant_had_it():
     for forward, keep in enumerate([False, True]):
         out = torch.zeros(2)
         links.note_output(a, 0, out, forward=forward)
-        links.note_call(c, 0, (), (out if keep else out.clone(),), {}, forward=forward)
+        links.note_call(c, c.variants[0], (), (out if keep else out.clone(),), {}, forward=forward)
     assert c.variants[0].chained == {}, "a later link does not revive a missing one"
 
 
@@ -77,7 +80,7 @@ def test_a_captured_variant_keeps_the_links_it_was_captured_with():
     b.variants[0].graph = object()
     out = torch.zeros(2)
     links.note_output(a, 0, out, forward=1)
-    links.note_call(b, 0, (), (out,), {}, forward=1)
+    links.note_call(b, b.variants[0], (), (out,), {}, forward=1)
     assert b.variants[0].chained is None
 
 
@@ -86,7 +89,7 @@ def test_a_fresh_recording_links_calls_made_outside_any_forward():
     a, b, links = stand_in(), stand_in(), OutputLinks()
     out = torch.zeros(2)
     links.note_output(a, 0, out, forward=None)
-    links.note_call(b, 0, (), (out,), {}, forward=None)
+    links.note_call(b, b.variants[0], (), (out,), {}, forward=None)
     assert b.variants[0].chained == {0: (a, 0, 0)}
 
 
@@ -100,15 +103,15 @@ def test_outputs_of_an_earlier_forward_are_forgotten():
     a, b, links = stand_in(), stand_in(), OutputLinks()
     out = torch.zeros(2)
     links.note_output(a, 0, out, forward=1)
-    links.note_call(b, 0, (), (out,), {}, forward=2)
+    links.note_call(b, b.variants[0], (), (out,), {}, forward=2)
     assert b.variants[0].chained == {}
     c = stand_in()  # forwards that cannot be told apart (None) are one forward
     links.note_output(a, 0, out, forward=None)
-    links.note_call(c, 0, (), (out,), {}, forward=None)
+    links.note_call(c, c.variants[0], (), (out,), {}, forward=None)
     assert c.variants[0].chained == {0: (a, 0, 0)}
     links.clear()
     d = stand_in()
-    links.note_call(d, 0, (), (out,), {}, forward=None)
+    links.note_call(d, d.variants[0], (), (out,), {}, forward=None)
     assert d.variants[0].chained == {}
 
 
@@ -154,7 +157,7 @@ class Stepped(Toy):
 
 def captured(core, model, forwards=1, backward=True, **kwargs):
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, attention=False, include="layers.?", speed_check=False, **kwargs
+        model, scopes=("moe_router",), include="layers.?", speed_check=False, **kwargs
     )
     mgr.start_recording()
     for _ in range(forwards):
@@ -173,12 +176,12 @@ def x_index(model):
 def test_block_1_reads_block_0s_output_in_place(core):
     model = Toy()
     mgr = captured(core, model)
-    assert [e.name for e in mgr.entries] == ["layers.0", "layers.1"]
+    assert [r.name for r in mgr.recordings] == ["layers.0", "layers.1"]
     assert x_index(model) == 4
     assert core.sharing == [
         BufferSharing(grad_outputs=True, chained_inputs={(1, x_index(model)): (0, 0)})
     ]
-    assert all(v.chained is None for e in mgr.entries for v in e.variants), "dropped"
+    assert all(v.chained is None for r in mgr.recordings for v in r.variants), "dropped"
     model(torch.randn(2, 8, requires_grad=True))
     assert core.replays == 2 and mgr.stats()["replayed"] == 2
     mgr.close()
@@ -205,7 +208,7 @@ def test_every_recorded_micro_batch_chained_keeps_the_link(core):
 def test_calls_not_fed_the_output_itself_record_no_link(core, copied, stale, forwards):
     mgr = captured(core, Stepped(copied, stale), forwards=forwards, backward=not stale)
     assert core.sharing == [BufferSharing(grad_outputs=True, chained_inputs={})]
-    assert len(mgr.entries[1].variants) == 1
+    assert len(mgr.recordings[1].variants) == 1
     mgr.close()
 
 
@@ -237,7 +240,7 @@ def test_a_refused_chained_input_runs_eagerly_counted_and_said_once(caplog, monk
     monkeypatch.delenv("CUDAGRAPHS_DISABLE", raising=False)
     model = Toy()
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, attention=False, include="layers.?", capture_backend=refusing_second
+        model, scopes=("moe_router",), include="layers.?", capture_backend=refusing_second
     )
     mgr.start_recording()
     model(torch.randn(2, 8))
@@ -264,7 +267,7 @@ def test_a_refused_chained_input_runs_eagerly_counted_and_said_once(caplog, monk
 
 
 def test_the_eager_run_of_a_refused_chained_input_gets_the_keywords(monkeypatch):
-    from test_partial_entry_details import NARROW, KwToy
+    from test_partial_dispatch_details import NARROW, KwToy
 
     monkeypatch.delenv("CUDAGRAPHS_DISABLE", raising=False)
     model = KwToy()  # its attention multiplies by the attention_mask keyword
@@ -317,14 +320,13 @@ def test_the_speed_check_times_a_chained_graph_with_its_buffer(monkeypatch):
             return x * 2
 
     variant = RecordedVariant((torch.randn(2, 8, requires_grad=True),), {})
-    target = entry("layer")
+    target = recording("layer")
     target.variants = [variant]
     target.params = ()
-    target.adapter = lambda: lambda params, x: x * 2
     target.contracts = SimpleNamespace(variants=[SimpleNamespace(grad_enabled=True)])
     check = speed.SpeedCheck(rounds=1, iters=1, warmup=0, synchronize=lambda: None)
     monkeypatch.setattr(target, "capture_params", lambda i: ())
-    speed.measure_group(check, [(target, 0)], [Graph()])
+    speed.measure_group(check, [(target, 0)], [Graph()], [lambda params, x: x * 2])
     assert seen == [buffer.data_ptr()]
 
 
@@ -335,20 +337,24 @@ def fake_graph(pool, buffers, eager_only=False):
     )
 
 
-def entry(kind, *graphs):
-    e = PartialGraphEntry(Target(f"t_{kind}", nn.Linear(2, 2), kind), ContractSet())
-    e.variants = [RecordedVariant(None, None, graph=g) for g in graphs]
-    return e
+def recording(kind, *graphs):
+    rec = TargetRecording(Target(f"t_{kind}", nn.Linear(2, 2), kind), ContractSet())
+    rec.variants = [RecordedVariant(None, None, graph=g) for g in graphs]
+    return rec
+
+
+def dispatcher(kind, *graphs):
+    return TargetDispatcher(recording(kind, *graphs))
 
 
 def test_stats_add_pool_and_buffer_bytes_per_scope():
     entries = [
-        entry("attention", fake_graph(100, 10), fake_graph(50, 5)),
-        entry("router", fake_graph(7, 1)),
+        dispatcher("attention", fake_graph(100, 10), fake_graph(50, 5)),
+        dispatcher("router", fake_graph(7, 1)),
         # Graphs that say nothing come first: the ones after them still count.
-        entry("custom", object(), fake_graph(9, 9, eager_only=True), fake_graph(1000, 0)),
-        entry("mlp", SimpleNamespace(graphs=SimpleNamespace(eager_only=False))),
-        entry("layer", SimpleNamespace(graphs=SimpleNamespace(pool_bytes=3))),  # no flag
+        dispatcher("custom", object(), fake_graph(9, 9, eager_only=True), fake_graph(1000, 0)),
+        dispatcher("mlp", SimpleNamespace(graphs=SimpleNamespace(eager_only=False))),
+        dispatcher("layer", SimpleNamespace(graphs=SimpleNamespace(pool_bytes=3))),  # no flag
     ]
     assert stats_of(entries, [], [], False) == {
         "captured": 8,
@@ -369,7 +375,7 @@ def test_stats_add_pool_and_buffer_bytes_per_scope():
 
 
 def test_graphs_without_memory_figures_add_no_keys():
-    entries = [entry("attention", object(), fake_graph(5, 5, eager_only=True))]
+    entries = [dispatcher("attention", object(), fake_graph(5, 5, eager_only=True))]
     assert stats_of(entries, [], [], False) == {
         "captured": 2,
         "disabled": 0,
@@ -391,7 +397,7 @@ def test_a_managers_stats_report_its_graphs_memory(monkeypatch):
     model = Toy()
     mgr = PartialCudaGraphManager.from_model_parts(
         model,
-        attention=False,
+        scopes=("moe_router",),
         include="layers.?",
         capture_backend=lambda c, a, k: [Graphed(fn, 64 * (n + 1)) for n, fn in enumerate(c)],
     )

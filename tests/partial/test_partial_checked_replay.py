@@ -10,8 +10,9 @@ from torch import nn
 
 from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.partial import PartialCudaGraphManager
-from cudagraphs.partial.entry import RecordedVariant, _checked_replay
-from cudagraphs.partial.flatten import flatten_call
+from cudagraphs.partial.contract import flatten_call
+from cudagraphs.partial.graphing import replay_from_tensors
+from cudagraphs.partial.recording import RecordedVariant
 
 
 def graphed(in_spec, eager_only=False):
@@ -32,26 +33,26 @@ def spec_of(params, args, kwargs):
 
 def test_the_core_graph_of_the_same_call_replays_from_checked_tensors():
     g = graphed(spec_of(PARAMS, ARGS, KWARGS))
-    assert _checked_replay(g, PARAMS, ARGS, KWARGS) == g.replay_checked
+    assert replay_from_tensors(g, PARAMS, ARGS, KWARGS) == g.replay_checked
 
 
 def test_another_call_structure_or_no_samples_keep_the_argument_call():
-    assert _checked_replay(graphed(spec_of(PARAMS, ARGS, {})), PARAMS, ARGS, KWARGS) is None
+    assert replay_from_tensors(graphed(spec_of(PARAMS, ARGS, {})), PARAMS, ARGS, KWARGS) is None
     two = PARAMS + (nn.Parameter(torch.ones(1)),)
-    assert _checked_replay(graphed(spec_of(two, ARGS, KWARGS)), PARAMS, ARGS, KWARGS) is None
-    assert _checked_replay(graphed(spec_of(PARAMS, ARGS, KWARGS)), PARAMS, None, None) is None
+    assert replay_from_tensors(graphed(spec_of(two, ARGS, KWARGS)), PARAMS, ARGS, KWARGS) is None
+    assert replay_from_tensors(graphed(spec_of(PARAMS, ARGS, KWARGS)), PARAMS, None, None) is None
 
 
 def test_eager_graphs_and_other_backends_keep_the_argument_call():
     spec = spec_of(PARAMS, ARGS, KWARGS)
-    assert _checked_replay(graphed(spec, eager_only=True), PARAMS, ARGS, KWARGS) is None
-    assert _checked_replay(lambda *a, **k: None, PARAMS, ARGS, KWARGS) is None
+    assert replay_from_tensors(graphed(spec, eager_only=True), PARAMS, ARGS, KWARGS) is None
+    assert replay_from_tensors(lambda *a, **k: None, PARAMS, ARGS, KWARGS) is None
 
 
 def test_captured_drops_the_samples_after_deciding():
     v = RecordedVariant(args=ARGS, kwargs=KWARGS)
     g = graphed(spec_of(PARAMS, ARGS, KWARGS))
-    v.captured(g, PARAMS)
+    v.captured(g, replay_from_tensors(g, PARAMS, v.args, v.kwargs))
     assert v.graph is g and v.replay_checked == g.replay_checked
     assert v.args is None and v.kwargs is None
 
@@ -94,7 +95,7 @@ def test_dispatch_hands_the_parameters_then_the_call_tensors_in_flatten_order():
 
     net = Net()
     mgr = PartialCudaGraphManager.from_model_parts(
-        net, include=["inner"], attention=False, router=False, capture_backend=backend
+        net, include=["inner"], scopes=(), capture_backend=backend
     )
     mgr.start_recording()
     x = torch.ones(3, requires_grad=True)

@@ -216,11 +216,11 @@ def test_mismatches_show_the_autocast_states():
 
 
 def test_autocast_states_of_several_devices_read_as_one_list():
-    from cudagraphs.partial.autocast import _autocast_text
+    from cudagraphs.partial.contract import autocast_text
 
     both = (("cuda", torch.bfloat16), ("cpu", torch.float16))
-    assert _autocast_text(both) == "cuda: bfloat16, cpu: float16"
-    assert _autocast_text(()) == "off"
+    assert autocast_text(both) == "cuda: bfloat16, cpu: float16"
+    assert autocast_text(()) == "off"
 
 
 def test_training_flag():

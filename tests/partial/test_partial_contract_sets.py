@@ -15,6 +15,7 @@ from _contracts import (
     record,
     t,
 )
+from _discovery import ATTN_ROUTER
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, Mismatch
 from cudagraphs.partial import CallContract, ContractSet, FallbackCounter
 
@@ -196,7 +197,7 @@ def test_contracts_recorded_from_a_real_llama_forward():
     from cudagraphs.partial import select_targets
 
     model = tiny("llama")
-    targets = select_targets(model)
+    targets = select_targets(model, scopes=ATTN_ROUTER)
     assert [x.kind for x in targets] == ["attention", "attention"]
     calls = []
 

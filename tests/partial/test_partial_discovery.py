@@ -11,6 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from _discovery import (
     ATTN,
+    ATTN_ROUTER,
     EXPECTED_MOE,
     EXPECTED_TARGETS,
     FAMILIES,
@@ -32,7 +33,7 @@ from cudagraphs.partial import (
     select_targets,
     unwrap_checkpoint,
 )
-from cudagraphs.partial.selectors import include_predicate
+from cudagraphs.partial.arguments import include_predicate
 
 # --- the four HF families -----------------------------------------------------------
 
@@ -40,7 +41,7 @@ from cudagraphs.partial.selectors import include_predicate
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_family_targets(family):
     model = tiny(family)
-    targets = select_targets(model)
+    targets = select_targets(model, scopes=ATTN_ROUTER)
     assert names_kinds(targets) == EXPECTED_TARGETS[family]
     modules = dict(model.named_modules())
     for t in targets:
@@ -85,8 +86,12 @@ def test_find_attention_prefix():
 
 def test_deepseek_shared_experts_only_by_include():
     model = tiny("deepseek_v3")
-    assert "model.layers.1.mlp.shared_experts" not in [t.name for t in select_targets(model)]
-    targets = select_targets(model, include=["model.layers.*.mlp.shared_experts"])
+    assert "model.layers.1.mlp.shared_experts" not in [
+        t.name for t in select_targets(model, scopes=ATTN_ROUTER)
+    ]
+    targets = select_targets(
+        model, include=["model.layers.*.mlp.shared_experts"], scopes=ATTN_ROUTER
+    )
     assert names_kinds(targets) == EXPECTED_TARGETS["deepseek_v3"] + [
         ("model.layers.1.mlp.shared_experts", "custom")
     ]
@@ -109,7 +114,7 @@ def test_checkpoint_wrapped_layers_are_unwrapped(family, depth):
         model.model.layers[i] = wrapped
     assert all(unwrap_checkpoint(w) is layer for w, layer in zip(model.model.layers, inner))
 
-    assert names_kinds(select_targets(model)) == EXPECTED_TARGETS[family]
+    assert names_kinds(select_targets(model, scopes=ATTN_ROUTER)) == EXPECTED_TARGETS[family]
     blocks = discover_blocks(model)
     assert [b.name for b in blocks] == ["model.layers.0", "model.layers.1"]
     assert [b.module for b in blocks] == inner, "blocks must be the wrapped layers"
@@ -121,7 +126,7 @@ def test_checkpoint_wrapped_attention_is_unwrapped():
     model = tiny("llama")
     attn = model.model.layers[1].self_attn
     model.model.layers[1].self_attn = checkpoint_wrapper(attn)
-    targets = select_targets(model)
+    targets = select_targets(model, scopes=ATTN_ROUTER)
     assert names_kinds(targets) == EXPECTED_TARGETS["llama"]
     assert targets[1].module is attn
 
@@ -151,7 +156,7 @@ def test_extra_mtp_stack_is_discovered(mtp_block):
     assert [b.name for b in blocks] == ["layers.0", "layers.1", "mtp.0"]
     assert [b.moe for b in blocks] == [None, "layers.1.ffn", None]
     mtp_attn = "mtp.0.attn" if mtp_block is ToyBlock else "mtp.0.mixer"
-    assert names_kinds(select_targets(model)) == [
+    assert names_kinds(select_targets(model, scopes=ATTN_ROUTER)) == [
         ("layers.0.attn", "attention"),
         ("layers.1.attn", "attention"),
         ("layers.1.ffn.router", "router"),
@@ -172,7 +177,7 @@ def test_not_a_stack():
     plain = nn.Module()
     plain.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
     assert discover_blocks(plain) == []
-    assert select_targets(plain) == []
+    assert select_targets(plain, scopes=ATTN_ROUTER) == []
 
 
 def test_attention_is_recognized_by_capability():
@@ -221,7 +226,9 @@ def test_an_empty_child_slot_does_not_hide_the_children_after_it():
     assert find_attention(block) == ("attn", block.attn)
     model = nn.Module()
     model.layers = nn.ModuleList([block])
-    assert names_kinds(select_targets(model)) == [("layers.0.attn", "attention")]
+    assert names_kinds(select_targets(model, scopes=ATTN_ROUTER)) == [
+        ("layers.0.attn", "attention")
+    ]
 
 
 def test_several_attention_like_children_take_the_first_and_say_so(caplog):
@@ -274,7 +281,9 @@ def test_a_gate_without_a_2d_weight_beside_experts_is_not_a_router(gate):
     assert find_moe(block) is None
     model = nn.Module()
     model.layers = nn.ModuleList([block])
-    assert names_kinds(select_targets(model)) == [("layers.0.attn", "attention")]
+    assert names_kinds(select_targets(model, scopes=ATTN_ROUTER)) == [
+        ("layers.0.attn", "attention")
+    ]
     assert discover_blocks(model)[0].router is None
 
 
@@ -296,15 +305,15 @@ def test_the_router_name_is_tried_when_the_gate_is_not_a_router():
 
 def test_attention_and_router_switches():
     model = tiny("qwen3_moe")
-    assert names_kinds(select_targets(model, attention=False)) == [
+    assert names_kinds(select_targets(model, scopes=("moe_router",))) == [
         (ROUTER.format(0), "router"),
         (ROUTER.format(1), "router"),
     ]
-    assert names_kinds(select_targets(model, router=False)) == [
+    assert names_kinds(select_targets(model, scopes=("attention",))) == [
         (ATTN.format(0), "attention"),
         (ATTN.format(1), "attention"),
     ]
-    assert select_targets(model, attention=False, router=False) == []
+    assert select_targets(model, scopes=()) == []
 
 
 def test_include_by_predicate():
@@ -315,7 +324,7 @@ def test_include_by_predicate():
         seen.append(name)
         return name.endswith(".mlp.experts")
 
-    targets = select_targets(model, attention=False, router=False, include=pick)
+    targets = select_targets(model, include=pick, scopes=())
     assert names_kinds(targets) == [
         ("model.layers.0.mlp.experts", "custom"),
         ("model.layers.1.mlp.experts", "custom"),
@@ -327,26 +336,34 @@ def test_include_by_predicate():
 def test_include_predicate_is_given_each_module():
     model = tiny("llama")
     targets = select_targets(
-        model, attention=False, include=lambda name, module: module is model.model.layers[1].mlp
+        model,
+        include=lambda name, module: module is model.model.layers[1].mlp,
+        scopes=("moe_router",),
     )
     assert names_kinds(targets) == [("model.layers.1.mlp", "custom")]
 
 
 def test_include_matching_nothing_adds_nothing():
     model = tiny("llama")
-    assert select_targets(model, include=["no.such.module"]) == select_targets(model)
-    assert select_targets(model, include=lambda n, m: False) == select_targets(model)
-    assert select_targets(model, include=[]) == select_targets(model)
+    assert select_targets(model, include=["no.such.module"], scopes=ATTN_ROUTER) == select_targets(
+        model, scopes=ATTN_ROUTER
+    )
+    assert select_targets(model, include=lambda n, m: False, scopes=ATTN_ROUTER) == select_targets(
+        model, scopes=ATTN_ROUTER
+    )
+    assert select_targets(model, include=[], scopes=ATTN_ROUTER) == select_targets(
+        model, scopes=ATTN_ROUTER
+    )
 
 
 def test_include_of_an_already_chosen_target_is_not_duplicated():
     model = tiny("llama")
-    targets = select_targets(model, include=["*.self_attn"])
+    targets = select_targets(model, include=["*.self_attn"], scopes=ATTN_ROUTER)
     assert names_kinds(targets) == EXPECTED_TARGETS["llama"]
 
 
 def test_include_with_attention_off_takes_custom_kind():
-    targets = select_targets(tiny("llama"), attention=False, include=["*.self_attn"])
+    targets = select_targets(tiny("llama"), include=["*.self_attn"], scopes=("moe_router",))
     assert names_kinds(targets) == [(ATTN.format(0), "custom"), (ATTN.format(1), "custom")]
 
 
@@ -361,14 +378,14 @@ def test_include_nested_in_a_target_is_rejected(pattern, inner, outer):
     model = tiny("llama")
     msg = f"target {re.escape(inner)} lies inside target {re.escape(outer)}"
     with pytest.raises(TargetSelectionError, match=msg):
-        select_targets(model, include=[pattern])
+        select_targets(model, include=[pattern], scopes=ATTN_ROUTER)
 
 
 def test_a_target_inside_a_top_level_include_is_rejected():
     with pytest.raises(
         TargetSelectionError, match="target layers.0.attn lies inside target layers"
     ):
-        select_targets(ToyModel(), include="layers")
+        select_targets(ToyModel(), include="layers", scopes=ATTN_ROUTER)
 
 
 def test_target_selection_error_is_value_error():
@@ -384,10 +401,10 @@ MLPS = [("model.layers.0.mlp", "custom"), ("model.layers.1.mlp", "custom")]
 def test_include_plain_string_is_one_glob_pattern():
     # Not a sequence of one-character patterns: "*" alone would match every module.
     model = tiny("llama")
-    targets = select_targets(model, attention=False, include="model.layers.*.mlp")
+    targets = select_targets(model, include="model.layers.*.mlp", scopes=("moe_router",))
     assert names_kinds(targets) == MLPS
     assert targets[0].module is model.model.layers[0].mlp
-    with_attention = select_targets(model, include="model.layers.*.mlp")
+    with_attention = select_targets(model, include="model.layers.*.mlp", scopes=ATTN_ROUTER)
     assert names_kinds(with_attention) == [
         (ATTN.format(0), "attention"),
         MLPS[0],
@@ -402,12 +419,16 @@ def test_include_plain_string_is_one_glob_pattern():
     ids=["list", "tuple", "two patterns"],
 )
 def test_include_list_or_tuple_of_patterns(include):
-    assert names_kinds(select_targets(tiny("llama"), attention=False, include=include)) == MLPS
+    assert (
+        names_kinds(select_targets(tiny("llama"), include=include, scopes=("moe_router",))) == MLPS
+    )
 
 
 def test_include_predicate_as_before():
     targets = select_targets(
-        tiny("llama"), attention=False, include=lambda name, module: name.endswith(".mlp")
+        tiny("llama"),
+        include=lambda name, module: name.endswith(".mlp"),
+        scopes=("moe_router",),
     )
     assert names_kinds(targets) == MLPS
 
@@ -424,7 +445,7 @@ def test_include_predicate_as_before():
 )
 def test_include_of_another_type_is_a_typed_error(bad, named):
     with pytest.raises(CudaGraphsTypeError, match=named):
-        select_targets(tiny("llama"), include=bad)
+        select_targets(tiny("llama"), include=bad, scopes=ATTN_ROUTER)
 
 
 def test_include_predicate_normalization():
@@ -438,12 +459,6 @@ def test_include_predicate_normalization():
     assert include_predicate(predicate) is predicate
 
 
-@pytest.mark.parametrize("flag", ["attention", "router"])
-def test_switches_must_be_bools(flag):
-    with pytest.raises(CudaGraphsTypeError, match=f"{flag} must be a bool, got int"):
-        select_targets(tiny("llama"), **{flag: 1})
-
-
 def test_model_must_be_a_module():
     with pytest.raises(CudaGraphsTypeError, match="model must be an nn.Module, got list"):
-        select_targets([tiny("llama")])
+        select_targets([tiny("llama")], scopes=ATTN_ROUTER)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
+from _discovery import ATTN_ROUTER
 from _hf_models import tiny, tiny_arch
 from cudagraphs.partial import (
     SkippedBlock,
@@ -20,8 +21,9 @@ from cudagraphs.partial import (
     plan_targets,
     select_targets,
 )
-from cudagraphs.partial.metadata import ClassSpec, first_declared, read_metadata
+from cudagraphs.partial.metadata import first_declared, read_metadata
 from cudagraphs.partial.planning import why_nothing_found
+from cudagraphs.partial.vocabulary import ClassSpec
 
 A, R = "attention", "router"
 NO_SCOPE = "no_graph_safe_scope"
@@ -108,12 +110,12 @@ def block_of(name: str) -> str:
 @pytest.mark.parametrize("family", sorted(EXPECTED))
 def test_architecture_plan(family):
     model = build(family)
-    plan = plan_targets(model)
+    plan = plan_targets(model, scopes=ATTN_ROUTER)
     targets, skipped = EXPECTED[family]
     assert plan.source == "metadata"
     assert names_kinds(plan.targets) == targets
     assert skips(plan) == skipped
-    assert select_targets(model) == plan.targets
+    assert select_targets(model, scopes=ATTN_ROUTER) == plan.targets
     modules = dict(model.named_modules())
     for t in plan.targets:
         assert t.module is modules[t.name], f"{t.name} is not the model's own module"
@@ -151,7 +153,7 @@ def test_blocks_carry_source_and_moe():
 
 
 def test_jamba_mamba_layers_are_skipped_without_routers():
-    plan = plan_targets(build("jamba"), router=False)
+    plan = plan_targets(build("jamba"), scopes=("attention",))
     assert names_kinds(plan.targets) == [("model.layers.1.self_attn", A)]
     assert skips(plan) == [(f"model.layers.{i}", NO_SCOPE) for i in (0, 2, 3)]
     layer0, _, layer3 = plan.skipped
@@ -159,31 +161,32 @@ def test_jamba_mamba_layers_are_skipped_without_routers():
     assert "no module of the attention class JambaAttention (JambaModel declares it)" in (
         layer0.detail
     )
-    assert "its router model.layers.0.feed_forward.router is left out (router=False)" in (
-        layer0.detail
+    assert (
+        "its router model.layers.0.feed_forward.router is left out (moe_router is not among "
+        "the scopes)" in layer0.detail
     )
     assert "left out" not in layer3.detail
     assert layer3.detail.endswith("include=['model.layers.3.mamba'].")
 
 
 def test_jamba_skip_detail_in_full():
-    (skipped,) = plan_targets(build("jamba")).skipped
+    (skipped,) = plan_targets(build("jamba"), scopes=ATTN_ROUTER).skipped
     assert skipped == SkippedBlock(
         name="model.layers.3",
         block_type="JambaMambaDecoderLayer",
         reason=NO_SCOPE,
         detail="JambaMambaDecoderLayer model.layers.3 holds mamba (JambaMambaMixer), "
         "feed_forward (JambaMLP), input_layernorm (JambaRMSNorm), pre_ff_layernorm "
-        "(JambaRMSNorm); it has no module of the attention class JambaAttention (JambaModel "
-        "declares it) and no router of the class JambaTopKRouter (JambaModel declares it). "
-        "Fix: if one of its modules is graph-safe (no host sync, the same shapes every "
+        "(JambaRMSNorm); no scope asked for fits it (attention: no module of the attention "
+        "class JambaAttention (JambaModel declares it); moe_router: no router of the class "
+        "JambaTopKRouter (JambaModel declares it)). Fix: if one of its modules is graph-safe (no host sync, the same shapes every "
         "step), name it with include=, e.g. include=['model.layers.3.mamba'].",
     )
 
 
 def test_qwen3_next_linear_attention_is_never_attention():
     model = build("qwen3_next")
-    plan = plan_targets(model, router=False)
+    plan = plan_targets(model, scopes=("attention",))
     assert names_kinds(plan.targets) == [
         ("model.layers.1.self_attn", A),
         ("model.layers.3.self_attn", A),
@@ -194,11 +197,11 @@ def test_qwen3_next_linear_attention_is_never_attention():
     blocks = discover_blocks(model)
     assert [b.attention is not None for b in blocks] == [False, True, False, True]
     linear = {id(model.model.layers[i].linear_attn) for i in (0, 2)}
-    assert not linear & {id(t.module) for t in select_targets(model)}
+    assert not linear & {id(t.module) for t in select_targets(model, scopes=ATTN_ROUTER)}
 
 
 def test_qwen3_next_routers_of_linear_layers_are_found():
-    plan = plan_targets(build("qwen3_next"), attention=False)
+    plan = plan_targets(build("qwen3_next"), scopes=("moe_router",))
     assert names_kinds(plan.targets) == [
         ("model.layers.0.mlp.gate", R),
         ("model.layers.1.mlp.gate", R),
@@ -209,7 +212,7 @@ def test_qwen3_next_routers_of_linear_layers_are_found():
 
 def test_bamba_mamba_layer_detail_names_the_structural_router_rule():
     # Bamba declares no router class: the router was looked for by structure.
-    (skipped,) = plan_targets(build("bamba")).skipped
+    (skipped,) = plan_targets(build("bamba"), scopes=ATTN_ROUTER).skipped
     assert "no module of the attention class BambaAttention (BambaModel declares it)" in (
         skipped.detail
     )
@@ -218,41 +221,42 @@ def test_bamba_mamba_layer_detail_names_the_structural_router_rule():
 
 def test_include_of_a_skipped_blocks_module_graphs_it_and_unskips_it():
     model = build("jamba")
-    plan = plan_targets(model, include="model.layers.3.mamba")
+    plan = plan_targets(model, include="model.layers.3.mamba", scopes=ATTN_ROUTER)
     assert plan.skipped == []
     assert plan.targets[-1] == Target("model.layers.3.mamba", model.model.layers[3].mamba, "custom")
     # A target that is the block, or holds it, counts too.
-    assert plan_targets(model, include="model.layers.3").skipped == []
-    whole = plan_targets(model, attention=False, router=False, include="model.layers")
+    assert plan_targets(model, include="model.layers.3", scopes=ATTN_ROUTER).skipped == []
+    whole = plan_targets(model, include="model.layers", scopes=())
     assert names_kinds(whole.targets) == [("model.layers", "custom")]
     assert whole.skipped == []
 
 
-# --- switches ----------------------------------------------------------------------------
+# --- scopes that leave pieces out ---------------------------------------------------------
 
 
-def test_attention_off_skips_dense_blocks_and_says_what_was_left_out():
-    plan = plan_targets(build("llama"), attention=False)
+def test_attention_left_out_skips_dense_blocks_and_says_what_was_left_out():
+    plan = plan_targets(build("llama"), scopes=("moe_router",))
     assert plan.targets == []
     assert skips(plan) == [("model.layers.0", NO_SCOPE), ("model.layers.1", NO_SCOPE)]
     detail = plan.skipped[0].detail
-    assert "it has no MoE router" in detail
-    assert "its attention model.layers.0.self_attn is left out (attention=False)" in detail
-
-
-def test_nothing_asked_is_its_own_reason():
-    plan = plan_targets(build("llama"), attention=False, router=False)
-    assert plan.targets == [] and plan.source == "metadata"
-    assert skips(plan) == [("model.layers.0", "nothing_asked"), ("model.layers.1", "nothing_asked")]
-    assert "attention=False and router=False, and include names nothing in it" in (
-        plan.skipped[0].detail
+    assert "(moe_router: no MoE router" in detail
+    assert (
+        "its attention model.layers.0.self_attn is left out (attention is not among the scopes)"
+        in detail
     )
 
 
+def test_nothing_asked_is_its_own_reason():
+    plan = plan_targets(build("llama"), scopes=())
+    assert plan.targets == [] and plan.source == "metadata"
+    assert skips(plan) == [("model.layers.0", "nothing_asked"), ("model.layers.1", "nothing_asked")]
+    assert "scopes=() and include names nothing in it" in plan.skipped[0].detail
+
+
 def test_why_nothing_found_names_the_metadata_rule():
-    why = why_nothing_found([build("llama")], attention=False, router=True, include=None)
+    why = why_nothing_found([build("llama")], include=None, scopes=("moe_router",))
     assert why == (
-        "in LlamaForCausalLM with 2 block(s), looking for MoE routers; blocks are the "
+        "in LlamaForCausalLM with 2 block(s), looking for scopes moe_router; blocks are the "
         "decoder-layer classes the model declares (_no_split_modules), and plan_targets "
         "reports each block that yields no target with the reason. Fixes: 1. pass include= "
         "naming the modules to graph; 2. pass the model parts that hold the decoder layers"
@@ -265,13 +269,13 @@ def test_why_nothing_found_names_the_metadata_rule():
 def test_gpt2_cross_attention_is_not_a_target():
     model = build("gpt2", add_cross_attention=True)
     assert type(model.transformer.h[0].crossattention) is type(model.transformer.h[0].attn)
-    plan = plan_targets(model)
+    plan = plan_targets(model, scopes=ATTN_ROUTER)
     assert names_kinds(plan.targets) == dense("transformer.h", "attn")
 
 
 def test_t5_decoder_alone():
     model = build("t5")
-    plan = plan_targets(model.decoder)
+    plan = plan_targets(model.decoder, scopes=ATTN_ROUTER)
     assert plan.source == "metadata"
     assert names_kinds(plan.targets) == dense("block", "layer.0")
     assert type(model.decoder.block[0].layer[1]).__name__ == "T5LayerCrossAttention"
@@ -344,7 +348,7 @@ def test_cross_attention_of_the_attention_class_is_excluded():
     }
     layers = [CrossFirstLayer(), CrossFirstLayer(self_attention=False)]
     model = declared_model(layers, no_split=["CrossFirstLayer"], record=record)
-    plan = plan_targets(model)
+    plan = plan_targets(model, scopes=ATTN_ROUTER)
     assert names_kinds(plan.targets) == [("layers.0.attn", A)]
     assert skips(plan) == [("layers.1", NO_SCOPE)]
     assert plan.skipped[0].detail.startswith("CrossFirstLayer layers.1 holds cross (ToyAttention)")
@@ -353,14 +357,14 @@ def test_cross_attention_of_the_attention_class_is_excluded():
 def test_declared_router_need_not_be_called_gate():
     record = {"attentions": [ToyAttention], "router_logits": Recorder(ToyRouter)}
     model = declared_model([ToyLayer(), ToyLayer(moe=True)], record=record)
-    assert names_kinds(select_targets(model)) == dense("layers", "attn") + [
+    assert names_kinds(select_targets(model, scopes=ATTN_ROUTER)) == dense("layers", "attn") + [
         ("layers.1.ffn.route", R)
     ]
     assert [b.moe for b in discover_blocks(model)] == [None, "layers.1.ffn"]
     # Without the declaration the structure does not know "route" as a router.
     plain = nn.Module()
     plain.layers = model.layers
-    assert [t.kind for t in select_targets(plain)] == [A, A]
+    assert [t.kind for t in select_targets(plain, scopes=ATTN_ROUTER)] == [A, A]
 
 
 def test_declared_attention_direct_child_first_and_several_logged(caplog):
@@ -378,7 +382,7 @@ def test_declared_attention_direct_child_first_and_several_logged(caplog):
 
     model = declared_model([Layer()], no_split=["Layer"], record={"attentions": ToyAttention})
     with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.metadata"):
-        assert names_kinds(select_targets(model)) == [("layers.0.second", A)]
+        assert names_kinds(select_targets(model, scopes=ATTN_ROUTER)) == [("layers.0.second", A)]
     assert caplog.messages == [
         "block layers.0 has several attention modules ['layers.0.second', 'layers.0.attn']; "
         "taking the first"
@@ -391,7 +395,10 @@ def test_a_declared_layer_that_is_itself_attention_is_its_own_target():
         no_split=["ToyAttention"],
         record={"attentions": ToyAttention},
     )
-    assert names_kinds(select_targets(model)) == [("layers.0", A), ("layers.1", A)]
+    assert names_kinds(select_targets(model, scopes=ATTN_ROUTER)) == [
+        ("layers.0", A),
+        ("layers.1", A),
+    ]
 
 
 # --- metadata naming classes absent from the model -----------------------------------------
@@ -400,15 +407,15 @@ def test_a_declared_layer_that_is_itself_attention_is_its_own_target():
 def test_layer_classes_absent_fall_back_to_structure():
     # The declaration describes none of these modules, so the structural rule applies.
     model = declared_model([ToyLayer(), ToyLayer()], no_split=["NoSuchLayer"])
-    plan = plan_targets(model)
+    plan = plan_targets(model, scopes=ATTN_ROUTER)
     assert plan.source == "structure"
     assert names_kinds(plan.targets) == dense("layers", "attn")
 
     hf = build("llama")
-    reference = names_kinds(select_targets(hf))
+    reference = names_kinds(select_targets(hf, scopes=ATTN_ROUTER))
     hf._no_split_modules = ["RenamedLayer"]
     hf.model._no_split_modules = ["RenamedLayer"]
-    plan = plan_targets(hf)
+    plan = plan_targets(hf, scopes=ATTN_ROUTER)
     assert plan.source == "structure" and names_kinds(plan.targets) == reference
 
 
@@ -422,7 +429,7 @@ def test_a_declaration_that_names_nothing_beneath_it_leaves_the_outer_one_in_for
         ("inner.layers.0", "metadata", "ToyPreTrained")
     ]
     # The router is not called gate/router: only the outer declaration finds it.
-    assert names_kinds(select_targets(outer)) == [
+    assert names_kinds(select_targets(outer, scopes=ATTN_ROUTER)) == [
         ("inner.layers.0.attn", A),
         ("inner.layers.0.ffn.route", R),
     ]
@@ -434,14 +441,14 @@ def test_attention_class_absent_is_a_reason_not_a_guess():
     model = build("llama")
     for layer in model.model.layers:
         layer.self_attn = ToyAttention(32)
-    plan = plan_targets(model)
+    plan = plan_targets(model, scopes=ATTN_ROUTER)
     assert plan.targets == [] and plan.source == "metadata"
     assert skips(plan) == [("model.layers.0", NO_SCOPE), ("model.layers.1", NO_SCOPE)]
     assert "no block of this model part holds one (if the attention modules were replaced" in (
         plan.skipped[0].detail
     )
     assert plan.skipped[0].detail.endswith("include=['model.layers.0.self_attn'].")
-    fixed = plan_targets(model, include="model.layers.*.self_attn")
+    fixed = plan_targets(model, include="model.layers.*.self_attn", scopes=ATTN_ROUTER)
     assert names_kinds(fixed.targets) == [(n, "custom") for n, _ in dense("model.layers")]
     assert fixed.skipped == []
 
@@ -451,7 +458,7 @@ def test_fsdp_renamed_layer_class_is_still_a_declared_layer():
     model = build("llama")
     for layer in model.model.layers:
         layer.__class__ = type(f"FSDP{type(layer).__name__}", (type(layer),), {})
-    plan = plan_targets(model)
+    plan = plan_targets(model, scopes=ATTN_ROUTER)
     assert plan.source == "metadata" and names_kinds(plan.targets) == dense("model.layers")
 
 
@@ -461,7 +468,7 @@ def test_fsdp_renamed_layer_class_is_still_a_declared_layer():
 def test_user_model_without_metadata_keeps_the_structural_result():
     model = nn.Module()
     model.layers = nn.ModuleList([ToyLayer(), ToyLayer()])
-    plan = plan_targets(model)
+    plan = plan_targets(model, scopes=ATTN_ROUTER)
     assert plan == TargetPlan(
         targets=[
             Target(f"layers.{i}.attn", model.layers[i].attn, A, f"layers.{i}") for i in (0, 1)
@@ -474,18 +481,20 @@ def test_user_model_without_metadata_keeps_the_structural_result():
 
 def test_a_stage_of_bare_hf_layers_is_structural():
     layers = build("llama").model.layers
-    plan = plan_targets(layers)
+    plan = plan_targets(layers, scopes=ATTN_ROUTER)
     assert plan.source == "structure"
     assert names_kinds(plan.targets) == [("0.self_attn", A), ("1.self_attn", A)]
     # Mixed layer types are no structural stack: nothing found, and nothing to skip.
-    assert plan_targets(build("jamba").model.layers) == TargetPlan([], [], "structure")
+    assert plan_targets(build("jamba").model.layers, scopes=ATTN_ROUTER) == TargetPlan(
+        [], [], "structure"
+    )
 
 
 def test_declared_model_beside_a_structural_stack():
     wrapper = nn.Module()
     wrapper.backbone = build("llama").model
     wrapper.mtp = nn.ModuleList([ToyLayer()])
-    plan = plan_targets(wrapper)
+    plan = plan_targets(wrapper, scopes=ATTN_ROUTER)
     assert plan.source == "metadata"
     assert names_kinds(plan.targets) == dense("backbone.layers") + [("mtp.0.attn", A)]
     assert [b.source for b in discover_blocks(wrapper)] == ["metadata", "metadata", "structure"]
@@ -566,7 +575,7 @@ def test_first_declared_returns_the_parent():
 
 
 def test_records_are_frozen():
-    plan = plan_targets(nn.Linear(2, 2))
+    plan = plan_targets(nn.Linear(2, 2), scopes=ATTN_ROUTER)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.source = "metadata"
     assert plan == TargetPlan([], [], "structure")
@@ -578,4 +587,4 @@ def test_records_are_frozen():
 def test_simple_namespace_recorder_is_enough():
     record = {"attentions": SimpleNamespace(target_class=ToyAttention, layer_name="attn")}
     model = declared_model([ToyLayer(cross=True)], record=record)
-    assert names_kinds(select_targets(model)) == [("layers.0.attn", A)]
+    assert names_kinds(select_targets(model, scopes=ATTN_ROUTER)) == [("layers.0.attn", A)]

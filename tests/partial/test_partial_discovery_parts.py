@@ -10,6 +10,7 @@ from torch import nn
 
 from _discovery import (
     ATTN,
+    ATTN_ROUTER,
     EXPECTED_TARGETS,
     ToyModel,
     names_kinds,
@@ -23,8 +24,8 @@ from cudagraphs.partial import (
     plan_targets,
     select_targets,
 )
+from cudagraphs.partial.arguments import as_model_parts
 from cudagraphs.partial.planning import why_nothing_found
-from cudagraphs.partial.selectors import as_model_parts
 
 # --- physical modules invoked more than once per forward ------------------------------
 
@@ -33,7 +34,7 @@ def test_tied_layers_in_one_stack_are_rejected():
     model = tiny("llama")
     model.model.layers.append(model.model.layers[0])  # layers 0 and 2 are one object
     with pytest.raises(TargetSelectionError) as err:
-        select_targets(model)
+        select_targets(model, scopes=ATTN_ROUTER)
     assert "model.layers.0.self_attn" in str(err.value)
     assert "model.layers.2.self_attn" in str(err.value)
 
@@ -42,7 +43,7 @@ def test_mtp_reusing_a_main_layer_is_rejected():
     model = ToyModel()
     model.mtp[0] = model.layers[0]
     with pytest.raises(TargetSelectionError) as err:
-        select_targets(model)
+        select_targets(model, scopes=ATTN_ROUTER)
     msg = str(err.value)
     assert "layers.0.attn" in msg and "mtp.0.attn" in msg and "same module object" in msg
 
@@ -51,10 +52,10 @@ def test_shared_attention_between_blocks_is_rejected():
     model = tiny("llama")
     model.model.layers[1].self_attn = model.model.layers[0].self_attn
     with pytest.raises(TargetSelectionError) as err:
-        select_targets(model)
+        select_targets(model, scopes=ATTN_ROUTER)
     assert ATTN.format(0) in str(err.value) and ATTN.format(1) in str(err.value)
     # Leaving the shared module out of the targets is the documented way around it.
-    assert select_targets(model, attention=False) == []
+    assert select_targets(model, scopes=("moe_router",)) == []
 
 
 # --- model parts -------------------------------------------------------------------------
@@ -91,39 +92,34 @@ def test_as_model_parts_of_another_type_is_a_typed_error(bad, named):
 
 def test_why_nothing_found_names_what_was_searched_and_asked_and_the_fixes():
     # The manager logs this line as it is: it is this function's whole product.
-    why = why_nothing_found(
-        [ToyModel(), nn.Linear(2, 2)], attention=True, router=True, include=["x.*"]
-    )
+    why = why_nothing_found([ToyModel(), nn.Linear(2, 2)], include=["x.*"], scopes=ATTN_ROUTER)
     assert why == (
-        "in ToyModel with 3 block(s), Linear with 0 block(s), looking for attention, "
-        "MoE routers, include=['x.*']; blocks are found in a ModuleList/ModuleDict of "
+        "in ToyModel with 3 block(s), Linear with 0 block(s), looking for scopes "
+        "attention, moe_router, include=['x.*']; blocks are found in a ModuleList/ModuleDict of "
         "same-typed modules that each hold an attention module. Fixes: 1. pass include= "
         "naming the modules to graph; 2. pass the model parts that hold the decoder layers"
     )
 
 
 @pytest.mark.parametrize(
-    "attention, router, include, asked",
+    "scopes, include, asked",
     [
-        (True, False, None, "looking for attention; "),
-        (False, True, None, "looking for MoE routers; "),
-        (False, False, "*.mlp", "looking for include='*.mlp'; "),
+        (("attention",), None, "looking for scopes attention; "),
+        (("moe_router",), None, "looking for scopes moe_router; "),
+        ((), "*.mlp", "looking for include='*.mlp'; "),
     ],
 )
-def test_why_nothing_found_lists_only_what_was_asked(attention, router, include, asked):
-    why = why_nothing_found([nn.Linear(2, 2)], attention=attention, router=router, include=include)
+def test_why_nothing_found_lists_only_what_was_asked(scopes, include, asked):
+    why = why_nothing_found([nn.Linear(2, 2)], include=include, scopes=scopes)
     assert why.startswith("in Linear with 0 block(s), " + asked), why
 
 
 def test_why_nothing_found_when_nothing_was_asked_or_given():
     assert (
-        why_nothing_found([nn.Linear(2, 2)], attention=False, router=False, include=None)
-        == "in Linear with 0 block(s): attention=False, router=False and no include: "
-        "nothing asked for"
+        why_nothing_found([nn.Linear(2, 2)], include=None, scopes=())
+        == "in Linear with 0 block(s): scopes=() and no include: nothing asked for"
     )
-    assert why_nothing_found([], attention=True, router=True, include=None) == (
-        "no model parts were given"
-    )
+    assert why_nothing_found([], include=None, scopes=ATTN_ROUTER) == "no model parts were given"
 
 
 # --- model_label is only a label ----------------------------------------------------
@@ -136,12 +132,14 @@ def test_model_label_is_not_a_capability_gate():
     renamed.__class__ = renamed_cls
     assert model_label(base) == "Qwen3MoeForCausalLM with 2 block(s)"
     assert model_label(renamed) == "SomethingElse with 2 block(s)"
-    assert names_kinds(select_targets(renamed)) == names_kinds(select_targets(base))
+    assert names_kinds(select_targets(renamed, scopes=ATTN_ROUTER)) == names_kinds(
+        select_targets(base, scopes=ATTN_ROUTER)
+    )
 
     # A model with no recognizable name at all (a bare container) still works.
     anonymous = nn.Module()
     anonymous.body = base.model
-    assert [t.name for t in select_targets(anonymous)] == [
+    assert [t.name for t in select_targets(anonymous, scopes=ATTN_ROUTER)] == [
         "body." + name.removeprefix("model.") for name, _ in EXPECTED_TARGETS["qwen3_moe"]
     ]
     assert model_label(ToyModel()) == "ToyModel with 3 block(s)"
@@ -184,7 +182,7 @@ class _AttentionDeclared(nn.Module):
 
 
 def test_a_declaration_without_a_router_class_finds_routers_by_structure():
-    plan = plan_targets(_AttentionDeclared())
+    plan = plan_targets(_AttentionDeclared(), scopes=ATTN_ROUTER)
     assert plan.source == "metadata"
     assert names_kinds(plan.targets) == [
         t
@@ -210,7 +208,7 @@ class _SelfAttentionLayers(nn.Module):
 
 
 def test_a_layer_declared_as_attention_by_its_qualified_name_is_the_target():
-    assert names_kinds(select_targets(_SelfAttentionLayers())) == [
+    assert names_kinds(select_targets(_SelfAttentionLayers(), scopes=ATTN_ROUTER)) == [
         ("layers.0", "attention"),
         ("layers.1", "attention"),
     ]

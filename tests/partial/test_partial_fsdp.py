@@ -50,8 +50,8 @@ def full_grads(model):
 def test_fsdp2_targets_replay_with_the_current_unsharded_parameters(process_group):
     model, ref = sharded_llama(), sharded_llama()
     mgr = PartialCudaGraphManager.from_model_parts([model], capture_backend=eager_backend)
-    assert [e.fsdp for e in mgr.entries] == [True, True]
-    assert all(e.params == () for e in mgr.entries), "sharded DTensors are never passed"
+    assert [e.fsdp for e in mgr.recordings] == [True, True]
+    assert all(e.params == () for e in mgr.recordings), "sharded DTensors are never passed"
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 128, (2, 8), generator=gen) for _ in range(3)]
     eager_backend.samples.clear()
@@ -72,7 +72,7 @@ def test_fsdp2_targets_replay_with_the_current_unsharded_parameters(process_grou
         (sample_args,) = eager_backend.samples
         params = sample_args[0][0]
         assert params and not any(isinstance(p, torch.nn.Parameter) for p in params)
-        assert all(v.params == () and v.args is None for e in mgr.entries for v in e.variants)
+        assert all(v.params == () and v.args is None for e in mgr.recordings for v in e.variants)
         stats = mgr.stats()
         assert stats["replayed"] == 4 and stats["fallbacks"] == 0, stats
     finally:
@@ -189,7 +189,7 @@ def test_a_whole_layer_that_is_an_fsdp2_unit_reads_the_parameters_it_is_given(pr
     mgr = PartialCudaGraphManager.from_model_parts(
         [model], capture_backend=probing_backend, scopes=("layer",)
     )
-    assert [(e.target.kind, e.fsdp) for e in mgr.entries] == [("layer", True)] * 2
+    assert [(e.target.kind, e.fsdp) for e in mgr.recordings] == [("layer", True)] * 2
     mgr.start_recording()
     try:
         step(model, torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3)))

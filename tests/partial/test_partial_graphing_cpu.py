@@ -13,8 +13,9 @@ from cudagraphs.capture_state import is_graph_capturing
 from cudagraphs.core.sharing import BufferSharing
 from cudagraphs.errors import CudaGraphsStateError, CudaGraphsValueError, TargetSelectionError
 from cudagraphs.partial import PartialCudaGraphManager, graphing
-from cudagraphs.partial.build import build_entries
+from cudagraphs.partial.build import build_recordings
 from cudagraphs.partial.graphing import read_disabled
+from cudagraphs.partial.replay import TargetDispatcher
 from cudagraphs.partial.speed import SpeedCheck
 
 LOGGER = "cudagraphs.partial.manager"
@@ -89,7 +90,7 @@ def repeated(where):
         f"['layers.0.self_attn'] ran more than once {where}; one graph cannot stand for "
         "several calls of one forward (the second replay would overwrite the first one's "
         "outputs and saved activations). Fix: leave these modules out of the targets "
-        "(attention=False / router=False, or an include that does not name them)."
+        "(scopes= without their scope, or an include= that does not name them)."
     )
 
 
@@ -102,10 +103,9 @@ def test_a_repeat_within_one_forward_is_refused_with_the_whole_message(enabled):
 
 def test_a_repeat_without_model_parts_explains_why_forwards_look_alike(enabled):
     model = Toy(twice=True)
-    built = build_entries(
-        [model], attention=True, router=True, include=None, max_variants=4, scopes=NARROW
-    )
-    mgr = PartialCudaGraphManager(built.entries, capture_backend=counting_backend([]))
+    built = build_recordings([model], include=None, max_variants=4, scopes=NARROW)
+    dispatchers = [TargetDispatcher(r) for r in built.recordings]
+    mgr = PartialCudaGraphManager(dispatchers, capture_backend=counting_backend([]))
     mgr.start_recording()
     model(torch.randn(2, 8))
     with pytest.raises(TargetSelectionError) as info:
@@ -131,7 +131,7 @@ def test_a_capture_runs_in_the_capture_scope_and_says_how_many(enabled, caplog, 
     assert seen == ([True, True] if pooled else [True])
     assert said(caplog, logging.INFO) == [f"partial graphs: captured 2 call(s){tail}"]
     assert said(caplog, logging.WARNING) == []
-    assert not mgr.entries[0].warn_once.said("disabled")
+    assert not mgr.dispatchers[0].warn_once.said("disabled")
     model(torch.randn(2, 8))
     assert mgr.stats()["captured"] == 2 and mgr.stats()["replayed"] == 2
     mgr.close()
@@ -139,7 +139,7 @@ def test_a_capture_runs_in_the_capture_scope_and_says_how_many(enabled, caplog, 
 
 def test_disabled_prepares_eagerly_outside_the_capture_scope(disabled, caplog, monkeypatch):
     seen = []
-    monkeypatch.setattr(graphing, "_eager_backend", counting_backend(seen))
+    monkeypatch.setattr(graphing, "eager_backend", counting_backend(seen))
     model, mgr = recorded(capture_backend=counting_backend([]))
     with caplog.at_level(logging.INFO, logger=LOGGER):
         mgr.capture()
@@ -151,7 +151,7 @@ def test_disabled_prepares_eagerly_outside_the_capture_scope(disabled, caplog, m
         "graph them."
     ]
     assert said(caplog, logging.INFO) == ["partial graphs: prepared eagerly (disabled) 2 call(s)"]
-    assert mgr.entries[0].warn_once.said("disabled")
+    assert mgr.dispatchers[0].warn_once.said("disabled")
     model(torch.randn(2, 8))
     assert mgr.stats()["disabled"] == 1 and mgr.stats()["replayed"] == 2
     mgr.close()
@@ -283,7 +283,7 @@ def test_the_default_backend_takes_a_single_result_for_one_callable(enabled, mon
     monkeypatch.setattr(cudagraphs.core, "make_graphed_callables", core)
     model = Toy()
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, attention=False, include="layers.0.self_attn"
+        model, scopes=("moe_router",), include="layers.0.self_attn"
     )
     mgr.start_recording()
     model(torch.randn(2, 8))

@@ -51,7 +51,7 @@ def test_hybrid_stacks_train_equal_to_eager_with_skipped_blocks_counted(
         mgr = PartialCudaGraphManager.from_model_parts(
             model, capture_backend=backend, scopes=NARROW
         )
-    assert sorted({e.target.block for e in mgr.entries}) == targets
+    assert sorted({e.target.block for e in mgr.recordings}) == targets
     assert [b.name for b in mgr.skipped] == skipped
     assert all(b.reason == "no_graph_safe_scope" for b in mgr.skipped)
     said = [r for r in caplog.records if "hold nothing graph-safe" in r.getMessage()]
@@ -59,7 +59,7 @@ def test_hybrid_stacks_train_equal_to_eager_with_skipped_blocks_counted(
     if skipped:
         assert all(name in said[0].getMessage() for name in skipped)
         assert "include=" in said[0].getMessage()
-    assert not any("linear_attn" in e.name for e in mgr.entries)
+    assert not any("linear_attn" in e.name for e in mgr.recordings)
     train_equal(model, ref, mgr)
     stats = mgr.stats()
     assert stats.get("skipped_no_graph_safe_scope", 0) == len(skipped), stats
@@ -85,7 +85,7 @@ def train_equal(model, ref, mgr):
         if step == 0:
             mgr.capture()
     stats = mgr.stats()
-    assert stats["replayed"] == 2 * len(mgr.entries) and stats["fallbacks"] == 0, stats
+    assert stats["replayed"] == 2 * len(mgr.recordings) and stats["fallbacks"] == 0, stats
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,7 @@ def test_by_default_each_layer_is_graphed_as_widely_as_is_safe(family, kinds, na
     ref = copy.deepcopy(model)
     with caplog.at_level(logging.INFO, logger="cudagraphs.partial.manager"):
         mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
-    assert {e.name: e.target.kind for e in mgr.entries} == kinds
+    assert {e.name: e.target.kind for e in mgr.recordings} == kinds
     assert not mgr.skipped
     assert [(b.name, b.reason) for b in mgr.narrowed] == [(n, "no_attention") for n in narrowed]
     # Not asked for: a narrowing by default is news (INFO), not a WARNING.

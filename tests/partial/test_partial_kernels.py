@@ -22,7 +22,7 @@ def asked_weights(monkeypatch):
 def test_discovery_asks_one_probe_about_each_grouped_mm_layers_experts(monkeypatch):
     from _hf_models import tiny
     from cudagraphs.partial.planning import plan_targets
-    from cudagraphs.partial.scopes import SCOPES
+    from cudagraphs.partial.vocabulary import SCOPES
 
     asked = asked_weights(monkeypatch)
     model = tiny("qwen3_moe")
@@ -39,7 +39,7 @@ def test_discovery_asks_one_probe_about_each_grouped_mm_layers_experts(monkeypat
 def test_other_experts_implementations_raise_no_device_question(monkeypatch, implementation):
     from _hf_models import tiny
     from cudagraphs.partial.planning import plan_targets
-    from cudagraphs.partial.scopes import SCOPES
+    from cudagraphs.partial.vocabulary import SCOPES
 
     asked = asked_weights(monkeypatch)
     model = tiny("qwen3_moe")

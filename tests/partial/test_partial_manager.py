@@ -410,9 +410,9 @@ def test_disabled_runs_every_target_eagerly_through_the_same_path(disabled, capl
     # 4 targets (attention + router per layer): 2 matching steps, then one new length.
     assert stats["disabled"] == 1 and stats["captured"] == 0, stats
     assert stats["replayed"] == 8 and stats["fallback_shape"] == 4, stats
-    for entry in mgr.entries:
-        # The "graph" is the target's adapter itself, run eagerly.
-        assert [g.__qualname__ for g in entry.graphs()] == [f"partial[{entry.name}]"] * 2
+    for rec in mgr.recordings:
+        # The "graph" is the target's graphed function itself, run eagerly.
+        assert [g.__qualname__ for g in rec.graphs()] == [f"partial[{rec.name}]"] * 2
     said = [r for r in caplog.records if "partial graphs are disabled" in r.getMessage()]
     assert len(said) == 1 and "CUDAGRAPHS_DISABLE=1" in said[0].getMessage()
     assert len(fallback_warnings(caplog, "shape")) == 1
@@ -458,17 +458,17 @@ def test_a_single_module_is_one_model_part():
     many = PartialCudaGraphManager.from_model_parts(
         [model], capture_backend=eager_backend, scopes=NARROW
     )
-    assert [e.name for e in one.entries] == [e.name for e in many.entries]
-    assert len(one.entries) == 4
+    assert [e.name for e in one.recordings] == [e.name for e in many.recordings]
+    assert len(one.recordings) == 4
 
 
 def test_include_string_graphs_the_named_modules_and_equals_eager():
     model = tiny()
     ref = copy.deepcopy(model)
     mgr = PartialCudaGraphManager.from_model_parts(
-        model, attention=False, include="model.layers.*.mlp", capture_backend=eager_backend
+        model, scopes=("moe_router",), include="model.layers.*.mlp", capture_backend=eager_backend
     )
-    assert [e.name for e in mgr.entries] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert [e.name for e in mgr.recordings] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     ids = torch.randint(0, 128, (2, 8))
     mgr.start_recording()
     step(model, ids)
@@ -484,23 +484,18 @@ def test_include_string_graphs_the_named_modules_and_equals_eager():
 def test_nothing_found_reasons(caplog):
     with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
         assert PartialCudaGraphManager.from_model_parts([], scopes=NARROW) is None
-        assert PartialCudaGraphManager.from_model_parts(tiny(), attention=False) is None
+        assert PartialCudaGraphManager.from_model_parts(tiny(), scopes=("moe_router",)) is None
         assert (
             PartialCudaGraphManager.from_model_parts(
                 tiny(), include="no.such.module", scopes=NARROW
             )
             is not None
         )
-        assert (
-            PartialCudaGraphManager.from_model_parts(
-                tiny(), attention=False, router=False, include=None
-            )
-            is None
-        )
+        assert PartialCudaGraphManager.from_model_parts(tiny(), scopes=(), include=None) is None
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(said) == 3
     assert "no model parts were given" in said[0]
-    assert "LlamaForCausalLM with 2 block(s), looking for MoE routers" in said[1]
+    assert "LlamaForCausalLM with 2 block(s), looking for scopes moe_router" in said[1]
     assert "nothing asked for" in said[2]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _hf_models import tiny
-from cudagraphs.errors import CudaGraphsValueError
+from cudagraphs.errors import CudaGraphsTypeError
 from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager
 
@@ -62,9 +62,9 @@ def test_scopes_train_equal_to_eager_without_fallbacks(family, scopes):
     model = tiny(family)
     ref = copy.deepcopy(model)
     mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=scopes)
-    assert [e.target.kind for e in mgr.entries] == KINDS[(family, scopes)]
+    assert [e.target.kind for e in mgr.recordings] == KINDS[(family, scopes)]
     stats = train_and_compare(model, ref, mgr)
-    assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * len(mgr.entries), stats
+    assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * len(mgr.recordings), stats
     assert not mgr.narrowed and not mgr.skipped
     mgr.close()
 
@@ -77,7 +77,7 @@ def test_eager_experts_narrow_a_layer_to_attention_and_router_said_and_counted(c
         mgr = PartialCudaGraphManager.from_model_parts(
             model, capture_backend=backend, scopes=SCOPES
         )
-    assert [e.target.kind for e in mgr.entries] == ["attention", "router"] * 2
+    assert [e.target.kind for e in mgr.recordings] == ["attention", "router"] * 2
     assert [b.reason for b in mgr.narrowed] == ["eager_experts"] * 2
     (said,) = [r for r in caplog.records if "narrower scopes" in r.getMessage()]
     assert "eager" in said.getMessage() and "model.layers.0" in said.getMessage()
@@ -94,7 +94,7 @@ def test_grouped_mm_that_torch_runs_on_the_host_narrows_each_moe_layer(monkeypat
     model.set_experts_implementation("grouped_mm")
     ref = copy.deepcopy(model)
     mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=SCOPES)
-    assert [e.target.kind for e in mgr.entries] == ["attention", "router"] * 2
+    assert [e.target.kind for e in mgr.recordings] == ["attention", "router"] * 2
     assert [b.reason for b in mgr.narrowed] == ["host_grouped_mm"] * 2
     stats = train_and_compare(model, ref, mgr)
     assert stats["narrowed_host_grouped_mm"] == 2 and stats["fallbacks"] == 0, stats
@@ -107,7 +107,7 @@ def test_the_experts_switch_widens_those_layers_back():
     mgr = PartialCudaGraphManager.from_model_parts(
         model, capture_backend=backend, scopes=SCOPES, experts_implementation="grouped_mm"
     )
-    assert [e.target.kind for e in mgr.entries] == ["layer", "layer"] and not mgr.narrowed
+    assert [e.target.kind for e in mgr.recordings] == ["layer", "layer"] and not mgr.narrowed
 
 
 def test_whole_layers_under_activation_checkpointing_keep_the_checkpoint_inside():
@@ -125,24 +125,23 @@ def test_whole_layers_under_activation_checkpointing_keep_the_checkpoint_inside(
     assert stats["fallbacks"] == 0 and stats["replayed"] == 2 * 2, stats
 
 
-def test_scopes_and_the_old_switches_do_not_mix():
-    with pytest.raises(CudaGraphsValueError, match="one or the other"):
+def test_a_retired_switch_is_refused_beside_scopes():
+    with pytest.raises(CudaGraphsTypeError, match="attention= and router= are retired"):
         PartialCudaGraphManager.from_model_parts(
             tiny("llama"), capture_backend=backend, scopes=("layer",), attention=False
         )
 
 
-def test_the_default_is_every_scope_and_the_switches_keep_the_first_release():
+def test_the_default_is_every_scope():
     model = tiny("qwen3_moe")
     by_default = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend)
-    assert [e.target.kind for e in by_default.entries] == ["layer", "layer"]
+    assert [e.target.kind for e in by_default.recordings] == ["layer", "layer"]
     by_default.close()
-    # A switch turned off: the switches decide, as before scopes existed.
-    no_router = PartialCudaGraphManager.from_model_parts(
-        model, capture_backend=backend, router=False
+    attention = PartialCudaGraphManager.from_model_parts(
+        model, capture_backend=backend, scopes=("attention",)
     )
-    assert [e.target.kind for e in no_router.entries] == ["attention", "attention"]
-    no_router.close()
+    assert [e.target.kind for e in attention.recordings] == ["attention", "attention"]
+    attention.close()
 
 
 def test_a_default_narrowing_is_said_at_info_and_an_asked_one_at_warning(caplog):

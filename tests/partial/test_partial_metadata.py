@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from cudagraphs.partial.metadata import ClassSpec, _spec, first_declared, read_metadata
+from cudagraphs.partial.metadata import _spec, first_declared, read_metadata
+from cudagraphs.partial.vocabulary import ClassSpec
 
 
 class Attn(nn.Module):

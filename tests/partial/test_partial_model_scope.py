@@ -14,10 +14,10 @@ from torch import nn
 from _hf_models import tiny
 from cudagraphs.errors import CudaGraphCaptureError, CudaGraphsValueError
 from cudagraphs.partial import MODEL_SCOPE, SCOPES, PartialCudaGraphManager, check_scopes
-from cudagraphs.partial.discovery import Target, discover_blocks
+from cudagraphs.partial.discovery import discover_blocks
 from cudagraphs.partial.graphing import holds_tensors
-from cudagraphs.partial.model_scope import ModelScopeOff
 from cudagraphs.partial.planning import plan_targets
+from cudagraphs.partial.vocabulary import ModelScopeOff, Target
 from test_partial_fsdp import process_group  # noqa: F401  (a fixture)
 from test_partial_manager_scopes import backend, loss_of, train_and_compare
 
@@ -129,11 +129,11 @@ def test_a_whole_model_trains_equal_to_eager_with_its_layers_off(family):
     mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=WIDEST)
     try:
         part = type(model).__name__
-        assert [e.name for e in mgr.entries] == [part, "model.layers.0", "model.layers.1"]
-        assert [e.target.kind for e in mgr.entries] == ["model", "layer", "layer"]
+        assert [e.name for e in mgr.recordings] == [part, "model.layers.0", "model.layers.1"]
+        assert [e.target.kind for e in mgr.recordings] == ["model", "layer", "layer"]
         assert mgr.model_off == [] and mgr.narrowed == [] and mgr.skipped == []
         assert train_and_compare(model, ref, mgr) == totals(1, 2, off_in_model_graph=2)
-        assert [e.off_reason for e in mgr.entries] == [None, "in_model_graph", "in_model_graph"]
+        assert [e.off_reason for e in mgr.recordings] == [None, "in_model_graph", "in_model_graph"]
         # Another length runs the whole part eagerly (its layers too), counted once.
         ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
         assert torch.equal(loss_of(model, ids), loss_of(ref, ids))
@@ -159,7 +159,7 @@ def test_a_planning_refusal_is_kept_counted_and_said(caplog, reason):
         mgr = PartialCudaGraphManager.from_model_parts(
             model, capture_backend=backend, scopes=WIDEST, **kwargs
         )
-    assert [e.name for e in mgr.entries] == entries
+    assert [e.name for e in mgr.recordings] == entries
     (off,) = mgr.model_off
     assert off == plan_targets(model, scopes=WIDEST, **kwargs).model_off
     assert mgr.stats()[f"model_refused_{reason}"] == 1
@@ -180,8 +180,8 @@ def test_fsdp2_refuses_the_part_and_graphs_its_layers():
         fsdp.fully_shard(layer)
     fsdp.fully_shard(model)
     mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=WIDEST)
-    assert [e.name for e in mgr.entries] == NAMES[1:]
-    assert [e.fsdp for e in mgr.entries] == [True, True]
+    assert [e.name for e in mgr.recordings] == NAMES[1:]
+    assert [e.fsdp for e in mgr.recordings] == [True, True]
     (off,) = mgr.model_off
     # fully_shard swaps in a subclass: the part is named by that class.
     assert (off.part, off.reason) == ("FSDPLlamaForCausalLM", "fsdp")
@@ -211,8 +211,8 @@ def layers_graphed(caplog, reason, **kwargs):
     mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, **kwargs)
     try:
         assert train_and_compare(model, ref, mgr) == totals(2, 4, **{f"off_{reason}": 1})
-        assert [e.off_reason for e in mgr.entries] == [reason, None, None]
-        assert mgr.entries[0].graphs() == [] and mgr.model_off == []
+        assert [e.off_reason for e in mgr.recordings] == [reason, None, None]
+        assert mgr.recordings[0].graphs() == [] and mgr.model_off == []
     finally:
         mgr.close()
     (said,) = [m for m in warnings_of(caplog) if "is not graphed whole" in m]
@@ -278,7 +278,7 @@ def test_a_model_refused_at_a_later_capture_keeps_its_layers_in_reserve(caplog):
     assert any("from the next recorded step on" in m for m in warnings_of(caplog))
     # What that warning says: the layers are back in reserve, not off inside a
     # graph that no longer exists; the next recorded step graphs them.
-    assert [e.off_reason for e in mgr.entries] == ["model_capture_failed", None, None]
+    assert [e.off_reason for e in mgr.recordings] == ["model_capture_failed", None, None]
     mgr.start_recording()
     loss_of(model, torch.randint(0, 128, (2, 12))).backward()
     mgr.capture()
@@ -381,7 +381,7 @@ def test_a_kv_cache_in_the_layers_arguments_turns_them_off_at_capture(caplog):
             if step == 0:
                 mgr.capture()
         assert mgr.stats() == totals(0, 0, off_stateful_argument=2)
-        assert [e.off_reason for e in mgr.entries] == ["stateful_argument"] * 2
+        assert [e.off_reason for e in mgr.recordings] == ["stateful_argument"] * 2
     finally:
         mgr.close()
     said = [m for m in warnings_of(caplog) if "DynamicCache" in m]

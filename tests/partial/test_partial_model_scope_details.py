@@ -14,8 +14,8 @@ from _hf_models import tiny
 from cudagraphs.errors import CudaGraphCaptureError
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager
 from cudagraphs.partial import graphing as graphing_module
-from cudagraphs.partial.graphing import holds_tensors
-from cudagraphs.partial.model_scope import _opaque_fix, _refuse, fsdp_refusal
+from cudagraphs.partial.graphing import holds_tensors, refuse_whole_part
+from cudagraphs.partial.model_scope import fsdp_refusal, opaque_output_fix
 from cudagraphs.partial.planning import plan_targets
 from cudagraphs.partial.speed import SpeedVerdict
 from test_partial_manager_scopes import backend, loss_of
@@ -60,7 +60,7 @@ def test_every_planning_refusal_says_what_and_the_fix_in_full():
 
 
 def test_the_opaque_output_fix_names_every_type():
-    assert _opaque_fix(["DynamicCache", "Thing"]) == (
+    assert opaque_output_fix(["DynamicCache", "Thing"]) == (
         "its forward returns DynamicCache, Thing object(s), which a graph would hand back "
         "as they were at capture (stale). Fix: call the model with use_cache=False (or set "
         "model.config.use_cache = False for training), so that it returns tensors only."
@@ -71,10 +71,10 @@ def test_a_refusal_turns_the_part_off_and_says_so_once_without_a_doubled_stop(ca
     mgr = PartialCudaGraphManager.from_model_parts(
         tiny("llama"), capture_backend=backend, scopes=WIDEST
     )
-    entry = mgr.entries[0]
+    part = mgr.recordings[0]
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    _refuse(entry, "model_x", ".it failed.", logging.getLogger(LOGGER))
-    assert entry.off_reason == "model_x"
+    refuse_whole_part(part, "model_x", ".it failed.", logging.getLogger(LOGGER))
+    assert part.off_reason == "model_x"
     assert warnings_of(caplog) == [
         "partial graphs: LlamaForCausalLM is not graphed whole (stats()['off_model_x']): "
         ".it failed. The targets inside it are graphed instead where they are graph-safe "
@@ -144,15 +144,15 @@ class Attention(torch.nn.Module):
 def test_stateful_arguments_are_found_past_a_target_already_off_and_named_by_type(caplog):
     model = Stack()
     mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=SCOPES)
-    names = [e.name for e in mgr.entries]
+    names = [e.name for e in mgr.recordings]
     assert names == ["layers.0", "layers.1"], names
     caplog.set_level(logging.WARNING, logger=LOGGER)
     mgr.start_recording()
     model(torch.ones(2, 4), state=[Holder(torch.zeros(1)), Slots(1)]).sum().backward()
     # Recorded, then off: passed over by the check, not the end of its walk.
-    mgr.entries[0].turn_off("mine")
+    mgr.recordings[0].turn_off("mine")
     mgr.capture()
-    assert [e.off_reason for e in mgr.entries] == ["mine", "stateful_argument"]
+    assert [e.off_reason for e in mgr.recordings] == ["mine", "stateful_argument"]
     assert warnings_of(caplog) == [
         "partial graphs: layers.1 is called with Holder object(s) holding "
         "tensors (state the call changes, such as a KV cache), which no graph can follow; "
@@ -230,7 +230,7 @@ def test_a_failed_first_part_does_not_stop_the_second():
     capture.first = True
     mgr = PartialCudaGraphManager.from_model_parts(parts, capture_backend=capture, scopes=WIDEST)
     stats = train_parts(parts, refs, mgr)
-    assert [e.off_reason for e in mgr.entries if e.target.module is first] == [
+    assert [e.off_reason for e in mgr.recordings if e.target.module is first] == [
         "model_capture_failed"
     ]
     assert stats["captured"] == 3 and stats["off_in_model_graph"] == 2, stats
@@ -255,7 +255,7 @@ def test_two_parts_refused_for_one_reason_are_counted_twice():
 
 
 def test_a_part_measured_slower_than_eager_keeps_its_layers(monkeypatch, caplog):
-    def verdicts(setting, group, graphed):
+    def verdicts(setting, group, graphed, functions):
         slow = group[0][0].target.kind == "model"
         return [(group[0][0], SpeedVerdict(graph_ms=2.0 if slow else 1.0, eager_ms=1.5))]
 
@@ -266,7 +266,7 @@ def test_a_part_measured_slower_than_eager_keeps_its_layers(monkeypatch, caplog)
     mgr.start_recording()
     loss_of(model, torch.randint(0, 128, (2, 8))).backward()
     mgr.capture()
-    assert [e.off_reason for e in mgr.entries] == ["slower_than_eager", None, None]
+    assert [e.off_reason for e in mgr.recordings] == ["slower_than_eager", None, None]
     assert mgr.stats()["captured"] == 2
     (said,) = warnings_of(caplog)
     assert "LlamaForCausalLM (2.000 ms graphed vs 1.500 ms eager)" in said
@@ -275,11 +275,11 @@ def test_a_part_measured_slower_than_eager_keeps_its_layers(monkeypatch, caplog)
 def test_a_layer_off_for_its_own_reason_stays_so_inside_a_whole_part():
     model = tiny("llama")
     mgr = PartialCudaGraphManager.from_model_parts(model, capture_backend=backend, scopes=WIDEST)
-    mgr.entries[1].turn_off("mine")
+    mgr.recordings[1].turn_off("mine")
     mgr.start_recording()
     loss_of(model, torch.randint(0, 128, (2, 8))).backward()
     mgr.capture()
-    assert [e.off_reason for e in mgr.entries] == [None, "mine", "in_model_graph"]
+    assert [e.off_reason for e in mgr.recordings] == [None, "mine", "in_model_graph"]
 
 
 def test_a_dict_valued_experts_implementation_is_read_through_the_part():
@@ -302,7 +302,7 @@ def test_only_a_final_stop_is_dropped_from_the_reason(caplog, why, said):
         tiny("llama"), capture_backend=backend, scopes=WIDEST
     )
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    _refuse(mgr.entries[0], "model_y", why, logging.getLogger(LOGGER))
+    refuse_whole_part(mgr.recordings[0], "model_y", why, logging.getLogger(LOGGER))
     (message,) = warnings_of(caplog)
     assert f"(stats()['off_model_y']): {said}. The targets" in message
 

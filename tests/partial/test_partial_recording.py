@@ -14,12 +14,8 @@ from _hf_models import tiny
 from _toy_models import Toy
 from cudagraphs.errors import CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
-from cudagraphs.partial.recording import (
-    ForwardClock,
-    capture_groups,
-    capture_modes,
-    is_inference_call,
-)
+from cudagraphs.partial.graphing import capture_groups, capture_modes
+from cudagraphs.partial.recording import ForwardClock, is_inference_call
 
 # Attention and router targets (the scopes these tests are about; the default is
 # every scope, which graphs these small blocks whole).
@@ -82,8 +78,8 @@ def test_micro_batches_of_equal_shape_record_one_variant_and_replay_equal_to_eag
     first = batches(0, (2, 8), (2, 8))
     assert all(torch.equal(a, b) for a, b in zip(accumulate(model, first), accumulate(ref, first)))
     mgr.capture()  # no "ran more than once": each call was in a forward of its own
-    assert all(len(e.contracts.variants) == 1 for e in mgr.entries)
-    assert [c["count"] for c in backend.calls] == [len(mgr.entries)]
+    assert all(len(e.contracts.variants) == 1 for e in mgr.recordings)
+    assert [c["count"] for c in backend.calls] == [len(mgr.recordings)]
     model.zero_grad(set_to_none=True)
     ref.zero_grad(set_to_none=True)
     later = batches(1, (2, 8), (2, 8))
@@ -91,7 +87,7 @@ def test_micro_batches_of_equal_shape_record_one_variant_and_replay_equal_to_eag
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert_same_grads(model, ref)
     stats = mgr.stats()
-    assert stats["replayed"] == 2 * len(mgr.entries) and stats["fallbacks"] == 0, stats
+    assert stats["replayed"] == 2 * len(mgr.recordings) and stats["fallbacks"] == 0, stats
     mgr.close()
 
 
@@ -102,8 +98,8 @@ def test_micro_batches_of_distinct_shapes_record_a_variant_each():
     mgr.start_recording()
     accumulate(model, batches(0, (2, 8), (2, 12), (2, 8)))
     mgr.capture()
-    assert all(len(e.contracts.variants) == 2 for e in mgr.entries)
-    assert all(e.recorded_calls == 3 and not e.repeated for e in mgr.entries)
+    assert all(len(e.contracts.variants) == 2 for e in mgr.recordings)
+    assert all(e.recorded_calls == 3 and not e.repeated for e in mgr.recordings)
     model.zero_grad(set_to_none=True)
     later = batches(1, (2, 12), (2, 8))
     accumulate(model, later)
@@ -122,7 +118,7 @@ def test_micro_batches_beyond_max_variants_are_not_recorded_and_said_once(caplog
     with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
         accumulate(model, batches(0, (1, 8), (1, 12), (1, 16)))
     mgr.capture()
-    assert all(len(e.contracts.variants) == 1 for e in mgr.entries)
+    assert all(len(e.contracts.variants) == 1 for e in mgr.recordings)
     assert sum("max_variants=1" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -143,7 +139,7 @@ def test_without_model_parts_a_second_forward_counts_as_a_reuse_and_says_why():
     built = PartialCudaGraphManager.from_model_parts(
         model, capture_backend=Backend(), scopes=NARROW
     )
-    mgr = PartialCudaGraphManager(built.entries, capture_backend=Backend())
+    mgr = PartialCudaGraphManager(built.dispatchers, capture_backend=Backend())
     mgr.start_recording()
     model(torch.randn(2, 8))
     model(torch.randn(2, 8))
@@ -167,7 +163,7 @@ def test_a_forward_that_raises_does_not_leave_the_clock_inside_it():
     model(torch.randn(2, 8))
     model(torch.randn(2, 8))
     mgr.capture()  # three forwards, no reuse
-    assert all(e.recorded_calls == 3 and not e.repeated for e in mgr.entries)
+    assert all(e.recorded_calls == 3 and not e.repeated for e in mgr.recordings)
     assert mgr.stats()["captured"] == 2
 
 
@@ -201,7 +197,7 @@ def test_an_evaluation_while_recording_is_ignored_by_default(caplog):
     said = [r for r in caplog.records if "inference_calls='record'" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.INFO
     assert said[0].getMessage().startswith("partial graphs: model.layers.0.self_attn was")
-    assert all(len(e.contracts.variants) == 1 for e in mgr.entries)
+    assert all(len(e.contracts.variants) == 1 for e in mgr.recordings)
     assert len(backend.calls) == 1 and backend.calls[0]["grad"]
     ids = batches(3, (1, 8))[0]
     assert torch.equal(evaluate(model, ids), evaluate(ref, ids))
@@ -225,7 +221,7 @@ def test_an_evaluation_while_recording_is_an_inference_variant_when_asked():
     seen_training = []
 
     def spy(callables, sample_args, sample_kwargs):
-        seen_training.append([e.target.module.training for e in mgr.entries])
+        seen_training.append([e.target.module.training for e in mgr.recordings])
         return backend(callables, sample_args, sample_kwargs)
 
     mgr._backend = spy
@@ -236,7 +232,7 @@ def test_an_evaluation_while_recording_is_an_inference_variant_when_asked():
     assert seen_training == [[True, True], [False, False]]
     attn = model.model.layers[0].self_attn
     assert attn.training and not attn.o_proj.training, "modes restored"
-    assert all(len(e.contracts.variants) == 2 for e in mgr.entries)
+    assert all(len(e.contracts.variants) == 2 for e in mgr.recordings)
     ids = batches(2, (1, 8))[0]
     assert torch.equal(evaluate(model, ids), evaluate(ref, ids))
     model.zero_grad(set_to_none=True)
@@ -270,10 +266,10 @@ def test_stop_recording_keeps_what_was_recorded_and_records_nothing_after():
     mgr.stop_recording()
     assert mgr.recording is False
     model(torch.randn(3, 8))  # not recorded: no second variant
-    assert all(e.target.module._forward_pre_hooks == {} for e in mgr.entries)
+    assert all(e.target.module._forward_pre_hooks == {} for e in mgr.recordings)
     assert model._forward_pre_hooks == {} and model._forward_hooks == {}
     mgr.capture()
-    assert all(len(e.contracts.variants) == 1 for e in mgr.entries)
+    assert all(len(e.contracts.variants) == 1 for e in mgr.recordings)
     model(torch.randn(2, 8))
     assert mgr.stats()["replayed"] == 2
     mgr.close()
@@ -318,14 +314,16 @@ class Variant:
         self.grad_enabled, self.training, self.autocast = grad_enabled, training, autocast
 
 
-class Entry:
+class Recorded:
+    """What capture_groups reads of a target: its recorded contracts' modes."""
+
     def __init__(self, *modes):
         self.contracts = type("C", (), {"variants": [Variant(*m) for m in modes]})()
 
 
 def test_capture_groups_put_training_calls_first_and_each_inference_mode_apart():
-    a = Entry((False, False), (True, True))
-    b = Entry((True, True), (True, False), (False, False))
+    a = Recorded((False, False), (True, True))
+    b = Recorded((True, True), (True, False), (False, False))
     todo = [(a, 0), (a, 1), (b, 0), (b, 1), (b, 2)]
     groups = capture_groups(todo, one_pool_per_call=False)
     assert groups[0] == [(a, 1), (b, 0)]
@@ -334,8 +332,8 @@ def test_capture_groups_put_training_calls_first_and_each_inference_mode_apart()
     assert all(len(g) == 1 for g in single) and single[:2] == [[(a, 1)], [(b, 0)]]
     assert capture_groups([], one_pool_per_call=False) == []
     bf16 = (("cuda", torch.bfloat16),)
-    c = Entry((True, True), (True, True, bf16))
-    d = Entry((True, True, bf16))
+    c = Recorded((True, True), (True, True, bf16))
+    d = Recorded((True, True, bf16))
     groups = capture_groups([(c, 0), (c, 1), (d, 0)], one_pool_per_call=False)
     assert groups == [[(c, 0)], [(c, 1), (d, 0)]], "one autocast state per capture"
 
@@ -410,10 +408,10 @@ def test_samples_are_kept_until_a_capture_succeeds_then_dropped():
     model(torch.randn(2, 8))
     with pytest.raises(RuntimeError, match="capture failed"):
         mgr.capture()
-    assert all(v.args is not None and v.graph is None for e in mgr.entries for v in e.variants)
+    assert all(v.args is not None and v.graph is None for e in mgr.recordings for v in e.variants)
     mgr._backend = Backend()
     mgr.capture()  # retried from the kept samples
-    variants = [v for e in mgr.entries for v in e.variants]
+    variants = [v for e in mgr.recordings for v in e.variants]
     assert len(variants) == 2
     assert all(v.graph is not None and v.args is None and v.kwargs is None for v in variants)
     model(torch.randn(2, 8))

@@ -26,14 +26,10 @@ from _scopes import (
     per_layer,
     toy_model,
 )
+from cudagraphs.moe_kernels import experts_implementation, static_experts
 from cudagraphs.partial.discovery import discover_blocks
 from cudagraphs.partial.planning import plan_targets, select_targets
-from cudagraphs.partial.scopes import (
-    SCOPES,
-    experts_implementation,
-    static_experts,
-)
-from cudagraphs.partial.skips import NarrowedBlock
+from cudagraphs.partial.vocabulary import SCOPES, NarrowedBlock
 
 # --- targets per model and scope set --------------------------------------------------
 
@@ -56,15 +52,14 @@ def test_targets_per_scope_set(family, scope_set):
 
 
 @pytest.mark.parametrize("family", sorted(EXPECTED))
-def test_attention_and_router_scopes_equal_the_default_plan(family):
+def test_the_default_plan_is_every_scope(family):
     model = model_of(family)
-    default, scoped = plan_targets(model), plan_targets(model, scopes=ATTN_ROUTER)
-    assert plan_targets(model, scopes=None) == default
-    assert scoped.targets == default.targets
-    assert [(s.name, s.reason) for s in scoped.skipped] == [
-        (s.name, s.reason) for s in default.skipped
-    ]
-    assert default.narrowed == [] and scoped.narrowed == []
+    default = plan_targets(model)
+    assert plan_targets(model, scopes=None) == default == plan_targets(model, scopes=SCOPES)
+    targets, skips, narrowed = EXPECTED[family]["all"]
+    assert names_kinds(default) == targets
+    assert [(s.name, s.reason) for s in default.skipped] == skips
+    assert narrowings(default) == narrowed
 
 
 def test_deepseek_moe_scope_holds_router_experts_and_shared_experts():

@@ -26,18 +26,17 @@ from _scopes import (
     toy_model,
 )
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
-from cudagraphs.partial.discovery import DiscoveredBlock, Target
+from cudagraphs.moe_kernels import experts_implementation
+from cudagraphs.partial.discovery import discover_blocks, find_mlp, find_moe
 from cudagraphs.partial.planning import plan_targets, why_nothing_found
 from cudagraphs.partial.scopes import (
-    SCOPES,
     BlockOffer,
     ScopeChoice,
     check_scopes,
     choose_scopes,
-    experts_implementation,
-    find_mlp,
     scope_block,
 )
+from cudagraphs.partial.vocabulary import SCOPES, DiscoveredBlock, Target
 
 # --- the choice rules alone -----------------------------------------------------------
 
@@ -143,7 +142,7 @@ def test_find_mlp(child, found):
 def test_find_mlp_leaves_taken_modules_out_and_takes_the_first(caplog):
     block = nn.Module()
     block.attn, block.mlp_a, block.mlp_b = TwoProjections(), TwoProjections(), TwoProjections()
-    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.scopes"):
+    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.discovery"):
         assert find_mlp(block, "b", taken=["b.attn"]) == ("b.mlp_a", block.mlp_a)
     assert "several MLP-like children ['b.mlp_a', 'b.mlp_b']" in caplog.text
     # A child holding a taken module (the MoE sublayer deeper inside) is not dense.
@@ -225,20 +224,19 @@ def test_check_scopes_returns_a_tuple():
         (dict(attention=False), "attention=False"),
         (dict(router=False), "router=False"),
         (dict(attention=False, router=False), "attention=False and router=False"),
+        (dict(attention=1), "attention=1"),
     ],
 )
-def test_scopes_with_flags_switched_off_are_refused(flags, named):
-    with pytest.raises(CudaGraphsValueError, match=f"{named}: .*use one or the other"):
+def test_scopes_beside_a_retired_switch_are_refused(flags, named):
+    with pytest.raises(CudaGraphsTypeError, match=f"got {named}; attention= and router= are"):
         plan_targets(model_of("llama"), scopes=("layer",), **flags)
-    with pytest.raises(CudaGraphsTypeError, match="attention must be a bool"):
-        plan_targets(model_of("llama"), scopes=("layer",), attention=1)
 
 
 def test_why_nothing_found_names_the_scopes():
     model = toy_model()
-    why = why_nothing_found([model], attention=True, router=True, include=None, scopes=("moe",))
+    why = why_nothing_found([model], include=None, scopes=("moe",))
     assert "looking for scopes moe" in why
-    why = why_nothing_found([model], attention=True, router=True, include=None, scopes=())
+    why = why_nothing_found([model], include=None, scopes=())
     assert "scopes=() and no include: nothing asked for" in why
 
 
@@ -267,12 +265,14 @@ def test_an_moe_sublayer_deeper_in_the_block_is_the_moe_scope():
 def test_a_block_at_the_root_names_its_pieces_without_a_prefix():
     block = ToyBlock(moe=True)
     block.config = SimpleNamespace(_experts_implementation="grouped_mm")
+    assert find_moe(block) == ("ffn", block.ffn, "ffn.router", block.ffn.router)
     found = DiscoveredBlock(
         "",
         block,
         Target("attn", block.attn, A, ""),
         Target("ffn.router", block.ffn.router, R, ""),
         "ffn",
+        moe_module=block.ffn,
     )
     scoped = scope_block(found, block, ("moe", "attention"))
     assert scoped.pieces == (("attn", block.attn, "attention"), ("ffn", block.ffn, "moe"))
@@ -283,12 +283,31 @@ class OneArgAttention(TwoProjections):
     """A declared attention class whose forward takes one tensor, like a dense MLP."""
 
 
+class OneArgAttentionLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.mlp = OneArgAttention(), TwoProjections()
+
+
+class DeclaresOneArgAttention(nn.Module):
+    _no_split_modules = ["OneArgAttentionLayer"]
+    _can_record_outputs = {"attentions": OneArgAttention}
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([OneArgAttentionLayer()])
+
+
 def test_the_attention_is_never_taken_for_the_dense_mlp():
-    block = nn.Module()
-    block.attn, block.mlp = OneArgAttention(), TwoProjections()
-    found = DiscoveredBlock("b", block, Target("b.attn", block.attn, A, "b"), None, None)
-    scoped = scope_block(found, block, ("attention", "mlp"))
-    assert scoped.pieces == (("b.attn", block.attn, "attention"), ("b.mlp", block.mlp, "mlp"))
+    model = DeclaresOneArgAttention()
+    (found,) = discover_blocks(model)
+    layer = model.layers[0]
+    assert found.mlp == Target("layers.0.mlp", layer.mlp, "mlp", "layers.0")
+    scoped = scope_block(found, model, ("attention", "mlp"))
+    assert scoped.pieces == (
+        ("layers.0.attn", layer.attn, "attention"),
+        ("layers.0.mlp", layer.mlp, "mlp"),
+    )
 
 
 def test_an_empty_or_unset_implementation_states_nothing():
@@ -324,11 +343,11 @@ def test_a_config_above_without_sub_configs_leaves_the_main_key():
 def test_find_mlp_without_a_prefix_and_logs_only_several(caplog):
     block = nn.Module()
     block.ffn = TwoProjections()
-    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.scopes"):
+    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.discovery"):
         assert find_mlp(block) == ("ffn", block.ffn)
     assert "several" not in caplog.text
     block.ffn_b = TwoProjections()
-    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.scopes"):
+    with caplog.at_level(logging.DEBUG, logger="cudagraphs.partial.discovery"):
         find_mlp(block, "blk")
     assert "block blk has several MLP-like children ['blk.ffn', 'blk.ffn_b']" in caplog.text
 
@@ -348,7 +367,5 @@ def test_check_scopes_hints_only_where_they_help(value, error, absent):
 
 
 def test_why_nothing_found_lists_every_scope():
-    why = why_nothing_found(
-        [toy_model()], attention=True, router=True, include=None, scopes=("layer", "moe")
-    )
+    why = why_nothing_found([toy_model()], include=None, scopes=("layer", "moe"))
     assert "looking for scopes layer, moe;" in why

@@ -11,10 +11,10 @@ from torch import nn
 
 from _hf_models import tiny, tiny_arch
 from cudagraphs.moe_kernels import GroupedMMProbe
-from cudagraphs.partial.discovery import DiscoveredBlock
 from cudagraphs.partial.planning import plan_targets
-from cudagraphs.partial.scopes import SCOPES, BlockOffer, ScopeChoice, ScopedBlock
-from cudagraphs.partial.skips import narrow_record, scoped_skip_record, skip_record
+from cudagraphs.partial.scopes import BlockOffer, ScopeChoice, ScopedBlock
+from cudagraphs.partial.skips import narrow_record, scoped_skip_record
+from cudagraphs.partial.vocabulary import SCOPES, DiscoveredBlock
 
 ML = "model.layers"
 NO_SCOPE = "no_graph_safe_scope"
@@ -233,16 +233,21 @@ def test_a_narrowing_record_needs_a_refusal_and_a_scope_taken(choice):
         narrow_record(bare_block(), scoped(choice), "b")
 
 
-# --- skips without scopes ---------------------------------------------------------------------
+# --- what a skip says of the block ---------------------------------------------------------
 
 
 def test_a_block_holding_nothing_says_so():
-    record = skip_record(
-        bare_block(), attention=True, router=True, attention_anywhere=True, example="b"
+    record = scoped_skip_record(
+        bare_block(),
+        scoped(ScopeChoice(())),
+        requested=("attention", "moe_router"),
+        attention_anywhere=True,
+        example="b",
     )
     assert record.block_type == "Identity"
     assert record.detail.startswith("Identity b holds no submodules;")
-    assert "attention-like child" in record.detail and "MoE router" in record.detail
+    assert says(record.detail, "attention", "attention-like child")
+    assert says(record.detail, "moe_router", "MoE router")
     (fix,) = fixes_of(record.detail)
     assert "include=['b']" in fix
     record = scoped_skip_record(
@@ -256,20 +261,13 @@ def test_a_block_holding_nothing_says_so():
     assert says(record.detail, "mlp", "no dense MLP")
 
 
-@pytest.mark.parametrize(
-    "kwargs, named",
-    [
-        (dict(attention=False, router=False), "attention=False and router=False"),
-        (dict(scopes=()), "scopes=()"),
-    ],
-)
-def test_nothing_asked_names_the_block_and_the_fixes(kwargs, named):
-    plan = plan_targets(jamba(), **kwargs)
+def test_nothing_asked_names_the_block_and_the_fixes():
+    plan = plan_targets(jamba(), scopes=())
     assert [s.reason for s in plan.skipped] == ["nothing_asked"] * 4
     record = plan.skipped[0]
     assert record.block_type == "JambaMambaDecoderLayer"
     assert record.detail.startswith(JAMBA_HEAD)
-    assert named in record.detail and "include=" in record.detail
+    assert "scopes=()" in record.detail and "include=" in record.detail
 
 
 class Mixer(nn.Module):  # neither attention nor an MLP: called with a cache

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cudagraphs.partial.flatten import SpecCache, flatten_call, quick_flatten
+from cudagraphs.partial.contract import SpecCache, flatten_call, quick_flatten
 
 T = torch.zeros(1)
 plain = st.one_of(
@@ -102,11 +102,11 @@ def test_a_leaf_and_a_one_tuple_in_one_cache():
 
 
 def test_a_known_structure_is_not_walked_by_pytree_again(monkeypatch):
-    from cudagraphs.partial import flatten
+    from cudagraphs.partial import contract
 
     walked = []
-    real = flatten.flatten_call
-    monkeypatch.setattr(flatten, "flatten_call", lambda *a: walked.append(1) or real(*a))
+    real = contract.flatten_call
+    monkeypatch.setattr(contract, "flatten_call", lambda *a: walked.append(1) or real(*a))
     cache = SpecCache()
     for _ in range(3):
         cache.flatten((T, (T, T)), {"mask": None, "pos": (T, 1)})

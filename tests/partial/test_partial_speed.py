@@ -131,7 +131,7 @@ def test_a_target_whose_graph_loses_runs_eagerly_from_then_on(caplog):
     model(torch.randn(2, 8, requires_grad=True)).sum().backward()
     with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
         mgr.capture()
-    slow, fast = mgr.entries[1], mgr.entries[0]
+    slow, fast = mgr.recordings[1], mgr.recordings[0]
     assert slow.off_reason == "slower_than_eager" and fast.off_reason is None
     assert slow.target.module.forward is costly_forwards[1], "its eager forward is back"
     assert slow.graphs() == [] and len(fast.graphs()) == 1
@@ -199,15 +199,16 @@ def test_forward_backward_runs_only_the_forward_when_no_input_needs_grad():
     assert calls == [1] and w.grad is None
 
 
-# ---- measure_group on stand-in entries: which variants are timed, with what ----------
+# ---- measure_group on stand-in recordings: which variants are timed, with what --------
 class _Param:
     """A parameter stand-in that says it lives on a CUDA device."""
 
     is_cuda = True
 
 
-def _entry(name, grad_enabled, variant_args, calls):
-    """An entry with one variant per args tuple; its graph and adapter record calls."""
+def _recording(name, grad_enabled, variant_args, calls):
+    """A recording with one variant per args tuple; its graph and graphed function
+    (``eager``) record calls."""
     from types import SimpleNamespace
 
     variants = [SimpleNamespace(args=a, kwargs={}) for a in variant_args]
@@ -216,15 +217,12 @@ def _entry(name, grad_enabled, variant_args, calls):
     )
     params = [(_Param(),) for _ in variant_args]  # per variant, as for FSDP targets
 
-    def adapter():
-        return lambda *a, **k: calls.append((name, "eager", a))
-
     return SimpleNamespace(
         name=name,
         variants=variants,
         contracts=contracts,
         capture_params=lambda i: params[i],  # an index, never None
-        adapter=adapter,
+        eager=lambda *a, **k: calls.append((name, "eager", a)),
     )
 
 
@@ -233,14 +231,15 @@ def test_measure_group_times_training_variants_after_inference_ones(monkeypatch)
 
     monkeypatch.setattr(torch.cuda, "synchronize", no_sync)  # the default check's sync
     calls = []
-    inference = _entry("inference", False, [("a",)], calls)
-    training = _entry("training", True, [("b",), ("c",)], calls)
+    inference = _recording("inference", False, [("a",)], calls)
+    training = _recording("training", True, [("b",), ("c",)], calls)
     group = [(inference, 0), (training, 1)]
 
     def graph(*a, **k):
         calls.append(("graph", a))
 
-    verdicts = measure_group(True, group, [graph, graph])  # True: the default SpeedCheck
+    eager = [inference.eager, training.eager]
+    verdicts = measure_group(True, group, [graph, graph], eager)  # True: the default check
     assert [e.name for e, _ in verdicts] == ["training"]
     assert isinstance(verdicts[0][1], SpeedVerdict)
     # Each call got (the variant's parameters, *its args): variant 1's are ("c",).
@@ -255,9 +254,10 @@ def test_measure_group_leaves_cpu_targets_to_an_explicit_check():
     from cudagraphs.partial.speed import measure_group
 
     calls = []
-    entry = _entry("cpu", True, [("a",)], calls)
-    entry.capture_params = lambda i: (torch.zeros(1),)  # a CPU parameter
-    assert measure_group(True, [(entry, 0)], [lambda *a: None]) == []
+    rec = _recording("cpu", True, [("a",)], calls)
+    rec.capture_params = lambda i: (torch.zeros(1),)  # a CPU parameter
+    group, graphs, eager = [(rec, 0)], [lambda *a: None], [rec.eager]
+    assert measure_group(True, group, graphs, eager) == []
     check = SpeedCheck(rounds=1, iters=1, warmup=0, clock=FakeClock(), synchronize=no_sync)
-    assert [e.name for e, _ in measure_group(check, [(entry, 0)], [lambda *a: None])] == ["cpu"]
-    assert measure_group(False, [(entry, 0)], [lambda *a: None]) == []
+    assert [r.name for r, _ in measure_group(check, group, graphs, eager)] == ["cpu"]
+    assert measure_group(False, group, graphs, eager) == []

@@ -1,23 +1,25 @@
-"""The totals of a partial manager's stats() (partial/stats.py), from entries and blocks."""
+"""The totals of a partial manager's stats() (partial/stats.py), from the targets'
+dispatchers and recordings and the blocks."""
 
 from torch import nn
 
 from cudagraphs.partial.contract import ContractSet
-from cudagraphs.partial.discovery import Target
-from cudagraphs.partial.entry import PartialGraphEntry, RecordedVariant
-from cudagraphs.partial.skips import NarrowedBlock, SkippedBlock
+from cudagraphs.partial.recording import RecordedVariant, TargetRecording
+from cudagraphs.partial.replay import TargetDispatcher
 from cudagraphs.partial.stats import stats_of
+from cudagraphs.partial.vocabulary import NarrowedBlock, SkippedBlock, Target
 
 
 def _entry(name, graphs=1, off_reason=None, replayed=0, fallbacks=()):
-    entry = PartialGraphEntry(Target(name, nn.Linear(2, 2), "attention"), ContractSet())
-    entry.variants = [RecordedVariant(None, None, graph=object()) for _ in range(graphs)]
-    entry.off_reason = off_reason
+    rec = TargetRecording(Target(name, nn.Linear(2, 2), "attention"), ContractSet())
+    rec.variants = [RecordedVariant(None, None, graph=object()) for _ in range(graphs)]
+    rec.off_reason = off_reason
+    dispatcher = TargetDispatcher(rec)
     for _ in range(replayed):
-        entry.counter.replay()
+        dispatcher.counter.replay()
     for reason in fallbacks:
-        entry.counter.fallback(reason)
-    return entry
+        dispatcher.counter.fallback(reason)
+    return dispatcher
 
 
 def _skipped(name, reason):
@@ -37,7 +39,7 @@ def test_nothing_gives_the_four_base_counts():
     }
 
 
-def test_every_block_and_entry_of_one_reason_is_counted():
+def test_every_block_and_target_of_one_reason_is_counted():
     entries = [
         _entry("a", graphs=2, off_reason="slower_than_eager", replayed=3, fallbacks=["shape"]),
         _entry("b", off_reason="slower_than_eager", replayed=1, fallbacks=["shape", "alias"]),

@@ -48,8 +48,8 @@ from torch import nn
 from ..checks import check_callable, check_instance, check_int
 from ..errors import MissingDependencyError
 from ..partial import PartialCudaGraphManager, check_scopes
+from ..partial.arguments import Selector
 from ..partial.recording import InferenceCalls, check_inference_calls
-from ..partial.selectors import Selector
 from ..partial.speed import speed_check_of
 
 try:

@@ -1,7 +1,9 @@
-"""From model parts to a manager's entries: the argument checks of
-:meth:`~.manager.PartialCudaGraphManager.from_model_parts`, discovery per part
-(:mod:`.discovery`), FSDP2 detection and parameter checks per target (:mod:`.fsdp`), one
-:class:`~.entry.PartialGraphEntry` per target, and the blocks that yield none."""
+"""From model parts to the targets' recording stores, the work of
+:meth:`~.manager.PartialCudaGraphManager.from_model_parts` before the manager is made:
+the argument checks, the experts implementation switched where asked, a plan per part
+(:func:`~.planning.plan_targets`), FSDP2 detection and parameter checks per target
+(:mod:`.fsdp`), one :class:`~.recording.TargetRecording` per target, and the blocks that
+yield none, said on the manager's logger."""
 
 from __future__ import annotations
 
@@ -12,50 +14,47 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..checks import check_bool, check_callable, check_int
-from ..errors import TargetSelectionError
+from ..errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
+from .arguments import Predicate, Selector, as_model_parts, include_predicate
 from .contract import ContractSet
-from .entry import PartialGraphEntry
 from .fsdp import check_target_parameters, fsdp_managed_modules
 from .graphing import TargetsBackend
-from .model_scope import MODEL_KIND, ModelScopeOff, fsdp_refusal
+from .model_scope import fsdp_refusal
 from .planning import plan_targets, why_nothing_found
-from .recording import InferenceCalls, check_inference_calls
-from .scopes import SCOPES
-from .selectors import Predicate, Selector, as_model_parts, include_predicate
-from .skips import NarrowedBlock, SkippedBlock
+from .recording import InferenceCalls, TargetRecording, check_inference_calls
+from .scopes import requested_scopes
 from .speed import SpeedCheck, speed_check_of
+from .vocabulary import MODEL_KIND, ModelScopeOff, NarrowedBlock, SkippedBlock
 
 __all__ = [
-    "BuiltEntries",
-    "build_entries",
-    "entries_from_model_parts",
+    "BuiltTargets",
+    "build_recordings",
+    "recordings_from_model_parts",
     "report_blocks",
     "switch_experts_implementation",
 ]
 
 
 @dataclass
-class BuiltEntries:
-    """What discovery gave over all parts: the entries, in part and module order, and
-    every block skipped (with its reason)."""
+class BuiltTargets:
+    """What planning gave over all parts: one recording store per target, in part and
+    module order, and every block skipped or narrowed (with its reason)."""
 
-    entries: list[PartialGraphEntry] = field(default_factory=list)
+    recordings: list[TargetRecording] = field(default_factory=list)
     skipped: list[SkippedBlock] = field(default_factory=list)
     narrowed: list[NarrowedBlock] = field(default_factory=list)
     # The parts not graphed whole although the "model" scope was asked for.
     model_off: list[ModelScopeOff] = field(default_factory=list)
 
 
-def build_entries(
+def build_recordings(
     parts: Sequence[nn.Module],
     *,
-    attention: bool,
-    router: bool,
     include: Predicate | None,
     max_variants: int,
     scopes: Sequence[str] | None = None,
-) -> BuiltEntries:
-    """One entry per target of every part.
+) -> BuiltTargets:
+    """One recording store per target of every part.
 
     Raises:
         TargetSelectionError: a module that is a target in two parts (one graph cannot
@@ -63,12 +62,10 @@ def build_entries(
             :func:`~.fsdp.check_target_parameters` raise.
         CudaGraphsValueError: meta-device parameters in a target.
     """
-    out, seen = BuiltEntries(), {}
+    out, seen = BuiltTargets(), {}
     for part in parts:
         sharded = fsdp_managed_modules(part)
-        plan = plan_targets(
-            part, attention=attention, router=router, include=include, scopes=scopes
-        )
+        plan = plan_targets(part, include=include, scopes=scopes)
         out.skipped += plan.skipped
         out.narrowed += plan.narrowed
         targets = plan.targets
@@ -87,8 +84,8 @@ def build_entries(
             seen[id(target.module)] = target.name
             fsdp = id(target.module) in sharded
             params = check_target_parameters(target, fsdp)
-            out.entries.append(
-                PartialGraphEntry(
+            out.recordings.append(
+                TargetRecording(
                     target=target,
                     contracts=ContractSet(max_variants),
                     param_names=tuple(n for n, _ in params),
@@ -115,8 +112,6 @@ def switch_experts_implementation(parts: Sequence[nn.Module], implementation: st
             (not a transformers 5 MoE model), or the model refused the value (its
             message is chained).
     """
-    from ..errors import CudaGraphsTypeError, CudaGraphsValueError
-
     if not isinstance(implementation, str):
         raise CudaGraphsTypeError(
             "experts_implementation must be a str such as 'grouped_mm', got "
@@ -150,7 +145,7 @@ def switch_experts_implementation(parts: Sequence[nn.Module], implementation: st
 
 
 def report_blocks(
-    built: BuiltEntries, logger: logging.Logger, narrowed_level: int = logging.WARNING
+    built: BuiltTargets, logger: logging.Logger, narrowed_level: int = logging.WARNING
 ) -> None:
     """Say, once each, which blocks run eagerly (skipped, at WARNING), which are
     graphed at narrower scopes than asked for and which parts are not graphed whole
@@ -188,12 +183,10 @@ def report_blocks(
         )
 
 
-def entries_from_model_parts(
+def recordings_from_model_parts(
     model_parts: nn.Module | Sequence[nn.Module],
     *,
     activation_checkpointing: bool,
-    attention: bool,
-    router: bool,
     include: Selector | None,
     max_variants: int,
     capture_backend: TargetsBackend | None,
@@ -202,10 +195,11 @@ def entries_from_model_parts(
     experts_implementation: str | None,
     scopes: Sequence[str] | None,
     logger: logging.Logger,
-) -> tuple[list[nn.Module], BuiltEntries] | None:
+) -> tuple[list[nn.Module], BuiltTargets] | None:
     """The work of :meth:`~.manager.PartialCudaGraphManager.from_model_parts` before
     the manager is made (its docs describe the arguments): check them, switch the
-    experts implementation, build the entries, and say on ``logger`` what was found.
+    experts implementation, build the recording stores, and say on ``logger`` what was
+    found.
 
     Returns:
         The model parts as a list and what was built, or ``None`` when nothing is
@@ -215,12 +209,7 @@ def entries_from_model_parts(
         What ``from_model_parts`` documents.
     """
     parts = as_model_parts(model_parts)
-    for name, flag in (
-        ("activation_checkpointing", activation_checkpointing),
-        ("attention", attention),
-        ("router", router),
-    ):
-        check_bool(name, flag)
+    check_bool("activation_checkpointing", activation_checkpointing)
     max_variants = check_int("max_variants", max_variants, minimum=1)
     check_inference_calls(inference_calls)
     speed_check_of(speed_check)
@@ -234,27 +223,19 @@ def entries_from_model_parts(
     if capture_backend is not None:
         check_callable("capture_backend", capture_backend)
     asked = scopes is not None
-    if not asked and attention and router:
-        scopes = SCOPES  # the default: the widest graph-safe scope of each layer
-    built = build_entries(
-        parts,
-        attention=attention,
-        router=router,
-        include=include_predicate(include),
-        max_variants=max_variants,
-        scopes=scopes,
+    requested = requested_scopes(scopes)
+    built = build_recordings(
+        parts, include=include_predicate(include), max_variants=max_variants, scopes=requested
     )
-    entries = built.entries
-    if not entries:
+    recordings = built.recordings
+    if not recordings:
         logger.warning(
             "partial graphs: nothing graphable found (%s); the model trains eagerly "
             "and from_model_parts returns None",
-            why_nothing_found(
-                parts, attention=attention, router=router, include=include, scopes=scopes
-            ),
+            why_nothing_found(parts, include=include, scopes=requested),
         )
         return None
-    logger.info("partial graphs: %d target(s): %s", len(entries), [e.name for e in entries])
+    logger.info("partial graphs: %d target(s): %s", len(recordings), [r.name for r in recordings])
     # Narrowing is a WARNING when scopes were asked for, news (INFO) by default.
     report_blocks(built, logger, narrowed_level=logging.WARNING if asked else logging.INFO)
     return parts, built

@@ -1,10 +1,17 @@
-"""The replay contract of one graphed call, and the fallback counters.
+"""The replay contract of one graphed call: how a call is taken apart, what a recorded
+call fixes, how a later call is compared with it, how a difference is written, and the
+fallback counters.
 
 A partial graph stands for one recorded call of its target. A later call may replay
 it only if nothing the graph baked in differs: the argument structure, each tensor's
 type, shape, stride, dtype, device and requires_grad, which arguments are the same
 tensor object (the alias pattern), every non-tensor control value, the grad mode, the
-autocast state and the module's training flag. Anything else runs eagerly, and the reason is counted.
+autocast state and the module's training flag. Anything else runs eagerly, and the
+reason is counted.
+
+Taking a call apart (:func:`flatten_call`) is the per-call hot path every check starts
+from; :class:`SpecCache` skips pytree for the plain calls a decoder layer gets
+(:func:`quick_flatten`).
 
 Two ways to ask why a call differs, one for each purpose:
 
@@ -30,33 +37,127 @@ from torch.utils import _pytree as pytree
 
 from ..checks import check_int
 from ..errors import Mismatch
-from .autocast import AutocastState, _autocast_text, autocast_state
-from .contract_text import _kind, _leaf_kinds, _path, _role, _shown, _skeleton
-from .flatten import SpecCache, flatten_call
+from .vocabulary import CONTRACT_REASONS, FALLBACK
 
 __all__ = [
     "REASONS",
+    "AutocastState",
     "CallContract",
     "ContractSet",
     "FallbackCounter",
+    "SpecCache",
+    "StructureKey",
+    "autocast_state",
+    "autocast_text",
+    "flatten_call",
+    "quick_flatten",
     "same_control",
 ]
 
-#: Why a call did not replay, most structural first (the first difference is reported).
-REASONS = (
-    "structure",
-    "tensor_type",
-    "device",
-    "dtype",
-    "shape",
-    "stride",
-    "requires_grad",
-    "alias",
-    "control",
-    "grad_mode",
-    "autocast",
-    "training",
-)
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
+    """Leaves and spec of a call; keyword order at the call site does not matter."""
+    return pytree.tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
+
+
+# Values pytree keeps as leaves, whatever their content: a call made of these, and of
+# plain tuples of these, has a structure fixed by its shape alone (see SpecCache).
+_PLAIN_LEAVES = (bool, int, float, str, type(None))
+StructureKey = tuple
+
+
+def _plain_leaf(value: Any) -> bool:
+    # A tensor subclass registered with pytree (a node with children) is not one.
+    if type(value) in _PLAIN_LEAVES:
+        return True
+    return isinstance(value, torch.Tensor) and type(value) not in pytree.SUPPORTED_NODES
+
+
+def quick_flatten(args: tuple, kwargs: dict) -> tuple[list, StructureKey] | None:
+    """:func:`flatten_call`'s leaves without pytree, with a key that determines the
+    spec, for a call whose arguments are tensors, plain values and plain tuples of
+    them (a decoder layer's: hidden states, ``(cos, sin)``, masks, flags). ``None``
+    for any other call (a list, a dict, a namedtuple, a cache object, nesting):
+    :func:`flatten_call` handles those.
+
+    Why: pytree walks a call node by node and builds a spec object each time; a layer
+    replays tens of times per step, and the spec of such a call only depends on its
+    argument count, tuple lengths and keyword names, which this key holds.
+    """
+    leaves: list = []
+    shape: list = []
+    names = sorted(kwargs)
+    for value in (*args, *(kwargs[name] for name in names)):
+        if not _take(value, leaves, shape):
+            return None
+    return leaves, (len(args), tuple(names), tuple(shape))
+
+
+def _take(value: Any, leaves: list, shape: list) -> bool:
+    # One argument: a leaf (marked -1, never a tuple length) or a plain tuple of
+    # leaves (marked by its length); False for anything pytree must walk.
+    if _plain_leaf(value):
+        leaves.append(value)
+        shape.append(-1)
+    elif type(value) is tuple and all(map(_plain_leaf, value)):
+        leaves.extend(value)
+        shape.append(len(value))
+    else:
+        return False
+    return True
+
+
+class SpecCache:
+    """The pytree spec of each call structure seen, keyed by :func:`quick_flatten`'s
+    key: a call of a known structure is flattened without pytree. Holds at most
+    ``limit`` structures (a target sees a handful: its variants and some misses)."""
+
+    def __init__(self, limit: int = 16) -> None:
+        self.limit = limit
+        self._specs: dict[StructureKey, pytree.TreeSpec] = {}
+
+    def flatten(self, args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec]:
+        """What :func:`flatten_call` returns, the same leaves and an equal spec."""
+        quick = quick_flatten(args, kwargs)
+        if quick is None:
+            return flatten_call(args, kwargs)
+        leaves, key = quick
+        spec = self._specs.get(key)
+        if spec is None:
+            full, spec = flatten_call(args, kwargs)
+            if len(self._specs) < self.limit:
+                self._specs[key] = spec
+            return full, spec
+        return leaves, spec
+
+
+#: Device types whose autocast state a call is recorded under.
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+AutocastState = tuple[tuple[str, torch.dtype], ...]
+
+
+def autocast_state() -> AutocastState:
+    """The autocast regions in effect now: ``(device type, dtype)`` for each enabled
+    one, empty when none. A graph bakes in the kernels autocast picked at capture (a
+    bf16 matmul, say), so a call under another state must not replay it: Trainer and
+    accelerate train in mixed precision by wrapping the model's forward in autocast,
+    while ``capture()`` runs outside that forward and must enter the same state."""
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
+
+
+def autocast_text(state: AutocastState) -> str:
+    if not state:
+        return "off"
+    return ", ".join(f"{device}: {str(dtype).removeprefix('torch.')}" for device, dtype in state)
+
+
+#: Why a call does not match a contract, most structural first (the first difference
+#: is reported); the names and their meaning are :data:`~.vocabulary.FALLBACK`'s.
+REASONS = CONTRACT_REASONS
 
 TensorMeta = tuple[type, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, bool]
 _META_FIELDS = ("tensor_type", "shape", "stride", "dtype", "device", "requires_grad")
@@ -187,8 +288,8 @@ class CallContract:
                 Mismatch(
                     "torch.autocast",
                     "autocast",
-                    _autocast_text(self.autocast),
-                    _autocast_text(autocast),
+                    autocast_text(self.autocast),
+                    autocast_text(autocast),
                 )
             )
         if training != self.training:
@@ -301,6 +402,53 @@ class CallContract:
         )
 
 
+def _path(keys: tuple) -> str:
+    """A pytree key path of ``(args, kwargs)`` as ``args[0]`` / ``kwargs['mask']``."""
+    return ("args" if keys[0].idx == 0 else "kwargs") + pytree.keystr(keys[1:])
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "Tensor"
+    return "None" if value is None else type(value).__qualname__
+
+
+def _leaf_kinds(call: tuple[tuple, dict]) -> tuple[tuple[str, str], ...]:
+    """``(path, kind)`` of every leaf of a flattened call; torch's pytree keeps ``None``
+    as a leaf, so a ``None`` that became a tensor has a path to report."""
+    flat, _ = pytree.tree_flatten_with_path(call)
+    return tuple((_path(keys), _kind(value)) for keys, value in flat)
+
+
+class _Shown:
+    """A placeholder leaf whose repr is a kind, to print a call's skeleton."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _skeleton(kinds: list[str], spec: pytree.TreeSpec) -> str:
+    """``(args, kwargs)`` with each leaf replaced by its kind: ``(([Tensor],), {})``."""
+    try:
+        return repr(pytree.tree_unflatten([_Shown(k) for k in kinds], spec))
+    except Exception:  # a custom pytree node that refuses placeholder children
+        return str(spec)
+
+
+def _shown(field_name: str, value: Any) -> Any:
+    if field_name == "tensor_type":
+        return value.__qualname__
+    return str(value) if field_name == "device" else value
+
+
+def _role(kind: str) -> str:
+    """What the structure of a call depends on: tensor, None, or a control value."""
+    return kind if kind in ("Tensor", "None") else "value"
+
+
 class ContractSet:
     """The recorded variants of one target (for example two sequence lengths), at most
     ``max_variants``; a call replays the first variant it matches."""
@@ -362,5 +510,5 @@ class FallbackCounter:
 
     def as_dict(self) -> dict[str, int]:
         out = {"replayed": self.replayed, "fallbacks": sum(self.fallbacks.values())}
-        out.update({f"fallback_{r}": n for r, n in sorted(self.fallbacks.items())})
+        out.update({FALLBACK.key(r): n for r, n in sorted(self.fallbacks.items())})
         return out

@@ -1,5 +1,6 @@
-"""Discovery of partial-graph targets in a training model: from the model's own
-metadata where it declares some, from its structure otherwise.
+"""Discovery, the first step of the select phase: the transformer blocks of a training
+model and the pieces of each (attention, MoE router, MoE sublayer, dense MLP), from
+the model's own metadata where it declares some, from its structure otherwise.
 
 Nothing here looks at model names, and no list of architectures is kept here: class
 names come from the model's own declarations, and a model label is produced for
@@ -26,16 +27,19 @@ diagnostics only.
    attention module; attention is recognized by how it is called (``hidden_states``
    plus an attention mask or position embeddings) and what it owns (projections); an
    MoE sublayer by having a router (a gate with a 2-D weight) beside experts.
+3. The dense MLP, under either rule, by structure (no metadata declares one): a direct
+   child, not the attention, the MoE sublayer or a norm, owning two or more
+   projections and called with one tensor (:func:`find_mlp`).
 
 What a manager graphs is decided from these blocks by :mod:`.planning`
-(``plan_targets``): by default each block's whole attention module and its MoE
-router, with ``scopes`` the widest graph-safe scope per block, plus what ``include``
-names; each skipped or narrowed block is reported with the reason and the fix.
+(:func:`~.planning.plan_targets`): by default, per block, the widest scope the rules
+of :mod:`.scopes` find graph-safe (the whole layer where it can be), plus what
+``include`` names; each skipped or narrowed block is reported with the reason and the
+fix.
 
 What this module does NOT do: it does not choose targets (:mod:`.planning` does); it
-does not tell
-encoder layers from decoder layers (no metadata does: a T5 encoder's self-attention is
-a target like its decoder's); beneath a declaration it does not look for structural
+does not tell encoder layers from decoder layers (no metadata does: a T5 encoder's
+self-attention is a target like its decoder's); beneath a declaration it does not look for structural
 stacks the declaration leaves out (``include`` names those); and it does not judge
 whether a module is graph-safe (host syncs, data-dependent shapes): the replay
 contract and the capture do.
@@ -43,72 +47,52 @@ contract and the capture do.
 
 from __future__ import annotations
 
+import inspect
 import logging
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Collection
 
+import torch
 from torch import nn
 
-from .metadata import ModelMetadata, first_declared, read_metadata
-from .scopes import Scope, forward_parameters
+from .metadata import first_declared, read_metadata
 from .tree import children as _children
+from .tree import forward_parameters, names_overlap
 from .tree import join_name as _join
 from .tree import named_modules as _named_modules
-from .tree import unwrap_checkpoint
+from .vocabulary import DiscoveredBlock, ModelMetadata, Source, Target
 
 __all__ = [
-    "KIND_OF_SCOPE",
-    "DiscoveredBlock",
-    "Source",
-    "Target",
     "discover_blocks",
     "find_attention",
+    "find_mlp",
     "find_moe",
     "is_attention",
-    "unwrap_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
 
-TargetKind = Literal["attention", "router", "custom", "layer", "moe", "mlp", "model"]
-Source = Literal["metadata", "structure"]
 _ROUTER_NAMES = ("gate", "router")  # the router child of an MoE sublayer
 _EXPERT_NAMES = ("experts",)
-# The Target kind of each scope: the router keeps the kind it has without scopes.
-KIND_OF_SCOPE: dict[Scope, TargetKind] = {
-    "attention": "attention",
-    "moe_router": "router",
-    "mlp": "mlp",
-    "moe": "moe",
-    "layer": "layer",
-}
-
-
-@dataclass(frozen=True)
-class Target:
-    """One module to graph."""
-
-    name: str  # qualified name in the model part, wrappers unwrapped
-    module: nn.Module = field(compare=False)
-    kind: TargetKind
-    block: str | None = None  # the block it belongs to, when discovered in one
-
-
-@dataclass(frozen=True)
-class DiscoveredBlock:
-    """One transformer block and the graphable pieces found in it."""
-
-    name: str
-    module: nn.Module = field(compare=False)
-    attention: Target | None
-    router: Target | None
-    moe: str | None  # qualified name of the MoE sublayer, if any
-    source: Source = "structure"  # what named it a block, and the rule used inside it
-    # The declaration in force (None for a structural block): skip reports name its classes.
-    metadata: ModelMetadata | None = field(default=None, compare=False, repr=False)
+# torch's own norms. transformers' RMSNorm classes are not among them; they hold only a
+# 1-D weight, so the two-projection rule of find_mlp leaves them out.
+_NORMS: tuple[type, ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.RMSNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+)
 
 
 def is_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is called and built like attention: called with hidden states
+    (``hidden_states`` or ``x``) and an attention mask or positions, owning at least
+    two ``nn.Linear`` projections."""
     params = {p.name for p in forward_parameters(module)}
     takes_hidden = "hidden_states" in params or "x" in params
     takes_context = bool({"attention_mask", "position_embeddings", "position_ids"} & params)
@@ -157,6 +141,47 @@ def find_moe(block: nn.Module, prefix: str = "") -> tuple[str, nn.Module, str, n
         for child_name, child in _children(module):
             stack.append((f"{name}.{child_name}" if name else child_name, child))
     return None
+
+
+def _one_tensor_argument(module: nn.Module) -> bool:
+    # Exactly one parameter and no *args / **kwargs: a Mamba or linear-attention mixer
+    # (hidden_states plus cache / mask, often **kwargs) is not a dense MLP.
+    params = forward_parameters(module)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(params) == 1 and params[0].kind in positional
+
+
+def _projections(module: nn.Module) -> int:
+    # A 2-D weight: nn.Linear and GPT-2's Conv1D (weight stored transposed) alike.
+    count = 0
+    for m in module.modules():
+        weight = getattr(m, "weight", None)
+        count += isinstance(weight, torch.Tensor) and weight.dim() == 2
+    return count
+
+
+def find_mlp(
+    block: nn.Module, prefix: str = "", *, taken: Collection[str] = ()
+) -> tuple[str, nn.Module] | None:
+    """The block's dense MLP sublayer: a direct child that neither is nor holds nor lies
+    in a module named in ``taken`` (the attention and the MoE sublayer), is not a torch
+    norm, owns two or more projections (modules with a 2-D weight) and whose forward
+    takes one tensor argument. The first in module order when several qualify (logged
+    at DEBUG). No metadata declares MLPs: this rule is structural only."""
+    found = []
+    for child_name, child in _children(block):
+        name = _join(prefix, child_name)
+        if any(names_overlap(name, t) for t in taken) or isinstance(child, _NORMS):
+            continue
+        if _projections(child) >= 2 and _one_tensor_argument(child):
+            found.append((name, child))
+    if len(found) > 1:
+        logger.debug(
+            "block %s has several MLP-like children %s; taking the first",
+            prefix,
+            [n for n, _ in found],
+        )
+    return found[0] if found else None
 
 
 def _is_block_stack(container: nn.Module) -> bool:
@@ -240,6 +265,10 @@ def _block_record(
     source: Source,
     declared: ModelMetadata | None,
 ) -> DiscoveredBlock:
+    # The MLP is found by structure alone (no metadata declares one), beside the
+    # attention and the MoE sublayer.
+    taken = [n for n in (moe[0] if moe else None, attn[0] if attn else None) if n is not None]
+    mlp = find_mlp(block, name, taken=taken)
     return DiscoveredBlock(
         name=name,
         module=block,
@@ -248,4 +277,6 @@ def _block_record(
         moe=moe[0] if moe else None,
         source=source,
         metadata=declared,
+        moe_module=moe[1] if moe else None,
+        mlp=Target(mlp[0], mlp[1], "mlp", name) if mlp else None,
     )

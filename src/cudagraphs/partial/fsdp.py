@@ -22,7 +22,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import CudaGraphsValueError, TargetSelectionError
-from .discovery import Target
+from .vocabulary import Target
 
 __all__ = ["check_target_parameters", "fsdp_managed_modules"]
 
@@ -63,7 +63,7 @@ def check_target_parameters(target: Target, fsdp: bool) -> list[tuple[str, nn.Pa
             raise TargetSelectionError(
                 f"{target.name}.{name} is a DTensor outside FSDP2 (tensor parallelism?); "
                 "only FSDP2-sharded parameters (fully_shard) are supported. Fixes: "
-                "1. leave this module out of the targets (attention=False / router=False, "
-                "or an include that does not name it); 2. shard it with fully_shard."
+                "1. leave this module out of the targets (scopes= without its scope, or "
+                "an include= that does not name it); 2. shard it with fully_shard."
             )
     return params

@@ -1,37 +1,72 @@
-"""The work of one :meth:`~.manager.PartialCudaGraphManager.capture`: which recorded calls
-to graph, graphing them group by group through a backend, and the backends.
+"""The capture phase: from the recorded calls to graphs, one
+:meth:`~.manager.PartialCudaGraphManager.capture` at a time.
 
-Separate from :mod:`.manager` so that the manager holds the life cycle and its
-documentation, and this module the capture transaction of each group.
+1. :func:`calls_to_capture`: the recorded calls not graphed yet, in the real forward
+   order; a target called twice in one forward is refused, one called with state (a
+   KV cache) turned off.
+2. :func:`capture_model_first`: whole model parts (:mod:`.model_scope`) are captured
+   first; the targets inside a part graphed whole are turned off.
+3. :func:`capture_calls`: the rest, in groups (:func:`capture_groups`: training calls
+   together, each inference mode and autocast state apart, one call per group under
+   activation checkpointing), each group under the modes it was recorded in
+   (:func:`capture_modes`) through a backend: the core's ``make_graphed_callables``
+   by default, with the buffers of chained calls shared (:mod:`.chaining`). What is
+   graphed for a target is :func:`graphed_function`: its forward with the parameters
+   as explicit inputs. Each group's graphs are timed against eager right after
+   (:mod:`.speed`).
+
+Each captured variant keeps its graph (:meth:`~.recording.RecordedVariant.captured`)
+and, where the core's graph flattens its call as the contract does, a replay from the
+call's tensors alone (:func:`replay_from_tensors`).
+
+What this module does NOT do: it installs no forward (the manager installs the
+:class:`~.replay.TargetDispatcher` after a capture) and records nothing.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
-from functools import partial
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
+from torch import nn
 
+from .. import core
 from ..capture_state import capture_scope
+from ..core.graphed import GraphedCallable
 from ..core.sharing import BufferSharing
 from ..diagnostics import WarnOnce
-from ..errors import CudaGraphsStateError, CudaGraphsValueError, TargetSelectionError
+from ..errors import (
+    CudaGraphCaptureError,
+    CudaGraphOutputError,
+    CudaGraphsStateError,
+    CudaGraphsValueError,
+    TargetSelectionError,
+)
 from ..memory import release_unused_cache
 from ..settings import DISABLE_ENV, graphs_disabled
 from .chaining import group_sharing
-from .entry import PartialGraphEntry
-from .recording import Recorder, capture_groups, capture_modes
-from .speed import SpeedCheck, measure_group
+from .contract import AutocastState, flatten_call
+from .model_scope import CHECKPOINT_REFUSAL, opaque_output_fix, opaque_outputs, refused_message
+from .recording import Call, Recorder, TargetRecording
+from .speed import SpeedCheck, measure_group, turn_off_slower
+from .vocabulary import MODEL_KIND, OffReason
 
 __all__ = [
     "TargetsBackend",
     "calls_to_capture",
     "capture_calls",
+    "capture_groups",
+    "capture_model_first",
+    "capture_modes",
+    "eager_backend",
+    "graphed_function",
+    "holds_tensors",
     "read_disabled",
     "release_cached",
+    "replay_from_tensors",
 ]
 
 #: How a manager turns recorded calls into graphed callables:
@@ -41,20 +76,15 @@ __all__ = [
 TargetsBackend = Callable[[tuple, tuple, list], Sequence[Callable[..., Any]]]
 
 
-def _default_backend(
-    callables: tuple,
-    sample_args: tuple,
-    sample_kwargs: list,
-    sharing: BufferSharing | None = None,
+def _core_backend(
+    callables: tuple, sample_args: tuple, sample_kwargs: list, sharing: BufferSharing
 ) -> Sequence[Any]:
-    from ..core import make_graphed_callables
-
     # Lent gradients (.core.lent_grads), not owned copies: an owned copy is eager
     # memory that cannot take the place of the graphed targets' activations, dead in
     # the pool by then, as eager gradients do; up to a copy of every graphed parameter's
-    # gradient beside the pool (issue 36). The pool's settle moves any still lent
-    # before a replay could overwrite it, so accumulation and hooks stay exact.
-    result = make_graphed_callables(
+    # gradient beside the pool. The pool's settle moves any still lent before a replay
+    # could overwrite it, so accumulation and hooks stay exact.
+    result = core.make_graphed_callables(
         callables,
         sample_args,
         sample_kwargs=sample_kwargs,
@@ -64,9 +94,10 @@ def _default_backend(
     return result if isinstance(result, tuple) else (result,)
 
 
-def _eager_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) -> Sequence[Any]:
-    """The backend under ``CUDAGRAPHS_DISABLE=1``: each adapter is its own "graph",
-    called with the arguments a graph would get (parameters first) and run eagerly."""
+def eager_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) -> Sequence[Any]:
+    """The backend under ``CUDAGRAPHS_DISABLE=1``: each graphed function is its own
+    "graph", called with the arguments a graph would get (parameters first) and run
+    eagerly."""
     del sample_args, sample_kwargs
     return list(callables)
 
@@ -106,19 +137,23 @@ def read_disabled(fixed: bool | None) -> bool:
     return disabled
 
 
+# ---- 1. which calls ------------------------------------------------------------------
+
+
 def calls_to_capture(
-    entries: Sequence[PartialGraphEntry], recorder: Recorder, logger: logging.Logger
-) -> list[tuple[PartialGraphEntry, int]]:
-    """The recorded calls not graphed yet, as ``(entry, variant index)`` in the real
-    forward order ``recorder`` saw, leaving out targets turned off; a target called
-    with an object holding tensors (a KV cache) is turned off here, said on ``logger``.
+    recordings: Sequence[TargetRecording], recorder: Recorder, logger: logging.Logger
+) -> list[Call]:
+    """The recorded calls not graphed yet, as ``(recording, variant index)`` in the
+    real forward order ``recorder`` saw, leaving out targets turned off; a target
+    called with an object holding tensors (a KV cache) is turned off here, said on
+    ``logger``.
 
     Raises:
         TargetSelectionError: a target ran more than once in one recorded forward (or,
             without model parts, while recording).
         CudaGraphsStateError: nothing was recorded.
     """
-    repeated = [e.name for e in entries if e.repeated]
+    repeated = [r.name for r in recordings if r.repeated]
     if repeated:
         where = (
             "within one forward of the model"
@@ -131,17 +166,17 @@ def calls_to_capture(
             f"{repeated} ran more than once {where}; one graph cannot stand for "
             "several calls of one forward (the second replay would overwrite the "
             "first one's outputs and saved activations). Fix: leave these modules "
-            "out of the targets (attention=False / router=False, or an include that "
+            "out of the targets (scopes= without their scope, or an include= that "
             "does not name them)."
         )
     _turn_off_stateful(recorder.order, logger)
     todo = [
-        (entry, i)
-        for entry in recorder.order
-        for i, variant in enumerate(entry.variants)
-        if variant.graph is None and entry.off_reason is None
+        (rec, i)
+        for rec in recorder.order
+        for i, variant in enumerate(rec.variants)
+        if variant.graph is None and rec.off_reason is None
     ]
-    if not todo and not any(e.variants for e in entries):
+    if not todo and not any(r.variants for r in recordings):
         raise CudaGraphsStateError(
             "nothing was recorded, so there is nothing to capture. Fix: call "
             "start_recording(), run one training step (forward and backward), then "
@@ -166,39 +201,218 @@ def holds_tensors(value: Any, depth: int = 3) -> bool:
     return any(holds_tensors(v, depth - 1) for v in items)
 
 
-def _turn_off_stateful(entries: Sequence[PartialGraphEntry], logger: logging.Logger) -> None:
+def _turn_off_stateful(recordings: Sequence[TargetRecording], logger: logging.Logger) -> None:
     # An object holding tensors (a KV cache) is state the call reads and changes: the
     # warmup and capture runs would change the recorded object (a cache grows by one
     # step per run), and a graph cannot follow the next step's object. The target runs
     # eagerly for good, said once per target.
-    for entry in entries:
-        if entry.off_reason is not None:
+    for rec in recordings:
+        if rec.off_reason is not None:
             continue
         kinds = sorted(
             {
                 type(value).__name__
-                for i, variant in enumerate(entry.contracts.variants)
-                if entry.variants[i].graph is None
+                for i, variant in enumerate(rec.contracts.variants)
+                if rec.variants[i].graph is None
                 for _, value in variant.controls
                 if holds_tensors(value)
             }
         )
         if kinds:
-            entry.turn_off("stateful_argument")
+            rec.turn_off("stateful_argument")
             logger.warning(
                 "partial graphs: %s is called with %s object(s) holding tensors (state "
                 "the call changes, such as a KV cache), which no graph can follow; it "
                 "runs eagerly (stats()['off_stateful_argument']). Fix: for training, "
                 "call the model with use_cache=False (or set model.config.use_cache = "
                 "False).",
-                entry.name,
+                rec.name,
                 ", ".join(kinds),
             )
 
 
+# ---- 2. whole model parts first --------------------------------------------------------
+
+
+def capture_model_first(
+    todo: list[Call],
+    recordings: Sequence[TargetRecording],
+    capture: Callable[[list[Call]], list],
+    *,
+    activation_checkpointing: bool,
+    logger: logging.Logger,
+) -> list[Call]:
+    """Capture the whole-part calls of ``todo`` first (through ``capture``, which
+    graphs a list of calls and returns their speed verdicts), then turn off the
+    targets inside each part graphed whole.
+
+    A part refused here (activation checkpointing, a failed capture, an opaque output,
+    a graph slower than eager: :mod:`.model_scope`, :mod:`.speed`) is turned off with
+    the reason, said at WARNING, and its layers stay in the calls to capture.
+
+    Returns:
+        The calls left to capture, in ``todo``'s order.
+    """
+    whole = [call for call in todo if call[0].target.kind == MODEL_KIND]
+    if not whole:
+        return todo
+    parts = list({id(rec): rec for rec, _ in whole}.values())  # in order, once each
+    for part in parts:
+        calls = [call for call in whole if call[0] is part]
+        if activation_checkpointing:
+            refuse_whole_part(part, "model_activation_checkpointing", CHECKPOINT_REFUSAL, logger)
+            continue
+        try:
+            # Judged before the layers are dropped: a part slower whole keeps them.
+            turn_off_slower(capture(calls), logger)
+        except (CudaGraphCaptureError, CudaGraphOutputError) as exc:
+            refuse_whole_part(part, "model_capture_failed", f"{type(exc).__name__}: {exc}", logger)
+            continue
+        opaque = sorted({name for g in part.graphs() for name in opaque_outputs(g)})
+        if opaque and part.off_reason is None:
+            refuse_whole_part(part, "model_opaque_output", opaque_output_fix(opaque), logger)
+    inside: set[int] = set()
+    for part in parts:
+        modules = {id(m) for m in part.target.module.modules()}
+        for other in recordings:
+            if other is part or id(other.target.module) not in modules:
+                continue
+            if part.off_reason is None and part.graphs() and other.off_reason is None:
+                other.turn_off("in_model_graph")
+                inside.add(id(other))
+            elif part.off_reason is not None and other.off_reason == "in_model_graph":
+                # Refused at a later capture (a new variant): the layers an earlier graph
+                # of the part stood for are targets again, recorded afresh next time.
+                other.start_afresh()
+    return [c for c in todo if c[0].target.kind != MODEL_KIND and id(c[0]) not in inside]
+
+
+def refuse_whole_part(
+    part: TargetRecording, reason: OffReason, why: str, logger: logging.Logger
+) -> None:
+    """Turn off a whole model part for ``reason`` and say why at WARNING."""
+    part.turn_off(reason)
+    logger.warning("%s", refused_message(part.name, reason, why))
+
+
+# ---- 3. the groups and their capture ----------------------------------------------------
+
+
+def capture_groups(todo: Sequence[Call], one_pool_per_call: bool) -> list[list[Call]]:
+    """The recorded calls to capture together (one backend call, one pool, replayed in
+    capture order), in order.
+
+    Training calls (grad on, training flag set) form the first group. Inference
+    variants (grad off or eval mode) are captured apart, one group per mode, in pools
+    of their own: they run between steps, in an order of their own, and must not
+    reuse the training graphs' memory. Calls recorded under different autocast
+    states are captured apart too (one state per capture). With
+    ``one_pool_per_call`` (activation checkpointing: a recompute replays a forward
+    after later graphs ran) every call is a group of its own.
+    """
+    by_mode: dict[tuple[bool, bool, AutocastState], list[Call]] = {}
+    for rec, i in todo:
+        v = rec.contracts.variants[i]
+        by_mode.setdefault((v.grad_enabled, v.training, v.autocast), []).append((rec, i))
+    groups: list[list[Call]] = []
+    # Training first; otherwise in the order the modes were first recorded.
+    for mode in sorted(by_mode, key=lambda m: m[:2] != (True, True)):
+        calls = by_mode[mode]
+        groups += [[call] for call in calls] if one_pool_per_call else [calls]
+    return groups
+
+
+@contextmanager
+def capture_modes(
+    grad_enabled: bool,
+    training: bool,
+    modules: Sequence[nn.Module],
+    autocast: AutocastState = (),
+) -> Iterator[None]:
+    """Grad mode, autocast state and the training flag of ``modules`` as they were
+    when a variant was recorded.
+
+    A module already in that mode is left alone (submodules may hold a mode of their
+    own, such as frozen norms in eval); one that is not is switched with
+    ``train(training)``, as ``model.eval()`` did, and every flag is restored after.
+    Autocast is entered with its weight cache off: cast weights cached during capture
+    would be freed and replayed stale (the core refuses the cache for that reason),
+    and the cache changes no value, only how often weights are cast.
+    """
+    saved = [(m, m.training) for module in modules for m in module.modules()]
+    try:
+        for module in modules:
+            if module.training != training:
+                module.train(training)
+        with ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(grad_enabled))
+            for device, dtype in autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
+            yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
+
+
+_INNER = "inner"
+
+
+class _ForwardOnly(nn.Module):
+    """Runs a target's ``forward`` without the target's own module hooks.
+
+    Why: at replay the real call goes through the target's ``__call__``, whose hooks
+    run there, around the dispatching forward, once. Graphing them as well would run
+    them twice, and FSDP2's are wrong to graph: when the target is itself a
+    ``fully_shard`` unit, its pre-forward hook unshards and installs its own unsharded
+    parameters over the ones ``functional_call`` binds, so the graph would not read
+    its parameter inputs. Holding the target as a child keeps its parameters
+    addressable (``inner.<name>``) for ``functional_call``.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        setattr(self, _INNER, module)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # The module's forward as it is now: while a dispatcher is installed, it
+        # passes the call to the module's own forward (TargetDispatcher.passthrough).
+        return getattr(self, _INNER).forward(*args, **kwargs)
+
+
+def graphed_function(rec: TargetRecording) -> Callable[..., Any]:
+    """The function graphed for a target: parameters first, as explicit inputs, then
+    the recorded call. It runs the module with those tensors bound in place of its
+    parameters, so the graph reads its inputs rather than captured state."""
+    wrapper = _ForwardOnly(rec.target.module)
+    names = [f"{_INNER}.{n}" for n in rec.param_names]
+
+    def run(params: tuple, *args: Any, **kwargs: Any) -> Any:
+        return torch.func.functional_call(wrapper, dict(zip(names, params)), args, kwargs)
+
+    run.__qualname__ = f"partial[{rec.name}]"
+    return run
+
+
+def replay_from_tensors(
+    graph: Any, params: tuple[torch.Tensor, ...], args: tuple | None, kwargs: dict | None
+) -> Callable[[list], Any] | None:
+    """The core graph's replay from a call's tensors alone
+    (:meth:`~cudagraphs.core.graphed.GraphedCallable.replay_checked`), when the tensors
+    the contract hands out follow the parameters in the graph's own order: exactly
+    when the graph's input spec is that of ``(params, *args)`` with these keywords
+    (checked once, here). ``None`` otherwise, and for any graph not the core's (a
+    capture backend of the user's, or the eager one under ``CUDAGRAPHS_DISABLE``), which
+    is called with the arguments."""
+    if not isinstance(graph, GraphedCallable) or graph.graphs.eager_only or args is None:
+        return None
+    if graph.graphs.in_spec != flatten_call((tuple(params), *args), kwargs or {})[1]:
+        return None
+    return graph.replay_checked
+
+
 def capture_calls(
-    todo: list[tuple[PartialGraphEntry, int]],
-    backend: TargetsBackend,
+    todo: list[Call],
+    backend: TargetsBackend | None,
     *,
     disabled: bool,
     pooled: bool,
@@ -207,10 +421,11 @@ def capture_calls(
     warn_once: WarnOnce,
     logger: logging.Logger,
 ) -> list:
-    """Graph ``todo`` through ``backend`` (the eager backend when ``disabled``, said
-    once through ``warn_once`` with the manager's number of ``targets``), in the groups
-    :func:`~.recording.capture_groups` makes (one pool per call when ``pooled``:
-    activation checkpointing), and say how many on ``logger``.
+    """Graph ``todo`` through ``backend`` (``None``: the core's, sharing the buffers of
+    chained calls; the eager backend when ``disabled``, said once through ``warn_once``
+    with the manager's number of ``targets``), in the groups :func:`capture_groups`
+    makes (one pool per call when ``pooled``: activation checkpointing), and say how
+    many on ``logger``.
 
     Returns:
         The speed verdicts of the groups (:func:`~.speed.measure_group`).
@@ -230,9 +445,10 @@ def capture_calls(
         )
     verdicts: list = []
     if todo:
-        backend = _eager_backend if disabled else backend
         for group in capture_groups(todo, pooled):
-            verdicts += _capture_group(group, backend, disabled, speed_check)
+            verdicts += _capture_group(
+                group, eager_backend if disabled else backend, disabled, speed_check
+            )
         logger.info(
             "partial graphs: %s %d call(s)%s",
             "prepared eagerly (disabled)" if disabled else "captured",
@@ -243,37 +459,41 @@ def capture_calls(
 
 
 def _capture_group(
-    group: list[tuple[PartialGraphEntry, int]],
-    backend: Any,
+    group: list[Call],
+    backend: TargetsBackend | None,
     disabled: bool,
     speed_check: SpeedCheck | bool,
 ) -> list:
-    callables, sample_args, sample_kwargs = [], [], []
-    for entry, i in group:
-        variant = entry.variants[i]
-        args, kwargs = variant.args, variant.kwargs
-        callables.append(entry.adapter())
-        sample_args.append((tuple(entry.capture_params(i)), *args))
-        sample_kwargs.append(kwargs)
+    functions, sample_args, sample_kwargs = [], [], []
+    for rec, i in group:
+        variant = rec.variants[i]
+        functions.append(graphed_function(rec))
+        sample_args.append((tuple(rec.capture_params(i)), *variant.args))
+        sample_kwargs.append(variant.kwargs)
     first = group[0][0].contracts.variants[group[0][1]]
-    modules = [entry.target.module for entry, _ in group]
+    modules = [rec.target.module for rec, _ in group]
     scope = nullcontext() if disabled else capture_scope()
     modes = capture_modes(first.grad_enabled, first.training, modules, first.autocast)
-    if backend is _default_backend:
-        # Ours shares buffers between the group's graphs (.chaining); a backend of the
-        # user's gets the documented three arguments.
-        backend = partial(_default_backend, sharing=group_sharing(group))
     with modes:
         with scope:
-            graphed = list(backend(tuple(callables), tuple(sample_args), sample_kwargs))
+            if backend is None:
+                # Ours shares buffers between the group's graphs (.chaining); a backend
+                # of the user's gets the documented three arguments.
+                sharing = group_sharing(group)
+                graphed = list(
+                    _core_backend(tuple(functions), tuple(sample_args), sample_kwargs, sharing)
+                )
+            else:
+                graphed = list(backend(tuple(functions), tuple(sample_args), sample_kwargs))
         if len(graphed) != len(group):
             raise CudaGraphsValueError(
                 f"capture_backend returned {len(graphed)} callable(s) for "
-                f"{len(group)} call(s) ({[e.name for e, _ in group]}); it must "
+                f"{len(group)} call(s) ({[r.name for r, _ in group]}); it must "
                 "return one graphed callable per call, in order"
             )
-        measure = not disabled and len(graphed) == len(group)
-        verdicts = measure_group(speed_check, group, graphed) if measure else []
-    for (entry, i), g in zip(group, graphed):
-        entry.variants[i].captured(g, tuple(entry.capture_params(i)))
+        verdicts = [] if disabled else measure_group(speed_check, group, graphed, functions)
+    for (rec, i), g in zip(group, graphed):
+        variant = rec.variants[i]
+        params = tuple(rec.capture_params(i))
+        variant.captured(g, replay_from_tensors(g, params, variant.args, variant.kwargs))
     return verdicts

@@ -1,26 +1,6 @@
-"""PartialCudaGraphManager: graph decoder layers (whole, or their attention, MoE,
-router or MLP: :mod:`.scopes`) inside eager training.
-
-Life cycle (the constructor never captures):
-
-1. ``from_model_parts(parts)`` discovers targets from the model's metadata or its
-   structure (:mod:`.discovery`); blocks with nothing graph-safe are listed in
-   ``skipped``.
-2. ``start_recording()`` installs recorders; run one eager step (all its
-   micro-batches: each forward of the model parts is told apart, :mod:`.recording`).
-3. ``capture()`` graphs every recorded call in real forward order through the core
-   :func:`~cudagraphs.make_graphed_callables`, with the target's parameters passed
-   as explicit graph inputs so their gradients reach the real parameters.
-4. Later calls replay when they match a recorded contract (:mod:`.contract`) and run
-   eagerly otherwise, counted per reason. The first eager run of each reason is
-   logged at WARNING with the target and the call's mismatch report; later ones are
-   only counted. ``stats()`` / ``log_stats()`` report.
-5. ``close()`` (idempotent) restores the eager modules and releases the graphs.
-
-With ``CUDAGRAPHS_DISABLE=1`` (read by ``capture()``) the same life cycle runs with
-no graph: each target's graphed callable is its adapter run eagerly, so recording,
-contract matching and counting are those of graphed runs; ``stats()["disabled"]``
-is 1 and a WARNING says so once.
+"""The manager of partial graphs: one object that drives the phases of
+:mod:`cudagraphs.partial` over a training model's targets (select, record, capture,
+replay) and holds their life cycle; its class docs give the workflow.
 
 Every error raised here derives from :class:`~cudagraphs.errors.CudaGraphsError`.
 """
@@ -29,31 +9,30 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
 from ..checks import check_bool, check_callable
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError
-from ..forward_swap import swap_forward
-from .build import entries_from_model_parts
-from .entry import PartialGraphEntry
+from .arguments import RETIRED, Selector, as_model_parts, refuse_retired
+from .build import recordings_from_model_parts
 from .graphing import (
     TargetsBackend,
-    _default_backend,
     calls_to_capture,
     capture_calls,
+    capture_model_first,
     read_disabled,
     release_cached,
 )
-from .model_scope import ModelScopeOff, capture_model_first
-from .recording import InferenceCalls, Recorder, check_inference_calls
-from .selectors import Selector, as_model_parts
-from .skips import NarrowedBlock, SkippedBlock
+from .recording import InferenceCalls, Recorder, TargetRecording, check_inference_calls
+from .replay import PartialGraphEntry, TargetDispatcher, dispatch_paused
 from .speed import SpeedCheck, speed_check_of, turn_off_slower
 from .stats import stats_of
+from .vocabulary import ModelScopeOff, NarrowedBlock, SkippedBlock
 
-__all__ = ["TargetsBackend", "PartialCudaGraphManager", "PartialGraphEntry"]
+__all__ = ["PartialCudaGraphManager", "PartialGraphEntry", "TargetsBackend"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,20 +40,28 @@ logger = logging.getLogger(__name__)
 class PartialCudaGraphManager:
     """Graphs for the fixed-shape pieces of a training model.
 
-    Workflow:
+    Workflow (the constructor never captures):
 
-    1. ``mgr = PartialCudaGraphManager.from_model_parts(model)`` finds the targets
-       (each block's attention, MoE routers, whatever ``include`` names); ``None``
-       when there are none.
-    2. ``mgr.start_recording()``, then one training step (several micro-batches
-       are fine): each target's calls are recorded (arguments, metadata, aliasing,
-       controls, grad mode, autocast state, training flag).
-    3. ``mgr.capture()`` graphs the recorded calls in forward order and installs a
-       dispatching forward on each target.
+    1. ``mgr = PartialCudaGraphManager.from_model_parts(model)`` plans the targets of
+       each part (:func:`~.planning.plan_targets`: per decoder layer the widest
+       graph-safe scope, plus whatever ``include`` names; blocks with none are in
+       :attr:`skipped`, those graphed narrower in :attr:`narrowed`); ``None`` when
+       there are none.
+    2. ``mgr.start_recording()``, then one training step (several micro-batches are
+       fine: each forward of the model parts is told apart): each target's calls are
+       recorded (arguments, metadata, aliasing, controls, grad mode, autocast state,
+       training flag; :mod:`.recording`).
+    3. ``mgr.capture()`` graphs the recorded calls in forward order through the core
+       :func:`~cudagraphs.make_graphed_callables`, with each target's parameters as
+       explicit graph inputs so their gradients reach the real parameters
+       (:mod:`.graphing`), times each graph against eager (:mod:`.speed`), and
+       installs a dispatching forward on each graphed target (:mod:`.replay`).
     4. Train: a call that matches a recorded contract replays; any other call runs
-       the module eagerly, counted per reason and said once per reason at WARNING.
-       Repeat 2-3 to add variants (another sequence length), up to ``max_variants``.
-    5. ``mgr.stats()`` / ``mgr.log_stats(phase)``; ``mgr.close()`` at the end.
+       the module eagerly, counted per reason and said once per reason at WARNING
+       with the call's mismatch report. Repeat 2-3 to add variants (another sequence
+       length), up to ``max_variants``.
+    5. ``mgr.stats()`` / ``mgr.log_stats(phase)``; ``mgr.close()`` (idempotent) at the
+       end restores the eager modules and releases the graphs.
 
     What it does NOT do: graph anything outside the targets (the rest of the step
     stays eager; with the ``"model"`` scope the target is the whole model part, and the
@@ -82,37 +69,35 @@ class PartialCudaGraphManager:
     forward, or re-capture by itself when inputs change. Whether graphs are faster is
     judged against eager only (``speed_check``), not between scopes.
 
+    With ``CUDAGRAPHS_DISABLE=1`` (read by ``capture()``) the same life cycle runs with
+    no graph: each target's graphed function runs eagerly in place of its graph, so
+    recording, contract matching and counting are those of graphed runs;
+    ``stats()["disabled"]`` is 1, ``captured`` is 0, ``replayed`` counts the calls that
+    matched a recorded contract and ran eagerly in its place, and a WARNING says so
+    once.
+
     ``stats()`` keys: ``captured`` (graphs held), ``replayed``, ``fallbacks``,
-    ``disabled`` (1 under ``CUDAGRAPHS_DISABLE=1``, else 0), and one
-    ``skipped_<reason>`` per reason a block was skipped by discovery (a Mamba or
-    linear-attention layer: ``skipped_no_graph_safe_scope``; the blocks and the fixes
-    are in :attr:`skipped` and the WARNING logged at construction),
-    ``narrowed_<reason>`` per block graphed at narrower scopes than asked for
-    (``eager_experts``, ``unknown_experts``, ``host_grouped_mm``, ``no_attention``: see
-    :attr:`narrowed`),
-    ``off_slower_than_eager`` (targets whose graph was measured slower than eager and
-    that run eagerly since: see ``speed_check``), ``off_stateful_argument`` (targets
-    called with an object holding tensors, a KV cache), with the ``"model"`` scope
-    ``model_refused_<reason>`` per part not made a target, ``off_model_<reason>`` per
-    part refused at capture and ``off_in_model_graph`` per target inside a part graphed
-    whole (:mod:`.model_scope`), and one
-    ``fallback_<reason>`` per reason seen: a name from
-    :data:`~cudagraphs.partial.contract.REASONS`, ``not_captured`` (recorded, not
-    captured yet), ``param_storage`` (a parameter replaced since capture) or
-    ``unchained_input`` (another tensor where the graph reads the previous target's
-    output in place: :mod:`.chaining`), and from the core's graphs ``pool_bytes`` /
-    ``buffer_bytes`` with one ``pool_bytes_<scope>`` / ``buffer_bytes_<scope>`` per
-    scope graphed (what the captures grew reserved memory by; static buffers made
-    outside the pool, shared ones once), and after a capture on CUDA the memory
-    account (:class:`~cudagraphs.memory.MemoryAccount`) summed over the captures:
+    ``disabled``; one key per reason seen, each reason of
+    :data:`~.vocabulary.REASON_FAMILIES` (what it means is written there) keyed by its
+    family: ``fallback_<reason>`` per call run eagerly instead of replaying,
+    ``skipped_<reason>`` per block discovery found and took no target from (see
+    :attr:`skipped`), ``narrowed_<reason>`` per block graphed at narrower scopes than
+    asked for (:attr:`narrowed`), ``model_refused_<reason>`` per part not graphed
+    whole at planning although the ``"model"`` scope was asked for
+    (:attr:`model_off`), ``off_<reason>`` per target turned off (a graph slower than
+    eager, a stateful argument, a part graphed whole around it, a part refused at
+    capture); from the core's graphs ``pool_bytes`` / ``buffer_bytes`` with one
+    ``pool_bytes_<scope>`` / ``buffer_bytes_<scope>`` per scope graphed (what the
+    captures grew reserved memory by; static buffers made outside the pool, shared
+    ones once), and after a capture on CUDA the memory account
+    (:class:`~cudagraphs.memory.MemoryAccount`) summed over the captures:
     ``pool_reserved_bytes``, ``pool_allocated_bytes``, ``unused_cache_bytes``,
     ``driver_bytes`` and ``released_bytes`` (with what :meth:`capture` itself gave
-    back). Under
-    ``CUDAGRAPHS_DISABLE=1`` no graph exists (``captured`` is 0) and ``replayed``
-    counts the calls that matched a recorded contract and ran eagerly in its place.
+    back).
 
     Args:
-        entries: one per target, in module order (built by :meth:`from_model_parts`).
+        dispatchers: one per target, in module order, each around the target's
+            recording store (built by :meth:`from_model_parts`).
         capture_backend: how recorded calls become graphed callables; the core
             ``make_graphed_callables`` by default (tests substitute an eager one).
             Called as ``backend(callables, sample_args, sample_kwargs)`` and must
@@ -127,10 +112,11 @@ class PartialCudaGraphManager:
         inference_calls: see :meth:`from_model_parts`.
         skipped: the blocks discovery skipped, reported by :meth:`stats`.
         narrowed: the blocks discovery narrowed, reported by :meth:`stats`.
+        model_off: the parts not graphed whole, reported by :meth:`stats`.
         speed_check: see :meth:`from_model_parts`.
 
     Raises:
-        CudaGraphsTypeError: an entry that is not a :class:`PartialGraphEntry`, a
+        CudaGraphsTypeError: a dispatcher that is not a :class:`TargetDispatcher`, a
             ``capture_backend`` that is not callable, ``activation_checkpointing``
             that is not a bool, or ``model_parts`` that are not modules.
         CudaGraphsValueError: ``inference_calls`` not ``"ignore"`` / ``"record"``.
@@ -140,7 +126,7 @@ class PartialCudaGraphManager:
 
     def __init__(
         self,
-        entries: Sequence[PartialGraphEntry],
+        dispatchers: Sequence[TargetDispatcher],
         *,
         capture_backend: TargetsBackend | None = None,
         activation_checkpointing: bool = False,
@@ -151,53 +137,63 @@ class PartialCudaGraphManager:
         narrowed: Sequence[NarrowedBlock] = (),
         model_off: Sequence[ModelScopeOff] = (),
     ) -> None:
-        self.entries = list(entries)
+        #: One per target: its dispatching forward around its recording store.
+        self.dispatchers = list(dispatchers)
         #: Parts not graphed whole although the ``"model"`` scope was asked for.
         self.model_off = list(model_off)
         #: Blocks discovery found but took no target from (see :class:`SkippedBlock`).
         self.skipped = list(skipped)
         #: Blocks graphed at narrower scopes than asked for (see :class:`NarrowedBlock`).
         self.narrowed = list(narrowed)
-        for i, entry in enumerate(self.entries):
-            if not isinstance(entry, PartialGraphEntry):
+        for i, d in enumerate(self.dispatchers):
+            if not isinstance(d, TargetDispatcher):
                 raise CudaGraphsTypeError(
-                    f"entries[{i}] must be a PartialGraphEntry (build the manager with "
-                    f"from_model_parts), got {type(entry).__name__}"
+                    f"dispatchers[{i}] must be a TargetDispatcher (build the manager with "
+                    f"from_model_parts), got {type(d).__name__}"
                 )
         if capture_backend is not None:
             check_callable("capture_backend", capture_backend)
-        self._backend = capture_backend or _default_backend
+        self._backend = capture_backend  # None: the core's
         # Set by the caller, or on seeing a checkpoint recompute while recording.
         self.activation_checkpointing = check_bool(
             "activation_checkpointing", activation_checkpointing
         )
         self.inference_calls = check_inference_calls(inference_calls)
         self._speed_check = speed_check_of(speed_check)
+        self._warn_once = WarnOnce(logger)
+        for d in self.dispatchers:
+            d.warn_once = self._warn_once
         # Forwards of the parts told apart while recording (see .recording); without
         # parts, any second call of a target while recording counts as a reuse.
         self._recorder = Recorder(
-            self.entries,
+            self.recordings,
             as_model_parts(model_parts) if model_parts else [],
             self.inference_calls,
             self._saw_recompute,
             logger,
+            self._warn_once,
         )
         self._closed = False
         self._disabled: bool | None = None  # fixed by the first capture()
         self._released_bytes = 0  # given back to the driver after captures
-        self._warn_once = WarnOnce(logger)
-        for entry in self.entries:
-            entry.warn_once = self._warn_once
+
+    @property
+    def recordings(self) -> list[TargetRecording]:
+        """The targets' recording stores, in the order of :attr:`dispatchers`."""
+        return [d.recording for d in self.dispatchers]
+
+    @property
+    def entries(self) -> list[TargetDispatcher]:
+        """Deprecated: :attr:`dispatchers`, by its former name, kept for one release."""
+        return self.dispatchers
 
     @classmethod
     def from_model_parts(
         cls,
         model_parts: nn.Module | Sequence[nn.Module],
         activation_checkpointing: bool = False,
-        pipeline_parallel: bool = False,
+        pipeline_parallel: Any = RETIRED,
         *,
-        attention: bool = True,
-        router: bool = True,
         include: Selector | None = None,
         max_variants: int = 4,
         capture_backend: TargetsBackend | None = None,
@@ -205,6 +201,8 @@ class PartialCudaGraphManager:
         speed_check: bool | SpeedCheck = True,
         experts_implementation: str | None = None,
         scopes: Sequence[str] | None = None,
+        attention: Any = RETIRED,
+        router: Any = RETIRED,
     ) -> PartialCudaGraphManager | None:
         """Discover targets in already-built model parts (pipeline stages).
 
@@ -218,9 +216,6 @@ class PartialCudaGraphManager:
                 that replay cannot overwrite another graph's live output (more memory,
                 never wrong values). A recompute seen while recording turns this on by
                 itself. Checkpoint wrapper modules are always unwrapped.
-            pipeline_parallel: accepted for interface compatibility: each part is
-                searched on its own.
-            attention, router: graph the discovered attention modules / MoE routers.
             include: more targets: one glob pattern over qualified names (a plain
                 string such as ``"model.layers.*.mlp"``), a list or tuple of
                 patterns, or a predicate ``(name, module) -> bool``.
@@ -249,10 +244,9 @@ class PartialCudaGraphManager:
                 ``batched_mm``, as the model says). A layer that gets less than asked
                 for is listed in :attr:`narrowed` (``stats()['narrowed_<reason>']``,
                 one WARNING). ``None`` (default): all of :data:`SCOPES`, so each layer
-                is graphed as widely as is safe (said at INFO where a layer narrows);
-                but with ``attention=False`` or ``router=False`` those switches decide
-                instead (the first release's ``("attention", "moe_router")`` without
-                them). With ``scopes`` leave the switches alone. ``"model"``
+                is graphed as widely as is safe (said at INFO where a layer narrows).
+                :func:`~cudagraphs.partial.plan_targets` with the same ``scopes`` and
+                ``include`` previews what is graphed in each part. ``"model"``
                 (:data:`~cudagraphs.partial.MODEL_SCOPE`, never a default) graphs
                 each part whole, its layers kept in reserve should it not capture
                 (:mod:`.model_scope`; refusals in :attr:`model_off`).
@@ -262,6 +256,10 @@ class PartialCudaGraphManager:
                 ``set_experts_implementation``. ``None`` (default) leaves the model as
                 it is; an MoE layer whose experts run the ``eager`` loop is then
                 graphed at narrower scopes, said in the log.
+            pipeline_parallel, attention, router: retired; passing any of them raises
+                :class:`~cudagraphs.errors.CudaGraphsTypeError` naming what to pass
+                instead (each part is graphed on its own; ``scopes=`` says what is
+                graphed).
 
         Targets under FSDP2 (``fully_shard``) are supported: their unsharded
         parameters are copied into the graph at each call (:mod:`.fsdp`).
@@ -271,21 +269,25 @@ class PartialCudaGraphManager:
             the reason: the model trains eagerly).
 
         Raises:
-            CudaGraphsTypeError: an argument of the wrong type (named): model parts
-                that are not modules, a non-bool flag, ``max_variants`` that is not
-                an int (``True`` included), an ``include`` of an unusable type, a
-                ``capture_backend`` that is not callable.
+            CudaGraphsTypeError: a retired argument, or an argument of the wrong type
+                (named): model parts that are not modules, a non-bool flag,
+                ``max_variants`` that is not an int (``True`` included), an
+                ``include`` of an unusable type, a ``capture_backend`` that is not
+                callable.
             CudaGraphsValueError: ``max_variants`` < 1, ``inference_calls`` not one of
                 ``"ignore"`` / ``"record"``, or meta-device parameters in a target.
             TargetSelectionError: a module shared under two names, nested targets, or
                 DTensor parameters that FSDP2 does not manage.
         """
-        del pipeline_parallel  # accepted for compatibility and not used: see the docstring
-        found = entries_from_model_parts(
-            model_parts,
-            activation_checkpointing=activation_checkpointing,
+        refuse_retired(
+            "from_model_parts",
+            pipeline_parallel=pipeline_parallel,
             attention=attention,
             router=router,
+        )
+        found = recordings_from_model_parts(
+            model_parts,
+            activation_checkpointing=activation_checkpointing,
             include=include,
             max_variants=max_variants,
             capture_backend=capture_backend,
@@ -299,7 +301,7 @@ class PartialCudaGraphManager:
             return None
         parts, built = found
         return cls(
-            built.entries,
+            [TargetDispatcher(rec) for rec in built.recordings],
             skipped=built.skipped,
             narrowed=built.narrowed,
             model_off=built.model_off,
@@ -310,7 +312,6 @@ class PartialCudaGraphManager:
             speed_check=speed_check,
         )
 
-    # ---- recording ------------------------------------------------------------------
     def start_recording(self) -> None:
         """Install recorders on every target; the forwards that follow record each
         target's calls (arguments, metadata, aliasing, controls, modes) until
@@ -328,9 +329,9 @@ class PartialCudaGraphManager:
         self._check_open()
         self._recorder.start()
 
-    def _saw_recompute(self, entry: PartialGraphEntry) -> None:
+    def _saw_recompute(self, rec: TargetRecording) -> None:
         if not self.activation_checkpointing:
-            logger.info("partial graphs: %s is recomputed in backward", entry.name)
+            logger.info("partial graphs: %s is recomputed in backward", rec.name)
         self.activation_checkpointing = True
 
     @property
@@ -345,14 +346,16 @@ class PartialCudaGraphManager:
         recording, and after :meth:`close`."""
         self._recorder.stop()
 
-    # ---- capture --------------------------------------------------------------------
     def capture(self) -> None:
-        """Graph every recorded, not yet graphed call, in real forward order, and
-        install the dispatching forward on each target that has a graph.
+        """Graph every recorded, not yet graphed call, in real forward order
+        (:mod:`.graphing`), then install the dispatching forward
+        (:class:`~.replay.TargetDispatcher`) on each target that holds a graph and give
+        each target turned off its own forward back.
 
         Before and after, on CUDA, the memory the caching allocator keeps cached and
-        no tensor uses is given back to the driver (:func:`~cudagraphs.memory.release_unused_cache`;
-        ``CUDAGRAPHS_KEEP_CACHE=1`` keeps it): the eager steps before the capture
+        no tensor uses is given back to the driver
+        (:func:`~cudagraphs.memory.release_unused_cache`; ``CUDAGRAPHS_KEEP_CACHE=1``
+        keeps it): the eager steps before the capture
         cached the graphed targets' activations too, which now live in the graphs'
         pools. The next step's eager allocations come from the driver once.
 
@@ -375,7 +378,8 @@ class PartialCudaGraphManager:
         self._check_open()
         disabled = read_disabled(self._disabled)
         self.stop_recording()
-        todo = calls_to_capture(self.entries, self._recorder, logger)
+        recordings = self.recordings
+        todo = calls_to_capture(recordings, self._recorder, logger)
         self._disabled = disabled
 
         def capture(calls: list) -> list:
@@ -385,7 +389,7 @@ class PartialCudaGraphManager:
                 disabled=disabled,
                 pooled=self.activation_checkpointing,
                 speed_check=self._speed_check,
-                targets=len(self.entries),
+                targets=len(recordings),
                 warn_once=self._warn_once,
                 logger=logger,
             )
@@ -394,26 +398,28 @@ class PartialCudaGraphManager:
         # (release_cached): the pools take its place instead of adding to it.
         release = bool(todo) and not disabled
         self._released_bytes += release_cached(release)
-        # Whole parts first: the layers inside one graphed whole are not captured.
-        todo = capture_model_first(
-            todo,
-            self.entries,
-            capture,
-            activation_checkpointing=self.activation_checkpointing,
-            logger=logger,
-        )
-        verdicts = capture(todo)
-        for entry in self.entries:
-            if entry.swap is None and entry.graphs():
-                entry.swap = swap_forward(entry.target.module, entry.dispatch)
-        turn_off_slower(verdicts, logger)
+        # The captures and speed checks run the targets' own forwards.
+        with dispatch_paused(self.dispatchers):
+            # Whole parts first: the layers inside one graphed whole are not captured.
+            todo = capture_model_first(
+                todo,
+                recordings,
+                capture,
+                activation_checkpointing=self.activation_checkpointing,
+                logger=logger,
+            )
+            turn_off_slower(capture(todo), logger)
+        for d in self.dispatchers:
+            if d.recording.off_reason is not None:
+                d.restore()
+            elif d.recording.graphs():
+                d.install()
         self._released_bytes += release_cached(release)
 
-    # ---- reporting and teardown -------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """Totals over all targets (keys: see the class docs)."""
         return stats_of(
-            self.entries,
+            self.dispatchers,
             self.skipped,
             self.narrowed,
             self._disabled,
@@ -431,12 +437,10 @@ class PartialCudaGraphManager:
         if self._closed:
             return
         self.stop_recording()
-        for entry in self.entries:
-            if entry.swap is not None:
-                entry.swap.restore()
-                entry.swap = None
-            entry.release_graphs()
-            entry.variants = []
+        for d in self.dispatchers:
+            d.restore()
+            d.recording.release_graphs()
+            d.recording.variants = []
         self._closed = True
 
     def _check_open(self) -> None:

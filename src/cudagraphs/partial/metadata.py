@@ -19,80 +19,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from .tree import children, join_name
+from .vocabulary import ClassSpec, ModelMetadata
 
-__all__ = ["ClassSpec", "ModelMetadata", "first_declared", "read_metadata"]
+__all__ = ["first_declared", "read_metadata"]
 
 logger = logging.getLogger(__name__)
 
 _ATTENTION_KEY = "attentions"
 _CROSS_ATTENTION_KEY = "cross_attentions"
 _ROUTER_KEY = "router_logits"
-
-
-@dataclass(frozen=True)
-class ClassSpec:
-    """One declared kind of module: instances of ``target_class``, or modules named by
-    ``name_hint`` (a class name, or a suffix of the qualified module name: models
-    write both, ``"LlamaAttention"`` and ``"self_attn"``), kept only where the
-    qualified name holds ``.layer_name.`` when a layer name is given. GPT-2 needs the
-    layer name: its self- and cross-attention are both ``GPT2Attention``, told apart
-    as ``.attn`` and ``.crossattention``."""
-
-    target_class: type | None
-    layer_name: str | None = None
-    name_hint: str | None = None
-
-    def matches(self, name: str, module: nn.Module) -> bool:
-        """Whether ``module``, at qualified name ``name``, is of this kind."""
-        by_class = self.target_class is not None and isinstance(module, self.target_class)
-        hint = self.name_hint
-        by_name = hint is not None and (
-            f".{name}".endswith(f".{hint}") or any(c.__name__ == hint for c in type(module).__mro__)
-        )
-        if not (by_class or by_name):
-            return False
-        if self.layer_name is None:
-            return True
-        # Dots on both sides: ".attn" must not match ".attn_norm" or ".c_attn".
-        return f".{self.layer_name}." in f".{name}."
-
-    def label(self) -> str:
-        """The spec as a reader would name it (``GPT2Attention at .attn``)."""
-        what = self.target_class.__name__ if self.target_class else repr(self.name_hint)
-        return f"{what} at .{self.layer_name}" if self.layer_name else what
-
-
-@dataclass(frozen=True)
-class ModelMetadata:
-    """The layer, attention and router classes one model declares about itself."""
-
-    owner: str  # class name of the module that declared it (for messages)
-    layer_classes: tuple[str, ...]
-    attention: tuple[ClassSpec, ...]
-    cross_attention: tuple[ClassSpec, ...]
-    router: tuple[ClassSpec, ...]
-
-    def is_layer(self, module: nn.Module) -> bool:
-        """Whether ``module`` is a declared decoder layer. The whole MRO is compared:
-        FSDP2's ``fully_shard`` swaps a module's class for a subclass named
-        ``FSDP<name>``, and a user subclass of a layer is still that layer."""
-        return any(cls.__name__ in self.layer_classes for cls in type(module).__mro__)
-
-    def is_attention(self, name: str, module: nn.Module) -> bool:
-        """Whether ``module`` is declared self-attention (cross-attention never is)."""
-        if any(spec.matches(name, module) for spec in self.cross_attention):
-            return False
-        return any(spec.matches(name, module) for spec in self.attention)
-
-    def is_router(self, name: str, module: nn.Module) -> bool:
-        """Whether ``module`` is a declared MoE router."""
-        return any(spec.matches(name, module) for spec in self.router)
 
 
 def read_metadata(module: nn.Module) -> ModelMetadata | None:

@@ -4,9 +4,9 @@ reserve.
 Why a scope beyond the layers: graphs of whole layers leave the rest of the step eager:
 the embedding, the attention mask and rotary tables, the final norm, the head, the loss,
 and the host work of the model's own forward around its layers. On a launch-bound step
-that rest is what remains of the host's time (measured in ``benchmarks/partial_train.py``,
-rows ``partial_layers`` and ``partial_widest``; the README's partial-graphs section), so
-only a graph of the part's whole forward takes that ground.
+that rest is what remains of the host's time (measured by ``benchmarks/partial_train.py``,
+rows ``partial_layers`` and ``partial_widest``), so only a graph of the part's whole
+forward takes that ground.
 
 When it is taken. At planning (:func:`model_scope_refusal`): the scope is asked for by
 name (it is never a default: it graphs code outside the decoder layers, the caller's
@@ -24,6 +24,11 @@ then graphed layer by layer, as without the scope (at a later ``capture()``, one
 adds a variant, the layers an earlier graph of the part stood for are recorded afresh
 at the next recorded step).
 
+This module holds the rules; the phases apply them: :func:`~.planning.plan_targets`
+asks :func:`model_scope_refusal`, the build asks :func:`fsdp_refusal`, and the capture
+(:func:`~.graphing.capture_model_first`) asks :func:`opaque_outputs` and says the
+refusals with :func:`refused_message`.
+
 While the part's graph is live, the targets inside it are turned off
 (``stats()['off_in_model_graph']``): the graph replays their work, and a call of the
 part outside its contract runs the whole part eagerly. Its outputs reach the caller's
@@ -33,48 +38,28 @@ tensor), never the graph's static buffers that the next call overwrites.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import CudaGraphCaptureError, CudaGraphOutputError
 from ..moe_kernels import GroupedMMProbe
-from .contract import ContractSet
-from .discovery import DiscoveredBlock
-from .entry import PartialGraphEntry
-from .recording import Call
 from .scopes import scope_block
-from .speed import turn_off_slower
+from .vocabulary import DiscoveredBlock, ModelScopeOff
 
 __all__ = [
-    "MODEL_KIND",
-    "ModelRefusal",
-    "ModelScopeOff",
-    "capture_model_first",
+    "CHECKPOINT_REFUSAL",
+    "fsdp_refusal",
     "model_scope_refusal",
+    "opaque_output_fix",
+    "opaque_outputs",
     "part_label",
+    "refused_message",
 ]
-
-MODEL_KIND = "model"  # the Target kind of a whole part
-
-#: Why a part is not graphed whole, decided at planning.
-ModelRefusal = Literal["no_blocks", "include", "layers_not_whole", "no_forward", "fsdp"]
 
 # Plain values a graph may hand back as they were at capture: they cannot go stale.
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
-
-
-@dataclass(frozen=True)
-class ModelScopeOff:
-    """A model part not graphed whole at planning, and why."""
-
-    part: str  # the part's class name
-    reason: ModelRefusal
-    detail: str  # what refused it, and the fix
 
 
 def part_label(part: nn.Module) -> str:
@@ -149,71 +134,17 @@ def opaque_outputs(graph: Any) -> list[str]:
     return sorted({type(x).__name__ for x in leaves if not isinstance(x, (torch.Tensor, *_PLAIN))})
 
 
-def capture_model_first(
-    todo: list[Call],
-    entries: Sequence[PartialGraphEntry],
-    capture: Callable[[list[Call]], list],
-    *,
-    activation_checkpointing: bool,
-    logger: logging.Logger,
-) -> list[Call]:
-    """Capture the whole-part calls of ``todo`` first (through ``capture``, which
-    graphs a list of calls and returns their speed verdicts), then turn off the
-    targets inside each part graphed whole.
-
-    A part refused here (activation checkpointing, a failed capture, an opaque output,
-    a graph slower than eager: see the module docs and :mod:`.speed`) is turned off
-    with the reason, said at WARNING, and its layers stay in the calls to capture.
-
-    Returns:
-        The calls left to capture, in ``todo``'s order.
-    """
-    whole = [call for call in todo if call[0].target.kind == MODEL_KIND]
-    if not whole:
-        return todo
-    parts = list({id(entry): entry for entry, _ in whole}.values())  # in order, once each
-    for entry in parts:
-        calls = [call for call in whole if call[0] is entry]
-        if activation_checkpointing:
-            _refuse(entry, "model_activation_checkpointing", _CHECKPOINT_FIX, logger)
-            continue
-        try:
-            # Judged before the layers are dropped: a part slower whole keeps them.
-            turn_off_slower(capture(calls), logger)
-        except (CudaGraphCaptureError, CudaGraphOutputError) as exc:
-            _refuse(entry, "model_capture_failed", f"{type(exc).__name__}: {exc}", logger)
-            continue
-        opaque = sorted({name for g in entry.graphs() for name in opaque_outputs(g)})
-        if opaque and entry.off_reason is None:
-            _refuse(entry, "model_opaque_output", _opaque_fix(opaque), logger)
-    inside: set[int] = set()
-    for entry in parts:
-        for other in _inner(entry, entries):
-            if entry.off_reason is None and entry.graphs() and other.off_reason is None:
-                other.turn_off("in_model_graph")
-                inside.add(id(other))
-            elif entry.off_reason is not None and other.off_reason == "in_model_graph":
-                # Refused at a later capture (a new variant): the layers an earlier graph
-                # of the part stood for are targets again, recorded afresh next time.
-                other.off_reason = None
-                other.variants = []
-                other.contracts = ContractSet(other.contracts.max_variants)
-    return [c for c in todo if c[0].target.kind != MODEL_KIND and id(c[0]) not in inside]
-
-
-def _inner(entry: PartialGraphEntry, entries: Sequence[PartialGraphEntry]) -> list:
-    modules = {id(m) for m in entry.target.module.modules()}
-    return [o for o in entries if o is not entry and id(o.target.module) in modules]
-
-
-_CHECKPOINT_FIX = (
+#: Why a whole part is not captured under activation checkpointing.
+CHECKPOINT_REFUSAL = (
     "activation checkpointing is on: a graph of the whole part would hold every "
     "activation the recompute is there to drop. Its layers are graphed instead; turn "
     "checkpointing off to graph the part whole."
 )
 
 
-def _opaque_fix(names: list[str]) -> str:
+def opaque_output_fix(names: list[str]) -> str:
+    """Why a part whose forward returns objects of the types ``names`` is not graphed
+    whole, and the fix."""
     return (
         f"its forward returns {', '.join(names)} object(s), which a graph would hand back "
         "as they were at capture (stale). Fix: call the model with use_cache=False (or set "
@@ -221,13 +152,11 @@ def _opaque_fix(names: list[str]) -> str:
     )
 
 
-def _refuse(entry: PartialGraphEntry, reason: str, why: str, logger: logging.Logger) -> None:
-    entry.turn_off(reason)
-    logger.warning(
-        "partial graphs: %s is not graphed whole (stats()['off_%s']): %s. The targets "
-        "inside it are graphed instead where they are graph-safe (those an earlier graph "
-        "of it stood for from the next recorded step on).",
-        entry.name,
-        reason,
-        why.rstrip("."),
+def refused_message(part: str, reason: str, why: str) -> str:
+    """The WARNING said when the capture refuses to graph ``part`` whole for
+    ``reason`` (an ``off_`` reason), ``why`` being what refused it."""
+    return (
+        f"partial graphs: {part} is not graphed whole (stats()['off_{reason}']): "
+        f"{why.rstrip('.')}. The targets inside it are graphed instead where they are "
+        "graph-safe (those an earlier graph of it stood for from the next recorded step on)."
     )

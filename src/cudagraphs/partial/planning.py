@@ -1,10 +1,10 @@
-"""Planning partial-graph targets: from the blocks :mod:`.discovery` finds, the scopes
-asked for (:mod:`.scopes`) and the user's ``include``, the targets a manager graphs,
-the blocks that yield none (:class:`SkippedBlock`) and those graphed narrower than
-asked (:class:`NarrowedBlock`), each with the reason; and, when nothing is found, why.
-
-Split from :mod:`.discovery`, which only finds blocks and their pieces: this module
-decides; that one describes.
+"""Planning partial-graph targets, the decision of the select phase: from the blocks
+:mod:`.discovery` finds, the scopes asked for (:mod:`.scopes`) and the user's
+``include``, the targets a manager graphs, the blocks that yield none
+(:class:`SkippedBlock`) and those graphed narrower than asked (:class:`NarrowedBlock`),
+each with the reason; and, when nothing is found, why. :func:`plan_targets` is the
+preview of what :class:`~.manager.PartialCudaGraphManager` graphs: the manager plans
+each model part through it.
 """
 
 from __future__ import annotations
@@ -12,27 +12,31 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
-from ..checks import check_bool
-from ..errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
+from ..errors import CudaGraphsTypeError, TargetSelectionError
 from ..moe_kernels import GroupedMMProbe
-from .discovery import (
-    KIND_OF_SCOPE,
-    DiscoveredBlock,
-    Source,
-    Target,
-    discover_blocks,
-    is_attention,
-)
-from .model_scope import MODEL_KIND, ModelScopeOff, model_scope_refusal
-from .scopes import MODEL_SCOPE, ScopedBlock, check_scopes, scope_block
-from .selectors import Selector, include_predicate
-from .skips import NarrowedBlock, SkippedBlock, block_reports
+from .arguments import RETIRED, Selector, include_predicate, refuse_retired
+from .discovery import discover_blocks, is_attention
+from .model_scope import model_scope_refusal
+from .scopes import requested_scopes, scope_block
+from .skips import block_reports
 from .tree import children as _children
 from .tree import join_name as _join
 from .tree import named_modules as _named_modules
+from .vocabulary import (
+    KIND_OF_SCOPE,
+    MODEL_KIND,
+    MODEL_SCOPE,
+    DiscoveredBlock,
+    ModelScopeOff,
+    NarrowedBlock,
+    SkippedBlock,
+    Source,
+    Target,
+)
 
 __all__ = ["TargetPlan", "model_label", "plan_targets", "select_targets", "why_nothing_found"]
 
@@ -46,7 +50,7 @@ class TargetPlan:
     targets: list[Target]  # in module order, as select_targets returns them
     skipped: list[SkippedBlock]  # in module order
     source: Source  # "metadata" when any block came from the model's own declarations
-    # With scopes: the blocks graphed at narrower scopes than the widest asked for.
+    # The blocks graphed at narrower scopes than the widest asked for.
     narrowed: list[NarrowedBlock] = field(default_factory=list)
     # With the "model" scope asked for and refused: why the part is not graphed whole.
     model_off: ModelScopeOff | None = None
@@ -60,67 +64,67 @@ def model_label(model: nn.Module) -> str:
 def plan_targets(
     model: nn.Module,
     *,
-    attention: bool = True,
-    router: bool = True,
     include: Selector | None = None,
     scopes: Sequence[str] | None = None,
+    attention: Any = RETIRED,
+    router: Any = RETIRED,
 ) -> TargetPlan:
-    """The targets to graph in ``model`` and the blocks that yield none, with why.
+    """The targets to graph in ``model`` and the blocks that yield none, with why:
+    what :meth:`~.manager.PartialCudaGraphManager.from_model_parts` graphs in this
+    part, given the same ``include`` and ``scopes``.
 
     Args:
         model: the model (or one pipeline stage) to search; borrowed, not modified.
-        attention, router: take the discovered attention modules / MoE routers (used
-            when ``scopes`` is None; leave them at their defaults with ``scopes``).
         include: extra user-chosen targets (see :func:`include_predicate`): one glob
             pattern over qualified names (``"model.layers.*.mlp.shared_experts"``),
             a list or tuple of patterns, or a predicate ``(name, module) -> bool``.
             A module already chosen is not added twice.
-        scopes: names from :data:`SCOPES`; per block the widest requested one that is
+        scopes: names from :data:`SCOPES` (:func:`~.scopes.requested_scopes`; ``None``
+            is every one of them); per block the widest requested one that is
             graph-safe is taken (:func:`~.scopes.choose_scopes`): target kinds
             ``"layer"``, ``"moe"``, ``"attention"``, ``"router"`` (scope
             ``moe_router``), ``"mlp"``. With :data:`~.scopes.MODEL_SCOPE` too, the
             part itself is one more target (kind ``"model"``, named ``""``, first)
             when :func:`~.model_scope.model_scope_refusal` allows it; the per-layer
-            targets are kept beside it for the capture to fall back on. ``None``
-            keeps the ``attention`` / ``router`` flags.
+            targets are kept beside it for the capture to fall back on.
+        attention, router: retired; passing either raises (see
+            :func:`~.arguments.refuse_retired`).
 
     Returns:
         A :class:`TargetPlan`: the targets in the order of ``model``'s modules (empty
         when nothing fits); one :class:`SkippedBlock` per block that holds no target
-        (reason ``"no_graph_safe_scope"``: it has nothing of the kinds asked for, as a
-        Mamba or linear-attention layer without a router; ``"nothing_asked"``:
-        attention and router are off, or ``scopes=()``, and ``include`` names nothing
-        in it); with ``scopes``, one :class:`NarrowedBlock` per block graphed at
-        narrower scopes than the widest asked for; and ``source``, ``"metadata"`` when
-        any block came from the model's declarations; ``model_off``, why the part is
-        not a ``"model"`` target when that scope was asked for. Beyond the rules of
-        :mod:`.scopes`, it does not judge whether a target is graph-safe.
+        (reason ``"no_graph_safe_scope"``: no requested scope fits it, as a Mamba or
+        linear-attention layer asked for attention alone; ``"nothing_asked"``:
+        ``scopes=()`` and ``include`` names nothing in it); one
+        :class:`NarrowedBlock` per block graphed at narrower scopes than the widest
+        asked for; ``source``, ``"metadata"`` when any block came from the model's
+        declarations; and ``model_off``, why the part is not a ``"model"`` target when
+        that scope was asked for. Beyond the rules of :mod:`.scopes`, it does not
+        judge whether a target is graph-safe.
 
     Raises:
-        CudaGraphsTypeError: ``model`` is not an ``nn.Module``, ``attention`` /
-            ``router`` is not a bool, or ``include`` / ``scopes`` has an unusable type.
-        CudaGraphsValueError: ``scopes`` names an unknown scope or one twice, or comes
-            with ``attention`` / ``router`` switched off.
+        CudaGraphsTypeError: ``model`` is not an ``nn.Module``, ``include`` /
+            ``scopes`` has an unusable type, or a retired switch was passed.
+        CudaGraphsValueError: ``scopes`` names an unknown scope or one twice.
         TargetSelectionError: the same physical module would be graphed under two
             names (a shared layer runs more than once per forward), or one target
             contains another.
     """
+    refuse_retired("plan_targets", attention=attention, router=router)
     if not isinstance(model, nn.Module):
         raise CudaGraphsTypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    check_bool("attention", attention)
-    check_bool("router", router)
-    requested = None if scopes is None else _scopes_alone(scopes, attention, router)
+    requested = requested_scopes(scopes)
     predicate = include_predicate(include)
     blocks = discover_blocks(model)
     probe = GroupedMMProbe()  # asks torch once per (dtype, device) in this pass
-    scoped = (
-        None
-        if requested is None
-        else {b.name: scope_block(b, model, requested, probe) for b in blocks}
-    )
-    targets = _block_targets(blocks, scoped, attention=attention, router=router)
+    scoped = {b.name: scope_block(b, model, requested, probe) for b in blocks}
+    targets = [
+        Target(name, module, KIND_OF_SCOPE[scope], b.name)
+        for b in blocks
+        for name, module, scope in scoped[b.name].pieces
+    ]
     model_off = None
-    if requested is not None and MODEL_SCOPE in requested:
+    if MODEL_SCOPE in requested:
         model_off = model_scope_refusal(
             model, blocks, include_given=predicate is not None, probe=probe
         )
@@ -131,17 +135,15 @@ def plan_targets(
     _reject_shared(targets)
     order = {name: i for i, (name, _) in enumerate(named)}
     targets.sort(key=lambda t: order[t.name])  # every target is one of named
-    whole = requested is not None and MODEL_SCOPE in requested and model_off is None
+    whole = MODEL_SCOPE in requested and model_off is None
     if whole:
         targets.insert(0, Target("", model, MODEL_KIND))  # the part itself, first
     skipped, narrowed = block_reports(
         blocks,
         # Every block lies in a part graphed whole; the scopes named are per block.
         [t.name for t in targets] + ([b.name for b in blocks] if whole else []),
-        attention=attention,
-        router=router,
-        requested=None if requested is None else tuple(s for s in requested if s != MODEL_SCOPE),
-        scoped=scoped or {},
+        requested=tuple(s for s in requested if s != MODEL_SCOPE),
+        scoped=scoped,
         example_of=_include_example,
     )
     for s in skipped:
@@ -156,48 +158,18 @@ def plan_targets(
     )
 
 
-def _block_targets(
-    blocks: list[DiscoveredBlock],
-    scoped: dict[str, ScopedBlock] | None,
-    *,
-    attention: bool,
-    router: bool,
-) -> list[Target]:
-    if scoped is None:  # no scopes: the flags pick the attention and router targets
-        pairs = [p for b in blocks for p in ((b.attention, attention), (b.router, router))]
-        return [t for t, wanted in pairs if wanted and t is not None]
-    return [
-        Target(name, module, KIND_OF_SCOPE[scope], b.name)
-        for b in blocks
-        for name, module, scope in scoped[b.name].pieces
-    ]
-
-
-def _scopes_alone(scopes: object, attention: bool, router: bool) -> tuple[str, ...]:
-    requested = check_scopes(scopes)
-    off = [f"{n}=False" for n, on in (("attention", attention), ("router", router)) if not on]
-    if off:
-        raise CudaGraphsValueError(
-            f"plan_targets got scopes={requested!r} and {' and '.join(off)}: the flags and "
-            "scopes both choose what is graphed; use one or the other. Fixes: 1. keep "
-            "scopes and drop the flags (scopes=('attention',) takes attention only); "
-            "2. drop scopes and keep the flags"
-        )
-    return requested
-
-
 def select_targets(
     model: nn.Module,
     *,
-    attention: bool = True,
-    router: bool = True,
     include: Selector | None = None,
     scopes: Sequence[str] | None = None,
+    attention: Any = RETIRED,
+    router: Any = RETIRED,
 ) -> list[Target]:
     """The targets to graph in ``model``, in module order: :func:`plan_targets`'s
     ``targets`` (same arguments, same errors), without the skipped blocks."""
-    plan = plan_targets(model, attention=attention, router=router, include=include, scopes=scopes)
-    return plan.targets
+    refuse_retired("select_targets", attention=attention, router=router)
+    return plan_targets(model, include=include, scopes=scopes).targets
 
 
 def _reject_shared(targets: list[Target]) -> None:
@@ -209,8 +181,8 @@ def _reject_shared(targets: list[Target]) -> None:
                 f"{t.name} and {other} are the same module object: it runs more than once "
                 "per forward, and one graph cannot stand for several calls with different "
                 "inputs. Fixes: 1. untie the modules (one object per position); 2. leave "
-                "them out of the targets (attention=False / router=False, narrower scopes, "
-                "or an include that does not name them)."
+                "them out of the targets (scopes= without their scope, or an include= "
+                "that does not name them)."
             )
     names = {t.name for t in targets}
     for inner in sorted(names):
@@ -220,7 +192,7 @@ def _reject_shared(targets: list[Target]) -> None:
             if outer in names:
                 raise TargetSelectionError(
                     f"target {inner} lies inside target {outer}; graph one of them, not "
-                    "both (narrow include, narrow scopes, or turn attention / router off)"
+                    "both (narrow include= or scopes=)"
                 )
 
 
@@ -234,28 +206,18 @@ def _include_example(block: DiscoveredBlock) -> str:
 
 
 def why_nothing_found(
-    parts: Sequence[nn.Module],
-    *,
-    attention: bool,
-    router: bool,
-    include: Selector | None,
-    scopes: Sequence[str] | None = None,
+    parts: Sequence[nn.Module], *, include: Selector | None, scopes: Sequence[str]
 ) -> str:
-    """Why no target was found in ``parts``, with the fixes (for a log line). With
-    ``scopes``, the flags are not consulted."""
+    """Why no target was found in ``parts`` with ``include`` and the ``scopes`` asked
+    for (:func:`~.scopes.requested_scopes`), with the fixes (for a log line)."""
     if not parts:
         return "no model parts were given"
     searched = ", ".join(model_label(p) for p in parts)
-    if scopes is not None:
-        asked = [f"scopes {', '.join(scopes)}"] if scopes else []
-        nothing = "scopes=() and no include"
-    else:
-        asked = [w for w, on in (("attention", attention), ("MoE routers", router)) if on]
-        nothing = "attention=False, router=False and no include"
+    asked = [f"scopes {', '.join(scopes)}"] if scopes else []
     if include is not None:
         asked.append(f"include={include!r}")
     if not asked:
-        return f"in {searched}: {nothing}: nothing asked for"
+        return f"in {searched}: scopes=() and no include: nothing asked for"
     declared = any(b.source == "metadata" for p in parts for b in discover_blocks(p))
     rule = _METADATA_RULE if declared else _STRUCTURE_RULE
     return (

@@ -1,43 +1,53 @@
-"""What recording needs beyond one call: telling forwards of the model apart, the
-policy for inference calls, and the modes a recorded variant is captured in.
+"""The record phase: each target's recording store and the hooks that fill it.
+
+* :class:`RecordedVariant`: one recorded call of a target (a variant): the samples its
+  capture needs, then the graph captured from them.
+* :class:`TargetRecording`: one target's recording store: its variants (one
+  :class:`~.contract.CallContract` each, in a :class:`~.contract.ContractSet`), the
+  parameters its graphs take as inputs, and whether it was turned off.
+* :class:`Recorder`: one manager's recording: a hook on every target, the forward
+  clock over the model parts, the order in which targets were first called (the
+  capture order), and the links between one target's output and the next one's input
+  (:mod:`.chaining`).
 
 Why forwards must be told apart: a target called twice within ONE forward is a real
 reuse (one graph's static outputs and saved activations would be overwritten by the
 second call before the first one's backward), while a target called once in each of
 several forwards of the recorded step is gradient accumulation, which is safe. Only
-the model's own forward boundaries separate the two, so the manager counts the
-forwards of its model parts with a pair of hooks on each part.
+the model's own forward boundaries separate the two, so the recorder counts the
+forwards of the model parts with a pair of hooks on each part (:class:`ForwardClock`).
+
+What this module does NOT do: it captures nothing (:mod:`.graphing` does) and replays
+nothing (:mod:`.replay` does).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsValueError
 from ..torch_private import current_graph_task_id
-from .autocast import AutocastState
-from .chaining import OutputLinks
-
-if TYPE_CHECKING:
-    from .entry import PartialGraphEntry
-
-#: One recorded call to capture: a target and the index of its variant.
-Call = tuple["PartialGraphEntry", int]
+from .chaining import Link, OutputLinks
+from .contract import CallContract, ContractSet
+from .vocabulary import OffReason, Target
 
 __all__ = [
     "INFERENCE_CALLS",
+    "Call",
     "ForwardClock",
-    "Recorder",
     "InferenceCalls",
-    "capture_groups",
-    "capture_modes",
+    "RecordedVariant",
+    "Recorder",
+    "TargetRecording",
     "check_inference_calls",
+    "in_backward",
     "is_inference_call",
 ]
 
@@ -50,6 +60,11 @@ INFERENCE_CALLS: tuple[str, ...] = ("ignore", "record")
 
 
 def check_inference_calls(value: Any) -> InferenceCalls:
+    """``value`` as an :data:`InferenceCalls`.
+
+    Raises:
+        CudaGraphsValueError: ``value`` is not one of :data:`INFERENCE_CALLS`.
+    """
     if value not in INFERENCE_CALLS:
         raise CudaGraphsValueError(
             f"inference_calls must be one of {INFERENCE_CALLS}, got {value!r}. 'ignore' "
@@ -63,6 +78,171 @@ def is_inference_call(module: nn.Module) -> bool:
     """Whether a call of ``module`` now is an evaluation-style call: grad disabled or
     the module in eval mode."""
     return not torch.is_grad_enabled() or not module.training
+
+
+def _detached_clone(value: Any) -> Any:
+    """A sample of a recorded argument: same metadata, its own storage, no history."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return value
+
+
+@dataclass
+class RecordedVariant:
+    """One recorded call of a target (a variant): the samples its capture needs, and
+    its graph once captured. The samples are dropped after capture (the graph holds
+    inputs of its own); until then a failed capture can be retried from them."""
+
+    args: tuple | None
+    kwargs: dict | None
+    # Under FSDP2 (see .fsdp) the recorded values of the unsharded parameters, which
+    # the graph copies in at each call; empty otherwise.
+    params: tuple[torch.Tensor, ...] = ()
+    graph: Any = None
+    # The graph's replay from the call's tensors alone, when the graph flattens its
+    # call exactly as the contract does behind the parameters (.graphing sets it): the
+    # call is then flattened and checked once, by the contract.
+    replay_checked: Callable[[list], Any] | None = None
+    # While recording: tensor input index -> the output it was in every recorded call
+    # of this variant (.chaining); None before the first.
+    chained: dict[int, Link] | None = None
+
+    def captured(self, graph: Any, replay_checked: Callable[[list], Any] | None) -> None:
+        """Hold ``graph`` (and its checked replay, if any); drop the samples."""
+        self.graph = graph
+        self.replay_checked = replay_checked
+        self.args = self.kwargs = None
+        self.params = ()
+        self.chained = None
+
+    def release(self) -> None:
+        """Forget the graph and the samples."""
+        self.graph = self.args = self.kwargs = self.replay_checked = None
+        self.params = ()
+
+
+@dataclass
+class TargetRecording:
+    """One target's recording store: ``variants[i]`` records the call of
+    ``contracts.variants[i]`` (the matcher's view of it) and, once captured, holds its
+    graph. Owned by the manager; the target's module is borrowed.
+
+    A target turned off (``off_reason`` set: a graph slower than eager, a stateful
+    argument, a part graphed whole around it) is no longer recorded or captured and
+    holds no graph; the manager gives its module its own forward back.
+    """
+
+    target: Target
+    contracts: ContractSet
+    param_names: tuple[str, ...] = ()
+    params: tuple[nn.Parameter, ...] = ()
+    # Under FSDP2 (see .fsdp): parameters are fetched at each call and copied into the
+    # graph rather than read in place.
+    fsdp: bool = False
+    variants: list[RecordedVariant] = field(default_factory=list)
+    off_reason: OffReason | None = None
+    # While recording: calls recorded, the forward of the model the last one belonged
+    # to, and whether a call was seen again within one forward (a real reuse, refused by
+    # capture()).
+    recorded_calls: int = 0
+    last_forward: int | None = None
+    repeated: bool = False
+
+    @property
+    def name(self) -> str:
+        """The target's qualified name; a whole model part (named ``""``) by its class."""
+        return self.target.name or type(self.target.module).__name__
+
+    def begin(self) -> None:
+        """Start a recording: no call of it seen yet."""
+        self.recorded_calls = 0
+        self.repeated = False
+
+    def note_call(self, forward: int | None) -> bool:
+        """Count a call made within the model's forward number ``forward``; ``False``
+        when it repeats a call of that forward, which is only noted (``repeated``:
+        capture() refuses it, naming the target) and not recorded.
+
+        ``forward`` is ``None`` when forwards cannot be told apart (a manager built
+        without its model parts): then any second call counts as a repeat. Calls from
+        different forwards (micro-batches of one step, gradient accumulation) are
+        recorded.
+        """
+        if self.recorded_calls and (forward is None or forward == self.last_forward):
+            self.repeated = True
+            return False
+        self.recorded_calls += 1
+        self.last_forward = forward
+        return True
+
+    def record(self, args: tuple, kwargs: dict) -> int | None:
+        """Record a call as a variant: the index of the variant it is (an identical
+        contract adds nothing, a new one is another variant), or ``None`` when
+        ``max_variants`` variants are recorded already and this one is new."""
+        contract = CallContract.from_call(args, kwargs, training=self.target.module.training)
+        index = self.contracts.add(contract)
+        if index == len(self.variants):
+            self.variants.append(
+                RecordedVariant(
+                    args=tuple(_detached_clone(a) for a in args),
+                    kwargs={k: _detached_clone(v) for k, v in kwargs.items()},
+                    # Plain tensors, not parameters: the graph copies these per call.
+                    params=tuple(_detached_clone(p) for p in self.call_params())
+                    if self.fsdp
+                    else (),
+                )
+            )
+        return index
+
+    def call_params(self) -> tuple[nn.Parameter, ...]:
+        """The parameters to pass to the graph now: fixed ones, or under FSDP2 the
+        module's current (unsharded, inside forward) parameters."""
+        if not self.fsdp:
+            return self.params
+        module = self.target.module
+        return tuple(module.get_parameter(name) for name in self.param_names)
+
+    def capture_params(self, variant: int) -> tuple[torch.Tensor, ...]:
+        """The parameter samples to capture ``variant`` with."""
+        return self.variants[variant].params if self.fsdp else self.params
+
+    def graphs(self) -> list[Any]:
+        """The graphs held, one per captured variant."""
+        return [v.graph for v in self.variants if v.graph is not None]
+
+    def release_graphs(self) -> None:
+        """Reset every graph held (a graph with a ``reset`` releases its memory) and
+        forget the variants' graphs and samples."""
+        for g in self.graphs():
+            reset = getattr(g, "reset", None)
+            if reset is not None:
+                reset()
+        for v in self.variants:
+            v.release()
+
+    def turn_off(self, reason: OffReason) -> None:
+        """Take the target out for good: its graphs released, recording and capture
+        skip it from now on, counted in ``stats()`` as ``off_<reason>``."""
+        self.release_graphs()
+        self.off_reason = reason
+
+    def start_afresh(self) -> None:
+        """Make a target turned off a target again, with nothing recorded."""
+        self.off_reason = None
+        self.variants = []
+        self.contracts = ContractSet(self.contracts.max_variants)
+
+
+#: One recorded call to capture: a target's recording and the index of its variant.
+Call = tuple[TargetRecording, int]
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (where an
+    activation-checkpoint recompute calls modules again)."""
+    # Private torch API, checked at import (see ..torch_private): without it a
+    # recompute would be taken for a second call.
+    return current_graph_task_id() != -1
 
 
 class ForwardClock:
@@ -106,168 +286,114 @@ class ForwardClock:
         return self.serial
 
 
-@contextmanager
-def capture_modes(
-    grad_enabled: bool,
-    training: bool,
-    modules: Sequence[nn.Module],
-    autocast: AutocastState = (),
-) -> Iterator[None]:
-    """Grad mode, autocast state and the training flag of ``modules`` as they were
-    when a variant was recorded.
-
-    A module already in that mode is left alone (submodules may hold a mode of their
-    own, such as frozen norms in eval); one that is not is switched with
-    ``train(training)``, as ``model.eval()`` did, and every flag is restored after.
-    Autocast is entered with its weight cache off: cast weights cached during capture
-    would be freed and replayed stale (the core refuses the cache for that reason),
-    and the cache changes no value, only how often weights are cast.
-    """
-    saved = [(m, m.training) for module in modules for m in module.modules()]
-    try:
-        for module in modules:
-            if module.training != training:
-                module.train(training)
-        with ExitStack() as stack:
-            stack.enter_context(torch.set_grad_enabled(grad_enabled))
-            for device, dtype in autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=False))
-            yield
-    finally:
-        for m, flag in saved:
-            m.training = flag
-
-
-def capture_groups(todo: Sequence[Call], one_pool_per_call: bool) -> list[list[Call]]:
-    """The recorded calls to capture together (one backend call, one pool, replayed in
-    capture order), in order.
-
-    Training calls (grad on, training flag set) form the first group. Inference
-    variants (grad off or eval mode) are captured apart, one group per mode, in pools
-    of their own: they run between steps, in an order of their own, and must not
-    reuse the training graphs' memory. Calls recorded under different autocast
-    states are captured apart too (one state per capture). With ``one_pool_per_call`` (activation
-    checkpointing: a recompute replays a forward after later graphs ran) every call
-    is a group of its own.
-    """
-    by_mode: dict[tuple[bool, bool, AutocastState], list[Call]] = {}
-    for entry, i in todo:
-        v = entry.contracts.variants[i]
-        by_mode.setdefault((v.grad_enabled, v.training, v.autocast), []).append((entry, i))
-    groups: list[list[Call]] = []
-    # Training first; otherwise in the order the modes were first recorded.
-    for mode in sorted(by_mode, key=lambda m: m[:2] != (True, True)):
-        calls = by_mode[mode]
-        groups += [[call] for call in calls] if one_pool_per_call else [calls]
-    return groups
-
-
-def in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread (where an
-    activation-checkpoint recompute calls modules again)."""
-    # Private torch API, checked at import (see ..torch_private): without it a
-    # recompute would be taken for a second call.
-    return current_graph_task_id() != -1
-
-
 class Recorder:
     """One manager's recording: a hook on every target, the forward clock over the
     model parts, the order in which targets were first called (the capture order),
     and what recording noticed on the way (an activation-checkpoint recompute, calls
-    left unrecorded by ``inference_calls``).
+    left unrecorded by ``inference_calls`` or by a full set of variants).
 
     Args:
-        entries: the targets (:class:`~.entry.PartialGraphEntry`).
+        recordings: the targets' recording stores (borrowed; filled by the hooks).
         parts: the model parts whose forwards are told apart; empty when unknown.
         inference_calls: see :data:`InferenceCalls`.
         on_recompute: called once per target recomputed in backward.
         logger: where the one-time notes go.
+        warn_once: the manager's once-per-cause warnings.
     """
 
     def __init__(
         self,
-        entries: Sequence[PartialGraphEntry],
+        recordings: Sequence[TargetRecording],
         parts: Sequence[nn.Module],
         inference_calls: InferenceCalls,
-        on_recompute: Callable[[PartialGraphEntry], None],
+        on_recompute: Callable[[TargetRecording], None],
         logger: logging.Logger,
+        warn_once: WarnOnce,
     ) -> None:
-        self.entries = entries
+        self.recordings = recordings
         self.parts = list(parts)
         self.inference_calls = inference_calls
         self.clock = ForwardClock() if self.parts else None
-        self.order: list[PartialGraphEntry] = []
+        self.order: list[TargetRecording] = []
         self.active = False
         self._on_recompute = on_recompute
         self._logger = logger
+        self._warn_once = warn_once
         self._said_ignored = False
         # Which calls feed on another target's output (see .chaining), and the call
-        # of each target whose output is awaited: id(entry) -> (variant, forward).
+        # of each target whose output is awaited: id(recording) -> (variant, forward).
         self.links = OutputLinks()
         self._awaited: dict[int, tuple[int, int | None]] = {}
-        self._output_hooks: list[Any] = []
+        self._hooks: list[Any] = []
 
     def start(self) -> None:
+        self.stop()
         self.order = []
-        self.links.clear()
         self._awaited = {}
-        for entry in self.entries:
-            entry.begin_recording()
-            if entry.recorder is None:
-                entry.recorder = entry.target.module.register_forward_pre_hook(
-                    self._hook(entry), with_kwargs=True
-                )
-                self._output_hooks.append(
-                    entry.target.module.register_forward_hook(self._output_hook(entry))
-                )
+        for rec in self.recordings:
+            rec.begin()
+            module = rec.target.module
+            self._hooks.append(module.register_forward_pre_hook(self._hook(rec), with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(self._output_hook(rec)))
         if self.clock is not None:
             self.clock.install(self.parts)
         self.active = True
 
     def stop(self) -> None:
-        for entry in self.entries:
-            if entry.recorder is not None:
-                entry.recorder.remove()
-                entry.recorder = None
-        for handle in self._output_hooks:
+        for handle in self._hooks:
             handle.remove()
-        self._output_hooks = []
+        self._hooks = []
         self.links.clear()  # drops the outputs it held
         if self.clock is not None:
             self.clock.remove()
         self.active = False
 
-    def _hook(self, entry: PartialGraphEntry) -> Callable[..., None]:
+    def _hook(self, rec: TargetRecording) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if entry.bypass or entry.off_reason is not None:
+            if rec.off_reason is not None:
                 return
             if in_backward():
                 # An activation-checkpoint recompute of a call already recorded, not
                 # a second call of the forward.
-                self._on_recompute(entry)
+                self._on_recompute(rec)
                 return
             if self.inference_calls == "ignore" and is_inference_call(module):
-                self._say_ignored(entry)
+                self._say_ignored(rec)
                 return
-            if entry.recorded_calls == 0:
-                self.order.append(entry)
+            if rec.recorded_calls == 0:
+                self.order.append(rec)
             forward = self.clock.current() if self.clock else None
-            variant = entry.record(args, kwargs, forward)
-            if variant is not None:
-                self.links.note_call(entry, variant, entry.call_params(), args, kwargs, forward)
-                self._awaited[id(entry)] = (variant, forward)
+            if not rec.note_call(forward):
+                return
+            index = rec.record(args, kwargs)
+            if index is None:
+                self._say_full(rec)
+                return
+            self.links.note_call(rec, rec.variants[index], rec.call_params(), args, kwargs, forward)
+            self._awaited[id(rec)] = (index, forward)
 
         return hook
 
-    def _output_hook(self, entry: PartialGraphEntry) -> Callable[..., None]:
+    def _output_hook(self, rec: TargetRecording) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            awaited = self._awaited.pop(id(entry), None)
+            awaited = self._awaited.pop(id(rec), None)
             if awaited is not None:
-                self.links.note_output(entry, awaited[0], output, awaited[1])
+                self.links.note_output(rec, awaited[0], output, awaited[1])
 
         return hook
 
-    def _say_ignored(self, entry: PartialGraphEntry) -> None:
+    def _say_full(self, rec: TargetRecording) -> None:
+        self._warn_once(
+            "variants_full",
+            "partial graphs: %s already has max_variants=%d recorded variants; this "
+            "new call is not recorded and will run eagerly. Fix: pass a larger "
+            "max_variants to from_model_parts, or keep fewer distinct input shapes. "
+            "Later refusals (any target) are not logged again.",
+            rec.name,
+            rec.contracts.max_variants,
+        )
+
+    def _say_ignored(self, rec: TargetRecording) -> None:
         if not self._said_ignored:
             self._said_ignored = True
             self._logger.info(
@@ -275,5 +401,5 @@ class Recorder:
                 "recording (an evaluation, say); such calls are not recorded "
                 "(inference_calls='ignore') and run eagerly, counted as fallbacks. Pass "
                 "inference_calls='record' to graph them as inference variants.",
-                entry.name,
+                rec.name,
             )

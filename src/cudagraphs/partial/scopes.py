@@ -21,68 +21,40 @@ static shapes, read from what the model says is in effect
 ``grouped_mm`` experts, also whether torch runs their dtype on this GPU without a host
 sync (:mod:`cudagraphs.moe_kernels`: bfloat16 yes, float32 no on torch 2.11).
 
-What this module does NOT do: it finds no blocks, attention or routers
-(:mod:`.discovery` does), builds no :class:`~.discovery.Target`, and does not prove a
-scope graph-safe: the replay contract and the capture check each call.
+What this module does NOT do: it finds no blocks, attention, routers, MoE sublayers or
+MLPs (:mod:`.discovery` does), builds no :class:`~.vocabulary.Target`, and does not
+prove a scope graph-safe: the replay contract and the capture check each call.
 """
 
 from __future__ import annotations
 
 import difflib
-import inspect
-import logging
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
-import torch
 from torch import nn
 
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError
 from ..moe_kernels import (
-    STATIC_EXPERTS,
     GroupedMMProbe,
     experts_implementation,
     experts_weight,
     static_experts,
 )
-from .tree import children, join_name
-
-if TYPE_CHECKING:
-    from .discovery import DiscoveredBlock
+from .vocabulary import MODEL_SCOPE, SCOPES, DiscoveredBlock, NarrowReason, Scope
 
 __all__ = [
-    "MODEL_SCOPE",
-    "SCOPES",
-    "STATIC_EXPERTS",
     "BlockOffer",
-    "NarrowReason",
-    "Scope",
     "ScopeChoice",
     "ScopedBlock",
     "check_scopes",
     "choose_scopes",
-    "experts_implementation",
-    "find_mlp",
-    "forward_parameters",
-    "names_overlap",
+    "requested_scopes",
     "scope_block",
-    "static_experts",
 ]
 
-logger = logging.getLogger(__name__)
-
-Scope = Literal["attention", "moe_router", "mlp", "moe", "layer"]
-SCOPES: tuple[Scope, ...] = ("attention", "moe_router", "mlp", "moe", "layer")
-#: The scope of a whole model part (embeddings, every layer, head and loss as its forward
-#: runs them): wider than any layer, so never a default; see :mod:`.model_scope`.
-MODEL_SCOPE: Literal["model"] = "model"
 _ACCEPTED: tuple[str, ...] = (*SCOPES, MODEL_SCOPE)
-NarrowReason = Literal["no_attention", "eager_experts", "unknown_experts", "host_grouped_mm"]
-
-# torch's own norms. transformers' RMSNorm classes are not among them; they hold only a
-# 1-D weight, so the two-projection rule of find_mlp leaves them out.
-_NORMS: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
 
 
 def check_scopes(value: Any) -> tuple[str, ...]:
@@ -123,59 +95,12 @@ def check_scopes(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def forward_parameters(module: nn.Module) -> list[inspect.Parameter]:
-    """The parameters of ``module.forward`` (empty when it has no signature)."""
-    try:
-        return list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return []
-
-
-def _one_tensor_argument(module: nn.Module) -> bool:
-    # Exactly one parameter and no *args / **kwargs: a Mamba or linear-attention mixer
-    # (hidden_states plus cache / mask, often **kwargs) is not a dense MLP.
-    params = forward_parameters(module)
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return len(params) == 1 and params[0].kind in positional
-
-
-def _projections(module: nn.Module) -> int:
-    # A 2-D weight: nn.Linear and GPT-2's Conv1D (weight stored transposed) alike.
-    count = 0
-    for m in module.modules():
-        weight = getattr(m, "weight", None)
-        count += isinstance(weight, torch.Tensor) and weight.dim() == 2
-    return count
-
-
-def find_mlp(
-    block: nn.Module, prefix: str = "", *, taken: Collection[str] = ()
-) -> tuple[str, nn.Module] | None:
-    """The block's dense MLP sublayer: a direct child that neither is nor holds nor lies
-    in a module named in ``taken`` (the attention and the MoE sublayer), is not a torch
-    norm, owns two or more projections (modules with a 2-D weight) and whose forward
-    takes one tensor argument. The first in module order when several qualify (logged
-    at DEBUG). No metadata declares MLPs: this rule is structural only."""
-    found = []
-    for child_name, child in children(block):
-        name = join_name(prefix, child_name)
-        if any(names_overlap(name, t) for t in taken) or isinstance(child, _NORMS):
-            continue
-        if _projections(child) >= 2 and _one_tensor_argument(child):
-            found.append((name, child))
-    if len(found) > 1:
-        logger.debug(
-            "block %s has several MLP-like children %s; taking the first",
-            prefix,
-            [n for n, _ in found],
-        )
-    return found[0] if found else None
-
-
-def names_overlap(a: str, b: str) -> bool:
-    """Whether qualified names ``a`` and ``b`` are the same module or one lies in the
-    other (dot-separated: ``layers.1`` does not hold ``layers.10``)."""
-    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+def requested_scopes(scopes: Any) -> tuple[str, ...]:
+    """The scopes asked for: ``scopes`` checked (:func:`check_scopes`), or with
+    ``None`` every one of :data:`SCOPES`, so that each layer is graphed as widely as is
+    graph-safe. The one place the default is decided: :func:`~.planning.plan_targets`
+    and the manager both plan through it."""
+    return SCOPES if scopes is None else check_scopes(scopes)
 
 
 @dataclass(frozen=True)
@@ -271,11 +196,8 @@ def scope_block(
     runs their dtype on the device without a host sync (a fresh one when ``None``;
     pass one per discovery pass to ask torch once). Borrows everything; modifies
     nothing."""
-    moe_at = (block.moe, _module_at(block, block.moe)) if block.moe is not None else None
-    taken = [
-        n for n in (block.moe, block.attention.name if block.attention else None) if n is not None
-    ]
-    mlp = find_mlp(block.module, block.name, taken=taken)
+    moe_at = (block.moe, block.moe_module) if block.moe is not None else None
+    mlp = (block.mlp.name, block.mlp.module) if block.mlp is not None else None
     experts = experts_implementation(moe_at[1], model) if moe_at is not None else None
     grouped_on_device = True
     if experts == "grouped_mm" and moe_at is not None:
@@ -302,16 +224,3 @@ def scope_block(
         assert hit is not None, f"scope {scope} chosen in {block.name} without its module"
         pieces.append((hit[0], hit[1], scope))
     return ScopedBlock(offer, choice, tuple(pieces))
-
-
-def _module_at(block: DiscoveredBlock, name: str) -> nn.Module:
-    # Walked through tree.children, not get_submodule(): names are reported with
-    # checkpoint wrappers unwrapped, and the module must be the wrapped one. Discovery
-    # names the MoE sublayer inside its block, so every part is found.
-    if name == block.name:
-        return block.module
-    head = block.name + "." if block.name else ""
-    module = block.module
-    for part in name[len(head) :].split("."):
-        module = dict(children(module))[part]
-    return module

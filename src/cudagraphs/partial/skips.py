@@ -1,19 +1,10 @@
-"""Why a discovered block yields no target: one :class:`SkippedBlock` per such block,
-with a reason slug a program can count and a sentence a user can act on (what the
-block holds, what was looked for, the fix).
-
-Reasons:
-
-- ``"no_graph_safe_scope"``: the block holds nothing of the kinds asked for (a Mamba
-  or linear-attention layer without an MoE router; any block without a router when
-  only routers are asked for).
-- ``"nothing_asked"``: ``attention=False`` and ``router=False`` (or ``scopes=()``),
-  and ``include`` names nothing in the block.
-
-With ``scopes``, a block that yields some target but not the widest scope asked for is
-one :class:`NarrowedBlock` (reasons in :mod:`.scopes`: ``"no_attention"``,
-``"eager_experts"``, ``"unknown_experts"``, ``"host_grouped_mm"``); one that yields none stays a
-:class:`SkippedBlock` (``"no_graph_safe_scope"``) whose detail gives the same reasons.
+"""Why a discovered block yields no target, or a narrower one than asked: one
+:class:`~.vocabulary.SkippedBlock` per block with no target and one
+:class:`~.vocabulary.NarrowedBlock` per block graphed at narrower scopes, each with a
+reason a program can count (from :data:`~.vocabulary.SKIPPED` and
+:data:`~.vocabulary.NARROWED`) and a detail a user can act on: what the block holds,
+what was looked for and why each scope was refused (by the rules of :mod:`.scopes`),
+and the fixes as numbered options.
 
 What this module does NOT do: it decides no target (:mod:`.discovery` and
 :mod:`.scopes` do) and does not log; the caller reports the records.
@@ -22,92 +13,30 @@ What this module does NOT do: it decides no target (:mod:`.discovery` and
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
-from .metadata import ClassSpec, ModelMetadata
-from .scopes import NarrowReason, Scope, ScopedBlock, names_overlap
-from .tree import children
-
-if TYPE_CHECKING:
-    from .discovery import DiscoveredBlock
+from .scopes import ScopedBlock
+from .tree import children, names_overlap
+from .vocabulary import (
+    ClassSpec,
+    DiscoveredBlock,
+    ModelMetadata,
+    NarrowedBlock,
+    NarrowReason,
+    Scope,
+    SkippedBlock,
+)
 
 __all__ = [
-    "NarrowReason",
-    "NarrowedBlock",
-    "SkipReason",
-    "SkippedBlock",
     "block_reports",
     "narrow_record",
     "scoped_skip_record",
-    "skip_record",
 ]
-
-SkipReason = Literal["no_graph_safe_scope", "nothing_asked"]
 
 _NOT_ATTENTION = (
     "no attention-like child (called with hidden_states plus an attention mask or "
     "positions, owning two or more projections)"
 )
 _NOT_ROUTER = "no MoE router (a gate or router with a 2-D weight beside experts)"
-
-
-@dataclass(frozen=True)
-class SkippedBlock:
-    """A block that yields no target, and why (so that nothing is left out silently)."""
-
-    name: str  # qualified block name
-    block_type: str  # class name
-    reason: SkipReason  # short slug, see the module docstring
-    detail: str  # what was found, why it was skipped, the fix (include=)
-
-
-@dataclass(frozen=True)
-class NarrowedBlock:
-    """A block graphed at narrower scopes than the widest one asked for, and why."""
-
-    name: str  # qualified block name
-    block_type: str  # class name
-    wanted: Scope  # the widest requested scope refused ("layer" or "moe")
-    got: tuple[Scope, ...]  # the scopes taken instead: attention, then feed-forward (never ())
-    reason: NarrowReason  # the first refusal; the detail names every one
-    detail: str  # what was refused, why, what was taken, the fixes
-
-
-def skip_record(
-    block: DiscoveredBlock,
-    *,
-    attention: bool,
-    router: bool,
-    attention_anywhere: bool,
-    example: str,
-) -> SkippedBlock:
-    """The record for ``block``, which yields no target.
-
-    Args:
-        block: the discovered block (borrowed).
-        attention, router: what was asked for.
-        attention_anywhere: whether any block of the same model part has attention
-            (when none has, a declared attention class may have been replaced).
-        example: a qualified module name to suggest for ``include=``.
-    """
-    block_type, head = _head(block)
-    if not (attention or router):
-        return SkippedBlock(block.name, block_type, "nothing_asked", f"{head}; {_NOTHING_FLAGS}")
-    missing = []
-    if attention:
-        missing.append(_missing_attention(block.metadata, attention_anywhere))
-    if router:
-        missing.append(_missing_router(block.metadata))
-    # A piece found in a skipped block is one whose switch is off.
-    left_out = [
-        f"its {t.kind} {t.name} is left out ({t.kind}=False)"
-        for t in (block.attention, block.router)
-        if t is not None
-    ]
-    detail = "; ".join([head, "it has " + " and ".join(missing), *left_out])
-    fix = _numbered([_INCLUDE_FIX.format(example=example)])
-    return SkippedBlock(block.name, block_type, "no_graph_safe_scope", f"{detail}. {fix}")
 
 
 def _head(block: DiscoveredBlock) -> tuple[str, str]:
@@ -138,10 +67,6 @@ def _missing_router(declared: ModelMetadata | None) -> str:
 _NOWHERE = (
     " and no block of this model part holds one (if the attention modules were replaced "
     "by another class, name them with include=)"
-)
-_NOTHING_FLAGS = (
-    "attention=False and router=False, and include names nothing in it. Fixes: 1. turn "
-    "attention or router on; 2. name modules of it with include="
 )
 _NOTHING_SCOPES = (
     "scopes=() and include names nothing in it. Fixes: 1. ask for scopes (attention, "
@@ -193,9 +118,7 @@ def block_reports(
     blocks: list[DiscoveredBlock],
     target_names: list[str],
     *,
-    attention: bool,
-    router: bool,
-    requested: tuple[Scope, ...] | None,
+    requested: tuple[Scope, ...],
     scoped: dict[str, ScopedBlock],
     example_of: Callable[[DiscoveredBlock], str],
 ) -> tuple[list[SkippedBlock], list[NarrowedBlock]]:
@@ -204,9 +127,8 @@ def block_reports(
     Args:
         blocks: every discovered block (borrowed).
         target_names: the qualified names of every target chosen, includes as well.
-        attention, router: the flags asked for (when ``requested`` is None).
-        requested: the scopes asked for, or None.
-        scoped: each block's scope decision by name (empty without scopes).
+        requested: the scopes asked for.
+        scoped: each block's scope decision by name.
         example_of: a module name of a block to suggest for ``include=``.
     """
     attention_anywhere = any(b.attention is not None for b in blocks)
@@ -215,18 +137,6 @@ def block_reports(
         # A target inside the block, or one holding it (include="model.layers.3"),
         # means the block is graphed, whole or in part.
         graphed = any(names_overlap(name, block.name) for name in target_names)
-        if requested is None:
-            if not graphed:
-                skipped.append(
-                    skip_record(
-                        block,
-                        attention=attention,
-                        router=router,
-                        attention_anywhere=attention_anywhere,
-                        example=example_of(block),
-                    )
-                )
-            continue
         scope = scoped[block.name]
         if not graphed:
             skipped.append(
@@ -282,6 +192,12 @@ def scoped_skip_record(
     why = "; ".join(
         f"{s}: {_scope_missing(s, block, scoped, attention_anywhere)}" for s in requested
     )
+    # A piece found in the block whose scope was not asked for.
+    left_out = [
+        f"its {t.kind} {t.name} is left out ({scope} is not among the scopes); "
+        for t, scope in ((block.attention, "attention"), (block.router, "moe_router"))
+        if t is not None and scope not in requested
+    ]
     # The include= fix last covers a refused layer's mixer too.
     experts_refused = not set(scoped.choice.reasons) <= {"no_attention"}
     fixes = _experts_fixes(block, scoped) if experts_refused else []
@@ -290,7 +206,7 @@ def scoped_skip_record(
         block.name,
         block_type,
         "no_graph_safe_scope",
-        f"{head}; no scope asked for fits it ({why}). {_numbered(fixes)}",
+        f"{head}; {''.join(left_out)}no scope asked for fits it ({why}). {_numbered(fixes)}",
     )
 
 

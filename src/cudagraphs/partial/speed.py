@@ -8,7 +8,7 @@ measurement on the user's own shapes says which; a rule of thumb would be wrong 
 some model or GPU.
 
 How: right after capture, on the recorded sample inputs, forward and backward of the
-graphed callable and of the eager adapter, ``iters`` calls per sample, rounds
+graphed callable and of the function it graphs run eagerly, ``iters`` calls per sample, rounds
 alternating which goes first (host speed drifts; a fixed order would bias one side),
 compared by their medians. Backward runs through ``torch.autograd.grad`` on the
 inputs, so no ``.grad`` of the model changes, and the random-number state is restored
@@ -34,6 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..checks import check_int
+from ..errors import CudaGraphsTypeError
 
 __all__ = [
     "SpeedCheck",
@@ -141,34 +142,32 @@ def speed_check_of(value: Any) -> SpeedCheck | bool:
     """
     if isinstance(value, (bool, SpeedCheck)):
         return value
-    from ..errors import CudaGraphsTypeError
-
     raise CudaGraphsTypeError(
         f"speed_check must be a bool or a SpeedCheck, got {type(value).__name__} {value!r}"
     )
 
 
-def measure_group(setting: SpeedCheck | bool, group: list, graphed: list) -> list:
-    """``[(entry, verdict)]`` for the training variants of one captured group
-    (``(entry, variant index)`` pairs and their graphs), under the recorded modes and
-    before the samples are dropped. ``setting`` as :func:`speed_check_of` returns it:
-    inference variants are never measured, CPU targets only with an explicit
-    :class:`SpeedCheck`."""
+def measure_group(setting: SpeedCheck | bool, group: list, graphed: list, functions: list) -> list:
+    """``[(recording, verdict)]`` for the training variants of one captured group
+    (``(recording, variant index)`` pairs, their graphs and the functions graphed,
+    run eagerly for the other side), under the recorded modes and before the samples
+    are dropped. ``setting`` as :func:`speed_check_of` returns it: inference variants
+    are never measured, CPU targets only with an explicit :class:`SpeedCheck`."""
     if setting is False:
         return []
     check = setting if isinstance(setting, SpeedCheck) else SpeedCheck()
     verdicts = []
-    for (entry, i), graph in zip(group, graphed):
-        variant, contract = entry.variants[i], entry.contracts.variants[i]
-        on_cuda = any(p.is_cuda for p in entry.capture_params(i))
+    for (rec, i), graph, eager in zip(group, graphed, functions):
+        variant, contract = rec.variants[i], rec.contracts.variants[i]
+        on_cuda = any(p.is_cuda for p in rec.capture_params(i))
         if not contract.grad_enabled or (setting is True and not on_cuda):
             continue
-        call = ((tuple(entry.capture_params(i)), *variant.args), variant.kwargs)
+        call = ((tuple(rec.capture_params(i)), *variant.args), variant.kwargs)
         verdict = check.measure(
             forward_backward(graph, *chained_call(graph, *call)),
-            forward_backward(entry.adapter(), *call),
+            forward_backward(eager, *call),
         )
-        verdicts.append((entry, verdict))
+        verdicts.append((rec, verdict))
     return verdicts
 
 
@@ -192,14 +191,15 @@ def chained_call(graph: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def turn_off_slower(verdicts: list, logger: logging.Logger) -> None:
-    """Give every target whose graph lost for any variant its eager forward back,
-    and say which, with the times, in one WARNING."""
+    """Turn off every target (its :class:`~.recording.TargetRecording`) whose graph
+    lost for any variant, so that it runs its eager forward from now on, and say
+    which, with the times, in one WARNING."""
     slower = {}
-    for entry, verdict in verdicts:
-        if verdict.slower and entry.off_reason is None:
-            slower.setdefault(id(entry), (entry, verdict))
-    for entry, _ in slower.values():
-        entry.turn_off("slower_than_eager")
+    for rec, verdict in verdicts:
+        if verdict.slower and rec.off_reason is None:
+            slower.setdefault(id(rec), (rec, verdict))
+    for rec, _ in slower.values():
+        rec.turn_off("slower_than_eager")
     if slower:
         logger.warning(
             "partial graphs: %d target(s) ran slower graphed than eager on their recorded "

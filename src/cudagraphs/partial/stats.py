@@ -1,9 +1,9 @@
-"""The totals a :class:`~.manager.PartialCudaGraphManager` reports in ``stats()``:
-graphs held, replays and fallbacks per reason, and the blocks skipped, narrowed or
-turned off.
-
-Separate from :mod:`.manager` because it is a pure function of the targets and blocks,
-while the manager holds their life cycle (the keys are listed in its class docs).
+"""The totals a :class:`~.manager.PartialCudaGraphManager` reports in ``stats()``: a
+pure function of its targets (their dispatchers' counters and their recordings'
+graphs) and of the blocks and parts planning reported. Graphs held, replays and
+fallbacks per reason, the blocks skipped or narrowed, the parts not graphed whole, the
+targets turned off (each reason keyed as :data:`~.vocabulary.REASON_FAMILIES` say),
+and the memory the graphs account for.
 """
 
 from __future__ import annotations
@@ -11,81 +11,79 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..memory import MemoryAccount
-from .entry import PartialGraphEntry
-from .model_scope import ModelScopeOff
-from .skips import NarrowedBlock, SkippedBlock
+from .recording import TargetRecording
+from .replay import TargetDispatcher
+from .vocabulary import (
+    MODEL_REFUSED,
+    NARROWED,
+    OFF,
+    SCOPE_OF_KIND,
+    SKIPPED,
+    ModelScopeOff,
+    NarrowedBlock,
+    SkippedBlock,
+)
 
 __all__ = ["stats_of"]
 
 
 def stats_of(
-    entries: Sequence[PartialGraphEntry],
+    dispatchers: Sequence[TargetDispatcher],
     skipped: Sequence[SkippedBlock],
     narrowed: Sequence[NarrowedBlock],
     disabled: bool | None,
     model_off: Sequence[ModelScopeOff] = (),
     released_bytes: int = 0,
 ) -> dict[str, int]:
-    """Totals over ``entries``, the blocks and the parts not graphed whole (keys: see
-    the manager's class docs); ``disabled`` is what the manager's first capture read
-    (``None`` before it)."""
-    graphs = sum(len(e.graphs()) for e in entries)
+    """Totals over the targets of ``dispatchers``, the blocks and the parts not graphed
+    whole (keys: see the manager's class docs); ``disabled`` is what the manager's
+    first capture read (``None`` before it)."""
+    recordings = [d.recording for d in dispatchers]
+    graphs = sum(len(r.graphs()) for r in recordings)
     out: dict[str, int] = {
         "captured": 0 if disabled else graphs,
         "disabled": int(bool(disabled)),
         "replayed": 0,
         "fallbacks": 0,
     }
-    for entry in entries:
-        for key, n in entry.counter.as_dict().items():
+    for d in dispatchers:
+        for key, n in d.counter.as_dict().items():
             out[key] = out.get(key, 0) + n
-    for block in skipped:
-        key = f"skipped_{block.reason}"
+    reasons = [SKIPPED.key(b.reason) for b in skipped]
+    reasons += [NARROWED.key(b.reason) for b in narrowed]
+    reasons += [MODEL_REFUSED.key(p.reason) for p in model_off]
+    reasons += [OFF.key(r.off_reason) for r in recordings if r.off_reason is not None]
+    for key in reasons:
         out[key] = out.get(key, 0) + 1
-    for block in narrowed:
-        key = f"narrowed_{block.reason}"
-        out[key] = out.get(key, 0) + 1
-    for part in model_off:
-        key = f"model_refused_{part.reason}"
-        out[key] = out.get(key, 0) + 1
-    for entry in entries:
-        if entry.off_reason is not None:
-            key = f"off_{entry.off_reason}"
-            out[key] = out.get(key, 0) + 1
-    _add_memory(out, entries)
-    _add_accounts(out, entries, released_bytes)
+    _add_memory(out, recordings)
+    _add_accounts(out, recordings, released_bytes)
     return out
 
 
-# The scope name a target kind is reported under: the router is the "moe_router" scope
-# and an include's target is "include"; the others are named as their scope.
-_SCOPE_OF_KIND = {"router": "moe_router", "custom": "include"}
-
-
-def _add_memory(out: dict[str, int], entries: Sequence[PartialGraphEntry]) -> None:
+def _add_memory(out: dict[str, int], recordings: Sequence[TargetRecording]) -> None:
     # The core's graphs say what their captures grew the device's reserved memory by
     # (new segments of the pool the targets share) and what static buffers were made
     # for them (shared ones counted once); other backends' say nothing.
-    for entry in entries:
-        for graph in entry.graphs():
+    for rec in recordings:
+        for graph in rec.graphs():
             graphs = getattr(graph, "graphs", None)
             if graphs is None or getattr(graphs, "eager_only", True):
                 continue
-            scope = _SCOPE_OF_KIND.get(entry.target.kind, entry.target.kind)
+            scope = SCOPE_OF_KIND.get(rec.target.kind, rec.target.kind)
             for what in ("pool_bytes", "buffer_bytes"):
                 for key in (what, f"{what}_{scope}"):
                     out[key] = out.get(key, 0) + getattr(graphs, what, 0)
 
 
 def _add_accounts(
-    out: dict[str, int], entries: Sequence[PartialGraphEntry], released_bytes: int
+    out: dict[str, int], recordings: Sequence[TargetRecording], released_bytes: int
 ) -> None:
     # One cudagraphs.memory.MemoryAccount per make_graphed_callables call, shared by
     # the graphs it made: each counted once. released_bytes: what the manager's own
     # releases after its captures gave back.
     accounts = {}
-    for entry in entries:
-        for graph in entry.graphs():
+    for rec in recordings:
+        for graph in rec.graphs():
             account = getattr(getattr(graph, "graphs", None), "memory", None)
             if account is not None:
                 accounts[id(account)] = account

@@ -1,18 +1,27 @@
-"""Walking a model's module tree the way target selection must see it: activation-
-checkpoint wrappers unwrapped (the wrapped module reported under the wrapper's name),
-and a module registered twice seen twice.
+"""A model's module tree the way target selection must see it: activation-checkpoint
+wrappers unwrapped (the wrapped module reported under the wrapper's name), a module
+registered twice seen twice, qualified names joined and compared, and the parameters
+a module's forward takes.
 
 What this module does NOT do: it decides nothing about what a module is
-(:mod:`.discovery` and :mod:`.metadata` do).
+(:mod:`.discovery`, :mod:`.scopes` and :mod:`.metadata` do).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["children", "join_name", "named_modules", "unwrap_checkpoint"]
+__all__ = [
+    "children",
+    "forward_parameters",
+    "join_name",
+    "named_modules",
+    "names_overlap",
+    "unwrap_checkpoint",
+]
 
 
 def unwrap_checkpoint(module: nn.Module) -> nn.Module:
@@ -27,8 +36,10 @@ def unwrap_checkpoint(module: nn.Module) -> nn.Module:
 def children(module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
     """``(name, child)`` for each child slot of ``module`` that holds a module, a
     checkpoint-wrapped child unwrapped and reported under the wrapper's name."""
-    # _modules, not named_children(): the latter skips a module registered twice (a
-    # tied layer), which is exactly what target selection must see and reject.
+    # The module's own child table (nn.Module._modules, a torch private), not
+    # named_children(): that one keeps a memo of the children seen and yields a module
+    # registered twice (a tied layer) once, which is exactly what target selection
+    # must see and reject. No public torch API yields every child slot.
     for name, child in module._modules.items():
         if child is None:
             continue
@@ -43,6 +54,20 @@ def children(module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
 def join_name(prefix: str, name: str) -> str:
     """``prefix.name``, or ``name`` alone under an empty prefix."""
     return f"{prefix}.{name}" if prefix else name
+
+
+def names_overlap(a: str, b: str) -> bool:
+    """Whether qualified names ``a`` and ``b`` are the same module or one lies in the
+    other (dot-separated: ``layers.1`` does not hold ``layers.10``)."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def forward_parameters(module: nn.Module) -> list[inspect.Parameter]:
+    """The parameters of ``module.forward`` (empty when it has no signature)."""
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
 
 
 def named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

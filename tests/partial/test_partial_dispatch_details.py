@@ -1,4 +1,4 @@
-"""Partial-graph entry and manager details on the CPU: the texts of the fallback
+"""Partial-graph dispatcher and manager details on the CPU: the texts of the fallback
 reports (not captured yet, parameters replaced, contract mismatch), what recording
 keeps for a non-FSDP target, graphs released on close, the defaults as they act,
 recomputes said once, and log_stats."""
@@ -43,9 +43,9 @@ def test_a_contract_mismatch_names_the_variant_bound():
     mgr.start_recording()
     step(model, torch.randint(0, 128, (1, 8)))
     mgr.capture()
-    entry = mgr.entries[0]
+    dispatcher = mgr.dispatchers[0]
     args, kwargs = (torch.randn(1, 5, 64),), {}
-    report = entry._fallback_report("shape", args, kwargs, None)
+    report = dispatcher._fallback_report("shape", args, kwargs, None)
     assert "(at most max_variants=3 per target)" in report
     mgr.close()
 
@@ -106,7 +106,7 @@ def test_recording_a_plain_target_keeps_no_parameter_copies():
     )
     mgr.start_recording()
     model(torch.randn(2, 8))
-    assert all(v.params == () for e in mgr.entries for v in e.variants)
+    assert all(v.params == () for r in mgr.recordings for v in r.variants)
     mgr.close()
 
 
@@ -133,28 +133,29 @@ def test_close_resets_each_graph_and_leaves_empty_records():
     mgr.start_recording()
     model(torch.randn(2, 8))
     mgr.capture()
-    entry = mgr.entries[0]
-    variant = entry.variants[0]
+    dispatcher = mgr.dispatchers[0]
+    variant = dispatcher.recording.variants[0]
+    assert dispatcher.swap is not None
     mgr.close()
     assert len(made) == 2 and all(g.was_reset for g in made)
     assert variant.graph is None and variant.params == ()
-    assert entry.swap is None and entry.variants == []
+    assert dispatcher.swap is None and dispatcher.recording.variants == []
 
 
 def test_the_defaults_as_they_act():
     mgr = PartialCudaGraphManager.from_model_parts(Toy(), scopes=NARROW)
     assert mgr.activation_checkpointing is False and mgr._speed_check is True
-    assert all(e.contracts.max_variants == 4 for e in mgr.entries)
-    direct = PartialCudaGraphManager(mgr.entries, model_parts=None)
+    assert all(r.contracts.max_variants == 4 for r in mgr.recordings)
+    direct = PartialCudaGraphManager(mgr.dispatchers, model_parts=None)
     assert direct.activation_checkpointing is False and direct._speed_check is True
 
 
-def test_the_entries_must_be_entries_named_by_type():
+def test_the_dispatchers_must_be_dispatchers_named_by_type():
     with pytest.raises(
-        CudaGraphsTypeError, match=r"entries\[1\] must be a PartialGraphEntry .*got str$"
+        CudaGraphsTypeError, match=r"dispatchers\[1\] must be a TargetDispatcher .*got str$"
     ):
         mgr = PartialCudaGraphManager.from_model_parts(Toy(), scopes=NARROW)
-        PartialCudaGraphManager([mgr.entries[0], "attn"])
+        PartialCudaGraphManager([mgr.dispatchers[0], "attn"])
 
 
 def test_the_backend_given_is_the_one_used():
@@ -175,10 +176,10 @@ def test_the_backend_given_is_the_one_used():
 
 def test_a_recompute_is_said_once_at_info(caplog):
     mgr = PartialCudaGraphManager.from_model_parts(Toy(), scopes=NARROW)
-    entry = mgr.entries[1]
+    rec = mgr.recordings[1]
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        mgr._saw_recompute(entry)
-        mgr._saw_recompute(entry)
+        mgr._saw_recompute(rec)
+        mgr._saw_recompute(rec)
     said = [r.getMessage() for r in caplog.records if "recomputed" in r.getMessage()]
     assert said == ["partial graphs: layers.1.self_attn is recomputed in backward"]
     assert mgr.activation_checkpointing is True
@@ -191,12 +192,12 @@ def test_log_stats_labels_the_phase(caplog):
     assert [r.getMessage() for r in caplog.records] == [f"partial graphs [step 3]: {mgr.stats()}"]
 
 
-def test_an_entry_outside_a_manager_warns_on_the_managers_logger(caplog):
+def test_a_dispatcher_outside_a_manager_warns_on_the_managers_logger(caplog):
     mgr = PartialCudaGraphManager.from_model_parts(Toy(), scopes=NARROW)
-    entry = mgr.entries[0]
-    entry.warn_once = None
+    dispatcher = mgr.dispatchers[0]
+    dispatcher.warn_once = None
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        entry._warn("cause", "%s ran %d times", "x", 2)
+        dispatcher._warn("cause", "%s ran %d times", "x", 2)
     assert [r.getMessage() for r in caplog.records] == ["x ran 2 times"]
 
 
@@ -209,11 +210,11 @@ def test_a_target_run_twice_in_one_forward_is_noted_and_refused():
     )
     mgr.start_recording()
     model(torch.randn(2, 8))
-    assert [e.repeated for e in mgr.entries] == [True, False]
+    assert [r.repeated for r in mgr.recordings] == [True, False]
     with pytest.raises(TargetSelectionError, match=r"\['layers.0.self_attn'\] ran more than once"):
         mgr.capture()
     mgr.start_recording()  # a new recording starts clean
-    assert not any(e.repeated for e in mgr.entries)
+    assert not any(r.repeated for r in mgr.recordings)
     mgr.close()
 
 
@@ -222,7 +223,7 @@ def test_a_recompute_under_declared_checkpointing_is_not_news(caplog):
         Toy(), scopes=NARROW, activation_checkpointing=True
     )
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        mgr._saw_recompute(mgr.entries[0])
+        mgr._saw_recompute(mgr.recordings[0])
     assert not [r for r in caplog.records if "recomputed" in r.getMessage()]
 
 
@@ -230,3 +231,67 @@ def test_a_bad_backend_is_refused_before_discovery():
     # Nothing graphable here: without the early check this would return None.
     with pytest.raises(CudaGraphsTypeError, match="capture_backend"):
         PartialCudaGraphManager.from_model_parts(nn.Linear(2, 2), capture_backend=5)
+
+
+def test_turning_a_dispatcher_off_gives_the_module_its_own_forward_back():
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    mgr.capture()
+    first, second = mgr.dispatchers
+    assert model.layers[0].self_attn.forward is first
+    first.turn_off("slower_than_eager")
+    assert "forward" not in vars(model.layers[0].self_attn), "the class's forward again"
+    assert first.recording.off_reason == "slower_than_eager"
+    assert first.recording.graphs() == [] and first.swap is None
+    model(torch.randn(2, 8))
+    stats = mgr.stats()
+    assert (
+        stats["replayed"] == 1 and stats["fallbacks"] == 0 and stats["off_slower_than_eager"] == 1
+    )
+    mgr.close()
+
+
+def test_while_a_capture_runs_the_dispatchers_pass_calls_through_uncounted():
+    from cudagraphs.partial.replay import dispatch_paused
+
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    mgr.capture()
+    with dispatch_paused(mgr.dispatchers):
+        model(torch.randn(2, 8))
+    assert mgr.stats()["replayed"] == 0 and mgr.stats()["fallbacks"] == 0
+    assert not any(d.passthrough for d in mgr.dispatchers)
+    model(torch.randn(2, 8))
+    assert mgr.stats()["replayed"] == 2
+    mgr.close()
+
+
+def test_a_second_capture_timing_its_graphs_counts_no_call_of_its_own():
+    from cudagraphs.partial.speed import SpeedCheck
+
+    model = Toy()
+    # A clock that never moves: every graph ties with eager, and a tie keeps the graph.
+    check = SpeedCheck(rounds=1, iters=1, warmup=1, clock=lambda: 0.0, synchronize=lambda: None)
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=eager_backend, scopes=NARROW, speed_check=check
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    mgr.capture()
+    mgr.start_recording()  # another variant, while the first one's dispatchers are installed
+    model(torch.randn(3, 8, requires_grad=True)).sum().backward()
+    before = mgr.stats()  # recorded before the dispatch: the new variant, not captured yet
+    assert before["fallback_not_captured"] == 2 and before["replayed"] == 0
+    mgr.capture()  # the speed check runs each target's forward several times
+    assert mgr.stats() == before | {"captured": 4}
+    model(torch.randn(3, 8, requires_grad=True))
+    assert mgr.stats()["replayed"] == 2
+    mgr.close()
