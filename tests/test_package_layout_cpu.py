@@ -62,6 +62,9 @@ LAYERS: dict[str, int] = {
 FOREIGN_PRIVATE_ATTRIBUTES: dict[str, set[str]] = {
     # The caller's frame, to name the line of a user's call in a warning.
     "cudagraphs.hf_masks": {"_getframe"},
+    # Every child slot of a module, a module registered twice included (named_children
+    # yields it once; target selection must see it and refuse it).
+    "cudagraphs.partial.tree": {"_modules"},
     # BatchNorm and its relatives share this base; isinstance is the public check.
     "cudagraphs.partial.scopes": {"_NormBase"},
     # namedtuple's field names (its documented API spells them with an underscore).
@@ -109,11 +112,12 @@ def _load() -> dict[str, Module]:
                 target = _absolute(module, node)
                 if target.split(".")[0] != "cudagraphs":
                     continue
-                module.imports.add(target)
-                # `from . import x` and `from .pkg import mod` may name submodules.
-                module.imports.update(
-                    f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules
-                )
+                # `from . import x` and `from .pkg import mod` may name submodules; a
+                # statement that imports only submodules does not import the package.
+                submodules = {f"{target}.{a.name}" for a in node.names} & modules.keys()
+                module.imports.update(submodules)
+                if len(submodules) < len(node.names):
+                    module.imports.add(target)
             elif isinstance(node, ast.Import):
                 module.imports.update(
                     a.name for a in node.names if a.name.split(".")[0] == "cudagraphs"
