@@ -8,7 +8,7 @@ import torch
 # not the package is installed.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 # Tests are grouped by layer (tests/core, tests/program, tests/partial, tests/serving,
-# tests/benchmarks, ...); the shared helpers (_hf_models, _spawn, ...) live here.
+# tests/benchmarks, ...); the shared helpers live in tests/helpers (helpers.hf_models, ...).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -15,7 +15,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from _moe_models import FIXES, MOE_CONFIGS, moe, probe_says
 from cudagraphs import moe_kernels
 from cudagraphs.errors import CudaGraphsError, UnsupportedModelError
 from cudagraphs.moe_kernels import (
@@ -28,6 +27,7 @@ from cudagraphs.moe_kernels import (
     grouped_mm_syncs,
     host_grouped_mm_message,
 )
+from helpers.moe_models import FIXES, MOE_CONFIGS, moe, probe_says
 
 FAMILIES = sorted(MOE_CONFIGS)
 
@@ -152,7 +152,7 @@ def test_cpu_weights_never_run_the_probe(monkeypatch):
 
 
 def test_dense_models_have_no_experts_to_scan(monkeypatch):
-    from _hf_models import tiny
+    from helpers.hf_models import tiny
 
     asked = probe_says(monkeypatch)
     assert find_host_grouped_mm([("", tiny("llama"))]) == []

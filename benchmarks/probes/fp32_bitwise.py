@@ -4,7 +4,7 @@ Run from the repository root on the GPU machine:
 
     PYTHONPATH=src python benchmarks/probes/fp32_bitwise.py
 
-For each family (tests/_hf_fp32.py: 2 layers, hidden 64, 4 query heads, 2 key/value heads
+For each family (tests/helpers/hf_fp32.py: 2 layers, hidden 64, 4 query heads, 2 key/value heads
 except llama_mha and gpt2, batch 2, seq 64, AdamW lr 1e-3, 8 steps, dropout off) it
 prints one JSON line per variant:
 
@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-import _hf_fp32 as H  # noqa: E402
 import cudagraphs.train.step as step_module  # noqa: E402
 from cudagraphs.hf_masks import MaskChoices  # noqa: E402
+from helpers import hf_fp32 as H  # noqa: E402
 
 BUDGET_S = 80.0
 # A plumbing check without a GPU: PROBE_DEVICE=cpu CUDAGRAPHS_DISABLE=1 (nothing graphed).

@@ -30,10 +30,10 @@ sys.path[:0] = ["src", "tests"]
 
 import transformers  # noqa: E402
 
-from _moe_models import moe, roped_layers  # noqa: E402
 from cudagraphs.capture import capture_into_graph  # noqa: E402
 from cudagraphs.moe_kernels import GroupedMMProbe  # noqa: E402
 from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
+from helpers.moe_models import moe, roped_layers  # noqa: E402
 
 MAX_CACHE_LEN, NEW, PAD = 64, 16, 1
 facts: dict = {

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from _train_bench import BENCH, _load
+from helpers.train_bench import BENCH, _load
 
 
 def script(name: str):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from _train_bench import (
+from helpers.train_bench import (
     _tiny,
 )
 

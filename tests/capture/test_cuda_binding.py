@@ -6,10 +6,10 @@ the graph through either."""
 import pytest
 import torch
 
-from _asserts import assert_bitwise_equal
 from cudagraphs import CudaGraphProgram
 from cudagraphs.cuda_binding import BINDINGS, MemcpyNode, cuda_binding
 from cudagraphs.errors import CudaCallError
+from helpers.asserts import assert_bitwise_equal
 
 pytestmark = pytest.mark.cuda
 

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 import cudagraphs
-from _asserts import contain_failed_capture
 from cudagraphs import (
     CudaGraphCaptureError,
     capture_into_graph,
@@ -15,6 +14,7 @@ from cudagraphs import (
     new_pool,
 )
 from cudagraphs.introspect import GraphMemory, graph_node_count, instantiate_measured
+from helpers.asserts import contain_failed_capture
 
 pytestmark = pytest.mark.cuda
 

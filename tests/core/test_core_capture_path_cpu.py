@@ -18,13 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from _pipeline import reference_log
-from _stand_in_capture import PlantedCaptureError, StandInCapture, cpu_options
 from cudagraphs.core.canonicalize import canonicalize
 from cudagraphs.core.capture_phase import capture_plan
 from cudagraphs.core.sharing import BufferSharing
 from cudagraphs.core.warmup import run_warmup
 from cudagraphs.errors import CaptureTimeHookError
+from helpers.pipeline import reference_log
+from helpers.stand_in_capture import PlantedCaptureError, StandInCapture, cpu_options
 
 GROUPS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
 

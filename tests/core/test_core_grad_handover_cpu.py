@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _stand_in_graphs import positional_entry
 from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.core.lent_grads import LentGrads
+from helpers.stand_in_graphs import positional_entry
 
 
 class _Ops(TorchDispatchMode):

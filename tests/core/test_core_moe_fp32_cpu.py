@@ -7,10 +7,10 @@ pass the checks. The refusal on a GPU is in test_cuda_moe_fp32.py."""
 import pytest
 import torch
 
-from _moe_models import FIXES, moe, probe_says, roped_layers
 from cudagraphs import graph_stack, make_graphed_callables
 from cudagraphs.core import api
 from cudagraphs.errors import UnsupportedModelError
+from helpers.moe_models import FIXES, moe, probe_says, roped_layers
 
 
 class PastTheChecks(Exception):

@@ -2,8 +2,8 @@
 
 import torch
 
-from _asserts import CopyOps
 from cudagraphs.core.runtime import copy_into
+from helpers.asserts import CopyOps
 
 
 def test_copies_sources_that_are_not_the_buffers():

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from _stand_in_graphs import positional_entry
 from cudagraphs import CudaGraphInputError, UncapturedGradientError
 from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.core.runtime import EntryGraphs
+from helpers.stand_in_graphs import positional_entry
 
 
 class _Doubling:

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import cudagraphs
-from _asserts import assert_bitwise_equal
 from cudagraphs import (
     CudaGraphInputError,
     CudaGraphProgram,
@@ -21,6 +20,7 @@ from cudagraphs import (
 )
 from cudagraphs.capture import EagerGraph
 from cudagraphs.settings import DISABLE_ENV
+from helpers.asserts import assert_bitwise_equal
 
 pytestmark = pytest.mark.cuda
 

@@ -14,8 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import cudagraphs
-from _asserts import assert_bitwise_equal
-from _core_cuda import (
+from cudagraphs import (
+    CudaGraphCaptureError,
+    CudaGraphInputError,
+    GraphReleasedError,
+    make_graphed_callables,
+    new_pool,
+)
+from helpers.asserts import assert_bitwise_equal
+from helpers.core_cuda import (
     HIDDEN,
     _assert_equal,
     _assert_param_grads_equal,
@@ -24,13 +31,6 @@ from _core_cuda import (
     _mlp,
     _randn,
     count_backward_replays,
-)
-from cudagraphs import (
-    CudaGraphCaptureError,
-    CudaGraphInputError,
-    GraphReleasedError,
-    make_graphed_callables,
-    new_pool,
 )
 
 pytestmark = pytest.mark.cuda

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from _asserts import contain_failed_capture
-from _core_cuda import (
+from cudagraphs import CudaGraphCaptureError, make_graphed_callables, new_pool
+from helpers.asserts import contain_failed_capture
+from helpers.core_cuda import (
     HIDDEN,
     _assert_equal,
     _assert_param_grads_equal,
@@ -21,7 +22,7 @@ from _core_cuda import (
     _randn,
     count_replays,
 )
-from _pipeline import (
+from helpers.pipeline import (
     INTERLEAVED_ORDER,
     LAYERS_PER_CHUNK,
     NUM_CHUNKS,
@@ -30,7 +31,6 @@ from _pipeline import (
     reference_log,
     run_pipeline,
 )
-from cudagraphs import CudaGraphCaptureError, make_graphed_callables, new_pool
 
 pytestmark = pytest.mark.cuda
 

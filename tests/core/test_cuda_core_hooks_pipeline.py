@@ -12,7 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from _core_cuda import (
+from cudagraphs import (
+    CaptureTimeHookError,
+    GraphedCallable,
+    make_graphed_callables,
+)
+from helpers.core_cuda import (
     HIDDEN,
     _assert_equal,
     _assert_param_grads_equal,
@@ -21,7 +26,7 @@ from _core_cuda import (
     _mlp,
     _randn,
 )
-from _pipeline import (
+from helpers.pipeline import (
     INTERLEAVED_ORDER,
     LAYERS_PER_CHUNK,
     NUM_CHUNKS,
@@ -29,11 +34,6 @@ from _pipeline import (
     check_order,
     entry_index,
     run_pipeline,
-)
-from cudagraphs import (
-    CaptureTimeHookError,
-    GraphedCallable,
-    make_graphed_callables,
 )
 
 pytestmark = pytest.mark.cuda

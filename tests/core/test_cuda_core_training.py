@@ -12,7 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from _core_cuda import (
+from cudagraphs import (
+    GraphedCallable,
+    make_graphed_callables,
+)
+from cudagraphs.models import BlockConfig, PreNormBlock
+from helpers.core_cuda import (
     HIDDEN,
     _assert_equal,
     _assert_param_grads_equal,
@@ -21,11 +26,6 @@ from _core_cuda import (
     _mlp,
     _randn,
 )
-from cudagraphs import (
-    GraphedCallable,
-    make_graphed_callables,
-)
-from cudagraphs.models import BlockConfig, PreNormBlock
 
 pytestmark = pytest.mark.cuda
 

@@ -10,16 +10,6 @@ import pytest
 import torch
 from torch import nn
 
-from _asserts import assert_bitwise_equal
-from _pipeline import (
-    INTERLEAVED_ORDER,
-    LAYERS_PER_CHUNK,
-    NUM_CHUNKS,
-    NUM_MICROBATCHES,
-    check_order,
-    entry_index,
-    run_pipeline,
-)
 from cudagraphs import (
     CudaGraphCaptureError,
     CudaGraphPool,
@@ -31,7 +21,17 @@ from cudagraphs import (
 )
 from cudagraphs.capture_state import TE_GRAPH_MODULE
 from cudagraphs.settings import DISABLE_ENV
+from helpers.asserts import assert_bitwise_equal
 from helpers.dropin import FakeTE
+from helpers.pipeline import (
+    INTERLEAVED_ORDER,
+    LAYERS_PER_CHUNK,
+    NUM_CHUNKS,
+    NUM_MICROBATCHES,
+    check_order,
+    entry_index,
+    run_pipeline,
+)
 
 pytestmark = pytest.mark.cuda
 

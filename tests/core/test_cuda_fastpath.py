@@ -5,9 +5,9 @@ AdamW steps with gradient accumulation over microbatches; and every guard case."
 import pytest
 import torch
 
-from _asserts import assert_bitwise_equal
 from cudagraphs import CudaGraphInputError, graph_stack, make_graphed_callables
 from cudagraphs.models import BlockConfig, make_block_stack
+from helpers.asserts import assert_bitwise_equal
 
 pytestmark = pytest.mark.cuda
 

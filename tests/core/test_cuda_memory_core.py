@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import cudagraphs
-from _core_cuda import count_backward_replays
 from cudagraphs.graph_pool import GraphMemoryPool
+from helpers.core_cuda import count_backward_replays
 
 pytestmark = pytest.mark.cuda
 

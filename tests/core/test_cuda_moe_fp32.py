@@ -10,11 +10,11 @@ import copy
 import pytest
 import torch
 
-from _asserts import assert_bitwise_equal
-from _moe_models import FIXES, moe, roped_layers
 from cudagraphs import graph_stack, make_graphed_callables
 from cudagraphs.errors import UnsupportedModelError
 from cudagraphs.moe_kernels import GroupedMMProbe
+from helpers.asserts import assert_bitwise_equal
+from helpers.moe_models import FIXES, moe, roped_layers
 
 pytestmark = pytest.mark.cuda
 

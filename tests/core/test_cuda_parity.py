@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from _asserts import assert_bitwise_equal
-from _pipeline import (
+from cudagraphs import GraphedCallable, make_graphed_callables
+from cudagraphs.models import BlockConfig, PreNormBlock
+from helpers.asserts import assert_bitwise_equal
+from helpers.pipeline import (
     INTERLEAVED_ORDER,
     LAYERS_PER_CHUNK,
     NUM_CHUNKS,
@@ -25,8 +27,6 @@ from _pipeline import (
     entry_index,
     run_pipeline,
 )
-from cudagraphs import GraphedCallable, make_graphed_callables
-from cudagraphs.models import BlockConfig, PreNormBlock
 
 pytestmark = pytest.mark.cuda
 

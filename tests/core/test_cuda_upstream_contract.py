@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from _core_cuda import _mlp, _randn, count_replays
 from cudagraphs import UncapturedGradientError, make_graphed_callables
+from helpers.core_cuda import _mlp, _randn, count_replays
 
 pytestmark = pytest.mark.cuda
 

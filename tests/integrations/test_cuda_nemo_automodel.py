@@ -5,8 +5,8 @@ replayed."""
 import pytest
 import torch
 
-from _hf_models import tiny
 from cudagraphs.integrations.nemo_automodel import NEMO_PARTIAL_MODULE, use_cudagraphs
+from helpers.hf_models import tiny
 
 pytestmark = pytest.mark.cuda
 

@@ -80,7 +80,7 @@ def test_without_nemo_the_error_says_how_to_install_it(monkeypatch):
 def test_nemos_own_capture_reaches_our_helper():
     # On the CPU our helper stops at its CUDA check, which proves the manager called it
     # (Transformer Engine is absent, so nothing else could have answered).
-    tiny = pytest.importorskip("_hf_models").tiny
+    tiny = pytest.importorskip("helpers.hf_models").tiny
     model = tiny("llama")
     model.backend = SimpleNamespace(cuda_graph=SimpleNamespace(modules=["attn"]))
     manager = partial.PartialCudaGraphManager.from_model_parts([model])

@@ -8,16 +8,16 @@ import copy
 import pytest
 import torch
 
-from _hf_models import tiny
+from helpers.hf_models import tiny
 
 pytestmark = pytest.mark.cuda
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from _trainer import losses, train  # noqa: E402
 from cudagraphs.integrations.hf import PartialGraphsCallback  # noqa: E402
 from cudagraphs.moe_kernels import GroupedMMProbe  # noqa: E402
+from helpers.trainer import losses, train  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-from _hf_models import tiny
 from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial import PartialCudaGraphManager
+from helpers.hf_models import tiny
 
 ATTN_ROUTER = ("attention", "moe_router")
 

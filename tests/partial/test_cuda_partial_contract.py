@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import cudagraphs.core
-from _hf_models import tiny
 from cudagraphs.partial import PartialCudaGraphManager
+from helpers.hf_models import tiny
 from test_cuda_partial import step_both_and_compare
 
 pytestmark = pytest.mark.cuda

@@ -11,8 +11,8 @@ import logging
 import pytest
 import torch
 
-from _hf_models import tiny
 from cudagraphs.partial import MODEL_SCOPE, SCOPES, PartialCudaGraphManager
+from helpers.hf_models import tiny
 
 pytestmark = pytest.mark.cuda
 
@@ -185,8 +185,8 @@ def test_the_trainer_callback_graphs_the_whole_model_with_the_loss_inside(tmp_pa
     # num_items_in_batch (a device tensor): both are graph inputs, the loss is computed
     # inside the graph, and the run equals the Trainer without the callback.
     pytest.importorskip("accelerate")
-    from _trainer import losses, train
     from cudagraphs.integrations.hf import PartialGraphsCallback
+    from helpers.trainer import losses, train
 
     model = tiny("llama")
     ref = copy.deepcopy(model)

@@ -9,14 +9,14 @@ import logging
 import pytest
 import torch
 
-from _hf_models import tiny
+from helpers.hf_models import tiny
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from _trainer import Backend, losses, train  # noqa: E402
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError  # noqa: E402
 from cudagraphs.integrations.hf import PartialGraphsCallback  # noqa: E402
+from helpers.trainer import Backend, losses, train  # noqa: E402
 
 
 def test_without_a_cuda_device_graphs_are_off_said_once_and_training_is_unchanged(tmp_path, caplog):

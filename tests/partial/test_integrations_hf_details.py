@@ -12,17 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from _hf_models import tiny
+from helpers.hf_models import tiny
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from _trainer import Backend, train  # noqa: E402
 from cudagraphs.integrations.hf import (  # noqa: E402
     PartialGraphsCallback,
     _checkpointing,
     _is_copy_of,
 )
+from helpers.trainer import Backend, train  # noqa: E402
 
 LOGGER = "cudagraphs"
 

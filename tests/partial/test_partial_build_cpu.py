@@ -6,8 +6,6 @@ import logging
 import pytest
 from torch import nn
 
-from _hf_models import tiny
-from _toy_models import Toy
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager
 from cudagraphs.partial.build import (
@@ -17,6 +15,8 @@ from cudagraphs.partial.build import (
     switch_experts_implementation,
 )
 from cudagraphs.partial.vocabulary import NarrowedBlock, SkippedBlock
+from helpers.hf_models import tiny
+from helpers.toy_models import Toy
 
 LOGGER = "cudagraphs.partial.manager"
 STRUCTURE_RULE = (

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 import cudagraphs.core
-from _toy_models import Toy
 from cudagraphs.core.sharing import BufferSharing
 from cudagraphs.errors import ChainedInputError, Mismatch
 from cudagraphs.partial import PartialCudaGraphManager
@@ -22,6 +21,7 @@ from cudagraphs.partial.replay import TargetDispatcher
 from cudagraphs.partial.speed import chained_call
 from cudagraphs.partial.stats import stats_of
 from cudagraphs.partial.vocabulary import Target
+from helpers.toy_models import Toy
 from test_partial_graphing_cpu import FakeCore
 
 LOGGER = "cudagraphs.partial.manager"

@@ -7,7 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from _contracts import (
+from cudagraphs.errors import Mismatch
+from cudagraphs.partial import ContractSet
+from cudagraphs.partial.contract import REASONS, same_control
+from helpers.contracts import (
     STRUCTURE_CHANGES,
     ArrayLike,
     Unequal,
@@ -15,9 +18,6 @@ from _contracts import (
     record,
     t,
 )
-from cudagraphs.errors import Mismatch
-from cudagraphs.partial import ContractSet
-from cudagraphs.partial.contract import REASONS, same_control
 
 # --- recording and a matching call ----------------------------------------------------
 

@@ -8,16 +8,16 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from _contracts import (
+from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, Mismatch
+from cudagraphs.partial import CallContract, ContractSet, FallbackCounter
+from helpers.contracts import (
     STRUCTURE_CHANGES,
     ArrayLike,
     Unequal,
     record,
     t,
 )
-from _discovery import ATTN_ROUTER
-from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, Mismatch
-from cudagraphs.partial import CallContract, ContractSet, FallbackCounter
+from helpers.discovery import ATTN_ROUTER
 
 # --- ContractSet -----------------------------------------------------------------------
 
@@ -193,8 +193,8 @@ def test_counter_with_contract_set_loop():
 
 def test_contracts_recorded_from_a_real_llama_forward():
     pytest.importorskip("transformers")
-    from _hf_models import tiny
     from cudagraphs.partial import select_targets
+    from helpers.hf_models import tiny
 
     model = tiny("llama")
     targets = select_targets(model, scopes=ATTN_ROUTER)

@@ -9,7 +9,18 @@ import pytest
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from _discovery import (
+from cudagraphs.errors import CudaGraphsError, CudaGraphsTypeError
+from cudagraphs.partial import (
+    DiscoveredBlock,
+    TargetSelectionError,
+    discover_blocks,
+    find_attention,
+    find_moe,
+    select_targets,
+    unwrap_checkpoint,
+)
+from cudagraphs.partial.arguments import include_predicate
+from helpers.discovery import (
     ATTN,
     ATTN_ROUTER,
     EXPECTED_MOE,
@@ -22,18 +33,7 @@ from _discovery import (
     ToyMoE,
     names_kinds,
 )
-from _hf_models import tiny
-from cudagraphs.errors import CudaGraphsError, CudaGraphsTypeError
-from cudagraphs.partial import (
-    DiscoveredBlock,
-    TargetSelectionError,
-    discover_blocks,
-    find_attention,
-    find_moe,
-    select_targets,
-    unwrap_checkpoint,
-)
-from cudagraphs.partial.arguments import include_predicate
+from helpers.hf_models import tiny
 
 # --- the four HF families -----------------------------------------------------------
 

@@ -11,8 +11,6 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
-from _discovery import ATTN_ROUTER
-from _hf_models import tiny, tiny_arch
 from cudagraphs.partial import (
     SkippedBlock,
     Target,
@@ -24,6 +22,8 @@ from cudagraphs.partial import (
 from cudagraphs.partial.metadata import first_declared, read_metadata
 from cudagraphs.partial.planning import why_nothing_found
 from cudagraphs.partial.vocabulary import ClassSpec
+from helpers.discovery import ATTN_ROUTER
+from helpers.hf_models import tiny, tiny_arch
 
 A, R = "attention", "router"
 NO_SCOPE = "no_graph_safe_scope"
@@ -93,7 +93,7 @@ EXPECTED = {
     # Mamba and attention side by side in every layer: the attention, not the mixer.
     "falcon_h1": (dense("model.layers"), []),
 }
-FROM_CONFIGS = {"qwen3_moe", "mixtral", "deepseek_v3"}  # the shared CONFIGS of _hf_models
+FROM_CONFIGS = {"qwen3_moe", "mixtral", "deepseek_v3"}  # the shared CONFIGS of helpers.hf_models
 
 
 def build(family: str, **overrides) -> nn.Module:

@@ -8,14 +8,6 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
-from _discovery import (
-    ATTN,
-    ATTN_ROUTER,
-    EXPECTED_TARGETS,
-    ToyModel,
-    names_kinds,
-)
-from _hf_models import tiny
 from cudagraphs.errors import CudaGraphsTypeError
 from cudagraphs.partial import (
     TargetSelectionError,
@@ -26,6 +18,14 @@ from cudagraphs.partial import (
 )
 from cudagraphs.partial.arguments import as_model_parts
 from cudagraphs.partial.planning import why_nothing_found
+from helpers.discovery import (
+    ATTN,
+    ATTN_ROUTER,
+    EXPECTED_TARGETS,
+    ToyModel,
+    names_kinds,
+)
+from helpers.hf_models import tiny
 
 # --- physical modules invoked more than once per forward ------------------------------
 

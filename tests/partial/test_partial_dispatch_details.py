@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from _toy_models import Attn, Toy
 from cudagraphs.errors import CudaGraphsTypeError
 from cudagraphs.partial import PartialCudaGraphManager
+from helpers.toy_models import Attn, Toy
 from test_partial_manager import NARROW, eager_backend, pinning_backend, recorded, step, tiny
 
 LOGGER = "cudagraphs.partial.manager"

@@ -7,7 +7,6 @@ import logging
 import pytest
 import torch
 
-from _toy_models import Toy
 from cudagraphs.errors import (
     CudaGraphsStateError,
     CudaGraphsTypeError,
@@ -15,6 +14,7 @@ from cudagraphs.errors import (
     TargetSelectionError,
 )
 from cudagraphs.partial import ContractSet, PartialCudaGraphManager, select_targets
+from helpers.toy_models import Toy
 
 # Attention and router targets (the scopes these tests are about; the default is
 # every scope, which graphs these small blocks whole).

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _hf_models import tiny
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
+from helpers.hf_models import tiny
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
@@ -157,7 +157,7 @@ def _two_rank_worker(rank):
 
 @pytest.mark.spawns
 def test_fsdp2_across_two_gloo_ranks_equals_eager(tmp_path):
-    from _spawn import run_ranks
+    from helpers.spawn import run_ranks
 
     results = run_ranks(_two_rank_worker, 2, tmp_path, timeout_s=120)
     for rank, r in enumerate(results):

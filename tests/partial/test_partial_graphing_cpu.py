@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import cudagraphs.core
-from _toy_models import Toy
 from cudagraphs.capture_state import is_graph_capturing
 from cudagraphs.core.sharing import BufferSharing
 from cudagraphs.errors import CudaGraphsStateError, CudaGraphsValueError, TargetSelectionError
@@ -17,6 +16,7 @@ from cudagraphs.partial.build import build_recordings
 from cudagraphs.partial.graphing import read_disabled
 from cudagraphs.partial.replay import TargetDispatcher
 from cudagraphs.partial.speed import SpeedCheck
+from helpers.toy_models import Toy
 
 LOGGER = "cudagraphs.partial.manager"
 NARROW = ("attention", "moe_router")

@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from _hf_models import tiny_arch
 from cudagraphs.partial import PartialCudaGraphManager
+from helpers.hf_models import tiny_arch
 
 NARROW = ("attention", "moe_router")  # the first release's scopes
 

@@ -20,9 +20,9 @@ def asked_weights(monkeypatch):
 
 
 def test_discovery_asks_one_probe_about_each_grouped_mm_layers_experts(monkeypatch):
-    from _hf_models import tiny
     from cudagraphs.partial.planning import plan_targets
     from cudagraphs.partial.vocabulary import SCOPES
+    from helpers.hf_models import tiny
 
     asked = asked_weights(monkeypatch)
     model = tiny("qwen3_moe")
@@ -37,9 +37,9 @@ def test_discovery_asks_one_probe_about_each_grouped_mm_layers_experts(monkeypat
 
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
 def test_other_experts_implementations_raise_no_device_question(monkeypatch, implementation):
-    from _hf_models import tiny
     from cudagraphs.partial.planning import plan_targets
     from cudagraphs.partial.vocabulary import SCOPES
+    from helpers.hf_models import tiny
 
     asked = asked_weights(monkeypatch)
     model = tiny("qwen3_moe")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from _hf_models import tiny
-from _toy_models import Attn, Toy
 from cudagraphs.errors import CudaGraphsStateError, CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
+from helpers.hf_models import tiny
+from helpers.toy_models import Attn, Toy
 
 # Attention and router targets (the scopes these tests are about; the default is
 # every scope, which graphs these small blocks whole).

@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 
-from _hf_models import tiny
 from cudagraphs.errors import CudaGraphsTypeError
 from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager
+from helpers.hf_models import tiny
 
 
 def backend(callables, sample_args, sample_kwargs):

@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from _hf_models import tiny
 from cudagraphs.errors import CudaGraphCaptureError, CudaGraphsValueError
 from cudagraphs.partial import MODEL_SCOPE, SCOPES, PartialCudaGraphManager, check_scopes
 from cudagraphs.partial.discovery import discover_blocks
 from cudagraphs.partial.graphing import holds_tensors
 from cudagraphs.partial.planning import plan_targets
 from cudagraphs.partial.vocabulary import ModelScopeOff, Target
+from helpers.hf_models import tiny
 from test_partial_fsdp import process_group  # noqa: F401  (a fixture)
 from test_partial_manager_scopes import backend, loss_of, train_and_compare
 

@@ -10,7 +10,6 @@ import types
 import pytest
 import torch
 
-from _hf_models import tiny
 from cudagraphs.errors import CudaGraphCaptureError
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager
 from cudagraphs.partial import graphing as graphing_module
@@ -18,6 +17,7 @@ from cudagraphs.partial.graphing import holds_tensors, refuse_whole_part
 from cudagraphs.partial.model_scope import fsdp_refusal, opaque_output_fix
 from cudagraphs.partial.planning import plan_targets
 from cudagraphs.partial.speed import SpeedVerdict
+from helpers.hf_models import tiny
 from test_partial_manager_scopes import backend, loss_of
 
 WIDEST = (*SCOPES, "model")

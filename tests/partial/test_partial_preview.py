@@ -6,9 +6,9 @@ Mamba or linear-attention layers."""
 
 import pytest
 
-from _hf_models import tiny, tiny_arch
-from _moe_models import probe_says
 from cudagraphs.partial import MODEL_SCOPE, SCOPES, PartialCudaGraphManager, plan_targets
+from helpers.hf_models import tiny, tiny_arch
+from helpers.moe_models import probe_says
 
 
 def eager_backend(callables, sample_args, sample_kwargs):

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from _hf_models import tiny
-from _toy_models import Toy
 from cudagraphs.errors import CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
 from cudagraphs.partial.graphing import capture_groups, capture_modes
 from cudagraphs.partial.recording import ForwardClock, is_inference_call
+from helpers.hf_models import tiny
+from helpers.toy_models import Toy
 
 # Attention and router targets (the scopes these tests are about; the default is
 # every scope, which graphs these small blocks whole).

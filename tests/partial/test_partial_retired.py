@@ -7,9 +7,9 @@ works."""
 import pytest
 import torch
 
-from _toy_models import Toy
 from cudagraphs.errors import CudaGraphsError, CudaGraphsTypeError
 from cudagraphs.partial import PartialCudaGraphManager, plan_targets, select_targets
+from helpers.toy_models import Toy
 
 RETIRED_SWITCHES = "attention= and router= are retired: scopes= says what is graphed"
 

@@ -7,8 +7,12 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
-from _hf_models import tiny
-from _scopes import (
+from cudagraphs.moe_kernels import experts_implementation, static_experts
+from cudagraphs.partial.discovery import discover_blocks
+from cudagraphs.partial.planning import plan_targets, select_targets
+from cudagraphs.partial.vocabulary import SCOPES, NarrowedBlock
+from helpers.hf_models import tiny
+from helpers.scopes import (
     ATTN_ROUTER,
     EXPECTED,
     ML,
@@ -26,10 +30,6 @@ from _scopes import (
     per_layer,
     toy_model,
 )
-from cudagraphs.moe_kernels import experts_implementation, static_experts
-from cudagraphs.partial.discovery import discover_blocks
-from cudagraphs.partial.planning import plan_targets, select_targets
-from cudagraphs.partial.vocabulary import SCOPES, NarrowedBlock
 
 # --- targets per model and scope set --------------------------------------------------
 

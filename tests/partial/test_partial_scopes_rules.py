@@ -9,8 +9,20 @@ import pytest
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from _hf_models import tiny
-from _scopes import (
+from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
+from cudagraphs.moe_kernels import experts_implementation
+from cudagraphs.partial.discovery import discover_blocks, find_mlp, find_moe
+from cudagraphs.partial.planning import plan_targets, why_nothing_found
+from cudagraphs.partial.scopes import (
+    BlockOffer,
+    ScopeChoice,
+    check_scopes,
+    choose_scopes,
+    scope_block,
+)
+from cudagraphs.partial.vocabulary import SCOPES, DiscoveredBlock, Target
+from helpers.hf_models import tiny
+from helpers.scopes import (
     ATTN_ROUTER,
     ML,
     A,
@@ -25,18 +37,6 @@ from _scopes import (
     per_layer,
     toy_model,
 )
-from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
-from cudagraphs.moe_kernels import experts_implementation
-from cudagraphs.partial.discovery import discover_blocks, find_mlp, find_moe
-from cudagraphs.partial.planning import plan_targets, why_nothing_found
-from cudagraphs.partial.scopes import (
-    BlockOffer,
-    ScopeChoice,
-    check_scopes,
-    choose_scopes,
-    scope_block,
-)
-from cudagraphs.partial.vocabulary import SCOPES, DiscoveredBlock, Target
 
 # --- the choice rules alone -----------------------------------------------------------
 

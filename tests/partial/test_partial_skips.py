@@ -9,12 +9,12 @@ import re
 import pytest
 from torch import nn
 
-from _hf_models import tiny, tiny_arch
 from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial.planning import plan_targets
 from cudagraphs.partial.scopes import BlockOffer, ScopeChoice, ScopedBlock
 from cudagraphs.partial.skips import narrow_record, scoped_skip_record
 from cudagraphs.partial.vocabulary import SCOPES, DiscoveredBlock
+from helpers.hf_models import tiny, tiny_arch
 
 ML = "model.layers"
 NO_SCOPE = "no_graph_safe_scope"

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from _toy_models import Toy
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager
 from cudagraphs.partial.speed import SpeedCheck, SpeedVerdict, forward_backward
+from helpers.toy_models import Toy
 
 # Attention and router targets (the scopes these tests are about; the default is
 # every scope, which graphs these small blocks whole).

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from _hf_models import tiny, tiny_arch
 from cudagraphs.partial import MODEL_SCOPE, PartialCudaGraphManager, contract, vocabulary
 from cudagraphs.partial.vocabulary import (
     CONTRACT_REASONS,
@@ -21,6 +20,7 @@ from cudagraphs.partial.vocabulary import (
     REASON_FAMILIES,
     SKIPPED,
 )
+from helpers.hf_models import tiny, tiny_arch
 
 PARTIAL = Path(vocabulary.__file__).parent
 FAMILY_OF_TYPE = {

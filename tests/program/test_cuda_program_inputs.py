@@ -11,9 +11,15 @@ import functools
 import pytest
 import torch
 
-from _asserts import assert_bitwise_equal
-from _leaf_types import LEAF_TYPES, PackedTensor, QuantizedTensor
-from _program_cuda import (
+from cudagraphs import (
+    CudaGraphInputError,
+    CudaGraphPool,
+    CudaGraphProgram,
+)
+from cudagraphs.program import SignatureMismatchError
+from helpers.asserts import assert_bitwise_equal
+from helpers.leaf_types import LEAF_TYPES, PackedTensor, QuantizedTensor
+from helpers.program_cuda import (
     _assert_tree_equal,
     _assert_unchanged,
     _capture,
@@ -23,12 +29,6 @@ from _program_cuda import (
     _randn,
     _snapshot,
 )
-from cudagraphs import (
-    CudaGraphInputError,
-    CudaGraphPool,
-    CudaGraphProgram,
-)
-from cudagraphs.program import SignatureMismatchError
 
 pytestmark = pytest.mark.cuda
 

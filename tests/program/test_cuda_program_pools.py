@@ -15,8 +15,14 @@ import pytest
 import torch
 
 import cudagraphs
-from _asserts import assert_bitwise_equal, contain_failed_capture
-from _program_cuda import (
+from cudagraphs import (
+    CudaGraphCaptureError,
+    CudaGraphPool,
+    GraphReleasedError,
+    ProgramClosedError,
+)
+from helpers.asserts import assert_bitwise_equal, contain_failed_capture
+from helpers.program_cuda import (
     MiB,
     _assert_tree_equal,
     _capture,
@@ -25,12 +31,6 @@ from _program_cuda import (
     _pool,
     _randn,
     _scale_shift,
-)
-from cudagraphs import (
-    CudaGraphCaptureError,
-    CudaGraphPool,
-    GraphReleasedError,
-    ProgramClosedError,
 )
 
 pytestmark = pytest.mark.cuda

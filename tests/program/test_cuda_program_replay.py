@@ -13,9 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _asserts import assert_bitwise_equal
-from _leaf_types import LEAF_TYPES, QuantizedTensor
-from _program_cuda import (
+from cudagraphs import (
+    CudaGraphCaptureError,
+    CudaGraphCaptureStats,
+    ValueTreeSignature,
+)
+from cudagraphs.program import SignatureMismatchError
+from helpers.asserts import assert_bitwise_equal
+from helpers.leaf_types import LEAF_TYPES, QuantizedTensor
+from helpers.program_cuda import (
     _assert_tree_equal,
     _assert_unchanged,
     _capture,
@@ -27,12 +33,6 @@ from _program_cuda import (
     _snapshot,
     _tensors,
 )
-from cudagraphs import (
-    CudaGraphCaptureError,
-    CudaGraphCaptureStats,
-    ValueTreeSignature,
-)
-from cudagraphs.program import SignatureMismatchError
 
 pytestmark = pytest.mark.cuda
 

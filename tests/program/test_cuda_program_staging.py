@@ -9,8 +9,8 @@ prefetch path that writes the program's own buffer.
 import pytest
 import torch
 
-from _asserts import assert_bitwise_equal
 from cudagraphs import CudaGraphPool, CudaGraphProgram
+from helpers.asserts import assert_bitwise_equal
 
 pytestmark = pytest.mark.cuda
 

@@ -9,17 +9,17 @@ CUDA generator's state (some tests break captures on purpose).
 import pytest
 import torch
 
-from _asserts import assert_bitwise_equal
-from _program_cuda import (
+from cudagraphs import (
+    CopyHandle,
+    CudaGraphInputError,
+)
+from helpers.asserts import assert_bitwise_equal
+from helpers.program_cuda import (
     SLEEP_CYCLES,
     _capture,
     _pinned,
     _randn,
     _scale_shift,
-)
-from cudagraphs import (
-    CopyHandle,
-    CudaGraphInputError,
 )
 
 pytestmark = pytest.mark.cuda

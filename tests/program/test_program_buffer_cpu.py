@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from _asserts import CopyOps
-from _program_trees import LEAF_TYPES, QuantizedTensor, leaf_tensors, map_tensors, shifted
 from cudagraphs.program import (
     ReusableValueBuffer,
     SignatureMismatchError,
     TensorSignature,
     ValueTreeSignature,
 )
+from helpers.asserts import CopyOps
+from helpers.program_trees import LEAF_TYPES, QuantizedTensor, leaf_tensors, map_tensors, shifted
 
 
 def buffer_for(value) -> ReusableValueBuffer:

@@ -6,7 +6,6 @@ import contextlib
 import pytest
 import torch
 
-from _leaf_types import LEAF_TYPES, QuantizedTensor
 from cudagraphs.errors import CudaGraphCaptureError, SignatureMismatchError
 from cudagraphs.program import graph_capture
 from cudagraphs.program.graph_capture import (
@@ -19,6 +18,7 @@ from cudagraphs.program.graph_capture import (
     warm_up,
 )
 from cudagraphs.program.signature import ValueTreeSignature
+from helpers.leaf_types import LEAF_TYPES, QuantizedTensor
 
 CUDA0 = torch.device("cuda", 0)
 _NOTHING_COPIED = (

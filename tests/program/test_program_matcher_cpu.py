@@ -5,10 +5,10 @@ from collections import namedtuple
 import pytest
 import torch
 
-from _program_trees import LEAF_TYPES, QuantizedTensor
-from _signatures import signature
 from cudagraphs.program import SignatureMismatchError, ValueTreeSignature, matcher
 from cudagraphs.program.matcher import InputValidator, compile_matcher
+from helpers.program_trees import LEAF_TYPES, QuantizedTensor
+from helpers.signatures import signature
 
 Pair = namedtuple("Pair", ["x", "y"])
 

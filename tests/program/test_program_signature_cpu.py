@@ -9,7 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cudagraphs
-from _program_trees import (
+from cudagraphs.program import (
+    LeafTypes,
+    Mismatch,
+    ReusableValueBuffer,
+    SignatureMismatchError,
+    TensorSignature,
+    ValueTreeSignature,
+)
+from helpers.program_trees import (
     LEAF_TYPES,
     QuantizedTensor,
     leaf_tensors,
@@ -24,20 +32,12 @@ from _program_trees import (
     trees,
     walk,
 )
-from _signatures import (
+from helpers.signatures import (
     Unregistered,
     mismatches_of,
     one_mutation,
     signature,
     span_bytes,
-)
-from cudagraphs.program import (
-    LeafTypes,
-    Mismatch,
-    ReusableValueBuffer,
-    SignatureMismatchError,
-    TensorSignature,
-    ValueTreeSignature,
 )
 
 SETTINGS = settings(max_examples=50, deadline=None)

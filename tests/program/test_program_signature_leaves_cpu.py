@@ -8,16 +8,6 @@ import pytest
 import torch
 
 import cudagraphs
-from _program_trees import (
-    LEAF_TYPES,
-    PackedTensor,
-    QuantizedTensor,
-)
-from _signatures import (
-    Unregistered,
-    mismatches_of,
-    signature,
-)
 from cudagraphs.program import (
     LeafTypes,
     Mismatch,
@@ -25,6 +15,16 @@ from cudagraphs.program import (
     TensorSignature,
     ValueSignature,
     ValueTreeSignature,
+)
+from helpers.program_trees import (
+    LEAF_TYPES,
+    PackedTensor,
+    QuantizedTensor,
+)
+from helpers.signatures import (
+    Unregistered,
+    mismatches_of,
+    signature,
 )
 
 

@@ -5,7 +5,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from _program_trees import (
+from cudagraphs.program import (
+    SignatureMismatchError,
+    ValueTreeSignature,
+)
+from helpers.program_trees import (
     LEAF_TYPES,
     QuantizedTensor,
     leaf_tensors,
@@ -13,13 +17,9 @@ from _program_trees import (
     shifted,
     trees,
 )
-from _signatures import (
+from helpers.signatures import (
     one_mutation,
     signature,
-)
-from cudagraphs.program import (
-    SignatureMismatchError,
-    ValueTreeSignature,
 )
 
 SETTINGS = settings(max_examples=50, deadline=None)

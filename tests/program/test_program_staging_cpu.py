@@ -5,7 +5,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _staging import FAKE_GRAPH, FakeRuntime
 from cudagraphs.cuda_binding import MemcpyNode, _loaded_cudart_path
 from cudagraphs.program.staging import (
     AUTO_GRAPH_STAGING_MAX_TENSORS,
@@ -14,6 +13,7 @@ from cudagraphs.program.staging import (
     runtime_for,
     stageable,
 )
+from helpers.staging import FAKE_GRAPH, FakeRuntime
 
 INNER = [0x1000, 0x2000]  # addresses of the graph-internal copies
 

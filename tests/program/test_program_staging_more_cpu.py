@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _staging import FAKE_GRAPH, REFUSAL, FakeRuntime
 from cudagraphs.cuda_binding import MemcpyNode
 from cudagraphs.program import staging as staging_module
 from cudagraphs.program.staging import (
@@ -15,6 +14,7 @@ from cudagraphs.program.staging import (
     stageable,
     staged_arguments,
 )
+from helpers.staging import FAKE_GRAPH, REFUSAL, FakeRuntime
 
 LOGGER = "cudagraphs.program.staging"
 

@@ -10,10 +10,10 @@ import inspect
 import pytest
 import torch
 
-from _moe_models import FIXES, moe
 from cudagraphs.errors import UnsupportedModelError
 from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.serving.hf import GraphedGenerator, experts
+from helpers.moe_models import FIXES, moe
 
 pytestmark = pytest.mark.cuda
 

@@ -8,14 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from _hf_models import CONFIGS, tiny
+from helpers.hf_models import CONFIGS, tiny
 
 transformers = pytest.importorskip("transformers")
 
 
-from _hf_generate import (  # noqa: E402
-    hf_keyword,
-)
 from cudagraphs.errors import (  # noqa: E402
     CudaGraphsValueError,
     UnsupportedModelError,
@@ -28,6 +25,9 @@ from cudagraphs.serving.hf.cache import (  # noqa: E402
     cache_keyword,
     layer_shapes,
     static_layer_check,
+)
+from helpers.hf_generate import (  # noqa: E402
+    hf_keyword,
 )
 
 CPU = torch.device("cpu")

@@ -6,12 +6,12 @@ static-cache tokens, decoded through the captured buckets."""
 import pytest
 import torch
 
-from _hf_models import tiny
+from helpers.hf_models import tiny
 
 transformers = pytest.importorskip("transformers")
 
-from _hf_generate import EOS, PAD, L, captured, hf_generate, prompts  # noqa: E402
 from cudagraphs.errors import CudaGraphsError  # noqa: E402
+from helpers.hf_generate import EOS, PAD, L, captured, hf_generate, prompts  # noqa: E402
 
 NEW = 6
 VOCAB = 128  # the tiny llama's

@@ -13,21 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _hf_models import tiny
+from helpers.hf_models import tiny
 
 transformers = pytest.importorskip("transformers")
 
 
-from _hf_generate import (  # noqa: E402
-    EOS,
-    PAD,
-    PROMPT,
-    L,
-    captured,
-    ended,
-    hf_generate,
-    prompts,
-)
 from cudagraphs.capture import gc_paused  # noqa: E402
 from cudagraphs.errors import (  # noqa: E402
     CudaGraphsStateError,
@@ -43,6 +33,16 @@ from cudagraphs.serving.hf import (  # noqa: E402
 )
 from cudagraphs.serving.hf.sampling import sampling_rule  # noqa: E402
 from cudagraphs.serving.startup import progress_bar  # noqa: E402
+from helpers.hf_generate import (  # noqa: E402
+    EOS,
+    PAD,
+    PROMPT,
+    L,
+    captured,
+    ended,
+    hf_generate,
+    prompts,
+)
 
 CPU = torch.device("cpu")
 NEW = 10

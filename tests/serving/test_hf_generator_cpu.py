@@ -15,21 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from _hf_models import tiny
+from helpers.hf_models import tiny
 
 transformers = pytest.importorskip("transformers")
 
-from _hf_generate import (  # noqa: E402
-    EOS,
-    PAD,
-    PROMPT,
-    L,
-    captured,
-    ended,
-    hf_generate,
-    hf_keyword,
-    prompts,
-)
 from cudagraphs.capture import GraphMemoryPool  # noqa: E402
 from cudagraphs.errors import (  # noqa: E402
     CudaGraphCaptureError,
@@ -42,6 +31,17 @@ from cudagraphs.serving import Bucket  # noqa: E402
 from cudagraphs.serving.graphs import eager_backend  # noqa: E402
 from cudagraphs.serving.hf import GraphedGenerator, check_supported  # noqa: E402
 from cudagraphs.serving.hf.per_token import EndFlag  # noqa: E402
+from helpers.hf_generate import (  # noqa: E402
+    EOS,
+    PAD,
+    PROMPT,
+    L,
+    captured,
+    ended,
+    hf_generate,
+    hf_keyword,
+    prompts,
+)
 
 CPU = torch.device("cpu")
 NEW = 8

@@ -16,8 +16,6 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from _hf_generate import L, captured, hf_generate, prompts  # noqa: E402
-from _moe_models import FIXES, moe, probe_says  # noqa: E402
 from cudagraphs.errors import UnsupportedModelError  # noqa: E402
 from cudagraphs.serving.graphs import eager_backend  # noqa: E402
 from cudagraphs.serving.hf import GraphedGenerator, experts  # noqa: E402
@@ -27,6 +25,8 @@ from cudagraphs.serving.hf.experts import (  # noqa: E402
     decode_implementations,
     hf_decodes_with_batched_mm,
 )
+from helpers.hf_generate import L, captured, hf_generate, prompts  # noqa: E402
+from helpers.moe_models import FIXES, moe, probe_says  # noqa: E402
 
 NEW = 6
 PAD = 1

@@ -8,14 +8,14 @@ import logging
 import pytest
 import torch
 
-from _hf_models import tiny
+from helpers.hf_models import tiny
 
 transformers = pytest.importorskip("transformers")
 
-from _hf_generate import EOS, PAD, captured, hf_generate, prompts  # noqa: E402
 from cudagraphs.errors import CudaGraphsValueError  # noqa: E402
 from cudagraphs.serving.hf import Sampling  # noqa: E402
 from cudagraphs.serving.hf.sampling import sampling_rule  # noqa: E402
+from helpers.hf_generate import EOS, PAD, captured, hf_generate, prompts  # noqa: E402
 
 NEW = 10
 PENALTY = 3.0  # strong, so that a tiny random model's greedy tokens change

@@ -8,9 +8,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 
-from _hf_generate import (  # noqa: E402
-    prompts,
-)
 from cudagraphs.errors import (  # noqa: E402
     CudaGraphInputError,
     CudaGraphsTypeError,
@@ -20,6 +17,9 @@ from cudagraphs.errors import (  # noqa: E402
 from cudagraphs.serving.hf import (  # noqa: E402
     check_request,
     positions_from_mask,
+)
+from helpers.hf_generate import (  # noqa: E402
+    prompts,
 )
 
 CPU = torch.device("cpu")

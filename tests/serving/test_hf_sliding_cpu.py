@@ -10,8 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from _hf_generate import EOS, PAD, captured, hf_generate, prompts  # noqa: E402
-from _hf_models import CONFIGS  # noqa: E402
+from helpers.hf_generate import EOS, PAD, captured, hf_generate, prompts  # noqa: E402
+from helpers.hf_models import CONFIGS  # noqa: E402
 
 WINDOW = 4
 NEW = 12  # prompts of 6 plus 12 new tokens: the window is passed early

@@ -10,11 +10,11 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from _hf_models import tiny
+from helpers.hf_models import tiny
 
 transformers = pytest.importorskip("transformers")
 
-from _hf_generate import L, captured, hf_generate, prompts  # noqa: E402
+from helpers.hf_generate import L, captured, hf_generate, prompts  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,16 @@ import logging
 import pytest
 import torch
 
-from _hf_models import tiny
+from helpers.hf_models import tiny
 
 transformers = pytest.importorskip("transformers")
 
-from _hf_generate import EOS, PAD, captured, hf_generate, prompts  # noqa: E402
 from cudagraphs.serving.hf.unapplied import (  # noqa: E402
     SAMPLING_ONLY,
     UNAPPLIED,
     unapplied_settings,
 )
+from helpers.hf_generate import EOS, PAD, captured, hf_generate, prompts  # noqa: E402
 
 GENERATOR_LOG = "cudagraphs.serving.hf.generator"
 

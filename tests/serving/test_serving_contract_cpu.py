@@ -6,13 +6,6 @@ import logging
 import pytest
 import torch
 
-from _serving_contract import (
-    RUNNER_LOG,
-    SMALL,
-    small_runner,
-    tree_backend,
-    warnings_about,
-)
 from cudagraphs.errors import (
     CudaGraphCaptureError,
     CudaGraphOutputError,
@@ -29,6 +22,13 @@ from cudagraphs.serving import (
 )
 from cudagraphs.settings import DISABLE_ENV
 from cudagraphs.settings import STRICT_BUCKETS_ENV as SETTINGS_STRICT_ENV
+from helpers.serving_contract import (
+    RUNNER_LOG,
+    SMALL,
+    small_runner,
+    tree_backend,
+    warnings_about,
+)
 from helpers.serving_runner import (
     HIDDEN,
     EagerGraph,

@@ -6,13 +6,6 @@ import logging
 import pytest
 import torch
 
-from _serving_contract import (
-    RUNNER_LOG,
-    SMALL,
-    SPECS,
-    small_runner,
-    warnings_about,
-)
 from cudagraphs.capture import EagerGraph as StandIn
 from cudagraphs.errors import (
     CudaGraphInputError,
@@ -31,6 +24,13 @@ from cudagraphs.serving import (
     InputSpec,
 )
 from cudagraphs.settings import DISABLE_ENV
+from helpers.serving_contract import (
+    RUNNER_LOG,
+    SMALL,
+    SPECS,
+    small_runner,
+    warnings_about,
+)
 from helpers.serving_runner import (
     HIDDEN,
     batch,

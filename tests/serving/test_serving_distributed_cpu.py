@@ -4,8 +4,8 @@ CPU (file rendezvous, no fixed port), and the local answer without a process gro
 import pytest
 import torch.distributed as dist
 
-from _spawn import run_ranks
 from cudagraphs.serving import agree_on_batch_size, agree_on_captured, is_distributed
+from helpers.spawn import run_ranks
 
 WORLD_SIZE = 2
 

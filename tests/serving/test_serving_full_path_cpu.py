@@ -7,9 +7,9 @@ import logging
 import pytest
 import torch
 
-from _serving_contract import RUNNER_LOG, small_runner, warnings_about
 from cudagraphs.errors import CudaGraphInputError, CudaGraphsTypeError, CudaGraphsValueError
 from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec, call_path
+from helpers.serving_contract import RUNNER_LOG, small_runner, warnings_about
 from helpers.serving_runner import HIDDEN, batch, dummy, eager_backend, forward, make_runner
 
 TOO_LARGE = (

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import cudagraphs
-from _moe_models import FIXES, moe
 from cudagraphs.errors import UnsupportedModelError
 from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.train import prepare_optimizer
+from helpers.moe_models import FIXES, moe
 
 pytestmark = pytest.mark.cuda
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import cudagraphs
-from _asserts import assert_bitwise_equal, contain_failed_capture
-from _hf_models import tiny
 from cudagraphs import CudaGraphCaptureError, CudaGraphInputError, CudaGraphsStateError
 from cudagraphs.models import BlockConfig, make_block_stack
 from cudagraphs.train import prepare_optimizer
+from helpers.asserts import assert_bitwise_equal, contain_failed_capture
+from helpers.hf_models import tiny
 
 pytestmark = pytest.mark.cuda
 

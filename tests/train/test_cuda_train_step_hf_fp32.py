@@ -1,4 +1,4 @@
-"""GPU tests of graph_train_step on tiny float32 HF models (tests/_hf_fp32.py): called
+"""GPU tests of graph_train_step on tiny float32 HF models (tests/helpers/hf_fp32.py): called
 as ``model(input_ids=..., labels=...)``, 8 AdamW steps equal the eager loop bit for bit,
 also where the attention has fewer key/value heads than query heads; where transformers
 reads a tensor eagerly to skip the mask (an attention mask passed, or no cache), the
@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-import _hf_fp32 as H
-from _asserts import assert_bitwise_equal
+from helpers import hf_fp32 as H
+from helpers.asserts import assert_bitwise_equal
 
 pytestmark = pytest.mark.cuda
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from _moe_models import FIXES, moe, probe_says
 from cudagraphs.errors import UnsupportedModelError
 from cudagraphs.train import graph_train_step, step
 from cudagraphs.train.step_modules import step_modules
+from helpers.moe_models import FIXES, moe, probe_says
 
 MODEL = nn.Linear(2, 2)  # a global a step function names
 

@@ -8,12 +8,6 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from _train_cpu import (
-    OPTIMIZERS,
-    _group_values,
-    _param,
-    _steps,
-)
 from cudagraphs import (
     CudaGraphsStateError,
     CudaGraphsTypeError,
@@ -25,6 +19,12 @@ from cudagraphs.train import (
     prepare_optimizer,
 )
 from cudagraphs.train.optimizers import HyperparameterGuard
+from helpers.train_cpu import (
+    OPTIMIZERS,
+    _group_values,
+    _param,
+    _steps,
+)
 
 
 # ---- plan_optimizer ------------------------------------------------------------------

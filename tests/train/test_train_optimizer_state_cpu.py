@@ -9,13 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _asserts import assert_bitwise_equal
-from _train_cpu import (
-    OPTIMIZERS,
-    _param,
-    _set_grads,
-    _steps,
-)
 from cudagraphs import (
     CudaGraphsStateError,
     CudaGraphsValueError,
@@ -28,6 +21,13 @@ from cudagraphs.train.optimizers import (
     OptimizerSnapshot,
     StateKeeper,
     exact_at_zero_lr,
+)
+from helpers.asserts import assert_bitwise_equal
+from helpers.train_cpu import (
+    OPTIMIZERS,
+    _param,
+    _set_grads,
+    _steps,
 )
 
 

@@ -5,11 +5,6 @@ group and bucket-size arguments."""
 import pytest
 import torch
 
-from _asserts import assert_bitwise_equal
-from _spawn import run_ranks
-from _train_cpu import (
-    _param,
-)
 from cudagraphs import (
     CudaGraphsStateError,
     CudaGraphsTypeError,
@@ -22,6 +17,11 @@ from cudagraphs.train import (
     plan_optimizer,
 )
 from cudagraphs.train.optimizers import HyperparameterGuard
+from helpers.asserts import assert_bitwise_equal
+from helpers.spawn import run_ranks
+from helpers.train_cpu import (
+    _param,
+)
 
 WORLD_SIZE = 2
 

@@ -9,17 +9,6 @@ import os
 import pytest
 import torch
 
-from _asserts import assert_bitwise_equal
-from _spawn import run_ranks
-from _train_cpu import (
-    OPTIMIZERS,
-    _assert_same_training,
-    _batches,
-    _build,
-    _eager_loop,
-    _make_model,
-    _step_fn,
-)
 from cudagraphs import (
     CudaGraphInputError,
     CudaGraphsStateError,
@@ -33,6 +22,17 @@ from cudagraphs.train import (
     DEFAULT_BUCKET_MB,
     TrainStepOptions,
     graph_train_step,
+)
+from helpers.asserts import assert_bitwise_equal
+from helpers.spawn import run_ranks
+from helpers.train_cpu import (
+    OPTIMIZERS,
+    _assert_same_training,
+    _batches,
+    _build,
+    _eager_loop,
+    _make_model,
+    _step_fn,
 )
 
 STEPS = 5

@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _train_cpu import OPTIMIZERS, _assert_same_training, _batches, _eager_loop, _step_fn
 from cudagraphs.capture import GraphMemoryPool
 from cudagraphs.train import prepare_optimizer
 from cudagraphs.train import step as step_module
 from cudagraphs.train.records import TrainStepOptions
 from cudagraphs.train.step import GraphedTrainStep
+from helpers.train_cpu import OPTIMIZERS, _assert_same_training, _batches, _eager_loop, _step_fn
 
 
 class PlantedError(RuntimeError):

@@ -3,10 +3,10 @@ the targets expected in each tiny HF family, and targets as (name, kind) pairs."
 
 from torch import nn
 
-from _hf_models import CONFIGS
 from cudagraphs.partial import (
     Target,
 )
+from helpers.hf_models import CONFIGS
 
 #: The scopes the discovery tests plan with: each block's attention and MoE router, the
 #: pieces discovery itself finds (the wider scopes are tested in test_partial_scopes*.py).

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from _hf_models import CONFIGS
+from helpers.hf_models import CONFIGS
 
 OLMOE = dict(
     hidden_size=64,

@@ -9,18 +9,18 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from _program_trees import (
+from cudagraphs.program import (
+    Mismatch,
+    SignatureMismatchError,
+    ValueTreeSignature,
+)
+from helpers.program_trees import (
     LEAF_TYPES,
     node_mutations,
     path_of,
     replace,
     trees,
     walk,
-)
-from cudagraphs.program import (
-    Mismatch,
-    SignatureMismatchError,
-    ValueTreeSignature,
 )
 
 

@@ -4,9 +4,9 @@ quantized leaves, and snapshots of a program's buffer and borrowed output."""
 
 import torch
 
-from _asserts import assert_bitwise_equal
-from _leaf_types import QuantizedTensor
 from cudagraphs import CudaGraphPool, CudaGraphProgram
+from helpers.asserts import assert_bitwise_equal
+from helpers.leaf_types import QuantizedTensor
 
 MiB = 1 << 20
 # torch.cuda._sleep spins this many GPU clock cycles: tens of milliseconds on an H200,

@@ -12,7 +12,7 @@ import collections
 import torch
 from hypothesis import strategies as st
 
-from _leaf_types import LEAF_TYPES, LEAVES, PackedTensor, QuantizedTensor, make_leaf_types  # noqa: F401
+from helpers.leaf_types import LEAF_TYPES, LEAVES, PackedTensor, QuantizedTensor, make_leaf_types  # noqa: F401
 
 DTYPES = (torch.float32, torch.float16, torch.int64, torch.bool)
 

@@ -6,11 +6,11 @@ import copy
 
 import torch
 
-from _asserts import assert_bitwise_equal
 from cudagraphs.train import (
     all_reduce_gradients,
     prepare_optimizer,
 )
+from helpers.asserts import assert_bitwise_equal
 
 
 def _param(*shape, dtype=torch.float32, seed=0):

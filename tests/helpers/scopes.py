@@ -6,9 +6,9 @@ import functools
 
 from torch import nn
 
-from _hf_models import CONFIGS, tiny, tiny_arch
 from cudagraphs.partial.planning import TargetPlan
 from cudagraphs.partial.vocabulary import SCOPES
+from helpers.hf_models import CONFIGS, tiny, tiny_arch
 
 A, R, L, M, P = "attention", "router", "layer", "moe", "mlp"
 NO_SCOPE = "no_graph_safe_scope"

@@ -5,7 +5,7 @@ compared with."""
 import torch
 from torch import nn
 
-from _asserts import assert_bitwise_equal, contain_failed_capture
+from helpers.asserts import assert_bitwise_equal, contain_failed_capture
 
 HIDDEN = 32
 FFN = 64
