@@ -149,10 +149,7 @@ def check_serving_agreement(rank: int, world: int) -> dict:
 
 def check_partial_fsdp2(rank: int, world: int) -> dict:
     from cudagraphs.partial import PartialCudaGraphManager
-
-    # The FSDP2 helpers live with the partial layer's tests (tests/partial).
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "partial"))
-    from test_partial_fsdp import sharded_llama, step
+    from helpers.partial_fsdp import sharded_llama, step
 
     model, ref = sharded_llama("cuda"), sharded_llama("cuda")
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))

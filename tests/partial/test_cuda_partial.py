@@ -9,6 +9,7 @@ import torch
 from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial import PartialCudaGraphManager
 from helpers.hf_models import tiny
+from helpers.partial_training import loss_of, step_both_and_compare
 
 ATTN_ROUTER = ("attention", "moe_router")
 
@@ -17,21 +18,6 @@ pytestmark = pytest.mark.cuda
 
 def tiny_cuda(kind):
     return tiny(kind).cuda()
-
-
-def loss_of(model, ids):
-    return model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
-
-
-def step_both_and_compare(model, ref, ids, step):
-    """Forward + backward of both models on ``ids``; losses and grads must be equal."""
-    loss, ref_loss = loss_of(model, ids), loss_of(ref, ids)
-    loss.backward()
-    ref_loss.backward()
-    assert torch.equal(loss, ref_loss), f"step {step}: loss differs"
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        if p.grad is not None or q.grad is not None:
-            assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name} differs"
 
 
 def train_both(model, ref, mgr, batches, optimizers=()):

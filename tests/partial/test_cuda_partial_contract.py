@@ -11,7 +11,7 @@ import torch
 import cudagraphs.core
 from cudagraphs.partial import PartialCudaGraphManager
 from helpers.hf_models import tiny
-from test_cuda_partial import step_both_and_compare
+from helpers.partial_training import step_both_and_compare
 
 pytestmark = pytest.mark.cuda
 

@@ -14,7 +14,7 @@ from torch import nn
 from cudagraphs import ChainedInputError, make_graphed_callables
 from cudagraphs.core.sharing import BufferSharing
 from cudagraphs.partial import PartialCudaGraphManager
-from test_cuda_partial_model_scope import batch, bf16, hf_loss, train_both
+from helpers.partial_model_scope import batch, bf16, hf_loss, train_both
 
 pytestmark = pytest.mark.cuda
 

@@ -21,8 +21,9 @@ from cudagraphs.partial.replay import TargetDispatcher
 from cudagraphs.partial.speed import chained_call
 from cudagraphs.partial.stats import stats_of
 from cudagraphs.partial.vocabulary import Target
+from helpers.partial_core import FakeCore
+from helpers.partial_manager import NARROW, KwToy
 from helpers.toy_models import Toy
-from test_partial_graphing_cpu import FakeCore
 
 LOGGER = "cudagraphs.partial.manager"
 
@@ -267,8 +268,6 @@ def test_a_refused_chained_input_runs_eagerly_counted_and_said_once(caplog, monk
 
 
 def test_the_eager_run_of_a_refused_chained_input_gets_the_keywords(monkeypatch):
-    from test_partial_dispatch_details import NARROW, KwToy
-
     monkeypatch.delenv("CUDAGRAPHS_DISABLE", raising=False)
     model = KwToy()  # its attention multiplies by the attention_mask keyword
     mgr = PartialCudaGraphManager.from_model_parts(

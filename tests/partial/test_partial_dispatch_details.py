@@ -11,8 +11,16 @@ from torch import nn
 
 from cudagraphs.errors import CudaGraphsTypeError
 from cudagraphs.partial import PartialCudaGraphManager
-from helpers.toy_models import Attn, Toy
-from test_partial_manager import NARROW, eager_backend, pinning_backend, recorded, step, tiny
+from helpers.hf_models import tiny
+from helpers.partial_manager import (
+    NARROW,
+    KwToy,
+    eager_backend,
+    pinning_backend,
+    recorded,
+    step,
+)
+from helpers.toy_models import Toy
 
 LOGGER = "cudagraphs.partial.manager"
 
@@ -48,31 +56,6 @@ def test_a_contract_mismatch_names_the_variant_bound():
     report = dispatcher._fallback_report("shape", args, kwargs, None)
     assert "(at most max_variants=3 per target)" in report
     mgr.close()
-
-
-class MaskedAttn(Attn):
-    def forward(self, hidden_states, attention_mask=None):
-        return super().forward(hidden_states) * attention_mask
-
-
-class KwBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.self_attn = MaskedAttn()
-
-    def forward(self, x):
-        return x + self.self_attn(x, attention_mask=torch.full_like(x, 0.5))
-
-
-class KwToy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([KwBlock(), KwBlock()])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def test_a_replaced_parameter_report_gives_both_fixes_and_the_eager_run_gets_keywords(caplog):

@@ -4,47 +4,19 @@ and passed as ordinary (copied) graph inputs; losses and gradients equal FSDP ea
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
 from helpers.hf_models import tiny
 
-fsdp = pytest.importorskip("torch.distributed.fsdp")
+pytest.importorskip("torch.distributed.fsdp")
 
-
-def eager_backend(callables, sample_args, sample_kwargs):
-    eager_backend.samples.append(sample_args)
-    return list(callables)
-
-
-eager_backend.samples = []
-
-
-@pytest.fixture
-def process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def sharded_llama(device="cpu"):
-    model = tiny("llama").to(device)
-    for layer in model.model.layers:
-        fsdp.fully_shard(layer)
-    fsdp.fully_shard(model)
-    return model
-
-
-def step(model, ids):
-    loss = model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
-    loss.backward()
-    return loss.detach()
-
-
-def full_grads(model):
-    return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+from helpers.partial_fsdp import (  # noqa: E402  (after the skip: it imports fsdp)
+    eager_backend,
+    full_grads,
+    sharded_llama,
+    step,
+    two_rank_worker,
+)
 
 
 def test_fsdp2_targets_replay_with_the_current_unsharded_parameters(process_group):
@@ -125,41 +97,11 @@ def test_fsdp2_with_graphs_disabled_equals_eager_and_captures_nothing(process_gr
         mgr.close()
 
 
-def _two_rank_worker(rank):
-    # Each rank trains on its own batches (data parallel); FSDP2 shards every layer
-    # across both ranks. Graphed (eager backend) and reference models must agree.
-    from test_partial_fsdp import eager_backend, full_grads, sharded_llama, step
-
-    model, ref = sharded_llama(), sharded_llama()
-    mgr = PartialCudaGraphManager.from_model_parts([model], capture_backend=eager_backend)
-    gen = torch.Generator().manual_seed(10 + rank)
-    mismatches = []
-    mgr.start_recording()
-    try:
-        for i in range(3):
-            ids = torch.randint(0, 128, (2, 8), generator=gen)
-            if not torch.equal(step(model, ids), step(ref, ids)):
-                mismatches.append(f"step {i}: loss")
-            got, want = full_grads(model), full_grads(ref)
-            mismatches += [
-                f"step {i}: grad of {n}" for n in want if not torch.equal(got[n], want[n])
-            ]
-            model.zero_grad()
-            ref.zero_grad()
-            if i == 0:
-                mgr.capture()
-        stats = mgr.stats()
-    finally:
-        mgr.close()
-    shard = next(model.parameters()).to_local().shape[0]
-    return {"mismatches": mismatches, "stats": stats, "local_rows": shard}
-
-
 @pytest.mark.spawns
 def test_fsdp2_across_two_gloo_ranks_equals_eager(tmp_path):
     from helpers.spawn import run_ranks
 
-    results = run_ranks(_two_rank_worker, 2, tmp_path, timeout_s=120)
+    results = run_ranks(two_rank_worker, 2, tmp_path, timeout_s=120)
     for rank, r in enumerate(results):
         assert r["mismatches"] == [], f"rank {rank}: {r['mismatches']}"
         assert r["stats"]["replayed"] == 4 and r["stats"]["fallbacks"] == 0, r["stats"]

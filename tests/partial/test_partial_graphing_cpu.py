@@ -16,6 +16,7 @@ from cudagraphs.partial.build import build_recordings
 from cudagraphs.partial.graphing import read_disabled
 from cudagraphs.partial.replay import TargetDispatcher
 from cudagraphs.partial.speed import SpeedCheck
+from helpers.partial_core import FakeCore
 from helpers.toy_models import Toy
 
 LOGGER = "cudagraphs.partial.manager"
@@ -220,37 +221,6 @@ def test_disabled_is_never_speed_checked(disabled, caplog):
 
 
 # --- the default backend: the core's make_graphed_callables -------------------------------
-
-
-class FakeCore:
-    """Stands in for cudagraphs.core.make_graphed_callables: records its arguments and
-    returns counting wrappers (a single one for a single callable when ``bare``)."""
-
-    def __init__(self, bare=False):
-        self.calls, self.replays, self.bare, self.sharing = [], 0, bare, []
-        self.owned = []
-
-    def __call__(
-        self,
-        modules,
-        sample_args,
-        sample_kwargs=None,
-        clone_param_grads_on_return=True,
-        _buffer_sharing=None,
-    ):
-        self.calls.append((modules, sample_args, sample_kwargs))
-        self.sharing.append(_buffer_sharing)
-        self.owned.append(clone_param_grads_on_return)
-
-        def graphed(fn):
-            def run(*args, **kwargs):
-                self.replays += 1
-                return fn(*args, **kwargs)
-
-            return run
-
-        out = tuple(graphed(fn) for fn in modules)
-        return out[0] if self.bare and len(out) == 1 else out
 
 
 def test_the_default_backend_hands_the_recorded_calls_to_the_core(enabled, monkeypatch):

@@ -11,36 +11,8 @@ from torch import nn
 from cudagraphs.errors import CudaGraphsStateError, CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
 from helpers.hf_models import tiny
+from helpers.partial_manager import NARROW, eager_backend, pinning_backend, recorded, step
 from helpers.toy_models import Attn, Toy
-
-# Attention and router targets (the scopes these tests are about; the default is
-# every scope, which graphs these small blocks whole).
-NARROW = ("attention", "moe_router")
-
-
-def eager_backend(callables, sample_args, sample_kwargs):
-    eager_backend.calls.append((len(callables), sample_args, sample_kwargs))
-    return list(callables)
-
-
-eager_backend.calls = []
-
-
-def step(model, ids):
-    out = model(input_ids=ids, use_cache=False).logits
-    out.float().pow(2).mean().backward()
-    return out.detach()
-
-
-def recorded(model, ids):
-    mgr = PartialCudaGraphManager.from_model_parts(
-        [model], capture_backend=eager_backend, scopes=NARROW
-    )
-    mgr.start_recording()
-    step(model, ids)
-    mgr.capture()
-    model.zero_grad(set_to_none=True)
-    return mgr
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
@@ -196,24 +168,6 @@ def test_close_restores_eager_modules_and_is_idempotent():
     assert model.layers[0].self_attn._forward_pre_hooks == {}
     with pytest.raises(CudaGraphsStateError, match="closed"):
         mgr.start_recording()
-
-
-def pinning_backend(callables, sample_args, sample_kwargs):
-    """Like the core: the graph reads its parameters in place and refuses a call whose
-    parameters were re-allocated since capture."""
-    from cudagraphs import CudaGraphInputError
-
-    graphs = []
-    for fn, args in zip(callables, sample_args):
-        ptrs = [p.data_ptr() for p in args[0]]
-
-        def graphed(params, *a, _fn=fn, _ptrs=ptrs, **kw):
-            if [p.data_ptr() for p in params] != _ptrs:
-                raise CudaGraphInputError("parameter re-allocated")
-            return _fn(params, *a, **kw)
-
-        graphs.append(graphed)
-    return graphs
 
 
 def test_a_replaced_parameter_storage_falls_back_with_its_reason(caplog):

@@ -7,41 +7,12 @@ import copy
 import logging
 
 import pytest
-import torch
 
 from cudagraphs.errors import CudaGraphsTypeError
 from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial import SCOPES, PartialCudaGraphManager
 from helpers.hf_models import tiny
-
-
-def backend(callables, sample_args, sample_kwargs):
-    return list(callables)
-
-
-def loss_of(model, ids):
-    return model(input_ids=ids, use_cache=False).logits.float().pow(2).mean()
-
-
-def train_and_compare(model, ref, mgr, steps=3):
-    gen = torch.Generator().manual_seed(0)
-    mgr.start_recording()
-    for step in range(steps):
-        ids = torch.randint(0, 128, (2, 8), generator=gen)
-        loss, ref_loss = loss_of(model, ids), loss_of(ref, ids)
-        loss.backward()
-        ref_loss.backward()
-        assert torch.equal(loss, ref_loss), f"step {step}: loss"
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert (p.grad is None) == (q.grad is None), name
-            if q.grad is not None:
-                assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name}"
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        if step == 0:
-            mgr.capture()
-    return mgr.stats()
-
+from helpers.partial_training import backend, train_and_compare
 
 KINDS = {
     # per model and scopes: the target kinds, one list entry per layer (2 layers)

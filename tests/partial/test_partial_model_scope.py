@@ -18,8 +18,7 @@ from cudagraphs.partial.graphing import holds_tensors
 from cudagraphs.partial.planning import plan_targets
 from cudagraphs.partial.vocabulary import ModelScopeOff, Target
 from helpers.hf_models import tiny
-from test_partial_fsdp import process_group  # noqa: F401  (a fixture)
-from test_partial_manager_scopes import backend, loss_of, train_and_compare
+from helpers.partial_training import backend, loss_of, train_and_compare
 
 WIDEST = (*SCOPES, "model")
 LOGGER = "cudagraphs.partial.manager"

@@ -18,7 +18,7 @@ from cudagraphs.partial.model_scope import fsdp_refusal, opaque_output_fix
 from cudagraphs.partial.planning import plan_targets
 from cudagraphs.partial.speed import SpeedVerdict
 from helpers.hf_models import tiny
-from test_partial_manager_scopes import backend, loss_of
+from helpers.partial_training import backend, loss_of
 
 WIDEST = (*SCOPES, "model")
 LOGGER = "cudagraphs.partial.manager"

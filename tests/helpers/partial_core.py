@@ -1,0 +1,33 @@
+"""A stand-in for the core's ``make_graphed_callables`` in the partial-graph CPU tests,
+to see what the manager's default capture backend hands the core."""
+
+
+class FakeCore:
+    """Stands in for cudagraphs.core.make_graphed_callables: records its arguments and
+    returns counting wrappers (a single one for a single callable when ``bare``)."""
+
+    def __init__(self, bare=False):
+        self.calls, self.replays, self.bare, self.sharing = [], 0, bare, []
+        self.owned = []
+
+    def __call__(
+        self,
+        modules,
+        sample_args,
+        sample_kwargs=None,
+        clone_param_grads_on_return=True,
+        _buffer_sharing=None,
+    ):
+        self.calls.append((modules, sample_args, sample_kwargs))
+        self.sharing.append(_buffer_sharing)
+        self.owned.append(clone_param_grads_on_return)
+
+        def graphed(fn):
+            def run(*args, **kwargs):
+                self.replays += 1
+                return fn(*args, **kwargs)
+
+            return run
+
+        out = tuple(graphed(fn) for fn in modules)
+        return out[0] if self.bare and len(out) == 1 else out
