@@ -10,7 +10,8 @@ from cudagraphs.partial.planning import TargetPlan
 from cudagraphs.partial.vocabulary import SCOPES
 from helpers.hf_models import CONFIGS, tiny, tiny_arch
 
-A, R, L, M, P = "attention", "router", "layer", "moe", "mlp"
+# The target kinds, as plans name them.
+ATTENTION, ROUTER, LAYER, MOE, MLP = "attention", "router", "layer", "moe", "mlp"
 NO_SCOPE = "no_graph_safe_scope"
 ATTN_ROUTER = ("attention", "moe_router")
 SETS = {"layer": ("layer",), "moe": ("moe",), "mlp": ("mlp",), "attn_router": ATTN_ROUTER}
@@ -33,19 +34,22 @@ def skipped(stack: str, layers=(0, 1)) -> list[tuple[str, str]]:
 
 def moe_attn_router(stack="model.layers") -> list[tuple[str, str]]:
     return [
-        t for i in (0, 1) for t in ((f"{stack}.{i}.self_attn", A), (f"{stack}.{i}.mlp.gate", R))
+        t
+        for i in (0, 1)
+        for t in ((f"{stack}.{i}.self_attn", ATTENTION), (f"{stack}.{i}.mlp.gate", ROUTER))
     ]
 
 
-ML = "model.layers"
+# The decoder stack of the HF families here (GPT-2's is transformer.h).
+MODEL_LAYERS = "model.layers"
 
 
 MOE_FAMILY = {
-    "layer": (per_layer(ML, "", L), [], []),
-    "moe": (per_layer(ML, ".mlp", M), [], []),
-    "mlp": ([], skipped(ML), []),
+    "layer": (per_layer(MODEL_LAYERS, "", LAYER), [], []),
+    "moe": (per_layer(MODEL_LAYERS, ".mlp", MOE), [], []),
+    "mlp": ([], skipped(MODEL_LAYERS), []),
     "attn_router": (moe_attn_router(), [], []),
-    "all": (per_layer(ML, "", L), [], []),
+    "all": (per_layer(MODEL_LAYERS, "", LAYER), [], []),
 }
 
 
@@ -53,81 +57,105 @@ MOE_FAMILY = {
 # narrowed (name, wanted, got, reason))
 EXPECTED = {
     "llama": {
-        "layer": (per_layer(ML, "", L), [], []),
-        "moe": ([], skipped(ML), []),
-        "mlp": (per_layer(ML, ".mlp", P), [], []),
-        "attn_router": (per_layer(ML, ".self_attn", A), [], []),
-        "all": (per_layer(ML, "", L), [], []),
+        "layer": (per_layer(MODEL_LAYERS, "", LAYER), [], []),
+        "moe": ([], skipped(MODEL_LAYERS), []),
+        "mlp": (per_layer(MODEL_LAYERS, ".mlp", MLP), [], []),
+        "attn_router": (per_layer(MODEL_LAYERS, ".self_attn", ATTENTION), [], []),
+        "all": (per_layer(MODEL_LAYERS, "", LAYER), [], []),
     },
     "qwen3_moe": MOE_FAMILY,
     "mixtral": MOE_FAMILY,
     # Layer 0 is dense (first_k_dense_replace=1), layer 1 MoE with shared experts.
     "deepseek_v3": {
-        "layer": (per_layer(ML, "", L), [], []),
-        "moe": ([(f"{ML}.1.mlp", M)], skipped(ML, [0]), []),
-        "mlp": ([(f"{ML}.0.mlp", P)], skipped(ML, [1]), []),
+        "layer": (per_layer(MODEL_LAYERS, "", LAYER), [], []),
+        "moe": ([(f"{MODEL_LAYERS}.1.mlp", MOE)], skipped(MODEL_LAYERS, [0]), []),
+        "mlp": ([(f"{MODEL_LAYERS}.0.mlp", MLP)], skipped(MODEL_LAYERS, [1]), []),
         "attn_router": (
-            [(f"{ML}.0.self_attn", A), (f"{ML}.1.self_attn", A), (f"{ML}.1.mlp.gate", R)],
+            [
+                (f"{MODEL_LAYERS}.0.self_attn", ATTENTION),
+                (f"{MODEL_LAYERS}.1.self_attn", ATTENTION),
+                (f"{MODEL_LAYERS}.1.mlp.gate", ROUTER),
+            ],
             [],
             [],
         ),
-        "all": (per_layer(ML, "", L), [], []),
+        "all": (per_layer(MODEL_LAYERS, "", LAYER), [], []),
     },
     # Conv1D projections: only the 2-D-weight rule finds GPT-2's MLP.
     "gpt2": {
-        "layer": (per_layer("transformer.h", "", L), [], []),
+        "layer": (per_layer("transformer.h", "", LAYER), [], []),
         "moe": ([], skipped("transformer.h"), []),
-        "mlp": (per_layer("transformer.h", ".mlp", P), [], []),
-        "attn_router": (per_layer("transformer.h", ".attn", A), [], []),
-        "all": (per_layer("transformer.h", "", L), [], []),
+        "mlp": (per_layer("transformer.h", ".mlp", MLP), [], []),
+        "attn_router": (per_layer("transformer.h", ".attn", ATTENTION), [], []),
+        "all": (per_layer("transformer.h", "", LAYER), [], []),
     },
     # Layers 0/2: Mamba + MoE; 1: attention + MLP; 3: Mamba + MLP.
     "jamba": {
-        "layer": ([(f"{ML}.1", L)], skipped(ML, [0, 2, 3]), []),
+        "layer": ([(f"{MODEL_LAYERS}.1", LAYER)], skipped(MODEL_LAYERS, [0, 2, 3]), []),
         "moe": (
-            [(f"{ML}.0.feed_forward", M), (f"{ML}.2.feed_forward", M)],
-            skipped(ML, [1, 3]),
+            [(f"{MODEL_LAYERS}.0.feed_forward", MOE), (f"{MODEL_LAYERS}.2.feed_forward", MOE)],
+            skipped(MODEL_LAYERS, [1, 3]),
             [],
         ),
         "mlp": (
-            [(f"{ML}.1.feed_forward", P), (f"{ML}.3.feed_forward", P)],
-            skipped(ML, [0, 2]),
+            [(f"{MODEL_LAYERS}.1.feed_forward", MLP), (f"{MODEL_LAYERS}.3.feed_forward", MLP)],
+            skipped(MODEL_LAYERS, [0, 2]),
             [],
         ),
         "attn_router": (
-            [(f"{ML}.0.feed_forward.router", R), (f"{ML}.1.self_attn", A)]
-            + [(f"{ML}.2.feed_forward.router", R)],
-            skipped(ML, [3]),
+            [
+                (f"{MODEL_LAYERS}.0.feed_forward.router", ROUTER),
+                (f"{MODEL_LAYERS}.1.self_attn", ATTENTION),
+            ]
+            + [(f"{MODEL_LAYERS}.2.feed_forward.router", ROUTER)],
+            skipped(MODEL_LAYERS, [3]),
             [],
         ),
         "all": (
-            [(f"{ML}.0.feed_forward", M), (f"{ML}.1", L), (f"{ML}.2.feed_forward", M)]
-            + [(f"{ML}.3.feed_forward", P)],
+            [
+                (f"{MODEL_LAYERS}.0.feed_forward", MOE),
+                (f"{MODEL_LAYERS}.1", LAYER),
+                (f"{MODEL_LAYERS}.2.feed_forward", MOE),
+            ]
+            + [(f"{MODEL_LAYERS}.3.feed_forward", MLP)],
             [],
             [
-                (f"{ML}.0", "layer", ("moe",), "no_attention"),
-                (f"{ML}.2", "layer", ("moe",), "no_attention"),
-                (f"{ML}.3", "layer", ("mlp",), "no_attention"),
+                (f"{MODEL_LAYERS}.0", "layer", ("moe",), "no_attention"),
+                (f"{MODEL_LAYERS}.2", "layer", ("moe",), "no_attention"),
+                (f"{MODEL_LAYERS}.3", "layer", ("mlp",), "no_attention"),
             ],
         ),
     },
     # Layers 0/2: Gated DeltaNet (never attention); 1/3 attention; layer 2 dense.
     "qwen3_next": {
-        "layer": ([(f"{ML}.1", L), (f"{ML}.3", L)], skipped(ML, [0, 2]), []),
-        "moe": (per_layer(ML, ".mlp", M, [0, 1, 3]), skipped(ML, [2]), []),
-        "mlp": ([(f"{ML}.2.mlp", P)], skipped(ML, [0, 1, 3]), []),
+        "layer": (
+            [(f"{MODEL_LAYERS}.1", LAYER), (f"{MODEL_LAYERS}.3", LAYER)],
+            skipped(MODEL_LAYERS, [0, 2]),
+            [],
+        ),
+        "moe": (per_layer(MODEL_LAYERS, ".mlp", MOE, [0, 1, 3]), skipped(MODEL_LAYERS, [2]), []),
+        "mlp": ([(f"{MODEL_LAYERS}.2.mlp", MLP)], skipped(MODEL_LAYERS, [0, 1, 3]), []),
         "attn_router": (
-            [(f"{ML}.0.mlp.gate", R), (f"{ML}.1.self_attn", A), (f"{ML}.1.mlp.gate", R)]
-            + [(f"{ML}.3.self_attn", A), (f"{ML}.3.mlp.gate", R)],
-            skipped(ML, [2]),
+            [
+                (f"{MODEL_LAYERS}.0.mlp.gate", ROUTER),
+                (f"{MODEL_LAYERS}.1.self_attn", ATTENTION),
+                (f"{MODEL_LAYERS}.1.mlp.gate", ROUTER),
+            ]
+            + [(f"{MODEL_LAYERS}.3.self_attn", ATTENTION), (f"{MODEL_LAYERS}.3.mlp.gate", ROUTER)],
+            skipped(MODEL_LAYERS, [2]),
             [],
         ),
         "all": (
-            [(f"{ML}.0.mlp", M), (f"{ML}.1", L), (f"{ML}.2.mlp", P), (f"{ML}.3", L)],
+            [
+                (f"{MODEL_LAYERS}.0.mlp", MOE),
+                (f"{MODEL_LAYERS}.1", LAYER),
+                (f"{MODEL_LAYERS}.2.mlp", MLP),
+                (f"{MODEL_LAYERS}.3", LAYER),
+            ],
             [],
             [
-                (f"{ML}.0", "layer", ("moe",), "no_attention"),
-                (f"{ML}.2", "layer", ("mlp",), "no_attention"),
+                (f"{MODEL_LAYERS}.0", "layer", ("moe",), "no_attention"),
+                (f"{MODEL_LAYERS}.2", "layer", ("mlp",), "no_attention"),
             ],
         ),
     },

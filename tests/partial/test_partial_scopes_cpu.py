@@ -13,15 +13,15 @@ from cudagraphs.partial.planning import plan_targets, select_targets
 from cudagraphs.partial.vocabulary import SCOPES, NarrowedBlock
 from helpers.hf_models import tiny
 from helpers.scopes import (
+    ATTENTION,
     ATTN_ROUTER,
     EXPECTED,
-    ML,
+    LAYER,
+    MLP,
+    MODEL_LAYERS,
     NO_SCOPE,
+    ROUTER,
     SETS,
-    A,
-    L,
-    P,
-    R,
     ToyAttention,
     model_of,
     moe_attn_router,
@@ -99,16 +99,16 @@ def test_eager_experts_narrow_moe_and_layer_to_the_router():
     plan = plan_targets(model, scopes=SCOPES)
     assert names_kinds(plan) == moe_attn_router()
     assert narrowings(plan) == [
-        (f"{ML}.{i}", "layer", ATTN_ROUTER, "eager_experts") for i in (0, 1)
+        (f"{MODEL_LAYERS}.{i}", "layer", ATTN_ROUTER, "eager_experts") for i in (0, 1)
     ]
     detail = plan.narrowed[0].detail
     assert "'eager'" in detail and "graphed at attention + moe_router instead" in detail
     assert "model.set_experts_implementation('grouped_mm')" in detail
 
     plan = plan_targets(model, scopes=("moe", "moe_router"))
-    assert names_kinds(plan) == per_layer(ML, ".mlp.gate", R)
+    assert names_kinds(plan) == per_layer(MODEL_LAYERS, ".mlp.gate", ROUTER)
     assert narrowings(plan) == [
-        (f"{ML}.{i}", "moe", ("moe_router",), "eager_experts") for i in (0, 1)
+        (f"{MODEL_LAYERS}.{i}", "moe", ("moe_router",), "eager_experts") for i in (0, 1)
     ]
 
     # Nothing narrower asked for: the blocks are skipped, the detail says why.
@@ -119,7 +119,7 @@ def test_eager_experts_narrow_moe_and_layer_to_the_router():
     assert "set_experts_implementation('grouped_mm')" in plan.skipped[0].detail
 
     model.set_experts_implementation("batched_mm")
-    assert names_kinds(plan_targets(model, scopes=SCOPES)) == per_layer(ML, "", L)
+    assert names_kinds(plan_targets(model, scopes=SCOPES)) == per_layer(MODEL_LAYERS, "", LAYER)
 
 
 def test_an_implementation_not_known_to_be_static_is_unknown():
@@ -127,7 +127,7 @@ def test_an_implementation_not_known_to_be_static_is_unknown():
     model.config._experts_implementation = "some_kernel"  # the experts share this config
     plan = plan_targets(model, scopes=SCOPES)
     assert narrowings(plan) == [
-        (f"{ML}.{i}", "layer", ATTN_ROUTER, "unknown_experts") for i in (0, 1)
+        (f"{MODEL_LAYERS}.{i}", "layer", ATTN_ROUTER, "unknown_experts") for i in (0, 1)
     ]
     assert "'some_kernel', not one known to keep static shapes" in plan.narrowed[0].detail
 
@@ -140,15 +140,15 @@ def test_user_moe_with_unknown_experts_is_narrowed():
     assert experts_implementation(model.layers[1].ffn, model) is None
     plan = plan_targets(model, scopes=SCOPES)
     assert names_kinds(plan) == [
-        ("layers.0", L),
-        ("layers.1.attn", A),
-        ("layers.1.ffn.router", R),
+        ("layers.0", LAYER),
+        ("layers.1.attn", ATTENTION),
+        ("layers.1.ffn.router", ROUTER),
     ]
     assert narrowings(plan) == [("layers.1", "layer", ATTN_ROUTER, "unknown_experts")]
     assert plan.source == "structure"
     detail = plan.narrowed[0].detail
     assert "not stated" in detail and "include=['layers.1.ffn']" in detail
-    assert names_kinds(plan_targets(model, scopes=("mlp",))) == [("layers.0.ffn", P)]
+    assert names_kinds(plan_targets(model, scopes=("mlp",))) == [("layers.0.ffn", MLP)]
 
 
 class FlatRouter(nn.Linear):
@@ -179,28 +179,31 @@ def test_a_router_held_by_the_block_itself_has_no_moe_scope():
     model = FlatModel()
     plan = plan_targets(model, scopes=("attention", "moe", "moe_router"))
     assert names_kinds(plan) == [
-        t for i in (0, 1) for t in ((f"layers.{i}.attn", A), (f"layers.{i}.router", R))
+        t for i in (0, 1) for t in ((f"layers.{i}.attn", ATTENTION), (f"layers.{i}.router", ROUTER))
     ]
     assert plan.narrowed == []
     plan = plan_targets(model, scopes=("moe",))
     assert plan.targets == [] and "no MoE sublayer" in plan.skipped[0].detail
-    assert names_kinds(plan_targets(model, scopes=SCOPES)) == per_layer("layers", "", L)
+    assert names_kinds(plan_targets(model, scopes=SCOPES)) == per_layer("layers", "", LAYER)
 
 
 @pytest.mark.parametrize(
     "stated, layer_1",
     [
-        ("grouped_mm", [("layers.1", L)]),
-        ({"": "batched_mm"}, [("layers.1", L)]),
-        ({"text_config": "grouped_mm"}, [("layers.1.attn", A), ("layers.1.ffn.router", R)]),
-        ("eager", [("layers.1.attn", A), ("layers.1.ffn.router", R)]),
+        ("grouped_mm", [("layers.1", LAYER)]),
+        ({"": "batched_mm"}, [("layers.1", LAYER)]),
+        (
+            {"text_config": "grouped_mm"},
+            [("layers.1.attn", ATTENTION), ("layers.1.ffn.router", ROUTER)],
+        ),
+        ("eager", [("layers.1.attn", ATTENTION), ("layers.1.ffn.router", ROUTER)]),
     ],
     ids=["str", "dict-main", "dict-other-key", "eager"],
 )
 def test_user_model_config_states_the_implementation(stated, layer_1):
     model = toy_model()
     model.config = SimpleNamespace(_experts_implementation=stated)
-    assert names_kinds(plan_targets(model, scopes=SCOPES)) == [("layers.0", L)] + layer_1
+    assert names_kinds(plan_targets(model, scopes=SCOPES)) == [("layers.0", LAYER)] + layer_1
 
 
 def test_the_experts_own_config_comes_before_the_model_config():

@@ -23,12 +23,12 @@ from cudagraphs.partial.scopes import (
 from cudagraphs.partial.vocabulary import SCOPES, DiscoveredBlock, Target
 from helpers.hf_models import tiny
 from helpers.scopes import (
+    ATTENTION,
     ATTN_ROUTER,
-    ML,
-    A,
-    M,
-    P,
-    R,
+    MLP,
+    MODEL_LAYERS,
+    MOE,
+    ROUTER,
     ToyAttention,
     ToyBlock,
     ToyMoE,
@@ -154,14 +154,14 @@ def test_find_mlp_leaves_taken_modules_out_and_takes_the_first(caplog):
 
 def test_include_inside_a_chosen_layer_is_refused():
     model = model_of("deepseek_v3")
-    with pytest.raises(TargetSelectionError, match=f"lies inside target {ML}.1;"):
-        plan_targets(model, scopes=("layer",), include=f"{ML}.*.mlp.shared_experts")
+    with pytest.raises(TargetSelectionError, match=f"lies inside target {MODEL_LAYERS}.1;"):
+        plan_targets(model, scopes=("layer",), include=f"{MODEL_LAYERS}.*.mlp.shared_experts")
 
 
 def test_include_of_a_chosen_scope_target_is_not_added_twice():
     model = model_of("llama")
-    plan = plan_targets(model, scopes=("mlp",), include=f"{ML}.*.mlp")
-    assert names_kinds(plan) == per_layer(ML, ".mlp", P)
+    plan = plan_targets(model, scopes=("mlp",), include=f"{MODEL_LAYERS}.*.mlp")
+    assert names_kinds(plan) == per_layer(MODEL_LAYERS, ".mlp", MLP)
 
 
 def test_empty_scopes_take_include_alone():
@@ -170,9 +170,9 @@ def test_empty_scopes_take_include_alone():
     assert plan.targets == []
     assert [s.reason for s in plan.skipped] == ["nothing_asked", "nothing_asked"]
     assert "scopes=()" in plan.skipped[0].detail
-    plan = plan_targets(model, scopes=[], include=f"{ML}.0.mlp")
-    assert names_kinds(plan) == [(f"{ML}.0.mlp", "custom")]
-    assert [s.name for s in plan.skipped] == [f"{ML}.1"]
+    plan = plan_targets(model, scopes=[], include=f"{MODEL_LAYERS}.0.mlp")
+    assert names_kinds(plan) == [(f"{MODEL_LAYERS}.0.mlp", "custom")]
+    assert [s.name for s in plan.skipped] == [f"{MODEL_LAYERS}.1"]
 
 
 def test_checkpoint_wrapped_modules_are_the_targets():
@@ -181,7 +181,7 @@ def test_checkpoint_wrapped_modules_are_the_targets():
     for layer in model.model.layers:
         layer.mlp = checkpoint_wrapper(layer.mlp)
     plan = plan_targets(model, scopes=("moe",))
-    assert names_kinds(plan) == per_layer(ML, ".mlp", M)
+    assert names_kinds(plan) == per_layer(MODEL_LAYERS, ".mlp", MOE)
     assert [t.module for t in plan.targets] == inner
 
 
@@ -258,7 +258,7 @@ def test_an_moe_sublayer_deeper_in_the_block_is_the_moe_scope():
     model.layers = nn.ModuleList([DeepMoEBlock(), DeepMoEBlock()])
     model.config = SimpleNamespace(_experts_implementation="grouped_mm")
     plan = plan_targets(model, scopes=("moe",))
-    assert names_kinds(plan) == per_layer("layers", ".ffn.moe", M)
+    assert names_kinds(plan) == per_layer("layers", ".ffn.moe", MOE)
     assert [t.module for t in plan.targets] == [b.ffn.moe for b in model.layers]
 
 
@@ -269,8 +269,8 @@ def test_a_block_at_the_root_names_its_pieces_without_a_prefix():
     found = DiscoveredBlock(
         "",
         block,
-        Target("attn", block.attn, A, ""),
-        Target("ffn.router", block.ffn.router, R, ""),
+        Target("attn", block.attn, ATTENTION, ""),
+        Target("ffn.router", block.ffn.router, ROUTER, ""),
         "ffn",
         moe_module=block.ffn,
     )
