@@ -1,10 +1,10 @@
 """The ``megatron`` case of ``benchmarks/upstream.py``: Megatron-Core's own
 ``TECudaGraphHelper`` over a ``GPTModel`` (local layer spec, bf16, one rank, Megatron's
 DDP) capturing with cudagraphs' helper behind the Transformer Engine names it imports
-(the test-only stand-in ``tests/integrations/te_standin.py``, FP8 off), against the
+(the test-only stand-in ``tests/helpers/te_standin.py``, FP8 off), against the
 same model trained eagerly.
 
-The case is ``tests/integrations/_megatron_case.run_case`` (the GPU test runs the same
+The case is ``tests/helpers/megatron_case.run_case`` (the GPU test runs the same
 code): both models come from one state dict, see the same batches, and run step by
 step interleaved (graphed step ``i``, then eager step ``i``), each step timed with
 ``torch.cuda.synchronize()`` around ``time.perf_counter()``. The helper captures
@@ -22,11 +22,11 @@ from typing import Any
 
 import _report  # noqa: F401  (first: puts this checkout's src on sys.path)
 
-_INTEGRATIONS = Path(__file__).resolve().parents[1] / "tests" / "integrations"
-if str(_INTEGRATIONS) not in sys.path:
-    sys.path.insert(0, str(_INTEGRATIONS))  # the stand-in and the case live with the tests
+_TESTS = Path(__file__).resolve().parents[1] / "tests"
+if str(_TESTS) not in sys.path:
+    sys.path.insert(0, str(_TESTS))  # the stand-in and the case live in the tests' helpers
 
-from _megatron_case import CaseShape, megatron_skip_reason, run_case  # noqa: E402
+from helpers.megatron_case import CaseShape, megatron_skip_reason, run_case  # noqa: E402
 
 __all__ = ["run_megatron_case"]
 

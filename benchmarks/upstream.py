@@ -17,7 +17,7 @@ Three cases, each the upstream project's own code, unmodified:
   graph-safe scope per layer).
 * ``megatron``: Megatron-Core's ``TECudaGraphHelper`` over a ``GPTModel`` with the
   local layer spec at one rank, our helper behind the Transformer Engine names it
-  imports (a test-only stand-in, ``tests/integrations/te_standin.py``), against eager
+  imports (a test-only stand-in, ``tests/helpers/te_standin.py``), against eager
   (``benchmarks/_upstream_megatron.py``).
 
 Method (``nemo``): every variant is built and recorded/captured from the same weights

@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "src"), str(REPO / "tests" / "integrations"), str(REPO / "tests")]
+sys.path[:0] = [str(REPO / "src"), str(REPO / "tests")]
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -139,7 +139,7 @@ def emulate(helper):
 
 
 def case(out, adapt=None):
-    from _megatron_case import run_case
+    from helpers.megatron_case import run_case
 
     with tempfile.TemporaryDirectory() as tmp:
         try:

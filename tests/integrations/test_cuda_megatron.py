@@ -5,14 +5,15 @@ kwargs are accepted, every step replays every layer's forward and backward graph
 and training equals the eager model bit for bit (losses, parameters, ``main_grad``).
 
 Skipped unless megatron-core imports, Python >= 3.12 (megatron-core 0.19's floor) and
-a CUDA device is present. The case itself is ``_megatron_case.run_case``."""
+a CUDA device is present. The case itself is ``helpers.megatron_case.run_case``."""
 
 import importlib
 import importlib.util
 import sys
 
 import pytest
-from _megatron_case import GRAPH_HELPER_MODULE, CaseShape, megatron_skip_reason, run_case
+
+from helpers.megatron_case import GRAPH_HELPER_MODULE, CaseShape, megatron_skip_reason, run_case
 
 pytestmark = pytest.mark.cuda
 

@@ -14,7 +14,10 @@ import sys
 
 import pytest
 import torch
-from _megatron_case import (
+
+from cudagraphs import CudaGraphsValueError, NoCudaDeviceError, QuantizationNotSupportedError
+from cudagraphs import make_graphed_callables as ours
+from helpers.megatron_case import (
     GRAPH_HELPER_MODULE,
     CaseShape,
     batches,
@@ -25,9 +28,6 @@ from _megatron_case import (
     one_rank,
     transformer_config,
 )
-
-from cudagraphs import CudaGraphsValueError, NoCudaDeviceError, QuantizationNotSupportedError
-from cudagraphs import make_graphed_callables as ours
 
 _REASON = megatron_skip_reason(need_gpu=False)
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")

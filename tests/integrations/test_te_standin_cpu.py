@@ -9,11 +9,11 @@ import types
 
 import pytest
 import torch
-from te_standin import STANDIN_MARKER, TE_MODULES, TE_VERSION, te_standin
 from torch import nn
 
 import cudagraphs
 from cudagraphs.capture_state import TE_GRAPH_MODULE, capture_scope, is_graph_capturing
+from helpers.te_standin import STANDIN_MARKER, TE_MODULES, TE_VERSION, te_standin
 
 
 def _te_entries():

@@ -86,7 +86,7 @@ class _FakeModule(types.ModuleType):
             raise AttributeError(name)
         raise AttributeError(
             f"{self.__name__}.{name} is not provided by the test stand-in for Transformer "
-            f"Engine (tests/integrations/te_standin.py), which fakes only what Megatron-Core's "
+            f"Engine (tests/helpers/te_standin.py), which fakes only what Megatron-Core's "
             f"TE graph helper imports, with FP8 off"
         )
 
@@ -222,7 +222,7 @@ def te_standin(
     what it was on entry: entries that were there (a real Transformer Engine already
     imported) come back, entries added inside the block are removed. Code that bound
     a name from the stand-in inside the block keeps that object; the caller undoes
-    such bindings (see ``tests/integrations/_megatron_case.py``).
+    such bindings (see ``tests/helpers/megatron_case.py``).
 
     Raises:
         RuntimeError: a stand-in is installed already (they do not nest).

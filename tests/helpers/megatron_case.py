@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from te_standin import TE_VERSION, StandIn, te_standin
+
+from helpers.te_standin import TE_VERSION, StandIn, te_standin
 
 __all__ = [
     "GRAPH_HELPER_MODULE",
@@ -119,7 +120,7 @@ def megatron_te_graphs(
                 raise RuntimeError(
                     f"{GRAPH_HELPER_MODULE} still has HAVE_TE_GRAPHS=False under the TE "
                     "stand-in: its `from transformer_engine... import` block needs a name "
-                    "tests/integrations/te_standin.py does not provide"
+                    "tests/helpers/te_standin.py does not provide"
                 )
             if cg.make_graphed_callables is not standin.make_graphed_callables:
                 raise RuntimeError("Megatron did not bind the stand-in's make_graphed_callables")
