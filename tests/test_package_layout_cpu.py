@@ -25,6 +25,9 @@ import cudagraphs
 
 SRC = Path(cudagraphs.__file__).parent
 
+# mutmut's copies of the sources carry its trampolines: the rules hold for the sources.
+pytestmark = pytest.mark.skipif("mutants" in SRC.parts, reason="mutmut's copy of the sources")
+
 # Layer rank of every module, by the longest matching dotted prefix; a higher rank
 # may import a lower or equal one. DESIGN.md's map: the base modules, the capture
 # primitives, the core and programs beside it, the layers on them, the integrations,

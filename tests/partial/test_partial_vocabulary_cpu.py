@@ -84,6 +84,9 @@ def _reason_literals() -> list[tuple[str, str, str]]:
     return found
 
 
+@pytest.mark.skipif(
+    "mutants" in PARTIAL.parts, reason="mutmut's copies of the sources carry its trampolines"
+)
 def test_every_reason_the_code_passes_is_registered():
     found = _reason_literals()
     assert len(found) >= 8, "the scan must see the layer's reasons"
