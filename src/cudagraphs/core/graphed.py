@@ -1,5 +1,6 @@
-"""The :class:`GraphedCallable` users call and the autograd Function it replays an
-entry through; the entry's graphs, buffers and per-call checks are in :mod:`.runtime`.
+"""What a user of ``make_graphed_callables`` calls: :class:`GraphedCallable`, and
+the autograd Functions through which it replays one entry's
+:class:`~.runtime.EntryGraphs` (eagerly for a module in the other training mode).
 """
 
 from __future__ import annotations

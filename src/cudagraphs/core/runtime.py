@@ -1,6 +1,5 @@
-"""The replay side of ``make_graphed_callables``: one :class:`EntryGraphs` per graphed
-entry (the autograd Function that replays it and the :class:`GraphedCallable` users
-call are in :mod:`.graphed`).
+"""The replay state of ``make_graphed_callables``: one :class:`EntryGraphs` per graphed
+entry, holding its graphs, static buffers and per-call checks.
 
 The replay path does per call only what cannot be done at capture: one comparison of
 each input's shape/dtype/requires_grad against the captured ones, one fused copy of
