@@ -278,3 +278,26 @@ def test_a_second_capture_timing_its_graphs_counts_no_call_of_its_own():
     model(torch.randn(3, 8, requires_grad=True))
     assert mgr.stats()["replayed"] == 2
     mgr.close()
+
+
+def test_a_dispatcher_of_its_own_dispatches_and_reports_every_fallback(caplog):
+    from cudagraphs.partial import TargetDispatcher
+
+    model = tiny()
+    mgr = recorded(model, torch.randint(0, 128, (1, 8)))
+    recording = mgr.recordings[0]
+    mgr.close()
+    # A dispatcher made outside a manager starts dispatching (not passing calls
+    # through) and, with no manager to say a cause once, warns at every fallback.
+    dispatcher = TargetDispatcher(recording)
+    assert dispatcher.passthrough is False
+    x = torch.randn(1, 5, 64)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for _ in range(2):
+            # The fallback runs the attention's own forward, which needs its
+            # position embeddings: the report comes before that call fails.
+            with pytest.raises(TypeError):
+                dispatcher(x)
+    said = [r for r in caplog.records if "ran eagerly (reason" in r.getMessage()]
+    assert len(said) == 2
+    assert sum(dispatcher.counter.fallbacks.values()) == 2

@@ -116,3 +116,13 @@ def test_the_former_names_of_the_dispatcher_stay_for_one_release():
     assert all(isinstance(d, PartialGraphEntry) for d in mgr.entries)
     assert [d.recording for d in mgr.dispatchers] == mgr.recordings
     mgr.close()
+
+
+def test_the_retired_default_reads_as_retired_in_signatures():
+    import inspect
+
+    from cudagraphs.partial import plan_targets
+    from cudagraphs.partial.arguments import RETIRED
+
+    assert repr(RETIRED) == "<retired>"
+    assert repr(inspect.signature(plan_targets).parameters["attention"].default) == "<retired>"

@@ -169,8 +169,9 @@ class TargetDispatcher:
 
     def _fall_back(self, reason: str, args: tuple, kwargs: dict, detail: Any) -> None:
         self.counter.fallback(reason)
-        # One set lookup per fallback; the report is built only the first time.
-        if self.warn_once is not None and not self.warn_once.said(reason):
+        # One set lookup per fallback; under a manager the report is built only the
+        # first time, and a dispatcher of its own reports every fallback.
+        if self.warn_once is None or not self.warn_once.said(reason):
             try:
                 report = self._fallback_report(reason, args, kwargs, detail)
             except Exception as exc:  # a report (a control's repr, say) must not break a step

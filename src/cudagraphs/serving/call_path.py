@@ -105,9 +105,9 @@ class CallPath:
     def run(
         self,
         inputs: Mapping[str, torch.Tensor],
-        batch_size: int | None = None,
-        num_tokens: int | None = None,
-        copy_output: bool = False,
+        batch_size: int | None,
+        num_tokens: int | None,
+        copy_output: bool,
     ) -> Any:
         """One step: what :meth:`GraphRunner.run` returns and raises (it delegates here
         with its arguments)."""
