@@ -301,3 +301,21 @@ def test_a_dispatcher_of_its_own_dispatches_and_reports_every_fallback(caplog):
     said = [r for r in caplog.records if "ran eagerly (reason" in r.getMessage()]
     assert len(said) == 2
     assert sum(dispatcher.counter.fallbacks.values()) == 2
+
+
+def test_a_dispatcher_given_a_managers_warnings_says_each_cause_once(caplog):
+    from cudagraphs.diagnostics import WarnOnce
+    from cudagraphs.partial import TargetDispatcher
+
+    model = tiny()
+    mgr = recorded(model, torch.randint(0, 128, (1, 8)))
+    recording = mgr.recordings[0]
+    mgr.close()
+    dispatcher = TargetDispatcher(recording, WarnOnce(logging.getLogger(LOGGER)))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for _ in range(2):
+            with pytest.raises(TypeError):  # the attention's own forward, as above
+                dispatcher(torch.randn(1, 5, 64))
+    said = [r for r in caplog.records if "ran eagerly (reason" in r.getMessage()]
+    assert len(said) == 1
+    assert sum(dispatcher.counter.fallbacks.values()) == 2
