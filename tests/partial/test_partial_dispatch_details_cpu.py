@@ -280,30 +280,10 @@ def test_a_second_capture_timing_its_graphs_counts_no_call_of_its_own():
     mgr.close()
 
 
-def test_a_dispatcher_of_its_own_dispatches_and_reports_every_fallback(caplog):
-    from cudagraphs.partial import TargetDispatcher
-
-    model = tiny()
-    mgr = recorded(model, torch.randint(0, 128, (1, 8)))
-    recording = mgr.recordings[0]
-    mgr.close()
-    # A dispatcher made outside a manager starts dispatching (not passing calls
-    # through) and, with no manager to say a cause once, warns at every fallback.
-    dispatcher = TargetDispatcher(recording)
-    assert dispatcher.passthrough is False
-    x = torch.randn(1, 5, 64)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        for _ in range(2):
-            # The fallback runs the attention's own forward, which needs its
-            # position embeddings: the report comes before that call fails.
-            with pytest.raises(TypeError):
-                dispatcher(x)
-    said = [r for r in caplog.records if "ran eagerly (reason" in r.getMessage()]
-    assert len(said) == 2
-    assert sum(dispatcher.counter.fallbacks.values()) == 2
-
-
-def test_a_dispatcher_given_a_managers_warnings_says_each_cause_once(caplog):
+@pytest.mark.parametrize("with_manager_warnings, said_times", [(False, 2), (True, 1)])
+def test_a_dispatcher_reports_fallbacks_once_per_cause_only_under_a_manager(
+    caplog, with_manager_warnings, said_times
+):
     from cudagraphs.diagnostics import WarnOnce
     from cudagraphs.partial import TargetDispatcher
 
@@ -311,11 +291,17 @@ def test_a_dispatcher_given_a_managers_warnings_says_each_cause_once(caplog):
     mgr = recorded(model, torch.randint(0, 128, (1, 8)))
     recording = mgr.recordings[0]
     mgr.close()
-    dispatcher = TargetDispatcher(recording, WarnOnce(logging.getLogger(LOGGER)))
+    # A dispatcher starts dispatching (not passing calls through). With no manager to
+    # say a cause once it warns at every fallback; given a manager's warnings, once.
+    warn_once = WarnOnce(logging.getLogger(LOGGER)) if with_manager_warnings else None
+    dispatcher = TargetDispatcher(recording, warn_once)
+    assert dispatcher.passthrough is False
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         for _ in range(2):
-            with pytest.raises(TypeError):  # the attention's own forward, as above
+            # The fallback runs the attention's own forward, which needs its
+            # position embeddings: the report comes before that call fails.
+            with pytest.raises(TypeError):
                 dispatcher(torch.randn(1, 5, 64))
     said = [r for r in caplog.records if "ran eagerly (reason" in r.getMessage()]
-    assert len(said) == 1
+    assert len(said) == said_times
     assert sum(dispatcher.counter.fallbacks.values()) == 2
