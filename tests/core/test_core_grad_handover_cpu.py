@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagraphs.core.graphed import GraphedCallable
+from cudagraphs.core.runtime import EntryGraphs
 from cudagraphs.core.lent_grads import LentGrads
 from helpers.stand_in_graphs import positional_entry
 
@@ -268,3 +270,117 @@ def test_settling_moves_only_what_still_aliases_and_forgets_everything():
     assert a.grad.data_ptr() != buffers[0].data_ptr() and a.grad.tolist() == [1.0, 2.0]
     assert b.grad is None and c.grad.tolist() == [5.0, 6.0]
     assert registry.params == [] and registry.ptrs == []
+
+
+# ---- parameters passed as inputs (explicit-parameter adapters: partial graphs) --------
+
+
+def _graphed_input(clone: bool = True, forward_overwrites_grad: bool = False):
+    """``f(w, x) = w * x`` with the parameter ``w`` an input read in place (pinned),
+    as partial graphs pass their targets' parameters."""
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    alias = w.detach().requires_grad_()
+    x = torch.zeros(3)
+    out, grad_out, grad_w = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    scratch = grad_w if forward_overwrites_grad else None
+    leaves, in_spec = pytree.tree_flatten(((w, x), {}))
+    graphs = EntryGraphs(
+        name="callables[0] (scale)",
+        in_spec=in_spec,
+        leaves=leaves,
+        tensor_positions=(0, 1),
+        paths=("args[0]", "args[1]"),
+        input_meta=((w.shape, w.dtype, True), (x.shape, x.dtype, False)),
+        static_inputs=[alias, x],
+        params=(),
+        pinned=((0, w.data_ptr(), w),),
+        fwd_graph=_Forward(alias, x, out, scratch),
+        bwd_graph=_Backward(x, grad_out, grad_w),
+        out_spec=pytree.tree_flatten(out)[1],
+        out_leaves=[out],
+        out_tensor_positions=(0,),
+        out_differentiable=(True,),
+        static_grad_outputs=[grad_out],
+        diff_input_positions=(0,),
+        static_grad_inputs=(grad_w,),
+        clone_param_grads=clone,
+        positional_only=True,
+        lent=LentGrads(),
+    )
+    fn = GraphedCallable(graphs, eager=lambda p, t: p * t, module=None, captured_training=None)
+    return (lambda t: fn(w, t)), fn, w
+
+
+def test_a_parameter_input_gets_an_owned_copy_by_default():
+    call, fn, w = _graphed_input()
+    buffer = fn.graphs.static_grad_inputs[0]
+    for k in range(2):
+        x = torch.full((3,), float(k + 1))
+        with _Ops() as ops:
+            _step(call, x)
+        assert ops.names.count("_foreach_mul") == 1
+        assert w.grad.data_ptr() != buffer.data_ptr() and w.grad.tolist() == x.tolist()
+        w.grad = None
+    assert fn.graphs.lent.params == []
+
+
+def test_lent_mode_lends_a_parameter_input_like_a_module_parameter():
+    # The parameter's gradient buffer becomes .grad as it is (no copy beside the pool)
+    # and is registered, so that the pool's next forward replay can move it away.
+    call, fn, w = _graphed_input(clone=False)
+    buffer = fn.graphs.static_grad_inputs[0]
+    for k in range(3):
+        x = torch.full((3,), float(k + 1))
+        with _Ops() as ops:
+            _step(call, x)
+        assert "_foreach_mul" not in ops.names and "clone" not in ops.names, f"step {k}"
+        assert w.grad.data_ptr() == buffer.data_ptr() and w.grad.tolist() == x.tolist()
+        assert fn.graphs.lent.params == [w]
+        w.grad = None
+
+
+def test_lent_parameter_input_accumulates_exactly_over_its_own_replays():
+    call, fn, w = _graphed_input(clone=False)
+    buffer = fn.graphs.static_grad_inputs[0]
+    xs = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0]), torch.ones(3)]
+    y = call(xs[0])
+    y2 = call(xs[1])  # both forwards before both backwards: the second settles nothing
+    y.sum().backward()
+    assert w.grad.data_ptr() == buffer.data_ptr()
+    y2.sum().backward()  # its own backward moves the lent .grad off the buffer first
+    assert w.grad.data_ptr() != buffer.data_ptr()
+    _step(call, xs[2])
+    # The second backward's graph reads the static x of the last forward (xs[1]).
+    assert w.grad.tolist() == (xs[1] + xs[1] + xs[2]).tolist()
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_forward_that_reuses_a_lent_parameter_input_buffer_never_corrupts_grad(set_to_none):
+    call, fn, w = _graphed_input(clone=False, forward_overwrites_grad=True)
+    buffer = fn.graphs.static_grad_inputs[0]
+    total = torch.zeros(3)
+    for k in range(4):
+        x = torch.full((3,), float(k + 1))
+        out = call(x)  # settles: moves a .grad that still is the buffer
+        out.sum().backward()
+        total = x if set_to_none else total + x
+        assert w.grad.tolist() == total.tolist(), f"step {k}"
+        if set_to_none:
+            assert w.grad.data_ptr() == buffer.data_ptr()
+            w.grad = None
+
+
+def test_autograd_grad_of_a_lent_parameter_input_is_an_owned_copy():
+    call, fn, w = _graphed_input(clone=False)
+    buffer = fn.graphs.static_grad_inputs[0]
+    (g1,) = torch.autograd.grad(call(torch.ones(3)).sum(), (w,))
+    (g2,) = torch.autograd.grad(call(torch.full((3,), 7.0)).sum(), (w,))
+    assert g1.data_ptr() != buffer.data_ptr() and g2.data_ptr() != buffer.data_ptr()
+    assert g1.tolist() == [1.0, 1.0, 1.0] and g2.tolist() == [7.0, 7.0, 7.0]
+    assert w.grad is None and fn.graphs.lent.params == []
+
+
+def test_a_released_entry_lends_no_parameter_input():
+    call, fn, w = _graphed_input(clone=False)
+    fn.reset()
+    assert fn.graphs._lent_inputs == () and fn.graphs._probe_accumulator is None

@@ -121,6 +121,11 @@ class EntryGraphs:
     _param_grad_buffers: list[torch.Tensor] = field(init=False, repr=False)
     _param_grad_params: list[torch.nn.Parameter] = field(init=False, repr=False)
     _param_grad_ptrs: list[int] = field(init=False, repr=False)
+    _lent_inputs: tuple[tuple[int, torch.nn.Parameter, torch.Tensor], ...] = field(
+        init=False, repr=False
+    )
+    _lent_input_params: list[torch.nn.Parameter] = field(init=False, repr=False)
+    _lent_input_ptrs: list[int] = field(init=False, repr=False)
     _probe_accumulator: Any = field(init=False, repr=False)
     _grad_output_buffers: list[torch.Tensor] = field(init=False, repr=False)
     _grad_output_mask: tuple[bool, ...] = field(init=False, repr=False)
@@ -332,13 +337,23 @@ class EntryGraphs:
         self._param_grad_buffers = [g for g in grads[n_diff:] if g is not None]
         self._param_grad_params = [p for p, g in zip(self.params, grads[n_diff:]) if g is not None]
         self._param_grad_ptrs = [g.data_ptr() for g in self._param_grad_buffers]
+        # Lent mode lends parameters passed as inputs (read in place: the same
+        # parameter every call) like the module's own: (position among the Function's
+        # inputs, the parameter, its gradient buffer).
+        pinned = {i: param for i, _, param in self.pinned}
+        self._lent_inputs = (
+            ()
+            if self.clone_param_grads
+            else tuple((pos, pinned[pos], g) for pos, g in self._input_grads if pos in pinned)
+        )
+        self._lent_input_params = [param for _, param, _ in self._lent_inputs]
+        self._lent_input_ptrs = [g.data_ptr() for _, _, g in self._lent_inputs]
         # One parameter's gradient accumulator (held, so that autograd hands out this
         # very node every time) tells whether a backward accumulates into .grad
         # (backward()) or returns the gradients to the caller (autograd.grad()).
+        lent_params = [*self._param_grad_params, *self._lent_input_params]
         self._probe_accumulator = (
-            _grad_accumulator(self._param_grad_params[0])
-            if self._param_grad_params and not self.clone_param_grads
-            else None
+            _grad_accumulator(lent_params[0]) if lent_params and not self.clone_param_grads else None
         )
         # The parameters the autograd node takes as inputs. With in-graph accumulation
         # autograd gets no parameter gradient, so one parameter is enough: it keeps the
@@ -367,10 +382,18 @@ class EntryGraphs:
         if not self.clone_param_grads and self._param_grad_buffers:
             # Lent mode, its own buffers: a .grad the last backward lent that still is one.
             move_aliased_grads(self._param_grad_params, self._param_grad_ptrs)
+        if self._lent_inputs:
+            move_aliased_grads(self._lent_input_params, self._lent_input_ptrs)
         self.bwd_graph.replay()
+        lend_inputs = bool(self._lent_inputs) and _engine_accumulates(self._probe_accumulator)
+        if lend_inputs and self.lent is not None:
+            self.lent.lend(self._lent_input_params, self._lent_input_ptrs)
+        lent_positions = {pos for pos, _, _ in self._lent_inputs} if lend_inputs else ()
         fresh = []
         for pos, g in self._input_grads:
             result[pos] = g.detach()
+            if pos in lent_positions:
+                continue
             leaf = leaves[pos]
             # A leaf's gradient becomes its .grad when .grad is None, so it must not
             # alias a static buffer the next replay overwrites; when .grad exists,
