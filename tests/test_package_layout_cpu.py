@@ -325,8 +325,7 @@ def test_the_private_rules_see_names_and_attributes():
     tree = _tree(
         {
             "cudagraphs.core.a": "from .b import _hidden\n",
-            "cudagraphs.core.b": "def use(runner):\n    runner._replay()\n"
-            "    runner._state = 1\n",
+            "cudagraphs.core.b": "def use(runner):\n    runner._replay()\n    runner._state = 1\n",
             "cudagraphs.core.c": "class C:\n    def __init__(self):\n        self._n = 0\n"
             "    def same(self, other):\n        return other._n == self._n\n",
         }

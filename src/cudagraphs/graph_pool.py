@@ -21,7 +21,10 @@ from .torch_private import begin_allocate_to_pool, device_index, end_allocate_to
 __all__ = [
     "GraphMemoryPool",
     "GraphPool",
-    "PoolHandle", "as_graph_pool", "new_pool", "new_torch_graph",
+    "PoolHandle",
+    "as_graph_pool",
+    "new_pool",
+    "new_torch_graph",
     "side_stream",
 ]
 

@@ -19,8 +19,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagraphs.core.graphed import GraphedCallable
-from cudagraphs.core.runtime import EntryGraphs
 from cudagraphs.core.lent_grads import LentGrads
+from cudagraphs.core.runtime import EntryGraphs
 from helpers.stand_in_graphs import positional_entry
 
 

@@ -41,7 +41,9 @@ def test_a_warmup_in_a_fresh_pool_leaves_no_cache_beside_the_graphs():
         torch.cuda.empty_cache()
         model = _mlp(width=2048)
         x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
-        pool = GraphMemoryPool() if fresh else GraphMemoryPool(handle=torch.cuda.graph_pool_handle())
+        pool = (
+            GraphMemoryPool() if fresh else GraphMemoryPool(handle=torch.cuda.graph_pool_handle())
+        )
         assert pool.fresh is fresh
         before = _cached_outside(())
         graphed = cudagraphs.make_graphed_callables(model, (x,), pool=pool)

@@ -141,7 +141,9 @@ def test_both_names_of_one_argument_must_agree():
 
 
 # ---- torch's positional order --------------------------------------------------------------
-@pytest.mark.parametrize("pool", [(0, 1), GraphMemoryPool(handle=(0, 1))], ids=["handle", "graph_pool"])
+@pytest.mark.parametrize(
+    "pool", [(0, 1), GraphMemoryPool(handle=(0, 1))], ids=["handle", "graph_pool"]
+)
 def test_a_pool_passed_fifth_is_named_as_a_pool(pool):
     # torch: make_graphed_callables(callables, sample_args, warmup, allow_unused, pool)
     with pytest.raises(

@@ -211,6 +211,7 @@ def sdpa_calls(monkeypatch):
 
 def _tiny(family):
     from helpers import hf_fp32 as _hf_fp32
+
     pytest.importorskip("transformers.masking_utils")
     return _hf_fp32.build(family, "cpu")
 

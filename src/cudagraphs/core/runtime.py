@@ -353,7 +353,9 @@ class EntryGraphs:
         # (backward()) or returns the gradients to the caller (autograd.grad()).
         lent_params = [*self._param_grad_params, *self._lent_input_params]
         self._probe_accumulator = (
-            _grad_accumulator(lent_params[0]) if lent_params and not self.clone_param_grads else None
+            _grad_accumulator(lent_params[0])
+            if lent_params and not self.clone_param_grads
+            else None
         )
         # The parameters the autograd node takes as inputs. With in-graph accumulation
         # autograd gets no parameter gradient, so one parameter is enough: it keeps the

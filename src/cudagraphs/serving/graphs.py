@@ -51,7 +51,9 @@ def default_backend(run: Callable[[], Any], pool: GraphMemoryPool, what: str) ->
     return capture_into_graph(run, pool, what=what)
 
 
-def static_outputs_backend(run: Callable[[], Any], pool: GraphMemoryPool, what: str) -> tuple[Any, Any]:
+def static_outputs_backend(
+    run: Callable[[], Any], pool: GraphMemoryPool, what: str
+) -> tuple[Any, Any]:
     # Piecewise regions: the graph ends by copying its outputs into buffers outside the
     # pool, so regions sharing the pool may replay in any order around eager code.
     return capture_with_static_outputs(run, run(), pool, what=what)
