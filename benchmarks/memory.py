@@ -36,7 +36,7 @@ bisection, eagerly and graphed: ``small`` training at seq 512 for
 ``graph_train_step`` and ``partial_default`` against ``eager``, and the decode config
 for ``graphed_generator`` against ``hf_static``. A cap keeps each probe small; the
 allocator's limit applies to every pool alike, so the comparison is that of a full
-device.
+device. ``--jobs`` searches run at once (each variant searched once).
 
 Targets: ``<layer>_peak_reserved_le_1.10x_eager`` per layer and shape run (the
 larger ratio over the training shapes run), ``<layer>_largest_batch_ge_eager``
@@ -459,6 +459,32 @@ def search(variant: str, shape: str, cap_gib: float, start: int, limit: int) -> 
     return {"largest_batch": best, "probes": probes}
 
 
+def search_tasks(cap_gib: float, decode_cap_gib: float) -> dict[str, tuple[str, float, int]]:
+    """Each variant to search, once (``eager`` is the reference of two layers), with
+    its shape, cap and first batch."""
+    tasks: dict[str, tuple[str, float, int]] = {}
+    for layer, ref in SEARCHED.items():
+        decode = layer == "graphed_generator"
+        task = ("mid", decode_cap_gib, 32) if decode else ("small", cap_gib, 16)
+        tasks.setdefault(ref, task)
+        tasks.setdefault(layer, task)
+    return tasks
+
+
+def search_all(cap_gib: float, decode_cap_gib: float, jobs: int) -> dict:
+    """The largest batch of every searched layer and its reference, ``jobs`` searches at
+    once: each probe is its own process under the same cap, so concurrent searches
+    change no answer while the device holds ``jobs`` caps."""
+    tasks = search_tasks(cap_gib, decode_cap_gib)
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        futures = {
+            v: pool.submit(search, v, shape, cap, start, 512)
+            for v, (shape, cap, start) in tasks.items()
+        }
+        found = {v: f.result() for v, f in futures.items()}
+    return {layer: {ref: found[ref], "graphed": found[layer]} for layer, ref in SEARCHED.items()}
+
+
 def targets(shape_ratios: dict, searched: dict) -> dict:
     out = {}
     layers = (*TRAIN_LAYERS, *LENT_LAYERS, "graphed_generator", "graph_runner")
@@ -548,15 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     report["ratios"] = {shape: ratios(per) for shape, per in results.items()}
     searched: dict = {}
     if args.search:
-        for layer, ref in SEARCHED.items():
-            decode = layer == "graphed_generator"
-            shape, cap = ("mid", args.decode_cap_gib) if decode else ("small", args.cap_gib)
-            searched[layer] = {
-                ref: search(ref, shape, cap, 32 if decode else 16, 512),
-                "graphed": search(layer, shape, cap, 32 if decode else 16, 512),
-            }
-            report["largest_batch"] = searched
-            write_report(NAME, report, args.out, final=False)
+        searched = search_all(args.cap_gib, args.decode_cap_gib, args.jobs)
     report["largest_batch"] = searched
     report["targets"] = targets(report["ratios"], searched)
     write_report(NAME, report, args.out, final=True)

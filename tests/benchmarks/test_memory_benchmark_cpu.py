@@ -73,3 +73,33 @@ def test_targets_take_the_worst_shape_and_need_an_eager_batch():
         "partial_default_largest_batch_ge_eager": False,
         "graphed_generator_largest_batch_ge_eager": False,
     }
+
+
+def test_every_searched_variant_is_searched_once_and_each_layer_gets_its_reference(
+    monkeypatch,
+):
+    mem = _mem()
+    calls = []
+
+    def fake_search(variant, shape, cap, start, limit):
+        calls.append((variant, shape, cap, start, limit))
+        return {"largest_batch": len(variant), "probes": []}
+
+    monkeypatch.setattr(mem, "search", fake_search)
+    got = mem.search_all(6.0, 3.5, jobs=3)
+    assert sorted(calls) == sorted(
+        [
+            ("eager", "small", 6.0, 16, 512),
+            ("graph_train_step", "small", 6.0, 16, 512),
+            ("partial_default", "small", 6.0, 16, 512),
+            ("hf_static", "mid", 3.5, 32, 512),
+            ("graphed_generator", "mid", 3.5, 32, 512),
+        ]
+    )
+    assert got == {
+        layer: {
+            ref: {"largest_batch": len(ref), "probes": []},
+            "graphed": {"largest_batch": len(layer), "probes": []},
+        }
+        for layer, ref in mem.SEARCHED.items()
+    }
