@@ -84,3 +84,83 @@ def test_dynamo_loaded_answers_without_importing_dynamo():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split()[-2:] == ["True", "True"]
     assert out.stdout.split()[0] == "False"  # importing cudagraphs does not load dynamo
+
+
+# ---- expandable segments for graph pools -----------------------------------------------
+
+
+@pytest.fixture
+def allocator_settings(monkeypatch):
+    """The allocator's run-time settings, recorded instead of applied."""
+    said: list[str] = []
+    monkeypatch.setattr(torch_private, "_SET_ALLOCATOR_SETTINGS", said.append)
+    monkeypatch.setattr(torch_private, "_GET_ALLOCATOR_SETTINGS", lambda: "")
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    return said
+
+
+def test_expandable_segments_turns_the_setting_on_inside_and_off_after(allocator_settings):
+    with torch_private.expandable_segments():
+        assert allocator_settings == ["expandable_segments:True"]
+    assert allocator_settings == ["expandable_segments:True", "expandable_segments:False"]
+
+
+def test_expandable_segments_turns_it_off_after_an_error_too(allocator_settings):
+    with pytest.raises(RuntimeError, match="inside"), torch_private.expandable_segments():
+        raise RuntimeError("inside")
+    assert allocator_settings[-1] == "expandable_segments:False"
+
+
+@pytest.mark.parametrize("variable", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_a_process_that_chose_expandable_segments_is_left_as_it_is(
+    allocator_settings, monkeypatch, variable
+):
+    monkeypatch.setenv(variable, "max_split_size_mb:128, expandable_segments:True")
+    with torch_private.expandable_segments():
+        pass
+    assert allocator_settings == []
+
+
+def test_a_setting_made_at_run_time_is_left_as_it_is(allocator_settings, monkeypatch):
+    monkeypatch.setattr(
+        torch_private, "_GET_ALLOCATOR_SETTINGS", lambda: "expandable_segments:True"
+    )
+    with torch_private.expandable_segments():
+        pass
+    assert allocator_settings == []
+
+
+def test_expandable_segments_is_a_no_op_on_a_torch_without_run_time_settings(monkeypatch):
+    monkeypatch.setattr(torch_private, "_SET_ALLOCATOR_SETTINGS", None)
+    assert not torch_private.can_make_expandable_segments()
+    with torch_private.expandable_segments():
+        pass
+
+
+@pytest.mark.parametrize(("value", "expandable"), [(None, True), ("1", True), ("0", False)])
+def test_graph_pools_are_expandable_unless_turned_off(
+    allocator_settings, monkeypatch, value, expandable
+):
+    from cudagraphs.graph_pool import pool_segments
+    from cudagraphs.settings import EXPANDABLE_POOLS_ENV
+
+    if value is None:
+        monkeypatch.delenv(EXPANDABLE_POOLS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(EXPANDABLE_POOLS_ENV, value)
+    with pool_segments():
+        pass
+    assert allocator_settings == (
+        ["expandable_segments:True", "expandable_segments:False"] if expandable else []
+    )
+
+
+def test_a_malformed_expandable_pools_value_is_an_error_naming_it(monkeypatch):
+    from cudagraphs.errors import CudaGraphsValueError
+    from cudagraphs.graph_pool import pool_segments
+    from cudagraphs.settings import EXPANDABLE_POOLS_ENV
+
+    monkeypatch.setenv(EXPANDABLE_POOLS_ENV, "maybe")
+    with pytest.raises(CudaGraphsValueError, match=EXPANDABLE_POOLS_ENV):
+        pool_segments()

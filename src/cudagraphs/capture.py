@@ -40,6 +40,7 @@ from .graph_pool import (
     as_graph_pool,
     new_pool,
     new_torch_graph,
+    pool_segments,
     side_stream,
 )
 from .torch_private import dynamo_loaded, end_allocate_to_pool
@@ -250,7 +251,7 @@ def capture_into_graph(
     # The capture records work; it must not overlap work still queued for the buffers
     # it reads (warmup outputs, freshly copied inputs).
     torch.cuda.synchronize(device)
-    with capture_environment(), capture_scope():
+    with capture_environment(), capture_scope(), pool_segments():
         handle = pool.prepare(stream)
         pool.mark_captured()
         torch.cuda.set_stream(stream)

@@ -16,7 +16,14 @@ import torch
 
 from . import __version__
 from .errors import CudaCallError, CudaGraphsValueError
-from .settings import BINDING_ENV, DISABLE_ENV, STRICT_BUCKETS_ENV, env_choice, env_flag
+from .settings import (
+    BINDING_ENV,
+    DISABLE_ENV,
+    EXPANDABLE_POOLS_ENV,
+    STRICT_BUCKETS_ENV,
+    env_choice,
+    env_flag,
+)
 
 __all__ = ["collect", "format_report"]
 
@@ -57,9 +64,9 @@ def _driver_version() -> str:
     return f"CUDA {version // 1000}.{version % 1000 // 10} (through {backend.name})"
 
 
-def _flag(name: str) -> str:
+def _flag(name: str, default: bool = False) -> str:
     try:
-        return str(env_flag(name))
+        return str(env_flag(name, default))
     except CudaGraphsValueError as exc:  # report a malformed value, do not fail on it
         return f"invalid ({exc})"
 
@@ -96,6 +103,7 @@ def collect() -> dict[str, Any]:
         "accelerate": _package_version("accelerate"),
         DISABLE_ENV: _flag(DISABLE_ENV),
         STRICT_BUCKETS_ENV: _flag(STRICT_BUCKETS_ENV),
+        EXPANDABLE_POOLS_ENV: _flag(EXPANDABLE_POOLS_ENV, default=True),
         BINDING_ENV: _binding_choice(),
     }
 

@@ -16,7 +16,14 @@ import torch
 
 from .checks import require_cuda
 from .errors import CudaGraphsTypeError
-from .torch_private import begin_allocate_to_pool, device_index, end_allocate_to_pool, release_pool
+from .settings import expandable_pools
+from .torch_private import (
+    begin_allocate_to_pool,
+    device_index,
+    end_allocate_to_pool,
+    expandable_segments,
+    release_pool,
+)
 
 __all__ = [
     "GraphMemoryPool",
@@ -25,6 +32,7 @@ __all__ = [
     "as_graph_pool",
     "new_pool",
     "new_torch_graph",
+    "pool_segments",
     "side_stream",
 ]
 
@@ -146,7 +154,7 @@ class GraphMemoryPool:
         stream = self.capture_stream(device)
         handle = self.prepare(stream)
         index = stream.device.index
-        with side_stream(stream):
+        with side_stream(stream), pool_segments():
             begin_allocate_to_pool(index, handle)
             try:
                 yield stream
@@ -215,6 +223,25 @@ class GraphMemoryPool:
 # to the program layer's CudaGraphPool, which is a different thing (the scratch that
 # programs share).
 GraphPool = GraphMemoryPool
+
+
+def pool_segments() -> contextlib.AbstractContextManager:
+    """The scope in which a pool's segments are made (a fresh pool's warmup, every
+    capture): expandable ones, unless ``CUDAGRAPHS_EXPANDABLE_POOLS=0``.
+
+    Why: per-layer graphs in one pool free each layer's activations during its
+    backward capture, and the gradients the next backward captures allocate could
+    take their place, but they are other sizes: in fixed segments (one per large
+    allocation, or 20 MiB ones) the freed blocks rarely fit, so the pool grows by
+    the gradients and holds activations plus gradients where eager holds about the
+    larger of the two. In one expandable segment neighbouring free blocks merge
+    (``docs/memory.md`` has the measured effect per layer). Only segments of the
+    graph pools change; eager
+    memory keeps the allocator's own settings, and a process that set
+    ``expandable_segments:True`` itself is left as it is. Off for code that needs
+    pool memory exportable as a CUDA IPC handle (``cudaIpcGetMemHandle`` refuses
+    memory mapped this way)."""
+    return expandable_segments() if expandable_pools() else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

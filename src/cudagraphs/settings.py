@@ -6,6 +6,9 @@
 * ``CUDAGRAPHS_REQUIRE_ALL_BUCKETS``: a serving bucket dropped at startup is an error.
 * ``CUDAGRAPHS_KEEP_CACHE``: never give unused cached device memory back to the driver
   after a capture (:func:`cudagraphs.memory.release_unused_cache`).
+* ``CUDAGRAPHS_EXPANDABLE_POOLS`` (default on): graph pools grow as expandable
+  segments (:func:`cudagraphs.graph_pool.pool_segments`); ``0`` makes them as the
+  caching allocator's settings say.
 * ``CUDAGRAPHS_CUDA_BINDING``: which binding makes the package's direct CUDA calls
   (:mod:`cudagraphs.cuda_binding`): ``auto`` (the default: ``cuda.bindings`` when it
   imports and reaches the driver, else ``ctypes``), ``cuda.bindings`` or ``ctypes``.
@@ -25,15 +28,18 @@ from .errors import CudaGraphsValueError
 __all__ = [
     "BINDING_ENV",
     "DISABLE_ENV",
+    "EXPANDABLE_POOLS_ENV",
     "STRICT_BUCKETS_ENV",
     "env_choice",
     "env_flag",
+    "expandable_pools",
     "graphs_disabled",
 ]
 
 DISABLE_ENV = "CUDAGRAPHS_DISABLE"
 STRICT_BUCKETS_ENV = "CUDAGRAPHS_REQUIRE_ALL_BUCKETS"
 BINDING_ENV = "CUDAGRAPHS_CUDA_BINDING"
+EXPANDABLE_POOLS_ENV = "CUDAGRAPHS_EXPANDABLE_POOLS"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -83,3 +89,8 @@ def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
 def graphs_disabled() -> bool:
     """Whether ``CUDAGRAPHS_DISABLE`` asks every layer to run eagerly."""
     return env_flag(DISABLE_ENV)
+
+
+def expandable_pools() -> bool:
+    """``CUDAGRAPHS_EXPANDABLE_POOLS`` now (default on)."""
+    return env_flag(EXPANDABLE_POOLS_ENV, default=True)

@@ -25,8 +25,10 @@ operators, versioned with torch's op schema.
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,7 @@ __all__ = [
     "PrivateName",
     "UnsupportedTorchError",
     "below_autograd",
+    "can_make_expandable_segments",
     "check_torch",
     "current_graph_task_id",
     "current_stream_key",
@@ -48,6 +51,7 @@ __all__ = [
     "dynamo_loaded",
     "begin_allocate_to_pool",
     "end_allocate_to_pool",
+    "expandable_segments",
     "release_pool",
     "set_grad_enabled",
     "tensor_guards_class",
@@ -122,6 +126,17 @@ REQUIRED_WITH_CUDA: tuple[PrivateName, ...] = (
 
 OPTIONAL: tuple[PrivateName, ...] = (
     PrivateName(
+        "torch._C",
+        "_accelerator_setAllocatorSettings",
+        "graph pools grown as expandable segments (expandable_segments); without it "
+        "pools are made as the allocator's settings say",
+    ),
+    PrivateName(
+        "torch._C",
+        "_accelerator_getAllocatorSettings",
+        "leaving a process's own expandable_segments:True as it is",
+    ),
+    PrivateName(
         "torch._C._dynamo.guards",
         "TensorGuards",
         "the program layer's C++ check of tensor metadata on replay (without it, the "
@@ -152,6 +167,12 @@ check_torch()
 # ---- the names, as cudagraphs calls them ----------------------------------------------
 
 set_grad_enabled: Callable[[bool], None] = torch._C._set_grad_enabled
+_SET_ALLOCATOR_SETTINGS: Callable[[str], None] | None = getattr(
+    torch._C, "_accelerator_setAllocatorSettings", None
+)
+_GET_ALLOCATOR_SETTINGS: Callable[[], str] | None = getattr(
+    torch._C, "_accelerator_getAllocatorSettings", None
+)
 current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 will_engine_execute_node: Callable[[Any], bool] = torch._C._will_engine_execute_node
 #: A context manager class: ops inside dispatch below autograd (no history, no
@@ -176,6 +197,38 @@ def begin_allocate_to_pool(device: int, pool: Any) -> None:
     autograd runs a CUDA backward on its own device thread, and a warmup's backward
     allocates its gradients and temporaries there."""
     torch._C._cuda_beginAllocateToPool(device, pool)
+
+
+def can_make_expandable_segments() -> bool:
+    """Whether this torch lets the allocator's settings change at run time."""
+    return _SET_ALLOCATOR_SETTINGS is not None
+
+
+@contextmanager
+def expandable_segments() -> Iterator[None]:
+    """The caching allocator makes expandable segments inside this scope (its
+    ``expandable_segments`` setting on), and what it made before after it; a no-op on
+    a torch without run-time allocator settings, or where the process set
+    ``expandable_segments:True`` itself.
+
+    A segment made inside stays expandable: one virtual range per pool and stream
+    that grows page by page, so blocks freed next to each other merge whatever size
+    they were allocated with (pytorch#128068 brought private pools the feature)."""
+    if _SET_ALLOCATOR_SETTINGS is None or _expandable_now():
+        yield
+        return
+    _SET_ALLOCATOR_SETTINGS("expandable_segments:True")
+    try:
+        yield
+    finally:
+        _SET_ALLOCATOR_SETTINGS("expandable_segments:False")
+
+
+def _expandable_now() -> bool:
+    settings = [os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")]
+    if _GET_ALLOCATOR_SETTINGS is not None:
+        settings.append(str(_GET_ALLOCATOR_SETTINGS() or ""))
+    return "expandable_segments:true" in ",".join(settings).replace(" ", "").lower()
 
 
 def release_pool(device: int, pool: Any) -> None:
