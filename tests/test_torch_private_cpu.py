@@ -164,3 +164,7 @@ def test_a_malformed_expandable_pools_value_is_an_error_naming_it(monkeypatch):
     monkeypatch.setenv(EXPANDABLE_POOLS_ENV, "maybe")
     with pytest.raises(CudaGraphsValueError, match=EXPANDABLE_POOLS_ENV):
         pool_segments()
+
+
+def test_tensor_guards_class_is_dynamos_class_whatever_else_is_optional():
+    assert torch_private.tensor_guards_class().__name__ == "TensorGuards"

@@ -40,6 +40,7 @@ __all__ = [
     "OPTIONAL",
     "REQUIRED",
     "REQUIRED_WITH_CUDA",
+    "TENSOR_GUARDS",
     "PrivateName",
     "UnsupportedTorchError",
     "below_autograd",
@@ -124,6 +125,13 @@ REQUIRED_WITH_CUDA: tuple[PrivateName, ...] = (
     ),
 )
 
+TENSOR_GUARDS = PrivateName(
+    "torch._C._dynamo.guards",
+    "TensorGuards",
+    "the program layer's C++ check of tensor metadata on replay (without it, the "
+    "full Python check runs on every replay)",
+)
+
 OPTIONAL: tuple[PrivateName, ...] = (
     PrivateName(
         "torch._C",
@@ -136,12 +144,7 @@ OPTIONAL: tuple[PrivateName, ...] = (
         "_accelerator_getAllocatorSettings",
         "leaving a process's own expandable_segments:True as it is",
     ),
-    PrivateName(
-        "torch._C._dynamo.guards",
-        "TensorGuards",
-        "the program layer's C++ check of tensor metadata on replay (without it, the "
-        "full Python check runs on every replay)",
-    ),
+    TENSOR_GUARDS,
 )
 
 
@@ -251,4 +254,4 @@ def dynamo_loaded() -> bool:
 def tensor_guards_class() -> type | None:
     """torch's ``TensorGuards`` (dynamo's C++ tensor-metadata check), or ``None``
     where this torch has none: callers then check in Python."""
-    return OPTIONAL[0].lookup()
+    return TENSOR_GUARDS.lookup()
