@@ -414,3 +414,22 @@ def test_reused_buffers_are_shared_only_by_entries_whose_inputs_fit_exactly(kind
     plan = canonicalize((nn.Identity(),), samples, order=[1, -1, 1, -1], reuse_buffers=True)
     same = plan.buffer_slots[0] == plan.buffer_slots[1]
     assert same == ((d0, s0, g0) == (d1, s1, g1))
+
+
+def test_an_entrys_graphs_hold_the_calls_constants_but_none_of_its_sample_tensors():
+    # A sample held by a graph for good would pin its caching-allocator segment (for
+    # partial graphs, the eager activations' segment around a recorded hidden state).
+    import gc
+    import weakref
+
+    from cudagraphs.core.capture_phase import eager_entry_graphs
+
+    sample = torch.randn(2, 3)
+    gone = weakref.ref(sample)
+    plan = canonicalize(lambda t, scale: t * scale, (sample, 2.5))
+    graphs = eager_entry_graphs(plan, 0)
+    del sample, plan
+    gc.collect()
+    assert gone() is None, "the entry keeps a sample tensor alive"
+    assert graphs.leaves == [None, 2.5]
+    assert graphs.user_tensors((torch.ones(2, 3), 2.5), {})[0].tolist() == [[1.0] * 3] * 2

@@ -104,10 +104,14 @@ def _entry_inputs(
         spec.tensor_positions
     )
     captures_backward = plan.training and opts is not None
+    tensor_slots = set(spec.tensor_positions)
     return dict(
         name=_describe(plan, index),
         in_spec=spec.in_spec,
-        leaves=list(spec.leaves),
+        # The constants of the call; not its sample tensors: held by a graph for good,
+        # a sample would pin its caching-allocator segment (for partial graphs, one
+        # of the eager activations' segments around it) for as long as the graph lives.
+        leaves=[None if i in tensor_slots else x for i, x in enumerate(spec.leaves)],
         tensor_positions=spec.tensor_positions,
         paths=spec.paths,
         input_meta=tuple((t.shape, t.dtype, t.requires_grad) for t in spec.tensors),
