@@ -50,6 +50,7 @@ LAYERS: dict[str, int] = {
     "cudagraphs.memory": 1,
     "cudagraphs.capture": 1,
     "cudagraphs.introspect": 1,
+    "cudagraphs.compile_watch": 1,
     "cudagraphs.core": 2,
     "cudagraphs.program": 2,
     "cudagraphs.serving": 3,

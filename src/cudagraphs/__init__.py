@@ -32,6 +32,7 @@ from .core import GraphedCallable, GraphedStack, graph_stack, make_graphed_calla
 from .errors import (
     CaptureTimeHookError,
     ChainedInputError,
+    CompiledCaptureError,
     CudaCallError,
     CudaGraphCaptureError,
     CudaGraphInputError,
@@ -84,6 +85,7 @@ __all__ = [
     "CaptureTimeHookError",
     "ChainedInputError",
     "CudaCallError",
+    "CompiledCaptureError",
     "CudaGraphCaptureError",
     "CudaGraphInputError",
     "CudaGraphOutputError",

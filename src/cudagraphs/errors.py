@@ -25,6 +25,7 @@ __all__ = [
     "CaptureTimeHookError",
     "ChainedInputError",
     "CudaCallError",
+    "CompiledCaptureError",
     "CudaGraphCaptureError",
     "CudaGraphInputError",
     "CudaGraphOutputError",
@@ -123,6 +124,13 @@ class CudaCallError(CudaGraphsError, RuntimeError):
 class CudaGraphCaptureError(CudaGraphsError, RuntimeError):
     """A capture failed. The allocator and the current stream were restored first, so
     the next capture (in the same pool too) can proceed."""
+
+
+class CompiledCaptureError(CudaGraphCaptureError):
+    """``torch.compile`` compiled code where a capture needs code compiled before it
+    (during the capture, or in the warmup step just before it), or nests CUDA graphs
+    of its own in ours; the message names each frame, the guard that failed and the
+    fix."""
 
 
 class CudaGraphInputError(CudaGraphsError, ValueError):

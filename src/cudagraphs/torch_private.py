@@ -39,6 +39,7 @@ from .errors import UnsupportedTorchError
 __all__ = [
     "OPTIONAL",
     "REQUIRED",
+    "COMPILATION_METRICS",
     "REQUIRED_WITH_CUDA",
     "TENSOR_GUARDS",
     "PrivateName",
@@ -47,6 +48,8 @@ __all__ = [
     "can_make_expandable_segments",
     "check_torch",
     "current_graph_task_id",
+    "compilation_metrics",
+    "cudagraph_tree_functions",
     "current_stream_key",
     "device_index",
     "dynamo_loaded",
@@ -132,7 +135,15 @@ TENSOR_GUARDS = PrivateName(
     "full Python check runs on every replay)",
 )
 
+COMPILATION_METRICS = PrivateName(
+    "torch._dynamo.utils",
+    "get_compilation_metrics",
+    "what torch.compile compiled during a warmup or capture "
+    "(cudagraphs.compile_watch); without it nothing is checked",
+)
+
 OPTIONAL: tuple[PrivateName, ...] = (
+    COMPILATION_METRICS,
     PrivateName(
         "torch._C",
         "_accelerator_setAllocatorSettings",
@@ -249,6 +260,31 @@ def dynamo_loaded() -> bool:
     """Whether ``torch._dynamo`` has been imported (then something may be compiled);
     asked without importing it, which costs seconds."""
     return "torch._dynamo" in sys.modules
+
+
+def compilation_metrics() -> list[Any]:
+    """dynamo's compilation records (``CompilationMetrics``, one per compiled frame,
+    oldest first), or ``[]`` where this torch keeps none. Imports dynamo: ask
+    :func:`dynamo_loaded` first."""
+    get = COMPILATION_METRICS.lookup()
+    return list(get()) if get is not None else []
+
+
+def cudagraph_tree_functions(device_index: int) -> int:
+    """How many functions torch.compile's CUDA-graph trees (``mode="reduce-overhead"``)
+    have warmed up or recorded on ``device_index`` in this thread; 0 where they were
+    never loaded. A count that grows over a phase means the phase ran them."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return 0
+    try:
+        manager = trees.get_container(device_index).tree_manager
+        if manager is None:
+            return 0
+        recorded = sum(len(nodes) for nodes in manager.roots.values())
+        return recorded + len(manager.warmed_up_functions)
+    except Exception:  # a private API: a change in it loses the check, nothing else
+        return 0
 
 
 def tensor_guards_class() -> type | None:

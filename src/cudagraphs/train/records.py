@@ -73,6 +73,10 @@ class TrainStepStats:
         memory: where the capture's device memory went
             (:class:`~cudagraphs.memory.MemoryAccount`); ``None`` when graphs are
             disabled.
+        compile_seconds: of ``warmup_seconds``, what ``torch.compile`` spent compiling
+            (dynamo's records; backward compiles included), 0.0 for eager code.
+        compiled_frames / graph_breaks: frames it compiled during the warmup, and the
+            graph breaks in them.
     """
 
     graphs: int
@@ -83,3 +87,6 @@ class TrainStepStats:
     optimizer_changes: tuple[str, ...]
     masks_built_in_capture: tuple[str, ...] = ()
     memory: MemoryAccount | None = None
+    compile_seconds: float = 0.0
+    compiled_frames: int = 0
+    graph_breaks: int = 0

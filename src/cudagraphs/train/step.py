@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from ..checks import check_callable, check_instance, require_cuda
-from ..errors import CudaGraphsTypeError, CudaGraphsValueError, GraphReleasedError
+from ..compile_watch import CompileReport, CompileWatch, require_no_compile, require_no_torch_graphs
+from ..errors import (
+    CudaGraphCaptureError,
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+    GraphReleasedError,
+)
 from ..graph_pool import GraphMemoryPool, as_graph_pool
 from ..hf_masks import eager_mask_choice, unread_masks_warning
 from ..memory import MemoryMeter
@@ -216,25 +222,41 @@ class GraphedTrainStep:
                 t0 = time.perf_counter()
                 snapshot.zero_lr()
                 # Inside a fresh pool the warmup's memory is the capture's (warmup_scope).
+                compiled = CompileReport()
                 with pool.warmup_scope(device), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=_CAPTURABLE_WARNING)
                     for _ in range(self.options.warmup_steps):
+                        watch = CompileWatch.start(device.index)
                         self._eager_step(
                             [self._buffer.value] * self.options.accumulation_steps,
                             before_update=snapshot,
                         )
+                        last = watch.finish()
+                        compiled += last
                 torch.cuda.synchronize(device)
                 t1 = time.perf_counter()
+                # A compiled step (torch.compile inside step_fn): the capture must run
+                # code compiled before it, never compile (cudagraphs.compile_watch).
+                require_no_torch_graphs(compiled, "graph_train_step")
+                if compiled.frames:
+                    require_no_compile(last, "the last warmup step", "graph_train_step")
                 self._drop_grads()
                 snapshot.restore()
-                self._captured = capture_step_graphs(
-                    self._micro,
-                    self._update,
-                    self._buffer.value,
-                    self.options.accumulation_steps,
-                    pool,
-                    stream,
-                )
+                watch = CompileWatch.start(device.index)
+                try:
+                    self._captured = capture_step_graphs(
+                        self._micro,
+                        self._update,
+                        self._buffer.value,
+                        self.options.accumulation_steps,
+                        pool,
+                        stream,
+                    )
+                except CudaGraphCaptureError as exc:
+                    # A compile inside the capture is the likelier cause: say it.
+                    require_no_compile(watch.finish(), "the capture", "graph_train_step", exc)
+                    raise
+                require_no_compile(watch.finish(), "the capture", "graph_train_step")
                 t2 = time.perf_counter()
         except BaseException:
             self._captured = None
@@ -262,6 +284,9 @@ class GraphedTrainStep:
             self._changes(),
             masks_built_in_capture=tuple(masks.unread),
             memory=memory,
+            compile_seconds=compiled.seconds,
+            compiled_frames=len(compiled.frames),
+            graph_breaks=compiled.graph_breaks,
         )
         logger.info("train step captured: %s", self.stats)
         said = unread_masks_warning("graph_train_step", masks.unread)

@@ -1,0 +1,198 @@
+"""What ``torch.compile`` compiled while a phase ran: inductor's kernels inside our
+graphs, checked before they are captured.
+
+A compiled model or step can be warmed up and captured like eager code (its kernels
+are recorded as any others), with three ways to go wrong that surface far from their
+cause:
+
+* a compile during capture: dynamo recompiles when a guard fails (a Python value the
+  compiled code read has changed, a shape, grad mode), and compiling inside a stream
+  capture either fails (autotuning and cache lookups sync with the device) or bakes
+  a first-call path into the graph;
+* a step that still compiles in the warmup step just before capture: the capture
+  would then be the first run of code compiled for a state it may not see again;
+* ``mode="reduce-overhead"``: torch's own CUDA graphs (cudagraph trees) inside ours.
+
+:class:`CompileWatch` collects dynamo's compilation records (``CompiledFrame``) made
+between its start and its end; :func:`require_no_compile` turns records where there
+must be none into a :class:`~cudagraphs.errors.CompiledCaptureError` that names each
+frame, dynamo's reason and the fix. Nothing is imported or read when dynamo was never
+loaded: then nothing can have been compiled.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CompiledCaptureError
+from .torch_private import compilation_metrics, cudagraph_tree_functions, dynamo_loaded
+
+__all__ = [
+    "CompileReport",
+    "CompileWatch",
+    "CompiledFrame",
+    "recompile_fix",
+    "require_no_compile",
+    "require_no_torch_graphs",
+]
+
+
+@dataclass(frozen=True)
+class CompiledFrame:
+    """One frame dynamo compiled (one compilation record)."""
+
+    name: str  # the function's name (its code object's)
+    where: str  # "file:line" of the function
+    compile_id: str  # dynamo's "frame/recompile" id
+    seconds: float  # dynamo's time for the frame, the backward's compile included
+    recompile_reason: str | None  # the guard that failed, for a recompile
+    graph_breaks: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.where}, compile {self.compile_id})"
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """The frames compiled during one phase, in the order dynamo compiled them."""
+
+    frames: tuple[CompiledFrame, ...] = ()
+    # Functions torch.compile's own CUDA graphs (mode="reduce-overhead") warmed up or
+    # recorded during the phase.
+    torch_graphs: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return sum(f.seconds for f in self.frames)
+
+    @property
+    def recompiles(self) -> tuple[CompiledFrame, ...]:
+        return tuple(f for f in self.frames if f.recompile_reason)
+
+    @property
+    def graph_breaks(self) -> int:
+        return sum(f.graph_breaks for f in self.frames)
+
+    def __add__(self, other: CompileReport) -> CompileReport:
+        return CompileReport(self.frames + other.frames, self.torch_graphs + other.torch_graphs)
+
+
+class CompileWatch:
+    """Collects what dynamo compiles between :meth:`start` and :meth:`finish`.
+
+    Records are matched by their start time, so records made before the watch (an
+    earlier compile of the same function) are never counted, and nothing else of
+    dynamo's state is changed."""
+
+    __slots__ = ("_device_index", "_since_us", "_trees")
+
+    def __init__(self, since_us: int, device_index: int | None, trees: int) -> None:
+        self._since_us = since_us
+        self._device_index = device_index
+        self._trees = trees
+
+    @classmethod
+    def start(cls, device_index: int | None = None) -> CompileWatch:
+        """Watch from now; ``device_index``: also count the functions torch's CUDA-graph
+        trees run on that device."""
+        trees = cudagraph_tree_functions(device_index) if device_index is not None else 0
+        return cls(time.time_ns() // 1000, device_index, trees)
+
+    def finish(self) -> CompileReport:
+        if not dynamo_loaded():
+            return CompileReport()
+        frames = [
+            _frame(m)
+            for m in compilation_metrics()
+            if (getattr(m, "start_time_us", None) or 0) >= self._since_us
+        ]
+        trees = 0
+        if self._device_index is not None:
+            trees = cudagraph_tree_functions(self._device_index) - self._trees
+        return CompileReport(tuple(frames), max(0, trees))
+
+
+def _frame(record: Any) -> CompiledFrame:
+    def number(name: str) -> float:
+        value = getattr(record, name, None)
+        return float(value) if value else 0.0
+
+    filename = getattr(record, "co_filename", None) or "?"
+    line = getattr(record, "co_firstlineno", None)  # the function's first line
+    return CompiledFrame(
+        name=str(getattr(record, "co_name", None) or "?"),
+        where=f"{filename}:{line}" if line else str(filename),
+        compile_id=str(getattr(record, "compile_id", None) or "?"),
+        seconds=number("entire_frame_compile_time_s")
+        + number("backward_cumulative_compile_time_us") / 1e6,
+        recompile_reason=(getattr(record, "recompile_reason", None) or None),
+        graph_breaks=int(number("num_graph_breaks")),
+    )
+
+
+def recompile_fix(reason: str) -> str:
+    """What to change for a recompile whose failed guard is ``reason`` (dynamo's text)."""
+    text = reason.lower()
+    if "size" in text or "stride" in text or "dim" in text:
+        return (
+            "a tensor's shape or strides changed between steps: graphs have fixed shapes, "
+            "so give every step inputs of one shape (pad them), or compile with "
+            "dynamic=False so that each shape is compiled once and can be warmed up"
+        )
+    if "grad_mode" in text or "global_state" in text or "autocast" in text:
+        return (
+            "grad mode or autocast differed from the warmup's: run warmup and capture "
+            "under the same modes as the steps themselves"
+        )
+    return (
+        "the compiled code reads a Python value that changed between steps (a step "
+        "counter, a float hyperparameter, an attribute): hold it in a device tensor "
+        "updated in place, or keep it constant while graphed"
+    )
+
+
+def require_no_compile(
+    report: CompileReport, phase: str, what: str, cause: BaseException | None = None
+) -> None:
+    """Raise when ``report`` holds any frame: ``phase`` (``"the capture"``, ``"the
+    last warmup step"``) must compile nothing. ``cause``: the error the phase raised,
+    chained to ours.
+
+    Raises:
+        CompiledCaptureError: naming every frame, its failed guard and the fix.
+    """
+    if not report.frames:
+        return
+    lines = []
+    for f in report.frames:
+        if f.recompile_reason:
+            reason = " ".join(f.recompile_reason.split())
+            lines.append(f"- {f.label}: recompiled because {reason}; {recompile_fix(reason)}")
+        else:
+            lines.append(
+                f"- {f.label}: compiled for the first time; warm up with more steps "
+                "(each must run the compiled code as the graphed steps will)"
+            )
+    raise CompiledCaptureError(
+        f"{what}: torch.compile compiled {len(report.frames)} frame(s) during {phase}, "
+        "which must run code compiled before it:\n" + "\n".join(lines)
+    ) from cause
+
+
+def require_no_torch_graphs(report: CompileReport, what: str) -> None:
+    """Raise when torch.compile's own CUDA graphs ran during the phase of ``report``.
+
+    Raises:
+        CompiledCaptureError: naming the mode and the fix.
+    """
+    if report.torch_graphs:
+        raise CompiledCaptureError(
+            f"{what}: the compiled code runs torch.compile's own CUDA graphs "
+            f'(mode="reduce-overhead": {report.torch_graphs} function(s) warmed up or '
+            "recorded), which cannot be captured inside ours. Compile with "
+            'mode="default" or mode="max-autotune-no-cudagraphs": our graph takes the '
+            "place of torch's."
+        )

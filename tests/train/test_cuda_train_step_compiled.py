@@ -1,0 +1,117 @@
+"""GPU tests of compiled steps inside graph_train_step: a ``torch.compile``d model
+(inductor's kernels, mode="default") graphs with the fused optimizer in one graph and
+trains bit for bit like the same compiled model stepped eagerly; a step that still
+compiles before capture is refused by name, and the next good call works."""
+
+import copy
+
+import pytest
+import torch
+
+import cudagraphs
+from cudagraphs import CompiledCaptureError
+from cudagraphs.models import BlockConfig, make_block_stack
+from cudagraphs.train import prepare_optimizer
+from helpers.asserts import assert_bitwise_equal, contain_failed_capture
+
+pytestmark = pytest.mark.cuda
+
+
+class Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        cfg = BlockConfig(hidden=64, heads=4, ffn=128)
+        self.blocks = make_block_stack(2, cfg, device="cuda", dtype=torch.bfloat16)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def batches(n=8, seed=3):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn((2, 16, 64), generator=g).to("cuda", torch.bfloat16) for _ in range(n)]
+
+
+def stepper(model, calls):
+    def step(batch):
+        calls[0] += 1
+        loss = model(batch).float().pow(2).mean()
+        loss.backward()
+        return loss
+
+    return step
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_compiled_model_graphs_and_trains_like_its_eager_compiled_loop():
+    model = Stack()
+    ref = copy.deepcopy(model)
+    compiled, ref_compiled = torch.compile(model), torch.compile(ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    prepare_optimizer(ref_opt, "auto")
+    calls, ref_calls = [0], [0]
+    data = batches()
+    step = cudagraphs.graph_train_step(stepper(compiled, calls), data[0], optimizer=opt)
+    assert step.graphed and step.stats.graphs == 1
+    assert step.stats.compiled_frames >= 1 and step.stats.compile_seconds > 0
+    assert step.stats.compile_seconds <= step.stats.warmup_seconds
+    before = calls[0]
+    losses = [step(b).clone() for b in data]
+    assert calls[0] == before, "a graphed step ran step_fn's Python: it did not replay"
+    ref_step = stepper(ref_compiled, ref_calls)
+    ref_losses = []
+    for b in data:
+        for p in ref.parameters():
+            p.grad = None
+        ref_losses.append(ref_step(b).detach())
+        ref_opt.step()
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_bitwise_equal(a, b, f"loss of step {i}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_bitwise_equal(p.detach(), q.detach(), f"parameter {name}")
+
+
+def test_a_step_that_recompiles_every_call_is_refused_and_the_next_good_one_graphs():
+    model = Stack()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    counter = {"n": 0}
+
+    @torch.compile(dynamic=False)
+    def scaled_loss(out, n):
+        return out.float().pow(2).mean() * (1.0 + 0.0 * n)
+
+    def changing(batch):
+        counter["n"] += 1  # a Python int the compiled code guards on: a new value each call
+        loss = scaled_loss(model(batch), counter["n"])
+        loss.backward()
+        return loss
+
+    data = batches(4)
+    pool = cudagraphs.new_pool()
+    try:
+        with pytest.raises(CompiledCaptureError) as err:
+            cudagraphs.graph_train_step(changing, data[0], optimizer=opt, pool=pool)
+        text = str(err.value)
+        assert "the last warmup step" in text and "scaled_loss" in text
+        assert "recompiled because" in text
+        assert all(p.grad is None for p in model.parameters())
+        assert len(opt.state) == 0
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_bitwise_equal(p.detach(), q.detach(), "parameter after the refusal")
+        calls = [0]
+        step = cudagraphs.graph_train_step(stepper(model, calls), data[0], optimizer=opt, pool=pool)
+        before = calls[0]
+        step(data[1])
+        assert calls[0] == before and step.stats.compiled_frames == 0
+    finally:
+        contain_failed_capture(pool)
