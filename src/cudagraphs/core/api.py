@@ -12,7 +12,8 @@ import torch
 from ..capture import as_graph_pool
 from ..capture_state import capture_scope
 from ..checks import check_callable, require_cuda
-from ..errors import CudaGraphsValueError
+from ..compile_watch import CompileWatch, require_no_compile, require_no_torch_graphs
+from ..errors import CudaGraphCaptureError, CudaGraphsValueError
 from ..forward_swap import swap_forward
 from ..memory import MemoryMeter
 from ..moe_kernels import check_grouped_mm_experts
@@ -319,14 +320,20 @@ def make_graphed_callables(
         meter = MemoryMeter.start(device)
         t0 = time.perf_counter()
         with graph_pool.warmup_scope(device):
-            run_warmup(
+            compiled, last = run_warmup(
                 plan,
                 num_warmup_iters,
                 allow_unused_input=allow_unused_input,
                 pre_warmup_hook=pre_warmup_hook,
                 post_warmup_hook=post_warmup_hook,
+                device_index=device.index,
             )
         t1 = time.perf_counter()
+        # Compiled callables: the captures must run code compiled before them
+        # (cudagraphs.compile_watch).
+        require_no_torch_graphs(compiled, "make_graphed_callables")
+        if compiled.frames:
+            require_no_compile(last, "the last warmup iteration", "make_graphed_callables")
         opts = CaptureOptions(
             pool=graph_pool,
             stream=stream,
@@ -336,15 +343,28 @@ def make_graphed_callables(
             grad_targets=grad_targets,
             sharing=sharing,
         )
-        entry_graphs = capture_plan(plan, opts)
+        watch = CompileWatch.start(device.index)
+        try:
+            entry_graphs = capture_plan(plan, opts)
+        except CudaGraphCaptureError as exc:
+            # A compile inside a capture is the likelier cause: say it.
+            require_no_compile(watch.finish(), "the captures", "make_graphed_callables", exc)
+            raise
+        during = watch.finish()
+        if during.frames:
+            for graphs in entry_graphs:
+                graphs.release()
+            require_no_compile(during, "the captures", "make_graphed_callables")
         memory = meter.finish(graph_pool.handles(), what="make_graphed_callables")
         for graphs in entry_graphs:
             graphs.memory = memory
         logger.info(
-            "graphed %d entries (%d steps): warmup %.3fs, capture %.3fs; memory: %s",
+            "graphed %d entries (%d steps): warmup %.3fs (compiling %.3fs), capture %.3fs; "
+            "memory: %s",
             len(entry_graphs),
             len(plan.schedule),
             t1 - t0,
+            compiled.seconds,
             time.perf_counter() - t1,
             memory.summary(),
         )

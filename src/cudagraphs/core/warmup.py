@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..compile_watch import CompileReport, CompileWatch
 from ..errors import CudaGraphsValueError
 from .canonicalize import GraphPlan
 
@@ -69,25 +70,35 @@ def run_warmup(
     allow_unused_input: bool,
     pre_warmup_hook: Callable[[], Any] | None = None,
     post_warmup_hook: Callable[[], Any] | None = None,
-) -> None:
+    device_index: int | None = None,
+) -> tuple[CompileReport, CompileReport]:
     """Run ``num_iters`` eager iterations of ``plan.schedule`` on the current stream.
 
     ``pre_warmup_hook`` / ``post_warmup_hook`` run once around the whole phase, also
     when ``num_iters`` is 0. Capture-time hooks run around every forward and backward.
+
+    Returns:
+        What ``torch.compile`` compiled over the whole warmup and in its last
+        iteration (:mod:`cudagraphs.compile_watch`; empty for eager code).
     """
     if pre_warmup_hook is not None:
         pre_warmup_hook()
     grad_mode = torch.enable_grad if plan.training else torch.no_grad
+    total = last = CompileReport()
     for _ in range(num_iters):
         outputs: dict[int, Any] = {}
+        watch = CompileWatch.start(device_index)
         try:
             _warmup_iteration(plan, outputs, grad_mode, allow_unused_input)
         finally:
             # On failure too: live outputs would keep autograd graphs (and the
             # parameters' AccumulateGrad nodes, bound to the warmup stream) alive.
             outputs.clear()
+        last = watch.finish()
+        total += last
     if post_warmup_hook is not None:
         post_warmup_hook()
+    return total, last
 
 
 def _warmup_iteration(
