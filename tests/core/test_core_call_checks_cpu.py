@@ -16,6 +16,7 @@ import torch
 from cudagraphs.core.canonicalize import canonicalize
 from cudagraphs.core.capture_phase import eager_entry_graphs
 from cudagraphs.errors import CudaGraphInputError, GraphReleasedError, Mismatch
+from helpers.stand_in_graphs import positional_entry
 
 
 def _entry(fn, sample_args, sample_kwargs=None):
@@ -146,7 +147,10 @@ def test_a_parameter_read_in_place_must_be_the_captured_one_with_its_storage():
     text = str(err)
     assert "a parameter read in place was replaced" in text and "args[0]" in text
     assert "graph again" in text
-    assert [(m.path, m.field) for m in err.mismatches] == [("args[0]", "parameter")]
+    (mismatch,) = err.mismatches
+    assert (mismatch.path, mismatch.field) == ("args[0]", "parameter")
+    assert mismatch.expected == "the parameter captured there"
+    assert mismatch.received.startswith("Parameter (2,) torch.float32 at 0x")
     weight.data = torch.zeros(2)  # new storage: the graph would read freed memory
     with pytest.raises(CudaGraphInputError, match="replaced or re-allocated"):
         entry.user_tensors((weight, torch.ones(2)), {})
@@ -158,7 +162,35 @@ def test_inputs_that_require_grad_where_the_sample_did_not_are_reported():
     missing = entry.gradients_not_captured(
         [torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)]
     )
-    assert [(m.path, m.expected, m.received) for m in missing] == [("args[0]", False, True)]
+    assert [(m.path, m.field, m.expected, m.received) for m in missing] == [
+        (
+            "args[0]",
+            "requires_grad (the sample did not: no gradient was captured for it)",
+            False,
+            True,
+        )
+    ]
+
+
+def test_parameters_that_require_grad_without_a_backward_graph_are_reported():
+    # A capture for inference (grad off, or modules in eval) records the parameters
+    # that required grad; a later call in training mode would be silently short.
+    weight, bias = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    x = torch.zeros(2)
+    entry = positional_entry(
+        "callables[0] (Linear)",
+        x,
+        torch.zeros(2),
+        None,
+        untracked_params=(("weight", weight), ("bias", bias)),
+    )
+    missing = entry.gradients_not_captured([torch.ones(2)])
+    assert [(m.path, m.field, m.expected, m.received) for m in missing] == [
+        ("weight", "requires_grad (captured without a backward graph)", False, True),
+        ("bias", "requires_grad (captured without a backward graph)", False, True),
+    ]
+    bias.requires_grad_(False)
+    assert [m.path for m in entry.gradients_not_captured([torch.ones(2)])] == ["weight"]
 
 
 def test_after_an_error_the_next_good_call_works():
@@ -172,6 +204,10 @@ def test_a_released_entry_refuses_replays_naming_the_fix():
     entry.check_live()
     entry.release()
     entry.release()  # idempotent
-    with pytest.raises(GraphReleasedError, match="released by reset\\(\\); graph it again"):
+    with pytest.raises(GraphReleasedError) as err:
         entry.check_live()
+    assert str(err.value) == (
+        f"{entry.name}: its graphs were released by reset(); graph it again with "
+        "make_graphed_callables"
+    )
     assert entry.static_inputs == [] and entry.pinned == () and entry.out_leaves == []

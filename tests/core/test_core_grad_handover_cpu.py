@@ -384,3 +384,142 @@ def test_a_released_entry_lends_no_parameter_input():
     call, fn, w = _graphed_input(clone=False)
     fn.reset()
     assert fn.graphs._lent_inputs == () and fn.graphs._probe_accumulator is None
+
+
+def test_lent_module_parameters_accumulate_over_two_backwards_without_a_forward_between():
+    # The second backward's own replay would overwrite the .grad the first lent: it
+    # is moved to an owned copy first.
+    fn, w = _lent()
+    buffer = fn.graphs.static_grad_inputs[0]
+    y1 = fn(torch.tensor([1.0, 2.0, 3.0]))
+    y2 = fn(torch.tensor([10.0, 20.0, 30.0]))
+    y1.sum().backward()
+    assert w.grad.data_ptr() == buffer.data_ptr()
+    y2.sum().backward()
+    # Both backwards read the static x of the last forward.
+    assert w.grad.tolist() == [20.0, 40.0, 60.0]
+    assert w.grad.data_ptr() != buffer.data_ptr()
+
+
+class _TwoParamForward:
+    """out = w1 * x + w2, into the static output."""
+
+    def __init__(self, w1, w2, x, out):
+        self.w1, self.w2, self.x, self.out = w1, w2, x, out
+
+    def replay(self):
+        self.out.copy_(self.w1.detach() * self.x + self.w2.detach())
+
+    def reset(self):
+        pass
+
+
+class _TwoParamBackward:
+    """dx = g * w1, dw1 = g * x, dw2 = g, into the static gradient buffers."""
+
+    def __init__(self, w1, x, grad_out, grad_x, grad_w1, grad_w2):
+        self.w1, self.x, self.grad_out = w1, x, grad_out
+        self.grad_x, self.grad_w1, self.grad_w2 = grad_x, grad_w1, grad_w2
+
+    def replay(self):
+        self.grad_x.copy_(self.grad_out * self.w1.detach())
+        self.grad_w1.copy_(self.grad_out * self.x)
+        self.grad_w2.copy_(self.grad_out)
+
+    def reset(self):
+        pass
+
+
+def _two_params(clone: bool):
+    w1 = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    w2 = torch.nn.Parameter(torch.tensor([0.5, 0.5, 0.5]))
+    x = torch.zeros(3, requires_grad=True)
+    out, grad_out = torch.zeros(3), torch.zeros(3)
+    grad_x, grad_w1, grad_w2 = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    graphs = positional_entry(
+        "callables[0] (affine)",
+        x,
+        out,
+        _TwoParamForward(w1, w2, x, out),
+        input_meta=((x.shape, x.dtype, True),),
+        params=(w1, w2),
+        bwd_graph=_TwoParamBackward(w1, x, grad_out, grad_x, grad_w1, grad_w2),
+        out_differentiable=(True,),
+        static_grad_outputs=[grad_out],
+        diff_input_positions=(0,),
+        static_grad_inputs=(grad_x, grad_w1, grad_w2),
+        clone_param_grads=clone,
+        lent=LentGrads(),
+    )
+    fn = GraphedCallable(graphs, eager=lambda t: w1 * t + w2, module=None, captured_training=None)
+    return fn, w1, w2, grad_x
+
+
+@pytest.mark.parametrize("clone", [True, False])
+def test_every_parameter_and_a_non_leaf_input_get_their_gradients(clone):
+    fn, w1, w2, _ = _two_params(clone)
+    base = torch.tensor([1.0, 1.0, 2.0], requires_grad=True)
+    (fn(base * 2.0) * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    g = torch.tensor([1.0, 2.0, 3.0])
+    assert w1.grad.tolist() == (g * torch.tensor([2.0, 2.0, 4.0])).tolist()
+    assert w2.grad.tolist() == g.tolist()
+    # The input was not a leaf: its gradient went on to base's producer (times 2).
+    assert base.grad.tolist() == (g * w1.detach() * 2.0).tolist()
+
+
+@pytest.mark.parametrize("clone", [True, False])
+def test_a_leaf_inputs_fresh_gradient_is_an_owned_copy(clone):
+    fn, w1, _, grad_x = _two_params(clone)
+    x = torch.ones(3, requires_grad=True)
+    fn(x).sum().backward()
+    assert x.grad.tolist() == w1.detach().tolist()
+    assert x.grad.data_ptr() != grad_x.data_ptr(), "a leaf's fresh .grad must not alias"
+
+
+def test_a_lent_parameter_input_leaves_the_other_inputs_gradients_handed_over():
+    # The parameter (first input) is lent; the user input after it still gets its
+    # gradient, as an owned copy.
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    alias = w.detach().requires_grad_()
+    x = torch.zeros(3, requires_grad=True)
+    out, grad_out = torch.zeros(3), torch.zeros(3)
+    grad_w, grad_x = torch.zeros(3), torch.zeros(3)
+
+    class Backward:
+        def replay(self):
+            grad_w.copy_(grad_out * x)
+            grad_x.copy_(grad_out * alias.detach())
+
+        def reset(self):
+            pass
+
+    leaves, in_spec = pytree.tree_flatten(((w, x), {}))
+    graphs = EntryGraphs(
+        name="callables[0] (scale)",
+        in_spec=in_spec,
+        leaves=[None, None],
+        tensor_positions=(0, 1),
+        paths=("args[0]", "args[1]"),
+        input_meta=((w.shape, w.dtype, True), (x.shape, x.dtype, True)),
+        static_inputs=[alias, x],
+        params=(),
+        pinned=((0, w.data_ptr(), w),),
+        fwd_graph=_Forward(alias, x, out),
+        bwd_graph=Backward(),
+        out_spec=pytree.tree_flatten(out)[1],
+        out_leaves=[out],
+        out_tensor_positions=(0,),
+        out_differentiable=(True,),
+        static_grad_outputs=[grad_out],
+        diff_input_positions=(0, 1),
+        static_grad_inputs=(grad_w, grad_x),
+        clone_param_grads=False,
+        positional_only=True,
+        lent=LentGrads(),
+    )
+    fn = GraphedCallable(graphs, eager=lambda p, t: p * t, module=None, captured_training=None)
+    user = torch.tensor([4.0, 5.0, 6.0], requires_grad=True)
+    fn(w, user).sum().backward()
+    assert w.grad.data_ptr() == grad_w.data_ptr() and w.grad.tolist() == [4.0, 5.0, 6.0]
+    assert user.grad.tolist() == [1.0, 2.0, 3.0]
+    assert user.grad.data_ptr() != grad_x.data_ptr()
