@@ -147,3 +147,19 @@ def test_one_traced_forward_serves_the_buckets_between_the_largest_and_one(model
     assert len(backend.compiles) <= 3
     batches = [shapes[0][0] for shapes in backend.compiles]
     assert batches[0] == 16 and 1 in batches
+
+
+def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_reused(
+    model, dynamo
+):
+    backend = CountingBackend()
+    gen = captured(model, (1, 2, 4, 8, 16), compile_options={"backend": backend, "fullgraph": True})
+    times = gen.runner.capture_times
+    frames = {b.rows: t.compiled_frames for b, t in times.items()}
+    # As above: the largest bucket compiles, the next recompiles dynamic, 1 compiles once more.
+    assert frames[16] >= 1 and frames[8] >= 1 and frames[1] >= 1
+    assert frames[4] == 0 and frames[2] == 0
+    assert sum(frames.values()) == len(backend.compiles)
+    for b, t in times.items():
+        assert (t.compile_s > 0) == (t.compiled_frames > 0), b
+        assert t.compile_s <= t.warmup_s, b

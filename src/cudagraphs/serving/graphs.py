@@ -182,6 +182,11 @@ class CaptureTime:
     warmup_runs: int
     warmup_s: float
     capture_s: float  # recording and instantiation
+    # Of warmup_s, what torch.compile spent compiling for this bucket (dynamo's records),
+    # and the frames it compiled: 0 for eager code and for a bucket whose shape reused
+    # a compile (cudagraphs.compile_watch).
+    compile_s: float = 0.0
+    compiled_frames: int = 0
 
 
 @dataclass

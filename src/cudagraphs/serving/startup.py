@@ -37,6 +37,7 @@ import torch
 from ..capture import GraphMemoryPool, capture_into_graph, gc_paused
 from ..capture_state import capture_scope
 from ..checks import require_cuda
+from ..compile_watch import CompileReport, CompileWatch
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphOutputError, CudaGraphsTypeError, CudaGraphsValueError
 from ..introspect import instantiate_measured
@@ -250,6 +251,8 @@ def _capture_bucket(
     or False and the bucket dropped (its graphs released) when a capture failed."""
     made: list[tuple[Any, Any, str]] = []
     warmup_s = capture_s = 0.0
+    compiled = CompileReport()
+    device_index = args.device.index if args.device.type == "cuda" else None
     forward, pool = args.forward, captured.pool
     try:
         for slot, static in enumerate(captured.slot_inputs):
@@ -257,9 +260,11 @@ def _capture_bucket(
             static.stage(args.make_inputs(bucket), bucket, bucket.rows)
             what = str(bucket) if args.slots == 1 else f"{bucket} slot {slot}"
             start = time.perf_counter()
+            watch = CompileWatch.start(device_index)
             with warmup_scope(pool, args.device):
                 for _ in range(warmup):
                     forward(**views)
+            compiled += watch.finish()
             middle = time.perf_counter()
             graph, output = args.backend(lambda v=views: forward(**v), pool, what)
             warmup_s += middle - start
@@ -279,7 +284,9 @@ def _capture_bucket(
         release(graph for graph, _, _ in made)
         raise
     captured.graphs[bucket] = BucketGraph(bucket, slots)
-    captured.report.times[bucket] = CaptureTime(warmup, warmup_s, capture_s)
+    captured.report.times[bucket] = CaptureTime(
+        warmup, warmup_s, capture_s, compiled.seconds, len(compiled.frames)
+    )
     return True
 
 
@@ -288,12 +295,18 @@ def _said_captured(
 ) -> None:
     took = report.times.get(bucket)
     if ok and took is not None:
+        compiling = (
+            f" (compiling {took.compile_s:.3f} s, {took.compiled_frames} frame(s))"
+            if took.compiled_frames
+            else ""
+        )
         logger.info(
-            "GraphRunner: captured %s (%d/%d): warmup %.3f s, capture %.3f s",
+            "GraphRunner: captured %s (%d/%d): warmup %.3f s%s, capture %.3f s",
             bucket,
             done,
             total,
             took.warmup_s,
+            compiling,
             took.capture_s,
         )
     if bar is not None:
