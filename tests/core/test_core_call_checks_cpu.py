@@ -15,7 +15,12 @@ import torch
 
 from cudagraphs.core.canonicalize import canonicalize
 from cudagraphs.core.capture_phase import eager_entry_graphs
-from cudagraphs.errors import CudaGraphInputError, GraphReleasedError, Mismatch
+from cudagraphs.errors import (
+    CudaGraphInputError,
+    GraphReleasedError,
+    Mismatch,
+    describe_mismatches,
+)
 from helpers.stand_in_graphs import positional_entry
 
 
@@ -211,3 +216,63 @@ def test_a_released_entry_refuses_replays_naming_the_fix():
         "make_graphed_callables"
     )
     assert entry.static_inputs == [] and entry.pinned == () and entry.out_leaves == []
+
+
+# ---- the messages, exactly: a headline naming the entry, one line per difference, the fix
+
+
+def _exact(entry, err, what, fix):
+    assert str(err) == describe_mismatches(f"{entry.name}: {what}", err.mismatches, fix)
+
+
+def test_each_refusal_says_what_differs_and_the_fix_word_for_word():
+    def fn(t, *, bias, scale=None):
+        return t + bias
+
+    entry = _entry(fn, (torch.zeros(2),), {"bias": torch.zeros(2)})
+    err = _mismatches(
+        lambda: entry.user_tensors((torch.ones(2),), {"bias": torch.zeros(2), "scale": 2.0})
+    )
+    _exact(
+        entry,
+        err,
+        "the call passes keywords the capture did not have",
+        "1. pass them in sample_kwargs too, and graph again; 2. leave them out "
+        "(a keyword whose default is None may be passed as None).",
+    )
+    err = _mismatches(lambda: entry.user_tensors((torch.ones(2), 1), {"bias": torch.zeros(2)}))
+    _exact(
+        entry,
+        err,
+        "call structure differs from the captured one",
+        "Pass arguments with the same nesting and keyword names as sample_args/sample_kwargs.",
+    )
+    err = _mismatches(lambda: entry.user_tensors((torch.ones(3),), {"bias": torch.zeros(2)}))
+    _exact(
+        entry,
+        err,
+        "inputs differ from the captured ones (graphs have fixed shapes)",
+        "Capture another graph for this shape or dtype, or pad the inputs.",
+    )
+    scaled = _entry(_scale, (torch.zeros(2), 2.5))
+    err = _mismatches(lambda: scaled.user_tensors((torch.ones(2), 3.0), {}))
+    _exact(
+        scaled,
+        err,
+        "call differs from the captured one",
+        "Non-tensor arguments are baked into the graph: pass the captured values, "
+        "or graph the callable again for new ones.",
+    )
+    weight = torch.nn.Parameter(torch.ones(2))
+    pinned = _entry(lambda w, t: w * t, (weight, torch.zeros(2)))
+    err = _mismatches(
+        lambda: pinned.user_tensors((torch.nn.Parameter(torch.ones(2)), torch.ones(2)), {})
+    )
+    _exact(
+        pinned,
+        err,
+        "a parameter read in place was replaced",
+        "args[0] must be the parameter captured there, with the storage it had at "
+        "capture (it was replaced or re-allocated, e.g. by resharding or .data "
+        "assignment); graph again.",
+    )

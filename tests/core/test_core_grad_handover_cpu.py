@@ -523,3 +523,46 @@ def test_a_lent_parameter_input_leaves_the_other_inputs_gradients_handed_over():
     assert w.grad.data_ptr() == grad_w.data_ptr() and w.grad.tolist() == [4.0, 5.0, 6.0]
     assert user.grad.tolist() == [1.0, 2.0, 3.0]
     assert user.grad.data_ptr() != grad_x.data_ptr()
+
+
+@pytest.mark.parametrize("clone", [True, False])
+def test_each_gradient_goes_to_its_own_parameter_past_an_unused_one(clone):
+    # Three parameters, the middle one unused by the graph (allow_unused): its slot gets
+    # nothing, and the third parameter's gradient is not shifted into it.
+    w1, w2, w3 = (torch.nn.Parameter(torch.full((3,), float(k + 1))) for k in range(3))
+    x = torch.zeros(3)
+    out, grad_out, grad_w1, grad_w3 = (torch.zeros(3) for _ in range(4))
+
+    class Forward:
+        def replay(self):
+            out.copy_(w1.detach() * x + w3.detach())
+
+        def reset(self):
+            pass
+
+    class Backward:
+        def replay(self):
+            grad_w1.copy_(grad_out * x)
+            grad_w3.copy_(grad_out)
+
+        def reset(self):
+            pass
+
+    graphs = positional_entry(
+        "callables[0] (three)",
+        x,
+        out,
+        Forward(),
+        params=(w1, w2, w3),
+        bwd_graph=Backward(),
+        out_differentiable=(True,),
+        static_grad_outputs=[grad_out],
+        static_grad_inputs=(grad_w1, None, grad_w3),
+        clone_param_grads=clone,
+        lent=LentGrads(),
+    )
+    fn = GraphedCallable(graphs, eager=lambda t: w1 * t + w3, module=None, captured_training=None)
+    (fn(torch.tensor([1.0, 2.0, 3.0])) * 2.0).sum().backward()
+    assert w1.grad.tolist() == [2.0, 4.0, 6.0]
+    assert w2.grad is None
+    assert w3.grad.tolist() == [2.0, 2.0, 2.0]

@@ -149,9 +149,7 @@ def test_one_traced_forward_serves_the_buckets_between_the_largest_and_one(model
     assert batches[0] == 16 and 1 in batches
 
 
-def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_reused(
-    model, dynamo
-):
+def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_reused(model, dynamo):
     backend = CountingBackend()
     gen = captured(model, (1, 2, 4, 8, 16), compile_options={"backend": backend, "fullgraph": True})
     times = gen.runner.capture_times
