@@ -161,6 +161,8 @@ def test_one_regime_end_to_end_catches_planted_bugs(cpu, monkeypatch):
         "lent_le_torch_helper_set_to_none": None,
         "step_with_optimizer_le_raw_graph": None,
         "compute_bound_step_le_best_alternative": None,
+        "compiled_step_le_1.10x_own_kernel_busy": None,
+        "compiled_step_le_torch_best": None,
     }
     json.dumps(res, allow_nan=False)
     report = {"configs": {"tiny": {"regimes": {"set_to_none": res}}}}
