@@ -24,26 +24,39 @@ def report(bench, *batches, startup=None):
     return {"models": {"llama": {"batches": dict(enumerate(batches))}}, "startup": startup or {}}
 
 
-def test_each_generator_has_its_own_per_token_target(bench):
-    fast = batch(bench, hf_static_compiled=2.4, cudagraphs=2.5, cudagraphs_compiled=1.5)
+def test_each_generator_has_its_own_like_for_like_per_token_target(bench):
+    # Eager kernels against HF's static-cache eager generate; compiled against 0.65x HF's
+    # compiled generate.
+    fast = batch(
+        bench, hf_static_eager=9.0, hf_static_compiled=2.4, cudagraphs=2.5, cudagraphs_compiled=1.5
+    )
     targets = bench.compute_targets(report(bench, fast))
-    assert targets["per_token_le_hf_compiled"] is False
-    assert targets["compiled_per_token_le_hf_compiled"] is True
-    slow = batch(bench, hf_static_compiled=2.4, cudagraphs=2.4, cudagraphs_compiled=2.41)
-    targets = bench.compute_targets(report(bench, fast, slow))
-    assert targets["per_token_le_hf_compiled"] is False  # one batch over is enough
-    assert targets["compiled_per_token_le_hf_compiled"] is False
-    tie = batch(bench, hf_static_compiled=2.4, cudagraphs=2.4, cudagraphs_compiled=2.4)
+    assert targets["per_token_le_hf_static_eager"] is True
+    assert targets["compiled_per_token_le_0.65x_hf_compiled"] is True  # 1.5 <= 0.65 * 2.4
+    assert "per_token_le_hf_compiled" not in targets  # retired
+    over = batch(
+        bench,
+        hf_static_eager=2.4,
+        hf_static_compiled=2.4,
+        cudagraphs=2.41,
+        cudagraphs_compiled=1.57,
+    )
+    targets = bench.compute_targets(report(bench, fast, over))
+    assert targets["per_token_le_hf_static_eager"] is False  # one batch over is enough
+    assert targets["compiled_per_token_le_0.65x_hf_compiled"] is False  # 1.57 > 1.56
+    tie = batch(
+        bench, hf_static_eager=2.5, hf_static_compiled=2.0, cudagraphs=2.5, cudagraphs_compiled=1.3
+    )
     targets = bench.compute_targets(report(bench, tie))
-    assert targets["per_token_le_hf_compiled"] is True
-    assert targets["compiled_per_token_le_hf_compiled"] is True
+    assert targets["per_token_le_hf_static_eager"] is True
+    assert targets["compiled_per_token_le_0.65x_hf_compiled"] is True  # 1.3 == 0.65 * 2.0
 
 
 def test_unmeasured_targets_are_none_not_true(bench):
-    without_compiled = batch(bench, hf_static_compiled=2.4, cudagraphs=2.3)
+    without_compiled = batch(bench, hf_static_eager=2.4, hf_static_compiled=2.4, cudagraphs=2.3)
     targets = bench.compute_targets(report(bench, without_compiled))
-    assert targets["per_token_le_hf_compiled"] is True
-    assert targets["compiled_per_token_le_hf_compiled"] is None
+    assert targets["per_token_le_hf_static_eager"] is True
+    assert targets["compiled_per_token_le_0.65x_hf_compiled"] is None
     assert targets["startup_le_2s"] is None
     assert targets["all_buckets_capture_le_2x_largest"] is None
     assert bench.compute_targets({"models": {}})["tokens_equal"] is None
@@ -102,13 +115,13 @@ def test_the_sliding_window_model_runs_only_when_asked_and_slides_within_a_reque
 
 
 def test_tokens_equal_leaves_out_a_sliding_window_model(bench):
-    rep = report(bench, batch(bench, equal=True, hf_static_compiled=2.0, cudagraphs=1.9))
+    rep = report(bench, batch(bench, equal=True, hf_static_eager=2.0, cudagraphs=1.9))
     rep["models"]["mistral"] = {
         "config": bench.MODELS["mistral"],
-        "batches": {"1": batch(bench, equal=False, hf_static_compiled=2.0, cudagraphs=1.9)},
+        "batches": {"1": batch(bench, equal=False, hf_static_eager=2.0, cudagraphs=1.9)},
     }
     targets = bench.compute_targets(rep)
     assert targets["tokens_equal"] is True  # mistral's unequal tokens are not counted
-    assert targets["per_token_le_hf_compiled"] is True
+    assert targets["per_token_le_hf_static_eager"] is True
     rep["models"]["llama"]["batches"][0]["tokens"][bench.OURS]["equal_hf_static_eager"] = False
     assert bench.compute_targets(rep)["tokens_equal"] is False
