@@ -98,8 +98,8 @@ def test_a_first_compile_in_a_phase_that_must_compile_nothing_says_warm_up_more(
 def test_reports_add_frames_in_order_and_sum_seconds_and_breaks():
     a = CompiledFrame("a", "m.py:1", "0/0", 1.0, None, 1)
     b = CompiledFrame("b", "m.py:9", "1/1", 0.5, "L['x'] changed", 2)
-    total = CompileReport((a,), 1) + CompileReport((b,))
-    assert total.frames == (a, b) and total.torch_graphs == 1
+    total = CompileReport((a,), 1) + CompileReport((b,), 2)
+    assert total.frames == (a, b) and total.torch_graphs == 3
     assert total.seconds == 1.5 and total.graph_breaks == 3 and total.recompiles == (b,)
 
 
@@ -131,3 +131,156 @@ def test_nothing_is_imported_when_dynamo_was_never_loaded():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["()", "False"]
+
+
+# ---- the watch's logic on dynamo's records, exactly (records stood in for) -------------
+
+
+def _record(**fields):
+    from types import SimpleNamespace
+
+    base = dict(
+        co_name="layer_forward",
+        co_filename="model.py",
+        co_firstlineno=12,
+        compile_id="0/1",
+        entire_frame_compile_time_s=1.5,
+        backward_cumulative_compile_time_us=250_000,
+        recompile_reason="L['x'].size()[0] == 4",
+        num_graph_breaks=2,
+        start_time_us=1_000,
+    )
+    return SimpleNamespace(**{**base, **fields})
+
+
+@pytest.fixture
+def records(monkeypatch):
+    """dynamo as loaded, its records the list returned, CUDA-graph trees counted from
+    the list ``trees`` (one value per question)."""
+    import cudagraphs.compile_watch as cw
+
+    held: list = []
+    trees: list[int] = []
+    asked: list[int] = []
+
+    def count(device_index):
+        asked.append(device_index)
+        return trees.pop(0)
+
+    monkeypatch.setattr(cw, "dynamo_loaded", lambda: True)
+    monkeypatch.setattr(cw, "compilation_metrics", lambda: list(held))
+    monkeypatch.setattr(cw, "cudagraph_tree_functions", count)
+    monkeypatch.setattr(cw.time, "time_ns", lambda: 1_000_000)  # the watch starts at 1000 us
+    return held, trees, asked
+
+
+def test_a_record_becomes_a_frame_field_by_field(records):
+    held, _, _ = records
+    held.append(_record())
+    (frame,) = CompileWatch.start().finish().frames
+    assert frame == CompiledFrame(
+        name="layer_forward",
+        where="model.py:12",
+        compile_id="0/1",
+        seconds=1.75,  # the frame's 1.5 s and its backward's 0.25 s
+        recompile_reason="L['x'].size()[0] == 4",
+        graph_breaks=2,
+    )
+    assert frame.label == "layer_forward (model.py:12, compile 0/1)"
+
+
+def test_a_record_missing_fields_still_becomes_a_frame(records):
+    held, _, _ = records
+    held.append(
+        _record(
+            co_name=None,
+            co_firstlineno=None,
+            compile_id=None,
+            entire_frame_compile_time_s=None,
+            backward_cumulative_compile_time_us=None,
+            recompile_reason="",
+            num_graph_breaks=None,
+        )
+    )
+    (frame,) = CompileWatch.start().finish().frames
+    assert frame == CompiledFrame("?", "model.py", "?", 0.0, None, 0)
+
+
+def test_only_records_started_at_or_after_the_watch_count(records):
+    held, _, _ = records
+    held += [
+        _record(co_name="before", start_time_us=999),
+        _record(co_name="at", start_time_us=1_000),
+        _record(co_name="after", start_time_us=5_000),
+        _record(co_name="untimed", start_time_us=None),
+    ]
+    assert [f.name for f in CompileWatch.start().finish().frames] == ["at", "after"]
+
+
+def test_without_dynamo_loaded_no_record_is_read(records, monkeypatch):
+    import cudagraphs.compile_watch as cw
+
+    held, _, _ = records
+    held.append(_record())
+    monkeypatch.setattr(cw, "dynamo_loaded", lambda: False)
+    assert CompileWatch.start().finish() == CompileReport()
+
+
+def test_torch_graphs_count_what_the_trees_ran_during_the_watch_on_its_device(records):
+    _, trees, asked = records
+    trees += [3, 5]
+    assert CompileWatch.start(1).finish().torch_graphs == 2
+    assert asked == [1, 1]
+    trees += [4, 1]  # the trees were reset meanwhile: nothing new counted
+    assert CompileWatch.start(0).finish().torch_graphs == 0
+    asked.clear()
+    assert CompileWatch.start().finish().torch_graphs == 0  # no device: trees not asked
+    assert asked == []
+
+
+def test_recompile_fix_says_each_fix_word_for_word():
+    assert recompile_fix("Size mismatch at index 0") == (
+        "a tensor's shape or strides changed between steps: graphs have fixed shapes, "
+        "so give every step inputs of one shape (pad them), or compile with "
+        "dynamic=False so that each shape is compiled once and can be warmed up"
+    )
+    assert recompile_fix("dim 1 changed") == recompile_fix("stride mismatch")
+    assert recompile_fix("GRAD_MODE changed") == (
+        "grad mode or autocast differed from the warmup's: run warmup and capture "
+        "under the same modes as the steps themselves"
+    )
+    assert recompile_fix("autocast state") == recompile_fix("___check_global_state()")
+    assert recompile_fix("L['step'] == 3") == (
+        "the compiled code reads a Python value that changed between steps (a step "
+        "counter, a float hyperparameter, an attribute): hold it in a device tensor "
+        "updated in place, or keep it constant while graphed"
+    )
+
+
+def test_the_refusal_lists_every_frame_word_for_word():
+    first = CompiledFrame("f", "m.py:1", "0/0", 1.0, None, 0)
+    again = CompiledFrame("g", "m.py:9", "1/1", 0.5, "L['n']  ==\n 3", 0)
+    with pytest.raises(CompiledCaptureError) as err:
+        require_no_compile(CompileReport((first, again)), "the capture", "graph_train_step")
+    assert str(err.value) == (
+        "graph_train_step: torch.compile compiled 2 frame(s) during the capture, which "
+        "must run code compiled before it:\n"
+        "- f (m.py:1, compile 0/0): compiled for the first time; warm up with more steps "
+        "(each must run the compiled code as the graphed steps will)\n"
+        "- g (m.py:9, compile 1/1): recompiled because L['n'] == 3; " + recompile_fix("L['n'] == 3")
+    )
+    cause = RuntimeError("capture failed")
+    with pytest.raises(CompiledCaptureError) as err:
+        require_no_compile(CompileReport((first,)), "the capture", "x", cause)
+    assert err.value.__cause__ is cause
+
+
+def test_the_torch_graphs_refusal_word_for_word():
+    with pytest.raises(CompiledCaptureError) as err:
+        require_no_torch_graphs(CompileReport(torch_graphs=3), "make_graphed_callables")
+    assert str(err.value) == (
+        "make_graphed_callables: the compiled code runs torch.compile's own CUDA graphs "
+        '(mode="reduce-overhead": 3 function(s) warmed up or recorded), which cannot be '
+        'captured inside ours. Compile with mode="default" or '
+        'mode="max-autotune-no-cudagraphs": our graph takes the place of torch\'s.'
+    )
