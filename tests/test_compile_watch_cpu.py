@@ -284,3 +284,22 @@ def test_the_torch_graphs_refusal_word_for_word():
         'captured inside ours. Compile with mode="default" or '
         'mode="max-autotune-no-cudagraphs": our graph takes the place of torch\'s.'
     )
+
+
+def test_a_record_without_the_optional_fields_becomes_a_frame(records):
+    from types import SimpleNamespace
+
+    held, _, _ = records
+    held.append(SimpleNamespace(start_time_us=2_000))  # a torch that records less
+    held.append(SimpleNamespace())  # and one without a start time: not counted
+    (frame,) = CompileWatch.start().finish().frames
+    assert frame == CompiledFrame("?", "?", "?", 0.0, None, 0)
+
+
+def test_a_record_in_the_watchs_first_microsecond_counts(records, monkeypatch):
+    import cudagraphs.compile_watch as cw
+
+    held, _, _ = records
+    monkeypatch.setattr(cw.time, "time_ns", lambda: 1_000_999)  # 1000.999 us
+    held.append(_record(start_time_us=1_000))
+    assert len(CompileWatch.start().finish().frames) == 1
