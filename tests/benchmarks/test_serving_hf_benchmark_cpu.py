@@ -125,3 +125,20 @@ def test_tokens_equal_leaves_out_a_sliding_window_model(bench):
     assert targets["per_token_le_hf_static_eager"] is True
     rep["models"]["llama"]["batches"][0]["tokens"][bench.OURS]["equal_hf_static_eager"] = False
     assert bench.compute_targets(rep)["tokens_equal"] is False
+
+
+def test_the_compiled_capture_target_reads_the_cold_start(bench):
+    def with_cold(capture_s):
+        rep = report(bench)
+        rep["compiled_startup"] = {
+            "empty_inductor_cache": {"capture_s": capture_s},
+            "warm_inductor_cache": {"capture_s": 1.0},
+        }
+        return bench.compute_targets(rep)["compiled_capture_le_20s"]
+
+    assert with_cold(19.9) is True and with_cold(20.0) is True
+    assert with_cold(20.1) is False  # the warm restart does not count
+    assert bench.compute_targets(report(bench))["compiled_capture_le_20s"] is None
+    failed = report(bench)
+    failed["compiled_startup"] = {"empty_inductor_cache": {"error": "boom"}}
+    assert bench.compute_targets(failed)["compiled_capture_le_20s"] is None
