@@ -126,6 +126,7 @@ class EntryGraphs:
     )
     _lent_input_params: list[torch.nn.Parameter] = field(init=False, repr=False)
     _lent_input_ptrs: list[int] = field(init=False, repr=False)
+    _lent_positions: frozenset[int] = field(init=False, repr=False)
     _probe_accumulator: Any = field(init=False, repr=False)
     _grad_output_buffers: list[torch.Tensor] = field(init=False, repr=False)
     _grad_output_mask: tuple[bool, ...] = field(init=False, repr=False)
@@ -348,6 +349,7 @@ class EntryGraphs:
         )
         self._lent_input_params = [param for _, param, _ in self._lent_inputs]
         self._lent_input_ptrs = [g.data_ptr() for _, _, g in self._lent_inputs]
+        self._lent_positions = frozenset(pos for pos, _, _ in self._lent_inputs)
         # One parameter's gradient accumulator (held, so that autograd hands out this
         # very node every time) tells whether a backward accumulates into .grad
         # (backward()) or returns the gradients to the caller (autograd.grad()).
@@ -390,11 +392,10 @@ class EntryGraphs:
         lend_inputs = bool(self._lent_inputs) and _engine_accumulates(self._probe_accumulator)
         if lend_inputs and self.lent is not None:
             self.lent.lend(self._lent_input_params, self._lent_input_ptrs)
-        lent_positions = {pos for pos, _, _ in self._lent_inputs} if lend_inputs else ()
         fresh = []
         for pos, g in self._input_grads:
             result[pos] = g.detach()
-            if pos in lent_positions:
+            if lend_inputs and pos in self._lent_positions:
                 continue
             leaf = leaves[pos]
             # A leaf's gradient becomes its .grad when .grad is None, so it must not
