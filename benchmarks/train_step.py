@@ -186,7 +186,12 @@ NOT_FATAL = (COMPILE_VARIANT, *TORCH_BEST)  # not ours; their failure is recorde
 # parameters drift from eager's by ulps per step (their gradients stay within
 # GRAD_REL_TOL).
 PARAMS_NOT_FATAL = (COMPILE_VARIANT, RAW, EAGER_SAME, OURS_COMPILED, *TORCH_BEST)
-GRADS_NOT_FATAL = (RAW, EAGER_SAME)
+# Their gradients too: after three steps from parameters a few ulps apart, inductor's
+# kernels leave gradients up to ~4% of a tensor's maximum off eager's (ours compiled
+# 4.0%, torch's reduce-overhead recipe 3.3%, launch_bound at 3eef791). Ours compiled
+# is checked bit for bit against the compiled model's eager loop, which runs the same
+# kernels, in tests/train/test_cuda_train_step_compiled.py.
+GRADS_NOT_FATAL = (RAW, EAGER_SAME, OURS_COMPILED, *TORCH_BEST)
 
 
 @dataclass(frozen=True)
@@ -719,8 +724,10 @@ def _build_torch_best(cfg: BenchConfig, regime: str, mode: str) -> Built:
     blocks, x = make_stack(cfg, regime), make_input(cfg)
     graphs = mode == "reduce-overhead"
     # A device learning rate: a float one is a guard that recompiles when it changes.
+    # AdamW takes a tensor lr with foreach only when capturable (its state steps on the
+    # device too), in both modes.
     opt = torch.optim.AdamW(
-        blocks.parameters(), lr=torch.tensor(LR, device=DEVICE), foreach=True, capturable=graphs
+        blocks.parameters(), lr=torch.tensor(LR, device=DEVICE), foreach=True, capturable=True
     )
 
     def stack_forward(inp: torch.Tensor) -> torch.Tensor:

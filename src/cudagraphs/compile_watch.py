@@ -23,16 +23,20 @@ loaded: then nothing can have been compiled.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CompiledCaptureError
+from .checks import check_instance
+from .errors import CompiledCaptureError, CudaGraphsValueError
 from .torch_private import compilation_metrics, cudagraph_tree_functions, dynamo_loaded
 
 __all__ = [
+    "GRAPH_RECORDING_MODES",
     "CompileReport",
     "CompileWatch",
     "CompiledFrame",
+    "check_compile_options",
     "recompile_fix",
     "require_no_compile",
     "require_no_torch_graphs",
@@ -196,3 +200,41 @@ def require_no_torch_graphs(report: CompileReport, what: str) -> None:
             'mode="default" or mode="max-autotune-no-cudagraphs": our graph takes the '
             "place of torch's."
         )
+
+
+#: torch.compile modes that turn on inductor's CUDA-graph trees.
+GRAPH_RECORDING_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_compile_options(where: str, options: Any) -> dict[str, Any] | None:
+    """A copy of ``options`` (``None`` stays ``None``), keywords for ``torch.compile``,
+    after checking that what they compile can be captured in our graphs.
+
+    Inductor's fused kernels capture like any others. What cannot go in is inductor's
+    own graph recording: the ``reduce-overhead`` and ``max-autotune`` modes (and
+    ``options={"triton.cudagraphs": True}``) wrap the compiled code in CUDA-graph
+    trees, which record graphs of their own on their own pool at the first calls:
+    inside our capture that is a capture within a capture, and beside it a second
+    copy of every graph.
+
+    Raises:
+        CudaGraphsTypeError: ``options`` not a mapping.
+        CudaGraphsValueError: a mode or option that makes inductor record CUDA graphs
+            of its own.
+    """
+    check_instance("compile_options", options, (Mapping, type(None)), "a mapping of keywords")
+    if options is None:
+        return None
+    mode = options.get("mode")
+    inner = options.get("options")
+    trees = isinstance(inner, Mapping) and bool(inner.get("triton.cudagraphs"))
+    if mode in GRAPH_RECORDING_MODES or trees:
+        said = f"mode={mode!r}" if mode in GRAPH_RECORDING_MODES else "triton.cudagraphs=True"
+        raise CudaGraphsValueError(
+            f"{where}: compile_options with {said} make inductor record CUDA graphs of its "
+            "own (CUDA-graph trees); our graphs already record the compiled kernels, and "
+            "a recording inside their capture fails. Fixes: 1. leave 'mode' out "
+            "(inductor's default kernels); 2. mode='max-autotune-no-cudagraphs' for "
+            "autotuned kernels without graphs of their own."
+        )
+    return dict(options)

@@ -47,6 +47,7 @@ __all__ = [
     "below_autograd",
     "can_make_expandable_segments",
     "check_torch",
+    "compiled_module",
     "current_graph_task_id",
     "compilation_metrics",
     "cudagraph_tree_functions",
@@ -260,6 +261,20 @@ def dynamo_loaded() -> bool:
     """Whether ``torch._dynamo`` has been imported (then something may be compiled);
     asked without importing it, which costs seconds."""
     return "torch._dynamo" in sys.modules
+
+
+def compiled_module(module: torch.nn.Module) -> str | None:
+    """How ``module`` is compiled: ``"torch.compile(module)"`` for the wrapper
+    ``torch.compile`` returns (dynamo's ``OptimizedModule``), ``"module.compile()"``
+    for a module whose calls go through a compiled ``_call_impl``; ``None`` when it
+    is not compiled itself (its submodules may be)."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return "module.compile()"
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if optimized is not None and isinstance(module, optimized):
+        return "torch.compile(module)"
+    return None
 
 
 def compilation_metrics() -> list[Any]:

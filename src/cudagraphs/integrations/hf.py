@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from ..checks import check_callable, check_instance, check_int
-from ..errors import MissingDependencyError
+from ..compile_watch import GRAPH_RECORDING_MODES, check_compile_options
+from ..errors import CudaGraphsValueError, MissingDependencyError
 from ..partial import PartialCudaGraphManager, check_scopes
 from ..partial.arguments import Selector
 from ..partial.recording import InferenceCalls, check_inference_calls
@@ -91,6 +92,11 @@ class PartialGraphsCallback(TrainerCallback):
             eager one to run this whole path on the CPU).
         speed_check: turn off a target whose graph is measured slower than its eager
             run right after capture (see the manager); ``True`` by default.
+        compile_options: keywords for ``torch.compile`` (``{}``: its defaults): each
+            target's graph records its compiled forward and backward (see the
+            manager's ``from_model_parts``). Use this in place of the Trainer's
+            ``torch_compile=True``, which is refused at ``on_train_begin``: the
+            Trainer's compiled model would trace the targets' dispatching forwards.
         log_prefix: prefix of the keys added to the Trainer's logs.
 
     Attributes:
@@ -100,7 +106,8 @@ class PartialGraphsCallback(TrainerCallback):
 
     Raises:
         CudaGraphsValueError: an unknown or repeated scope; ``record_step`` < 1; a bad
-            ``inference_calls``.
+            ``inference_calls``; ``compile_options`` whose mode records CUDA graphs of
+            its own. At ``on_train_begin``: ``TrainingArguments(torch_compile=True)``.
         CudaGraphsTypeError: an argument of the wrong type (named), ``scopes`` that
             is not a list or tuple included.
     """
@@ -115,6 +122,7 @@ class PartialGraphsCallback(TrainerCallback):
         inference_calls: InferenceCalls = "ignore",
         capture_backend: Any = None,
         speed_check: Any = True,
+        compile_options: Any = None,
         log_prefix: str = "cudagraphs/",
     ) -> None:
         self._scopes = None if scopes is None else check_scopes(scopes)
@@ -129,6 +137,7 @@ class PartialGraphsCallback(TrainerCallback):
                 if capture_backend is None
                 else check_callable("capture_backend", capture_backend)
             ),
+            "compile_options": check_compile_options("PartialGraphsCallback", compile_options),
         }
         self.log_prefix = check_instance("log_prefix", log_prefix, str, "a str")
         self.manager: PartialCudaGraphManager | None = None
@@ -148,6 +157,7 @@ class PartialGraphsCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
         self._new_run()
+        refuse_trainer_compile(args)
         model = kwargs.get("model")
         self.off_reason = self._why_off(model)
         if self.off_reason is None:
@@ -259,3 +269,34 @@ def _is_copy_of(entry: Any, logs: dict) -> bool:
     """Whether a ``log_history`` entry is Trainer's copy of ``logs`` (``{**logs,
     "step": ...}``): it holds the very same value objects under the same keys."""
     return isinstance(entry, dict) and all(k in entry and entry[k] is v for k, v in logs.items())
+
+
+def refuse_trainer_compile(args: Any) -> None:
+    """Refuse ``TrainingArguments(torch_compile=True)``.
+
+    Why: the Trainer then calls ``torch.compile`` on the model it steps, whose dynamo
+    would trace the dispatching forwards the callback installs on the targets (each a
+    graph replay in Python) into its own graphs.
+
+    Raises:
+        CudaGraphsValueError: saying what to pass instead.
+    """
+    if not getattr(args, "torch_compile", False):
+        return
+    keywords = {
+        "backend": getattr(args, "torch_compile_backend", None),
+        "mode": getattr(args, "torch_compile_mode", None),
+    }
+    # Modes that record CUDA graphs of their own cannot go inside ours: left out.
+    said = {
+        k: v
+        for k, v in keywords.items()
+        if v is not None and not (k == "mode" and v in GRAPH_RECORDING_MODES)
+    }
+    raise CudaGraphsValueError(
+        "PartialGraphsCallback: TrainingArguments(torch_compile=True) compiles the whole "
+        "model, whose compiled code would trace the partial graphs' dispatching "
+        "forwards. Fix: set torch_compile=False and pass "
+        f"PartialGraphsCallback(compile_options={said!r}): each graphed target then "
+        "records its compiled forward and backward."
+    )

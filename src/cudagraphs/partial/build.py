@@ -8,13 +8,16 @@ yield none, said on the manager's logger."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
 from ..checks import check_bool, check_callable, check_int
+from ..compile_watch import check_compile_options
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError, TargetSelectionError
+from ..torch_private import compiled_module
 from .arguments import Predicate, Selector, as_model_parts, include_predicate
 from .contract import ContractSet
 from .fsdp import check_target_parameters, fsdp_managed_modules
@@ -30,6 +33,7 @@ __all__ = [
     "BuiltTargets",
     "build_recordings",
     "recordings_from_model_parts",
+    "refuse_compiled_parts",
     "report_blocks",
     "switch_experts_implementation",
 ]
@@ -183,6 +187,36 @@ def report_blocks(
         )
 
 
+def refuse_compiled_parts(parts: Sequence[nn.Module]) -> None:
+    """Refuse model parts that are compiled, or hold a compiled module.
+
+    Why: a target's graph is replayed by the dispatching ``forward`` installed on it, in
+    Python. A compiled part (``torch.compile(model)``) or a compiled module in it
+    (``module.compile()``) would have dynamo trace those dispatchers into its own
+    graphs, breaking them at each replay, or compile the eager forward around them.
+
+    Raises:
+        CudaGraphsValueError: naming each compiled module, how it was compiled, and
+            the fix.
+    """
+    found = [
+        f"model part {i}{'' if not name else ' ' + repr(name)} ({how})"
+        for i, part in enumerate(parts)
+        for name, module in part.named_modules()
+        if (how := compiled_module(module)) is not None
+    ]
+    if found:
+        raise CudaGraphsValueError(
+            f"from_model_parts: compiled modules in the model parts: {'; '.join(found)}. "
+            "A compiled model would "
+            "trace the partial graphs' dispatching forwards into its own code. Fix: "
+            "pass the model uncompiled (the module given to torch.compile, not its "
+            "wrapper; no module.compile()) with compile_options={} (or the keywords "
+            "you gave torch.compile): each target's graph then records its compiled "
+            "forward and backward."
+        )
+
+
 def recordings_from_model_parts(
     model_parts: nn.Module | Sequence[nn.Module],
     *,
@@ -195,6 +229,7 @@ def recordings_from_model_parts(
     experts_implementation: str | None,
     scopes: Sequence[str] | None,
     logger: logging.Logger,
+    compile_options: Mapping[str, Any] | None = None,
 ) -> tuple[list[nn.Module], BuiltTargets] | None:
     """The work of :meth:`~.manager.PartialCudaGraphManager.from_model_parts` before
     the manager is made (its docs describe the arguments): check them, switch the
@@ -209,6 +244,8 @@ def recordings_from_model_parts(
         What ``from_model_parts`` documents.
     """
     parts = as_model_parts(model_parts)
+    check_compile_options("from_model_parts", compile_options)
+    refuse_compiled_parts(parts)
     check_bool("activation_checkpointing", activation_checkpointing)
     max_variants = check_int("max_variants", max_variants, minimum=1)
     check_inference_calls(inference_calls)

@@ -379,10 +379,19 @@ class _ForwardOnly(nn.Module):
         return getattr(self, _INNER).forward(*args, **kwargs)
 
 
-def graphed_function(rec: TargetRecording) -> Callable[..., Any]:
+def graphed_function(
+    rec: TargetRecording, compile_options: dict[str, Any] | None = None
+) -> Callable[..., Any]:
     """The function graphed for a target: parameters first, as explicit inputs, then
     the recorded call. It runs the module with those tensors bound in place of its
-    parameters, so the graph reads its inputs rather than captured state."""
+    parameters, so the graph reads its inputs rather than captured state.
+
+    With ``compile_options`` (checked by
+    :func:`~cudagraphs.compile_watch.check_compile_options`) it is that function
+    ``torch.compile``d: the core's warmup compiles it (forward and, at the first
+    backward, the backward), and the capture records inductor's kernels. dynamo keys
+    its cache on the function's code, shared by every target, and takes the modules as
+    inputs, so layers of one structure share one compiled graph."""
     wrapper = _ForwardOnly(rec.target.module)
     names = [f"{_INNER}.{n}" for n in rec.param_names]
 
@@ -390,7 +399,9 @@ def graphed_function(rec: TargetRecording) -> Callable[..., Any]:
         return torch.func.functional_call(wrapper, dict(zip(names, params)), args, kwargs)
 
     run.__qualname__ = f"partial[{rec.name}]"
-    return run
+    if compile_options is None:
+        return run
+    return torch.compile(run, **compile_options)
 
 
 def replay_from_tensors(
@@ -420,12 +431,14 @@ def capture_calls(
     targets: int,
     warn_once: WarnOnce,
     logger: logging.Logger,
+    compile_options: dict[str, Any] | None = None,
 ) -> list:
     """Graph ``todo`` through ``backend`` (``None``: the core's, sharing the buffers of
     chained calls; the eager backend when ``disabled``, said once through ``warn_once``
     with the manager's number of ``targets``), in the groups :func:`capture_groups`
     makes (one pool per call when ``pooled``: activation checkpointing), and say how
-    many on ``logger``.
+    many on ``logger``. ``compile_options``: each target's function is compiled
+    (:func:`graphed_function`).
 
     Returns:
         The speed verdicts of the groups (:func:`~.speed.measure_group`).
@@ -447,7 +460,11 @@ def capture_calls(
     if todo:
         for group in capture_groups(todo, pooled):
             verdicts += _capture_group(
-                group, eager_backend if disabled else backend, disabled, speed_check
+                group,
+                eager_backend if disabled else backend,
+                disabled,
+                speed_check,
+                compile_options,
             )
         logger.info(
             "partial graphs: %s %d call(s)%s",
@@ -463,11 +480,12 @@ def _capture_group(
     backend: TargetsBackend | None,
     disabled: bool,
     speed_check: SpeedCheck | bool,
+    compile_options: dict[str, Any] | None,
 ) -> list:
     functions, sample_args, sample_kwargs = [], [], []
     for rec, i in group:
         variant = rec.variants[i]
-        functions.append(graphed_function(rec))
+        functions.append(graphed_function(rec, compile_options))
         sample_args.append((tuple(rec.capture_params(i)), *variant.args))
         sample_kwargs.append(variant.kwargs)
     first = group[0][0].contracts.variants[group[0][1]]

@@ -8,12 +8,13 @@ Every error raised here derives from :class:`~cudagraphs.errors.CudaGraphsError`
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
 from ..checks import check_bool, check_callable
+from ..compile_watch import check_compile_options
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError
 from .arguments import RETIRED, Selector, as_model_parts, refuse_retired
@@ -114,6 +115,8 @@ class PartialCudaGraphManager:
         narrowed: the blocks discovery narrowed, reported by :meth:`stats`.
         model_off: the parts not graphed whole, reported by :meth:`stats`.
         speed_check: see :meth:`from_model_parts`.
+        compile_options: see :meth:`from_model_parts` (held as
+            :attr:`compile_options`, a checked copy).
 
     Raises:
         CudaGraphsTypeError: a dispatcher that is not a :class:`TargetDispatcher`, a
@@ -136,6 +139,7 @@ class PartialCudaGraphManager:
         speed_check: bool | SpeedCheck = True,
         narrowed: Sequence[NarrowedBlock] = (),
         model_off: Sequence[ModelScopeOff] = (),
+        compile_options: Mapping[str, Any] | None = None,
     ) -> None:
         #: One per target: its dispatching forward around its recording store.
         self.dispatchers = list(dispatchers)
@@ -160,6 +164,7 @@ class PartialCudaGraphManager:
         )
         self.inference_calls = check_inference_calls(inference_calls)
         self._speed_check = speed_check_of(speed_check)
+        self.compile_options = check_compile_options("partial graphs", compile_options)
         self._warn_once = WarnOnce(logger)
         for d in self.dispatchers:
             d.warn_once = self._warn_once
@@ -201,6 +206,7 @@ class PartialCudaGraphManager:
         speed_check: bool | SpeedCheck = True,
         experts_implementation: str | None = None,
         scopes: Sequence[str] | None = None,
+        compile_options: Mapping[str, Any] | None = None,
         attention: Any = RETIRED,
         router: Any = RETIRED,
     ) -> PartialCudaGraphManager | None:
@@ -256,6 +262,18 @@ class PartialCudaGraphManager:
                 ``set_experts_implementation``. ``None`` (default) leaves the model as
                 it is; an MoE layer whose experts run the ``eager`` loop is then
                 graphed at narrower scopes, said in the log.
+            compile_options: keywords for ``torch.compile`` (``{}``: its defaults):
+                each target's graph records its compiled forward and backward,
+                inductor's fused kernels in place of the eager ones. The capture's
+                warmup compiles; a compile in its last iteration or in the capture
+                (a recompile, a graph break) is refused with
+                :class:`~cudagraphs.errors.CompiledCaptureError`. Modes that make
+                inductor record CUDA graphs of its own (``"reduce-overhead"``,
+                ``"max-autotune"``) are refused. Calls that fall back run the
+                module's own, uncompiled forward. Compile the model this way, not
+                with ``torch.compile(model)`` or ``module.compile()``, which are
+                refused here: the compiled model would trace the targets'
+                dispatching forwards. ``None`` (default): eager kernels.
             pipeline_parallel, attention, router: retired; passing any of them raises
                 :class:`~cudagraphs.errors.CudaGraphsTypeError` naming what to pass
                 instead (each part is graphed on its own; ``scopes=`` says what is
@@ -295,6 +313,7 @@ class PartialCudaGraphManager:
             speed_check=speed_check,
             experts_implementation=experts_implementation,
             scopes=scopes,
+            compile_options=compile_options,
             logger=logger,
         )
         if found is None:
@@ -310,6 +329,7 @@ class PartialCudaGraphManager:
             model_parts=parts,
             inference_calls=inference_calls,
             speed_check=speed_check,
+            compile_options=compile_options,
         )
 
     def start_recording(self) -> None:
@@ -392,6 +412,7 @@ class PartialCudaGraphManager:
                 targets=len(recordings),
                 warn_once=self._warn_once,
                 logger=logger,
+                compile_options=self.compile_options,
             )
 
         # Around the captures, the eager steps' unused cache goes back to the driver

@@ -7,7 +7,8 @@ forwards, rank agreement). The modules follow the data flow:
 
 * policies, pure and tested on the CPU: :mod:`.buckets` (configuration, the choice of
   a bucket, padding ratio), :mod:`.input_specs`, :mod:`.memory` (the memory plan),
-  :mod:`.distributed` (rank agreement), :mod:`.compiling`;
+  :mod:`.distributed` (rank agreement); the compile options are checked by
+  :func:`cudagraphs.compile_watch.check_compile_options`;
 * what is captured: :mod:`.static_inputs` (the shared buffers and their input check),
   :mod:`.graphs` (per bucket graphs, and the :class:`CapturedBuckets` value);
 * :mod:`.startup`: the capture, which returns that value;

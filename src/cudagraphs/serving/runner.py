@@ -23,11 +23,11 @@ import torch
 
 from ..capture import GraphMemoryPool
 from ..checks import check_callable, check_device, check_instance, check_int
+from ..compile_watch import check_compile_options
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError
 from .buckets import Bucket, BucketConfig
 from .call_path import CallPath
-from .compiling import check_compile_options
 from .graphs import (
     BucketBackend,
     BucketGraph,

@@ -215,7 +215,7 @@ def _bind_layer(
     # What StaticLayer.lazy_initialization sets, with our storage in place of its own
     # allocation. Without its torch._dynamo.mark_static_address: that mark tells
     # inductor's CUDA-graph trees an input keeps its address, and the generator's
-    # compile_options never turn those trees on (compiling.check_compile_options refuses
+    # compile_options never turn those trees on (compile_watch.check_compile_options refuses
     # them); the bucket graphs record the compiled kernels over this storage directly.
     layer.keys, layer.values = keys, values
     layer.device, layer.dtype = keys.device, keys.dtype

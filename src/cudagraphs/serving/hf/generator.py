@@ -31,11 +31,11 @@ import torch
 from torch import nn
 
 from ...checks import check_instance, check_int
+from ...compile_watch import check_compile_options
 from ...diagnostics import WarnOnce
 from ...errors import CudaGraphsStateError, CudaGraphsTypeError
 from ...settings import graphs_disabled
 from ..buckets import Bucket, BucketConfig
-from ..compiling import check_compile_options
 from ..graphs import BucketBackend
 from ..input_specs import InputSpec
 from ..runner import GraphRunner
