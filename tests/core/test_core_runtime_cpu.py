@@ -70,7 +70,36 @@ def test_parameters_are_read_in_place_not_cloned():
     # so a capture never goes through the parameter's own AccumulateGrad node.
     assert static[0] is not weight and static[0].data_ptr() == weight.data_ptr()
     assert static[0].requires_grad and static[0].is_leaf
+    # A Parameter itself, as the sample was: dynamo guards on an input's type, and a
+    # compiled target warmed up on the parameter would recompile at capture otherwise.
+    assert type(static[0]) is torch.nn.Parameter
     assert static[1] is not x and torch.equal(static[1], x)
+    assert type(static[1]) is torch.Tensor
+
+
+def test_a_parameter_subclass_is_aliased_as_a_plain_tensor():
+    from cudagraphs.core.canonicalize import canonicalize
+    from cudagraphs.core.capture_phase import _new_static_inputs
+
+    class Sub(torch.nn.Parameter):
+        pass
+
+    weight = Sub(torch.randn(3))
+    plan = canonicalize(lambda w: w * 2, (weight,))
+    (static,) = _new_static_inputs(plan.entries[0])
+    assert static is not weight and static.data_ptr() == weight.data_ptr()
+    assert not isinstance(static, torch.nn.Parameter) and static.requires_grad
+
+
+def test_a_frozen_parameters_alias_stays_frozen():
+    from cudagraphs.core.canonicalize import canonicalize
+    from cudagraphs.core.capture_phase import _new_static_inputs
+
+    weight = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    plan = canonicalize(lambda w, x: w * x, (weight, torch.randn(3)))
+    static = _new_static_inputs(plan.entries[0])
+    assert type(static[0]) is torch.nn.Parameter and not static[0].requires_grad
+    assert static[0].data_ptr() == weight.data_ptr()
 
 
 def test_a_pinned_parameter_must_be_the_same_object_with_the_same_storage():

@@ -66,6 +66,11 @@ def _new_static_input(t: torch.Tensor) -> torch.Tensor:
     # eager autograd graph the caller keeps alive (a live ``loss``) holds the
     # parameter's AccumulateGrad node bound to the default stream, and a backward
     # capture through that node would make the legacy stream wait on the capture.
+    # The alias of a plain Parameter is a Parameter too: dynamo guards on an input's
+    # type, so a compiled target warmed up on the parameter would recompile at capture
+    # for a plain tensor (and fail_on_recompile refuses that).
+    if type(t) is torch.nn.Parameter:
+        return torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
     if isinstance(t, torch.nn.Parameter):
         return t.detach().requires_grad_(t.requires_grad)
     return t.detach().clone().requires_grad_(t.requires_grad)
