@@ -11,9 +11,9 @@ from helpers.hf_models import tiny
 
 transformers = pytest.importorskip("transformers")
 
+from cudagraphs.compile_watch import check_compile_options  # noqa: E402
 from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError  # noqa: E402
 from cudagraphs.serving import BucketConfig, GraphRunner, InputSpec  # noqa: E402
-from cudagraphs.compile_watch import check_compile_options  # noqa: E402
 from cudagraphs.serving.graphs import eager_backend  # noqa: E402
 from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
 from helpers.hf_generate import EOS, PAD, captured, hf_generate, prompts  # noqa: E402
