@@ -63,6 +63,11 @@ _TRAIN_RATIOS = (
     "cudagraphs_train_step/raw_cuda_graph",
     "cudagraphs_train_step/raw_cuda_graph_same_optimizer",
     "cudagraphs_train_step/kernel_busy_own",
+    "cudagraphs_train_step_compiled/eager",
+    "cudagraphs_train_step_compiled/kernel_busy_eager",
+    "cudagraphs_train_step_compiled/kernel_busy_own",
+    "torch_compile_reduce_overhead_compiled_optimizer/eager",
+    "torch_compile_max_autotune_no_cudagraphs_compiled_optimizer/eager",
 )
 _SERVING_HF_TIMES = ("capture_s", "compiled_capture_s")
 _STARTUP = ("startup_s", "capture_s", "first_token_s")
@@ -77,6 +82,12 @@ HEADLINES: dict[str, tuple[Grid, ...]] = {
             "Idle µs per launch (`launch_gap_us`)",
             ("configs", COL, "regimes", COL, "launch_gap_us", ROW),
         ),
+    ),
+    "train_fp8": (
+        Grid("Step time, ms (median over rounds)", ("ms", ROW)),
+        Grid("Ratios", ("ratios", ROW)),
+        Grid("Launches per step", ("kernels_per_step", ROW)),
+        Grid("Loss-curve SQNR against bf16, dB", ("loss_sqnr_db", ROW)),
     ),
     "train_step_hf": (
         Grid("Step time, ms (median over rounds)", ("models", COL, "ms", ROW)),
@@ -186,6 +197,7 @@ HEADLINES: dict[str, tuple[Grid, ...]] = {
 ORDER = (
     "train_step",
     "train_step_hf",
+    "train_fp8",
     "partial_train",
     "trainer_callback",
     "program_replay",

@@ -13,7 +13,7 @@ extra=()
 if [ -n "$commit" ]; then extra+=(--commit "$commit"); fi
 if [ -n "$label" ]; then extra+=(--run-label "$label"); fi
 status=0
-for bench in train_step train_step_hf program_replay serving_decode partial_train trainer_callback; do
+for bench in train_step train_step_hf train_fp8 program_replay serving_decode partial_train trainer_callback; do
     echo "== $bench" >&2
     if ! timeout 300 python "$here/$bench.py" --require-gpu --out "$out/" "${extra[@]}" \
         > "$out/$bench${label:+-$label}.log" 2>&1; then
