@@ -168,3 +168,28 @@ def test_a_malformed_expandable_pools_value_is_an_error_naming_it(monkeypatch):
 
 def test_tensor_guards_class_is_dynamos_class_whatever_else_is_optional():
     assert torch_private.tensor_guards_class().__name__ == "TensorGuards"
+
+
+def test_mark_dynamic_marks_where_dynamo_has_the_mark_and_says_false_where_not(monkeypatch):
+    import torch
+
+    from cudagraphs import torch_private
+
+    calls = []
+    monkeypatch.setattr(
+        torch_private,
+        "MARK_DYNAMIC",
+        torch_private.PrivateName("torch", "_cudagraphs_no_such_mark", "a test"),
+    )
+    assert torch_private.mark_dynamic(torch.zeros(2, 3), 0) is False
+    monkeypatch.setattr(
+        torch, "_cudagraphs_test_mark", lambda t, d: calls.append((t, d)), raising=False
+    )
+    monkeypatch.setattr(
+        torch_private,
+        "MARK_DYNAMIC",
+        torch_private.PrivateName("torch", "_cudagraphs_test_mark", "a test"),
+    )
+    t = torch.zeros(2, 3)
+    assert torch_private.mark_dynamic(t, 1) is True
+    assert calls == [(t, 1)]

@@ -40,6 +40,7 @@ __all__ = [
     "OPTIONAL",
     "REQUIRED",
     "COMPILATION_METRICS",
+    "MARK_DYNAMIC",
     "REQUIRED_WITH_CUDA",
     "TENSOR_GUARDS",
     "PrivateName",
@@ -57,6 +58,7 @@ __all__ = [
     "begin_allocate_to_pool",
     "end_allocate_to_pool",
     "expandable_segments",
+    "mark_dynamic",
     "release_pool",
     "set_grad_enabled",
     "tensor_guards_class",
@@ -143,8 +145,17 @@ COMPILATION_METRICS = PrivateName(
     "(cudagraphs.compile_watch); without it nothing is checked",
 )
 
+MARK_DYNAMIC = PrivateName(
+    "torch._dynamo",
+    "mark_dynamic",
+    "compiling a serving model's decode step once for every bucket of two rows or more "
+    "(the batch dimension dynamic from the first compile); without it torch's "
+    "automatic dynamic shapes compile once more",
+)
+
 OPTIONAL: tuple[PrivateName, ...] = (
     COMPILATION_METRICS,
+    MARK_DYNAMIC,
     PrivateName(
         "torch._C",
         "_accelerator_setAllocatorSettings",
@@ -275,6 +286,18 @@ def compiled_module(module: torch.nn.Module) -> str | None:
     if optimized is not None and isinstance(module, optimized):
         return "torch.compile(module)"
     return None
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> bool:
+    """Tell ``torch.compile`` that ``tensor``'s dimension ``dim`` varies between calls,
+    so that its first compile is already shape-generic there; ``False`` where this
+    torch has no such mark (automatic dynamic shapes then recompile once). Imports
+    dynamo: call it only where something is compiled."""
+    mark = MARK_DYNAMIC.lookup()
+    if mark is None:
+        return False
+    mark(tensor, dim)
+    return True
 
 
 def compilation_metrics() -> list[Any]:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ...errors import CudaGraphsValueError, UnsupportedModelError
+from ...torch_private import mark_dynamic
 
 __all__ = ["LayerShape", "SharedStaticCache", "cache_keyword", "layer_shapes", "static_layer_check"]
 
@@ -135,6 +136,9 @@ class SharedStaticCache:
         max_rows: rows of the storage (the largest bucket, or a larger request).
         max_cache_len: positions of the storage.
         device: where the storage lives.
+        dynamic_rows: mark the row dimension of every view of two rows or more as
+            dynamic for ``torch.compile`` (:func:`~cudagraphs.torch_private.mark_dynamic`),
+            so that a compiled decode step compiles once for all of them.
     """
 
     def __init__(
@@ -144,6 +148,7 @@ class SharedStaticCache:
         max_rows: int,
         max_cache_len: int,
         device: torch.device,
+        dynamic_rows: bool = False,
     ) -> None:
         if not shapes:
             raise CudaGraphsValueError("a shared static cache needs at least one layer")
@@ -159,6 +164,7 @@ class SharedStaticCache:
             for s in shapes
         ]
         self.counters = [torch.zeros((), dtype=torch.long, device=device) for _ in shapes]
+        self.dynamic_rows = dynamic_rows
         self._caches: dict[int, Any] = {}
 
     @property
@@ -205,7 +211,13 @@ class SharedStaticCache:
         for layer, keys, values, counter in zip(
             cache.layers, self.keys, self.values, self.counters
         ):
-            _bind_layer(layer, keys[:rows], values[:rows], counter)
+            keys, values = keys[:rows], values[:rows]
+            # One row is a size dynamo specializes (0/1 specialization): that view is
+            # compiled apart whatever the mark says.
+            if self.dynamic_rows and rows > 1:
+                mark_dynamic(keys, 0)
+                mark_dynamic(values, 0)
+            _bind_layer(layer, keys, values, counter)
         return cache
 
 

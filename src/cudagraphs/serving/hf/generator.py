@@ -35,6 +35,7 @@ from ...compile_watch import check_compile_options
 from ...diagnostics import WarnOnce
 from ...errors import CudaGraphsStateError, CudaGraphsTypeError
 from ...settings import graphs_disabled
+from ...torch_private import mark_dynamic
 from ..buckets import Bucket, BucketConfig
 from ..graphs import BucketBackend
 from ..input_specs import InputSpec
@@ -87,11 +88,11 @@ class GraphedGenerator:
             stand-in).
         compile_options: decode through ``torch.compile(model, **compile_options)``:
             inductor's fused kernels are what the bucket graphs record, so fewer and
-            shorter kernels per token. Costs a compile per new shape in
-            :meth:`capture` (tens of seconds for a large model: with torch's automatic
-            dynamic shapes, about three compiles for six buckets), and greedy tokens
-            then agree with HF's eager ones up to the rounding of fused kernels, not
-            token for token. The prefill and batches above every bucket stay eager.
+            shorter kernels per token. Costs two compiles in :meth:`capture` (tens of
+            seconds each for a large model): one for every bucket of two rows or more,
+            the batch dimension dynamic from the first, and one for a bucket of one
+            row, which dynamo specializes. Greedy tokens then agree with HF's eager
+            ones up to the rounding of fused kernels, not token for token. The prefill and batches above every bucket stay eager.
             Default ``None``: the model's own kernels, captured in about a second.
             Not the modes that record CUDA graphs of their own (``reduce-overhead``,
             ``max-autotune``).
@@ -199,7 +200,12 @@ class GraphedGenerator:
         if self.kv is None:
             shapes = layer_shapes(self.model, self._cache_keyword)
             self.kv = SharedStaticCache(
-                self.model, shapes, self.config.largest.rows, self.max_cache_len, self.device
+                self.model,
+                shapes,
+                self.config.largest.rows,
+                self.max_cache_len,
+                self.device,
+                dynamic_rows=self.compile_options is not None,
             )
             logger.info(
                 "GraphedGenerator: static cache of %d layers x %d rows x %d positions: %.1f MiB",
@@ -239,6 +245,11 @@ class GraphedGenerator:
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
         """One decode step at ``input_ids.shape[0]`` rows: the runner's forward."""
+        if self.compile_options is not None and input_ids.shape[0] > 1:
+            # The batch dimension dynamic from the first compile: every bucket of two
+            # rows or more shares one compiled step (the cache's views are marked alike).
+            for t in (input_ids, position_ids, attention_mask):
+                mark_dynamic(t, 0)
         return self._decode_on(self._step_model, self.kv, input_ids, position_ids, attention_mask)
 
     def _decode_on(
