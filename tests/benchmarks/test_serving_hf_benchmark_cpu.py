@@ -20,8 +20,42 @@ def batch(bench, equal=True, **ms):
     }
 
 
-def report(bench, *batches, startup=None):
-    return {"models": {"llama": {"batches": dict(enumerate(batches))}}, "startup": startup or {}}
+GRAPHS_ONLY = {"dropped": {}, "eager_runs": {}, "replays": {"bucket(bs=1)": 3}}
+
+
+def report(bench, *batches, startup=None, stats=GRAPHS_ONLY, compiled_stats=GRAPHS_ONLY):
+    model = {"batches": dict(enumerate(batches)), "stats": stats, "compiled_stats": compiled_stats}
+    return {"models": {"llama": model}, "startup": startup or {}}
+
+
+def test_a_generator_that_ran_eagerly_meets_no_per_token_target(bench):
+    fast = batch(
+        bench, hf_static_eager=9.0, hf_static_compiled=2.4, cudagraphs=2.5, cudagraphs_compiled=1.5
+    )
+    # Every compiled capture failed: buckets dropped, the decode steps eager.
+    dropped = {"dropped": {"bucket(bs=1)": "error"}, "eager_runs": {}, "replays": {}}
+    targets = bench.compute_targets(report(bench, fast, compiled_stats=dropped))
+    assert targets["compiled_per_token_le_0.65x_hf_compiled"] is False
+    assert targets["per_token_le_hf_static_eager"] is True
+    eager = {"dropped": {}, "eager_runs": {"bucket(bs=1)": 4}, "replays": {"bucket(bs=1)": 9}}
+    targets = bench.compute_targets(report(bench, fast, stats=eager))
+    assert targets["per_token_le_hf_static_eager"] is False
+    never = {"dropped": {}, "eager_runs": {}, "replays": {"bucket(bs=1)": 0}}
+    assert (
+        bench.compute_targets(report(bench, fast, stats=never))["per_token_le_hf_static_eager"]
+        is False
+    )
+    unknown = bench.compute_targets(report(bench, fast, stats=None, compiled_stats=None))
+    assert unknown["per_token_le_hf_static_eager"] is None
+    assert unknown["compiled_per_token_le_0.65x_hf_compiled"] is None
+
+
+def test_graphs_only_reads_dropped_buckets_eager_runs_and_replays(bench):
+    assert bench.graphs_only(GRAPHS_ONLY) is True
+    assert bench.graphs_only(None) is None
+    assert bench.graphs_only({}) is False
+    assert bench.graphs_only({**GRAPHS_ONLY, "dropped": {"b": "x"}}) is False
+    assert bench.graphs_only({**GRAPHS_ONLY, "eager_runs": {"b": 1}}) is False
 
 
 def test_each_generator_has_its_own_like_for_like_per_token_target(bench):
@@ -119,6 +153,7 @@ def test_tokens_equal_leaves_out_a_sliding_window_model(bench):
     rep["models"]["mistral"] = {
         "config": bench.MODELS["mistral"],
         "batches": {"1": batch(bench, equal=False, hf_static_eager=2.0, cudagraphs=1.9)},
+        "stats": GRAPHS_ONLY,
     }
     targets = bench.compute_targets(rep)
     assert targets["tokens_equal"] is True  # mistral's unequal tokens are not counted
