@@ -38,6 +38,12 @@ for ``graphed_generator`` against ``hf_static``. A cap keeps each probe small; t
 allocator's limit applies to every pool alike, so the comparison is that of a full
 device. ``--jobs`` searches run at once (each variant searched once).
 
+``--segments`` (a diagnostic): each child also reports a census of its allocator
+segments after its steps (``info["segments"]``: per pool the segments, reserved and
+live bytes; the default pool's segments held by a few live blocks, with those blocks'
+allocation sites). It records torch's memory history, which slows allocation, so its
+peaks are not to be quoted.
+
 Targets: ``<layer>_peak_reserved_le_1.10x_eager`` per layer and shape run (the
 larger ratio over the training shapes run), ``<layer>_largest_batch_ge_eager``
 with ``--search``.
@@ -328,6 +334,63 @@ def _serving_child(variant: str, shape: Shape, batch: int, searching: bool) -> d
         return _run(step, info)
 
 
+# A default-pool segment counts as pinned when its live blocks use less than this share
+# of it: the caching allocator can give a segment back only when all of it is free.
+PINNED_SHARE = 0.5
+# Set for the children by --segments: each adds its segment census to its info.
+SEGMENTS_ENV = "CUDAGRAPHS_MEMORY_SEGMENTS"
+CENSUS_TOP = 12
+
+
+def _where(block: dict) -> str:
+    """The innermost frame of a block's allocation that is not torch's own code."""
+    frames = block.get("frames") or []
+    for f in frames:
+        name = f.get("filename", "")
+        if "/torch/" not in name and name:
+            return f"{'/'.join(name.split('/')[-2:])}:{f.get('line')} {f.get('name')}"
+    return frames[0].get("name", "?") if frames else "?"
+
+
+def segment_census(snapshot: dict) -> dict:
+    """Where reserved memory sits, from ``torch.cuda.memory_snapshot()``'s segments:
+    per pool (``default`` or the graph pool's id) segments, reserved and live bytes;
+    and the default pool's pinned segments (live blocks under ``PINNED_SHARE`` of the
+    segment), the ``CENSUS_TOP`` largest by bytes they hold for nothing, each with its
+    live blocks' sizes and the allocation sites (with memory history recorded)."""
+    pools: dict[str, dict[str, int]] = {}
+    pinned = []
+    for seg in snapshot.get("segments", []):
+        pool_id = tuple(seg.get("segment_pool_id") or (0, 0))
+        pool = "default" if pool_id == (0, 0) else f"graph{pool_id}"
+        total = int(seg.get("total_size", 0))
+        live = [b for b in seg.get("blocks", []) if b.get("state") == "active_allocated"]
+        active = sum(int(b.get("size", 0)) for b in live)
+        row = pools.setdefault(pool, {"segments": 0, "reserved": 0, "active": 0})
+        row["segments"] += 1
+        row["reserved"] += total
+        row["active"] += active
+        if pool == "default" and live and active < PINNED_SHARE * total:
+            pinned.append(
+                {
+                    "segment": total,
+                    "active": active,
+                    "held_for_nothing": total - active,
+                    "blocks": [
+                        {"size": int(b.get("size", 0)), "where": _where(b)}
+                        for b in sorted(live, key=lambda b: -int(b.get("size", 0)))[:4]
+                    ],
+                }
+            )
+    pinned.sort(key=lambda r: -r["held_for_nothing"])
+    return {
+        "pools": pools,
+        "pinned_segments": len(pinned),
+        "pinned_bytes": sum(r["held_for_nothing"] for r in pinned),
+        "pinned": pinned[:CENSUS_TOP],
+    }
+
+
 def _stats(stats: dict) -> dict:
     keep = ("captured", "replayed", "fallbacks")
     return {k: v for k, v in stats.items() if k.endswith("bytes") or k in keep}
@@ -348,6 +411,8 @@ def _run(step, info: dict) -> dict:
         step()
     torch.cuda.synchronize()
     steady = _peaks()
+    if os.environ.get(SEGMENTS_ENV) == "1":
+        info["segments"] = segment_census({"segments": torch.cuda.memory_snapshot()})
     return {
         "reserved": max(setup["reserved"], steady["reserved"]),
         "allocated": max(setup["allocated"], steady["allocated"]),
@@ -359,6 +424,10 @@ def _run(step, info: dict) -> dict:
 
 def child(variant: str, shape_name: str, batch: int, cap_gib: float | None) -> dict:
     torch.cuda.init()
+    if os.environ.get(SEGMENTS_ENV) == "1":
+        # Allocation sites for the census (torch's memory history: a diagnostic's
+        # private API; it slows allocation, so the peaks of such a run are not kept).
+        torch.cuda.memory._record_memory_history(stacks="python")
     torch.zeros(1, device="cuda")
     total = torch.cuda.mem_get_info()[1]
     if cap_gib:
@@ -520,7 +589,15 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-cap-gib", type=float, default=3.5, help="per-process cap of the decode search"
     )
     p.add_argument("--child-cap-gib", type=float, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--segments",
+        action="store_true",
+        help="each child adds a census of its allocator segments after its steps, with "
+        "allocation sites (slower: a diagnostic, not a measurement)",
+    )
     args = p.parse_args(argv)
+    if args.segments:
+        os.environ[SEGMENTS_ENV] = "1"  # the children inherit it
     if args.child:
         batch = args.batch or (
             DECODE["batch"] if args.child in SERVING_VARIANTS else SHAPES[args.shape].batch
@@ -532,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     report = environment(NAME, args.commit, args.run_label)
     report["settings"] = {
+        "segments": args.segments,
         "shapes": {k: asdict(v) for k, v in SHAPES.items()},
         "decode": DECODE,
         "steps": STEPS,

@@ -103,3 +103,71 @@ def test_every_searched_variant_is_searched_once_and_each_layer_gets_its_referen
         }
         for layer, ref in mem.SEARCHED.items()
     }
+
+
+def _block(size, state="active_allocated", where=None):
+    block = {"size": size, "state": state}
+    if where is not None:
+        block["frames"] = [
+            {"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
+            {"filename": where[0], "line": where[1], "name": where[2]},
+        ]
+    return block
+
+
+def test_the_census_counts_each_pool_and_names_the_pins_of_mostly_free_segments():
+    mem = _mem()
+    mib = 1 << 20
+    snapshot = {
+        "segments": [
+            # A 20 MiB default segment held by one 2 MiB block: pinned, 18 MiB for nothing.
+            {
+                "total_size": 20 * mib,
+                "segment_pool_id": (0, 0),
+                "blocks": [
+                    _block(2 * mib, where=("/w/src/cudagraphs/core/capture_phase.py", 75, "clone")),
+                    _block(18 * mib, state="inactive"),
+                ],
+            },
+            # Half used or more: not pinned.
+            {
+                "total_size": 4 * mib,
+                "segment_pool_id": (0, 0),
+                "blocks": [_block(2 * mib), _block(2 * mib, state="inactive")],
+            },
+            # Wholly free: the allocator can give it back, nothing pins it.
+            {
+                "total_size": 8 * mib,
+                "segment_pool_id": (0, 0),
+                "blocks": [_block(8 * mib, "inactive")],
+            },
+            # A graph pool's segment, mostly free: pools are not the eager cache.
+            {
+                "total_size": 64 * mib,
+                "segment_pool_id": (0, 3),
+                "blocks": [_block(mib), _block(63 * mib, "inactive")],
+            },
+        ]
+    }
+    out = mem.segment_census(snapshot)
+    assert out["pools"] == {
+        "default": {"segments": 3, "reserved": 32 * mib, "active": 4 * mib},
+        "graph(0, 3)": {"segments": 1, "reserved": 64 * mib, "active": mib},
+    }
+    assert out["pinned_segments"] == 1 and out["pinned_bytes"] == 18 * mib
+    (pin,) = out["pinned"]
+    assert pin["segment"] == 20 * mib and pin["active"] == 2 * mib
+    assert pin["blocks"] == [{"size": 2 * mib, "where": "core/capture_phase.py:75 clone"}]
+
+
+def test_the_census_of_an_empty_snapshot_and_of_blocks_without_frames():
+    mem = _mem()
+    assert mem.segment_census({}) == {
+        "pools": {},
+        "pinned_segments": 0,
+        "pinned_bytes": 0,
+        "pinned": [],
+    }
+    seg = {"total_size": 100, "blocks": [_block(10)]}  # no pool id: the default pool
+    out = mem.segment_census({"segments": [seg]})
+    assert out["pinned"][0]["blocks"] == [{"size": 10, "where": "?"}]
