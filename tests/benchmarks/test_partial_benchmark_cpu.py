@@ -244,6 +244,11 @@ def test_partial_layers_and_widest_rows_name_their_scopes_and_count_in_the_targe
         "partial": ["attention", "moe_router"],
         "partial_layers": list(SCOPES),
         "partial_widest": [*SCOPES, "model"],
+        "partial_widest_compiled": f"{[*SCOPES, 'model']}, compile_options={{}}",
+    }
+    assert pt.BUILDERS[pt.COMPILED].keywords == {
+        "scopes": pt.WIDEST_SCOPES,
+        "compile_options": {},
     }
 
     def row(median, fallbacks=0):
@@ -259,3 +264,25 @@ def test_partial_layers_and_widest_rows_name_their_scopes_and_count_in_the_targe
     assert result["ratios"]["partial_layers/partial_widest"] == 2.0
     assert result["targets"]["llama_launch_bound_ge_5x_eager"] is True  # 10x, the widest
     assert result["targets"]["zero_fallbacks"] is False  # partial_layers fell back once
+
+
+def test_the_compiled_row_counts_for_fallbacks_but_not_for_bitwise_losses(pt):
+    def row(median, fallbacks=0):
+        stats = {"fallbacks": fallbacks, "replayed": 10}
+        return {"ms": {"median": median, "min": median, "max": median, "rounds": 7}, "stats": stats}
+
+    result = {
+        "variants": {"eager": row(30.0), "partial_widest": row(3.0), pt.COMPILED: row(2.0)},
+        "check": {
+            "partial_widest": {"loss_equal": True, "within_tol": True},
+            pt.COMPILED: {"loss_equal": False, "within_tol": True},
+        },
+    }
+    pt.summarize_model(result, pt.CONFIGS["launch_bound"], "llama")
+    assert result["targets"]["eager_equal_losses"] is True  # the compiled row rounds otherwise
+    assert result["targets"]["zero_fallbacks"] is True
+    assert result["ratios"][f"{pt.COMPILED}/partial_widest"] == round(2.0 / 3.0, 4)
+    assert result["ratios"][f"eager/{pt.COMPILED}"] == 15.0
+    result["variants"][pt.COMPILED] = row(2.0, fallbacks=1)
+    pt.summarize_model(result, pt.CONFIGS["launch_bound"], "llama")
+    assert result["targets"]["zero_fallbacks"] is False

@@ -17,7 +17,7 @@ import torch._dynamo.testing  # noqa: E402
 from cudagraphs.errors import CudaGraphsValueError  # noqa: E402
 from cudagraphs.partial import PartialCudaGraphManager  # noqa: E402
 from cudagraphs.partial.build import refuse_compiled_parts  # noqa: E402
-from cudagraphs.partial.graphing import graphed_function  # noqa: E402
+from cudagraphs.partial.graphing import TargetCompile, graphed_function  # noqa: E402
 from helpers.hf_models import tiny  # noqa: E402
 from helpers.partial_training import backend, train_and_compare  # noqa: E402
 
@@ -69,9 +69,16 @@ def test_compile_options_are_copied_and_a_compiled_function_keeps_the_targets_na
     try:
         options["backend"] = "inductor"
         assert mgr.compile_options == {"backend": "eager"}
-        fn = graphed_function(mgr.recordings[0], mgr.compile_options)
+        compiler = TargetCompile(mgr.compile_options)
+        fn = graphed_function(mgr.recordings[0], compiler)
         assert fn is not None and fn.__qualname__ == f"partial[{mgr.recordings[0].name}]"
         assert hasattr(fn, "_torchdynamo_orig_callable")
+        # Both layers are one class: one code object, so one dynamo cache, for both.
+        again = graphed_function(mgr.recordings[1], compiler)
+        code = compiler.codes[type(mgr.recordings[0].target.module)]
+        assert code.co_name == "partial_LlamaDecoderLayer"
+        assert again._torchdynamo_orig_callable.__code__ is code
+        assert fn._torchdynamo_orig_callable.__code__ is code
     finally:
         mgr.close()
 
@@ -167,3 +174,41 @@ def test_the_callbacks_compile_options_reach_every_targets_graphed_function(tmp_
     stats = callback.stats()
     assert stats["captured"] == 2 and stats["replayed"] > 0 and stats["fallbacks"] == 0, stats
     assert counter.frame_count == 1 and counter.op_count > 0
+
+
+def test_targets_of_other_classes_fill_dynamo_caches_of_their_own():
+    # dynamo holds at most recompile_limit (8) entries per code object, then runs the
+    # frame eagerly, said only in its log: ten target classes through one shared code
+    # object would leave two uncompiled.
+    from torch import nn
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compiler = TargetCompile({"backend": counter})
+
+    def layer_class(width):
+        class Layer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj = nn.Linear(8, width)
+
+            def forward(self, x):
+                return torch.relu(self.proj(x))
+
+        Layer.__name__ = f"Layer{width}"
+        return Layer
+
+    recs = []
+    for width in range(4, 14):
+        layer = layer_class(width)()
+        names = tuple(n for n, _ in layer.named_parameters())
+        recs.append((layer, names))
+    x = torch.randn(2, 8)
+    for layer, names in recs:
+        rec = SimpleNamespace(
+            target=SimpleNamespace(module=layer), param_names=names, name=type(layer).__name__
+        )
+        fn = graphed_function(rec, compiler)
+        out = fn(tuple(layer.parameters()), x)
+        assert torch.equal(out, layer(x))
+    assert counter.frame_count == 10, "a target ran uncompiled"
+    assert len(compiler.codes) == 10

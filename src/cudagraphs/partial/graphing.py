@@ -26,8 +26,10 @@ What this module does NOT do: it installs no forward (the manager installs the
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +57,7 @@ from .speed import SpeedCheck, measure_group, turn_off_slower
 from .vocabulary import MODEL_KIND, OffReason
 
 __all__ = [
+    "TargetCompile",
     "TargetsBackend",
     "calls_to_capture",
     "capture_calls",
@@ -379,19 +382,45 @@ class _ForwardOnly(nn.Module):
         return getattr(self, _INNER).forward(*args, **kwargs)
 
 
+@dataclass
+class TargetCompile:
+    """How the targets' graphed functions are compiled: ``torch.compile``'s keywords
+    (checked by :func:`~cudagraphs.compile_watch.check_compile_options`), and one
+    function code object per target class, made on first use.
+
+    Why one code object per class: dynamo keys its cache on a function's code object
+    and holds at most ``recompile_limit`` entries there (8 by default); past that it
+    runs the frame eagerly, said only in its own log, and a graph would record eager
+    kernels under a compiled name. Every target's function has one source, so one
+    shared code object would put every structure of a model, each variant and each
+    inference mode in one cache. Per class, a model's decoder layers still share one
+    compile (dynamo takes the modules as inputs), and another class (an attention, an
+    MLP, another model's layers) fills a cache of its own.
+    """
+
+    options: dict[str, Any]
+    codes: dict[type, types.CodeType] = field(default_factory=dict)
+
+    def function(self, run: Callable[..., Any], cls: type) -> Callable[..., Any]:
+        """``run`` over the code object of ``cls``, compiled."""
+        code = self.codes.get(cls)
+        if code is None:
+            code = self.codes[cls] = run.__code__.replace(co_name=f"partial_{cls.__name__}")
+        fn = types.FunctionType(code, run.__globals__, run.__name__, None, run.__closure__)
+        fn.__qualname__ = run.__qualname__
+        return torch.compile(fn, **self.options)
+
+
 def graphed_function(
-    rec: TargetRecording, compile_options: dict[str, Any] | None = None
+    rec: TargetRecording, compiler: TargetCompile | None = None
 ) -> Callable[..., Any]:
     """The function graphed for a target: parameters first, as explicit inputs, then
     the recorded call. It runs the module with those tensors bound in place of its
     parameters, so the graph reads its inputs rather than captured state.
 
-    With ``compile_options`` (checked by
-    :func:`~cudagraphs.compile_watch.check_compile_options`) it is that function
-    ``torch.compile``d: the core's warmup compiles it (forward and, at the first
-    backward, the backward), and the capture records inductor's kernels. dynamo keys
-    its cache on the function's code, shared by every target, and takes the modules as
-    inputs, so layers of one structure share one compiled graph."""
+    With ``compiler`` it is that function ``torch.compile``d (:class:`TargetCompile`):
+    the core's warmup compiles it (forward and, at the first backward, the backward),
+    and the capture records inductor's kernels."""
     wrapper = _ForwardOnly(rec.target.module)
     names = [f"{_INNER}.{n}" for n in rec.param_names]
 
@@ -399,9 +428,9 @@ def graphed_function(
         return torch.func.functional_call(wrapper, dict(zip(names, params)), args, kwargs)
 
     run.__qualname__ = f"partial[{rec.name}]"
-    if compile_options is None:
+    if compiler is None:
         return run
-    return torch.compile(run, **compile_options)
+    return compiler.function(run, type(rec.target.module))
 
 
 def replay_from_tensors(
@@ -431,13 +460,13 @@ def capture_calls(
     targets: int,
     warn_once: WarnOnce,
     logger: logging.Logger,
-    compile_options: dict[str, Any] | None = None,
+    compiler: TargetCompile | None = None,
 ) -> list:
     """Graph ``todo`` through ``backend`` (``None``: the core's, sharing the buffers of
     chained calls; the eager backend when ``disabled``, said once through ``warn_once``
     with the manager's number of ``targets``), in the groups :func:`capture_groups`
     makes (one pool per call when ``pooled``: activation checkpointing), and say how
-    many on ``logger``. ``compile_options``: each target's function is compiled
+    many on ``logger``. ``compiler``: each target's function is compiled
     (:func:`graphed_function`).
 
     Returns:
@@ -464,7 +493,7 @@ def capture_calls(
                 eager_backend if disabled else backend,
                 disabled,
                 speed_check,
-                compile_options,
+                compiler,
             )
         logger.info(
             "partial graphs: %s %d call(s)%s",
@@ -480,12 +509,12 @@ def _capture_group(
     backend: TargetsBackend | None,
     disabled: bool,
     speed_check: SpeedCheck | bool,
-    compile_options: dict[str, Any] | None,
+    compiler: TargetCompile | None,
 ) -> list:
     functions, sample_args, sample_kwargs = [], [], []
     for rec, i in group:
         variant = rec.variants[i]
-        functions.append(graphed_function(rec, compile_options))
+        functions.append(graphed_function(rec, compiler))
         sample_args.append((tuple(rec.capture_params(i)), *variant.args))
         sample_kwargs.append(variant.kwargs)
     first = group[0][0].contracts.variants[group[0][1]]

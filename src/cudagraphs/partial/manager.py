@@ -20,6 +20,7 @@ from ..errors import CudaGraphsStateError, CudaGraphsTypeError
 from .arguments import RETIRED, Selector, as_model_parts, refuse_retired
 from .build import recordings_from_model_parts
 from .graphing import (
+    TargetCompile,
     TargetsBackend,
     calls_to_capture,
     capture_calls,
@@ -165,6 +166,9 @@ class PartialCudaGraphManager:
         self.inference_calls = check_inference_calls(inference_calls)
         self._speed_check = speed_check_of(speed_check)
         self.compile_options = check_compile_options("partial graphs", compile_options)
+        self._compile = (
+            None if self.compile_options is None else TargetCompile(self.compile_options)
+        )
         self._warn_once = WarnOnce(logger)
         for d in self.dispatchers:
             d.warn_once = self._warn_once
@@ -412,7 +416,7 @@ class PartialCudaGraphManager:
                 targets=len(recordings),
                 warn_once=self._warn_once,
                 logger=logger,
-                compile_options=self.compile_options,
+                compiler=self._compile,
             )
 
         # Around the captures, the eager steps' unused cache goes back to the driver
