@@ -303,3 +303,71 @@ def test_a_record_in_the_watchs_first_microsecond_counts(records, monkeypatch):
     monkeypatch.setattr(cw.time, "time_ns", lambda: 1_000_999)  # 1000.999 us
     held.append(_record(start_time_us=1_000))
     assert len(CompileWatch.start().finish().frames) == 1
+
+
+def test_a_frame_dynamo_gave_up_carries_its_failure_and_is_no_compile(records):
+    held, _, _ = records
+    held.append(
+        _record(
+            fail_type="Unsupported",
+            fail_reason="Dynamo recompile limit exceeded\n  Explanation: too many",
+            recompile_reason=None,
+        )
+    )
+    held.append(_record(fail_type=None, fail_reason=None))
+    report = CompileWatch.start().finish()
+    failed, compiled = report.frames
+    assert failed.failure == "Unsupported: Dynamo recompile limit exceeded"
+    assert compiled.failure is None
+    assert report.failures == (failed,)
+    # Only the compiled frame is a compile in the phase.
+    with pytest.raises(CompiledCaptureError, match=r"compiled 1 frame\(s\) during"):
+        require_no_compile(report, "the capture", "here")
+    require_no_compile(CompileReport((failed,)), "the capture", "here")  # no compile
+    bare = _record(fail_type="Unsupported", fail_reason=None)
+    held[:] = [bare]
+    assert CompileWatch.start().finish().frames[0].failure == "Unsupported"
+
+
+def test_frames_dynamo_gave_up_are_said_at_warning_with_the_fix(caplog):
+    import logging
+
+    from cudagraphs.compile_watch import warn_failed_compiles
+
+    limit = CompiledFrame(
+        "f", "m.py:1", "0/8", 0.0, None, 0, "Unsupported: Dynamo recompile limit exceeded"
+    )
+    other = CompiledFrame("g", "m.py:9", "1/0", 0.0, None, 0, "Unsupported: generator")
+    log = logging.getLogger("cudagraphs.test_watch")
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.test_watch"):
+        assert warn_failed_compiles(CompileReport((limit, other)), "here", log) == 2
+        assert warn_failed_compiles(CompileReport(), "here", log) == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "here: dynamo gave up compiling f (m.py:1, compile 0/8) (Unsupported: Dynamo "
+        "recompile limit exceeded): it runs eagerly, and the graph records its eager "
+        "kernels. Fix: fewer distinct shapes, guarded Python values or module structures "
+        "through this function, or a larger torch._dynamo.config.recompile_limit.",
+        "here: dynamo gave up compiling g (m.py:9, compile 1/0) (Unsupported: generator): "
+        "it runs eagerly, and the graph records its eager kernels. Fix: the cause dynamo "
+        "names (TORCH_LOGS=graph_breaks,recompiles).",
+    ]
+
+
+def test_real_dynamo_records_the_frame_it_gives_up_at_its_recompile_limit():
+    torch._dynamo.config.recompile_limit  # noqa: B018  (the limit this relies on exists)
+    from torch import nn
+
+    def run(m, x):
+        return m(x)
+
+    compiled = torch.compile(run, backend="eager")
+    watch = CompileWatch.start()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for width in (3, 4, 5):
+            # Each a new module class: a new guard on the module's type, a recompile.
+            cls = type(f"M{width}", (nn.Linear,), {})
+            compiled(cls(2, width), torch.randn(1, 2))
+    report = watch.finish()
+    assert len(report.failures) == 1, report
+    assert "recompile limit" in report.failures[0].failure.lower()

@@ -22,6 +22,7 @@ loaded: then nothing can have been compiled.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ __all__ = [
     "recompile_fix",
     "require_no_compile",
     "require_no_torch_graphs",
+    "warn_failed_compiles",
 ]
 
 
@@ -53,6 +55,9 @@ class CompiledFrame:
     seconds: float  # dynamo's time for the frame, the backward's compile included
     recompile_reason: str | None  # the guard that failed, for a recompile
     graph_breaks: int
+    # Why dynamo gave the frame up (its fail type and the first line of its reason):
+    # the frame then runs eagerly. None for a frame compiled.
+    failure: str | None = None
 
     @property
     def label(self) -> str:
@@ -79,6 +84,11 @@ class CompileReport:
     @property
     def graph_breaks(self) -> int:
         return sum(f.graph_breaks for f in self.frames)
+
+    @property
+    def failures(self) -> tuple[CompiledFrame, ...]:
+        """Frames dynamo gave up on: they run eagerly."""
+        return tuple(f for f in self.frames if f.failure)
 
     def __add__(self, other: CompileReport) -> CompileReport:
         return CompileReport(self.frames + other.frames, self.torch_graphs + other.torch_graphs)
@@ -134,7 +144,16 @@ def _frame(record: Any) -> CompiledFrame:
         + number("backward_cumulative_compile_time_us") / 1e6,
         recompile_reason=(getattr(record, "recompile_reason", None) or None),
         graph_breaks=int(number("num_graph_breaks")),
+        failure=_failure(record),
     )
+
+
+def _failure(record: Any) -> str | None:
+    kind = getattr(record, "fail_type", None)
+    if not kind:
+        return None
+    reason = str(getattr(record, "fail_reason", None) or "").strip().splitlines()
+    return f"{kind}: {reason[0]}" if reason else str(kind)
 
 
 def recompile_fix(reason: str) -> str:
@@ -168,10 +187,11 @@ def require_no_compile(
     Raises:
         CompiledCaptureError: naming every frame, its failed guard and the fix.
     """
-    if not report.frames:
+    frames = [f for f in report.frames if not f.failure]  # see warn_failed_compiles
+    if not frames:
         return
     lines = []
-    for f in report.frames:
+    for f in frames:
         if f.recompile_reason:
             reason = " ".join(f.recompile_reason.split())
             lines.append(f"- {f.label}: recompiled because {reason}; {recompile_fix(reason)}")
@@ -181,9 +201,39 @@ def require_no_compile(
                 "(each must run the compiled code as the graphed steps will)"
             )
     raise CompiledCaptureError(
-        f"{what}: torch.compile compiled {len(report.frames)} frame(s) during {phase}, "
+        f"{what}: torch.compile compiled {len(frames)} frame(s) during {phase}, "
         "which must run code compiled before it:\n" + "\n".join(lines)
     ) from cause
+
+
+def warn_failed_compiles(report: CompileReport, what: str, logger: logging.Logger) -> int:
+    """Say at WARNING each frame of ``report`` that dynamo gave up on (it runs eagerly,
+    so the graph records its eager kernels); returns how many.
+
+    Why a warning: the graph stays correct, and dynamo gives frames up for reasons a
+    user may accept; but a compiled step that silently is not compiled is what this
+    package must not leave unsaid. The usual cause is dynamo's recompile limit: at most
+    ``torch._dynamo.config.recompile_limit`` (8) compiles per function, each shape,
+    guarded Python value or module structure its own. A frame given up before the
+    warmup (the limit already reached) leaves no record, and is not seen here.
+    """
+    failed = report.failures
+    for f in failed:
+        fix = (
+            "fewer distinct shapes, guarded Python values or module structures through "
+            "this function, or a larger torch._dynamo.config.recompile_limit"
+            if "recompile limit" in (f.failure or "").lower()
+            else "the cause dynamo names (TORCH_LOGS=graph_breaks,recompiles)"
+        )
+        logger.warning(
+            "%s: dynamo gave up compiling %s (%s): it runs eagerly, and the graph records "
+            "its eager kernels. Fix: %s.",
+            what,
+            f.label,
+            f.failure,
+            fix,
+        )
+    return len(failed)
 
 
 def require_no_torch_graphs(report: CompileReport, what: str) -> None:

@@ -37,7 +37,7 @@ import torch
 from ..capture import GraphMemoryPool, capture_into_graph, gc_paused
 from ..capture_state import capture_scope
 from ..checks import require_cuda
-from ..compile_watch import CompileReport, CompileWatch
+from ..compile_watch import CompileReport, CompileWatch, warn_failed_compiles
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphOutputError, CudaGraphsTypeError, CudaGraphsValueError
 from ..introspect import instantiate_measured
@@ -284,6 +284,7 @@ def _capture_bucket(
         release(graph for graph, _, _ in made)
         raise
     captured.graphs[bucket] = BucketGraph(bucket, slots)
+    warn_failed_compiles(compiled, f"GraphRunner {bucket}", logger)
     captured.report.times[bucket] = CaptureTime(
         warmup, warmup_s, capture_s, compiled.seconds, len(compiled.frames)
     )

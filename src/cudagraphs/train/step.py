@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from ..checks import check_callable, check_instance, require_cuda
-from ..compile_watch import CompileReport, CompileWatch, require_no_compile, require_no_torch_graphs
+from ..compile_watch import (
+    CompileReport,
+    CompileWatch,
+    require_no_compile,
+    require_no_torch_graphs,
+    warn_failed_compiles,
+)
 from ..errors import (
     CudaGraphCaptureError,
     CudaGraphsTypeError,
@@ -238,6 +244,7 @@ class GraphedTrainStep:
                 # A compiled step (torch.compile inside step_fn): the capture must run
                 # code compiled before it, never compile (cudagraphs.compile_watch).
                 require_no_torch_graphs(compiled, "graph_train_step")
+                warn_failed_compiles(compiled, "graph_train_step", logger)
                 if compiled.frames:
                     require_no_compile(last, "the last warmup step", "graph_train_step")
                 self._drop_grads()
