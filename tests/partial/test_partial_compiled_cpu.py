@@ -5,6 +5,7 @@ to eager bit for bit, and compiled models, compiled submodules and the Trainer's
 ``torch_compile=True`` are refused with the fix."""
 
 import copy
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ import torch._dynamo.testing  # noqa: E402
 from cudagraphs.errors import CudaGraphsValueError  # noqa: E402
 from cudagraphs.partial import PartialCudaGraphManager  # noqa: E402
 from cudagraphs.partial.build import refuse_compiled_parts  # noqa: E402
+from cudagraphs.partial import graphing as graphing_module  # noqa: E402
 from cudagraphs.partial.graphing import TargetCompile, graphed_function  # noqa: E402
 from helpers.hf_models import tiny  # noqa: E402
 from helpers.partial_training import backend, train_and_compare  # noqa: E402
@@ -176,6 +178,12 @@ def test_the_callbacks_compile_options_reach_every_targets_graphed_function(tmp_
     assert counter.frame_count == 1 and counter.op_count > 0
 
 
+# mutmut's copies of the sources call each function through a trampoline that reads
+# the environment, where dynamo breaks the graph: the resumed frames are the
+# trampoline's, shared by every class, and fill one cache after all.
+@pytest.mark.skipif(
+    "mutants" in Path(graphing_module.__file__).parts, reason="mutmut's copy of the sources"
+)
 def test_targets_of_other_classes_fill_dynamo_caches_of_their_own():
     # dynamo holds at most recompile_limit (8) entries per code object, then runs the
     # frame eagerly, said only in its log: ten target classes through one shared code
