@@ -17,8 +17,8 @@ import torch._dynamo.testing  # noqa: E402
 
 from cudagraphs.errors import CudaGraphsValueError  # noqa: E402
 from cudagraphs.partial import PartialCudaGraphManager  # noqa: E402
-from cudagraphs.partial.build import refuse_compiled_parts  # noqa: E402
 from cudagraphs.partial import graphing as graphing_module  # noqa: E402
+from cudagraphs.partial.build import refuse_compiled_parts  # noqa: E402
 from cudagraphs.partial.graphing import TargetCompile, graphed_function  # noqa: E402
 from helpers.hf_models import tiny  # noqa: E402
 from helpers.partial_training import backend, train_and_compare  # noqa: E402
