@@ -347,7 +347,7 @@ def test_frames_dynamo_gave_up_are_said_at_warning_with_the_fix(caplog):
         "here: dynamo gave up compiling f (m.py:1, compile 0/8) (Unsupported: Dynamo "
         "recompile limit exceeded): it runs eagerly, and the graph records its eager "
         "kernels. Fix: fewer distinct shapes, guarded Python values or module structures "
-        "through this function, or a larger torch._dynamo.config.recompile_limit.",
+        "through this function, or a larger recompile_limit in dynamo's config.",
         "here: dynamo gave up compiling g (m.py:9, compile 1/0) (Unsupported: generator): "
         "it runs eagerly, and the graph records its eager kernels. Fix: the cause dynamo "
         "names (TORCH_LOGS=graph_breaks,recompiles).",

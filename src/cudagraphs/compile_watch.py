@@ -213,7 +213,7 @@ def warn_failed_compiles(report: CompileReport, what: str, logger: logging.Logge
     Why a warning: the graph stays correct, and dynamo gives frames up for reasons a
     user may accept; but a compiled step that silently is not compiled is what this
     package must not leave unsaid. The usual cause is dynamo's recompile limit: at most
-    ``torch._dynamo.config.recompile_limit`` (8) compiles per function, each shape,
+    dynamo's ``config.recompile_limit`` (8) compiles per function, each shape,
     guarded Python value or module structure its own. A frame given up before the
     warmup (the limit already reached) leaves no record, and is not seen here.
     """
@@ -221,7 +221,7 @@ def warn_failed_compiles(report: CompileReport, what: str, logger: logging.Logge
     for f in failed:
         fix = (
             "fewer distinct shapes, guarded Python values or module structures through "
-            "this function, or a larger torch._dynamo.config.recompile_limit"
+            "this function, or a larger recompile_limit in dynamo's config"
             if "recompile limit" in (f.failure or "").lower()
             else "the cause dynamo names (TORCH_LOGS=graph_breaks,recompiles)"
         )
