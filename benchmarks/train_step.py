@@ -110,6 +110,7 @@ from _checks import (  # noqa: E402
     launch_gaps_us,
     ratio,
 )
+from _compiled import torch_compiled_recipe  # noqa: E402
 from _report import (  # noqa: E402
     add_common_arguments,
     add_round_arguments,
@@ -722,39 +723,20 @@ def build_train_step_compiled(cfg: BenchConfig, regime: str) -> Built:
 
 def _build_torch_best(cfg: BenchConfig, regime: str, mode: str) -> Built:
     blocks, x = make_stack(cfg, regime), make_input(cfg)
-    graphs = mode == "reduce-overhead"
-    # A device learning rate: a float one is a guard that recompiles when it changes.
-    # AdamW takes a tensor lr with foreach only when capturable (its state steps on the
-    # device too), in both modes.
-    opt = torch.optim.AdamW(
-        blocks.parameters(), lr=torch.tensor(LR, device=DEVICE), foreach=True, capturable=True
-    )
 
     def stack_forward(inp: torch.Tensor) -> torch.Tensor:
         return run_stack(blocks, inp)
 
-    forward = torch.compile(stack_forward, mode=mode)
-    opt_step = torch.compile(opt.step, mode=mode)
-
-    def compute() -> None:
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        loss_backward(forward, x)
-        opt_step()
-
-    step = TrainStep(compute, None, partial(opt.zero_grad, set_to_none=True))
-
-    def warm() -> None:
-        for _ in range(3):  # compiles, then (reduce-overhead) warmup and recording
-            step()
-
-    try:
-        _, setup_s = timed_setup(warm)
-    except BaseException:
-        torch.compiler.reset()
-        raise
-    notes = {"compile": f"stack and optimizer step, mode={mode!r}", "optimizer": "compiled"}
-    return Built(blocks, step, setup_s, torch.compiler.reset, opt, notes)
+    recipe = torch_compiled_recipe(
+        blocks.parameters(),
+        stack_forward,
+        lambda forward: loss_backward(forward, x),
+        mode=mode,
+        lr=LR,
+        device=DEVICE,
+    )
+    step = TrainStep(recipe.compute, None, recipe.zero_grad)
+    return Built(blocks, step, recipe.setup_s, torch.compiler.reset, recipe.optimizer, recipe.notes)
 
 
 VARIANTS: dict[str, Callable[[BenchConfig, str], Built]] = {

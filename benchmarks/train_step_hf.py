@@ -62,6 +62,7 @@ from torch import nn  # noqa: E402
 import _report  # noqa: E402,F401  (first: puts this checkout's src on sys.path)
 import cudagraphs  # noqa: E402
 from _checks import fresh_kernel_busy, guard_steps, launch_gaps_us, ratio, relative_error  # noqa: E402
+from _compiled import torch_compiled_recipe  # noqa: E402
 from _report import (  # noqa: E402
     add_common_arguments,
     describe_error,
@@ -244,34 +245,17 @@ def build_ours_compiled(model: str) -> Built:
 
 def build_torch_best(model: str, mode: str) -> Built:
     net, ids = build_model(model), make_ids()
-    graphs = mode == "reduce-overhead"
-    # A device learning rate (a float one is a guard that recompiles when it changes);
-    # AdamW takes it with foreach only when capturable.
-    opt = torch.optim.AdamW(
-        net.parameters(), lr=torch.tensor(LR, device=DEVICE), foreach=True, capturable=True
+    recipe = torch_compiled_recipe(
+        net.parameters(),
+        net,
+        lambda forward: loss_and_backward(forward, ids).detach().clone(),
+        mode=mode,
+        lr=LR,
+        device=DEVICE,
     )
-    forward = torch.compile(net, mode=mode)
-    opt_step = torch.compile(opt.step, mode=mode)
-
-    def step() -> torch.Tensor:
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        loss = loss_and_backward(forward, ids).detach().clone()
-        opt_step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    def warm() -> None:
-        for _ in range(3):  # compiles, then (reduce-overhead) warmup and recording
-            step()
-
-    try:
-        _, setup_s = timed_setup(warm)
-    except BaseException:
-        torch.compiler.reset()
-        raise
-    notes = {"compile": f"model and optimizer step, mode={mode!r}", "optimizer": "compiled"}
-    return Built(net, step, opt, setup_s, torch.compiler.reset, notes)
+    return Built(
+        net, recipe.step, recipe.optimizer, recipe.setup_s, torch.compiler.reset, recipe.notes
+    )
 
 
 VARIANTS: dict[str, Callable[[str], Built]] = {
