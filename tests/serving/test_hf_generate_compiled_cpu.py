@@ -163,3 +163,15 @@ def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_re
     for b, t in times.items():
         assert (t.compile_s > 0) == (t.compiled_frames > 0), b
         assert t.compile_s <= t.warmup_s, b
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mistral", "gpt2", "falcon"])
+def test_two_compiles_serve_four_buckets_across_architectures(family, dynamo):
+    # The batch dimension marked dynamic holds through each architecture's decode step
+    # (a specialization of a marked dimension would be an error at compile).
+    from helpers.hf_models import tiny_arch
+
+    net = (tiny(family) if family == "qwen3_moe" else tiny_arch(family)).eval()
+    backend = CountingBackend()
+    captured(net, (1, 2, 4, 8), compile_options={"backend": backend, "fullgraph": True})
+    assert [shapes[0][0] for shapes in backend.compiles] == [8, 1]
