@@ -81,6 +81,9 @@ def test_compile_options_are_copied_and_a_compiled_function_keeps_the_targets_na
         assert code.co_name == "partial_LlamaDecoderLayer"
         assert again._torchdynamo_orig_callable.__code__ is code
         assert fn._torchdynamo_orig_callable.__code__ is code
+        # The function keeps its own name and qualified name; only the code is the class's.
+        assert fn._torchdynamo_orig_callable.__name__ == "run"
+        assert again._torchdynamo_orig_callable.__qualname__ == f"partial[{mgr.recordings[1].name}]"
     finally:
         mgr.close()
 

@@ -300,3 +300,23 @@ def test_layer_shapes_step_one_token_with_the_cache_on_the_models_device():
     model = OneStepRecorder()
     assert layer_shapes(model, "cache") == [LayerShape(2, 8, 4, torch.float32)]
     assert model.seen == [((1, 1), torch.long, torch.device("meta"), True)]
+
+
+def _marked(t):
+    # dynamo keeps a tensor's dimensions marked dynamic on the tensor itself.
+    return set(getattr(t, "_dynamo_dynamic_indices", set()))
+
+
+def test_views_of_two_rows_or_more_are_marked_dynamic_only_when_asked(model):
+    shapes = layer_shapes(model, cache_keyword(model))
+    plain = SharedStaticCache(model, shapes, 4, 16, CPU)
+    for rows in (1, 2, 4):
+        for layer in plain.cache_for(rows).layers:
+            assert _marked(layer.keys) == _marked(layer.values) == set(), rows
+    dynamic = SharedStaticCache(model, shapes, 4, 16, CPU, dynamic_rows=True)
+    assert dynamic.dynamic_rows and not plain.dynamic_rows
+    for rows, want in ((1, set()), (2, {0}), (3, {0}), (4, {0})):
+        for layer in dynamic.cache_for(rows).layers:
+            assert _marked(layer.keys) == _marked(layer.values) == want, rows
+    # The storage itself is never marked: only the views the compiled step reads.
+    assert all(_marked(t) == set() for t in dynamic.keys + dynamic.values)

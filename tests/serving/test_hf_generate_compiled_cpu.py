@@ -175,3 +175,12 @@ def test_two_compiles_serve_four_buckets_across_architectures(family, dynamo):
     backend = CountingBackend()
     captured(net, (1, 2, 4, 8), compile_options={"backend": backend, "fullgraph": True})
     assert [shapes[0][0] for shapes in backend.compiles] == [8, 1]
+
+
+def test_a_largest_bucket_of_two_rows_compiles_dynamic_and_drops_nothing(model, dynamo):
+    # Two rows is the smallest size a marked dimension may have: its cache views must
+    # be marked as the inputs are, or dynamo finds the two sizes unequal constraints.
+    backend = CountingBackend()
+    gen = captured(model, (1, 2), compile_options={"backend": backend, "fullgraph": True})
+    assert [shapes[0][0] for shapes in backend.compiles] == [2, 1]
+    assert gen.stats()["dropped"] == {} and len(gen.stats()["captured"]) == 2
