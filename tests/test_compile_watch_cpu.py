@@ -327,6 +327,10 @@ def test_a_frame_dynamo_gave_up_carries_its_failure_and_is_no_compile(records):
     bare = _record(fail_type="Unsupported", fail_reason=None)
     held[:] = [bare]
     assert CompileWatch.start().finish().frames[0].failure == "Unsupported"
+    # A record of a torch whose metrics have no fail_reason field at all.
+    without = _record(fail_type="Unsupported")
+    held[:] = [without]
+    assert CompileWatch.start().finish().frames[0].failure == "Unsupported"
 
 
 def test_frames_dynamo_gave_up_are_said_at_warning_with_the_fix(caplog):

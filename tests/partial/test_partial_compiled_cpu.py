@@ -223,3 +223,33 @@ def test_targets_of_other_classes_fill_dynamo_caches_of_their_own():
         assert torch.equal(out, layer(x))
     assert counter.frame_count == 10, "a target ran uncompiled"
     assert len(compiler.codes) == 10
+
+
+@pytest.mark.parametrize(
+    "args, suggested",
+    [
+        # Arguments with torch_compile alone: no backend or mode to carry over.
+        (SimpleNamespace(torch_compile=True), {}),
+        (
+            SimpleNamespace(
+                torch_compile=True,
+                torch_compile_backend="inductor",
+                torch_compile_mode="max-autotune-no-cudagraphs",
+            ),
+            {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"},
+        ),
+        (
+            SimpleNamespace(
+                torch_compile=True, torch_compile_backend=None, torch_compile_mode="max-autotune"
+            ),
+            {},
+        ),
+    ],
+)
+def test_the_trainer_refusal_carries_over_what_may_go_inside_our_graphs(args, suggested):
+    pytest.importorskip("transformers")
+    from cudagraphs.integrations.hf import refuse_trainer_compile
+
+    with pytest.raises(CudaGraphsValueError) as info:
+        refuse_trainer_compile(args)
+    assert f"PartialGraphsCallback(compile_options={suggested!r})" in str(info.value)
