@@ -41,6 +41,7 @@ __all__ = [
     "REQUIRED",
     "COMPILATION_METRICS",
     "MARK_DYNAMIC",
+    "SIZE_OBLIVIOUS",
     "REQUIRED_WITH_CUDA",
     "TENSOR_GUARDS",
     "PrivateName",
@@ -61,6 +62,7 @@ __all__ = [
     "mark_dynamic",
     "release_pool",
     "set_grad_enabled",
+    "size_oblivious_shapes",
     "tensor_guards_class",
     "will_engine_execute_node",
 ]
@@ -153,9 +155,17 @@ MARK_DYNAMIC = PrivateName(
     "automatic dynamic shapes compile once more",
 )
 
+SIZE_OBLIVIOUS = PrivateName(
+    "torch.fx.experimental._config",
+    "backed_size_oblivious",
+    "one compile of a serving model's decode step for a bucket of one row too (no 0/1 "
+    "specialization of the batch dimension); without it that bucket compiles apart",
+)
+
 OPTIONAL: tuple[PrivateName, ...] = (
     COMPILATION_METRICS,
     MARK_DYNAMIC,
+    SIZE_OBLIVIOUS,
     PrivateName(
         "torch._C",
         "_accelerator_setAllocatorSettings",
@@ -298,6 +308,26 @@ def mark_dynamic(tensor: torch.Tensor, dim: int) -> bool:
         return False
     mark(tensor, dim)
     return True
+
+
+@contextmanager
+def size_oblivious_shapes() -> Iterator[bool]:
+    """While open, dynamo reasons about dynamic sizes without specializing 0 and 1
+    (torch's ``backed_size_oblivious``), so that a compile made at one size serves a
+    size of 1 too; yields whether this torch has the setting (without it, nothing
+    changes). Imports torch.fx's experimental config: call it only where something is
+    compiled."""
+    import importlib
+
+    try:
+        config = importlib.import_module(SIZE_OBLIVIOUS.owner)
+    except ImportError:
+        config = None
+    if config is None or not hasattr(config, SIZE_OBLIVIOUS.name):
+        yield False
+        return
+    with config.patch(**{SIZE_OBLIVIOUS.name: True}):
+        yield True
 
 
 def compilation_metrics() -> list[Any]:

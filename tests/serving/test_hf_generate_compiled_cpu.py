@@ -137,17 +137,33 @@ def test_compiled_inside_gives_every_bucket_the_full_warmup():
         GraphRunner(forward, spec, config, device="cpu", compiled_inside=1)
 
 
-def test_one_compile_serves_every_bucket_of_two_rows_or_more_and_one_more_the_one_row(
-    model, dynamo
-):
+def test_one_compile_serves_every_bucket_a_bucket_of_one_row_too(model, dynamo):
     # The batch dimension is marked dynamic before the first compile (inputs and the
-    # cache's views), so the largest bucket's compile serves 8, 4 and 2 too; batch 1,
-    # which dynamo specializes, compiles once more. A decode step that traced its
+    # cache's views), and capture reasons about sizes without specializing 1, so the
+    # largest bucket's compile serves 8, 4, 2 and 1. A decode step that traced its
     # bucket's cache lookup (or guarded on the cache object) would compile per bucket.
     backend = CountingBackend()
-    captured(model, (1, 2, 4, 8, 16), compile_options={"backend": backend, "fullgraph": True})
-    assert len(backend.compiles) == 2, [shapes[0] for shapes in backend.compiles]
-    assert [shapes[0][0] for shapes in backend.compiles] == [16, 1]
+    gen = captured(model, (1, 2, 4, 8, 16), compile_options={"backend": backend, "fullgraph": True})
+    assert [shapes[0][0] for shapes in backend.compiles] == [16]
+    for batch in (1, 3):  # the one-row bucket, and a padded one, through that compile
+        ids, mask = prompts(batch, seed=batch)
+        ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+        ref = hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(ours, ref), batch
+    assert len(backend.compiles) == 1
+
+
+def test_size_oblivious_reasoning_is_on_during_a_compiled_capture_only(model, dynamo):
+    import torch.fx.experimental._config as shapes_config
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(shapes_config.backed_size_oblivious)
+        return gm.forward
+
+    captured(model, (1, 2), compile_options={"backend": backend, "fullgraph": True})
+    assert seen == [True] and shapes_config.backed_size_oblivious is False
 
 
 def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_reused(model, dynamo):
@@ -155,26 +171,34 @@ def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_re
     gen = captured(model, (1, 2, 4, 8, 16), compile_options={"backend": backend, "fullgraph": True})
     times = gen.runner.capture_times
     frames = {b.rows: t.compiled_frames for b, t in times.items()}
-    # As above: the largest bucket compiles for every bucket but one row, which compiles
-    # once more.
-    assert frames[16] == 1 and frames[1] == 1
-    assert frames[8] == frames[4] == frames[2] == 0
+    # As above: the largest bucket compiles for every bucket.
+    assert frames[16] == 1
+    assert frames[8] == frames[4] == frames[2] == frames[1] == 0
     assert sum(frames.values()) == len(backend.compiles)
     for b, t in times.items():
         assert (t.compile_s > 0) == (t.compiled_frames > 0), b
         assert t.compile_s <= t.warmup_s, b
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mistral", "gpt2", "falcon"])
-def test_two_compiles_serve_four_buckets_across_architectures(family, dynamo):
+@pytest.mark.parametrize(
+    "family, compiles", [("qwen3_moe", 1), ("mistral", 1), ("gpt2", 1), ("falcon", 2)]
+)
+def test_the_compiles_of_four_buckets_across_architectures(family, compiles, dynamo):
     # The batch dimension marked dynamic holds through each architecture's decode step
-    # (a specialization of a marked dimension would be an error at compile).
+    # (a specialization of a marked dimension would be an error at compile, its bucket
+    # dropped). Falcon's code still specializes one size: one compile more.
     from helpers.hf_models import tiny_arch
 
     net = (tiny(family) if family == "qwen3_moe" else tiny_arch(family)).eval()
     backend = CountingBackend()
-    captured(net, (1, 2, 4, 8), compile_options={"backend": backend, "fullgraph": True})
-    assert [shapes[0][0] for shapes in backend.compiles] == [8, 1]
+    gen = captured(net, (1, 2, 4, 8), compile_options={"backend": backend, "fullgraph": True})
+    assert len(backend.compiles) == compiles and backend.compiles[0][0][0] == 8
+    assert gen.stats()["dropped"] == {}
+    vocab = net.config.vocab_size
+    ids, mask = prompts(1, seed=1)
+    ids = torch.where(mask.bool(), ids % (vocab - 3) + 3, torch.zeros_like(ids))
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(net, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
 
 
 def test_a_largest_bucket_of_two_rows_compiles_dynamic_and_drops_nothing(model, dynamo):
@@ -182,5 +206,5 @@ def test_a_largest_bucket_of_two_rows_compiles_dynamic_and_drops_nothing(model, 
     # be marked as the inputs are, or dynamo finds the two sizes unequal constraints.
     backend = CountingBackend()
     gen = captured(model, (1, 2), compile_options={"backend": backend, "fullgraph": True})
-    assert [shapes[0][0] for shapes in backend.compiles] == [2, 1]
+    assert [shapes[0][0] for shapes in backend.compiles] == [2]
     assert gen.stats()["dropped"] == {} and len(gen.stats()["captured"]) == 2

@@ -25,6 +25,7 @@ import inspect
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from ...compile_watch import check_compile_options
 from ...diagnostics import WarnOnce
 from ...errors import CudaGraphsStateError, CudaGraphsTypeError
 from ...settings import graphs_disabled
-from ...torch_private import mark_dynamic
+from ...torch_private import mark_dynamic, size_oblivious_shapes
 from ..buckets import Bucket, BucketConfig
 from ..graphs import BucketBackend
 from ..input_specs import InputSpec
@@ -88,11 +89,13 @@ class GraphedGenerator:
             stand-in).
         compile_options: decode through ``torch.compile(model, **compile_options)``:
             inductor's fused kernels are what the bucket graphs record, so fewer and
-            shorter kernels per token. Costs two compiles in :meth:`capture` (tens of
-            seconds each for a large model): one for every bucket of two rows or more,
-            the batch dimension dynamic from the first, and one for a bucket of one
-            row, which dynamo specializes. Greedy tokens then agree with HF's eager
-            ones up to the rounding of fused kernels, not token for token. The prefill and batches above every bucket stay eager.
+            shorter kernels per token. Costs one compile in :meth:`capture` for every
+            bucket (tens of seconds for a large model): the batch dimension is dynamic
+            from the first compile, and dynamo reasons about it without specializing a
+            size of 1 (torch's ``backed_size_oblivious``, during capture only); a model
+            whose code still specializes a size compiles once more for it. Greedy
+            tokens then agree with HF's eager ones up to the rounding of fused kernels,
+            not token for token. The prefill and batches above every bucket stay eager.
             Default ``None``: the model's own kernels, captured in about a second.
             Not the modes that record CUDA graphs of their own (``reduce-overhead``,
             ``max-autotune``).
@@ -219,7 +222,11 @@ class GraphedGenerator:
         # trace, and a lazy ``from transformers import`` inside it does not trace).
         for bucket in self.config.buckets():
             self.kv.cache_for(bucket.rows)
-        with torch.no_grad(), self._experts.decoding():
+        # Compiled: the batch dimension is dynamic from the first compile (marked in
+        # _decode and on the cache views), and sizes are reasoned about without
+        # specializing 1, so one compile serves every bucket, a bucket of one row too.
+        shapes = size_oblivious_shapes() if self.compile_options is not None else nullcontext()
+        with torch.no_grad(), self._experts.decoding(), shapes:
             self.runner.capture(
                 self._dummy_inputs,
                 warmup,
