@@ -193,3 +193,25 @@ def test_mark_dynamic_marks_where_dynamo_has_the_mark_and_says_false_where_not(m
     t = torch.zeros(2, 3)
     assert torch_private.mark_dynamic(t, 1) is True
     assert calls == [(t, 1)]
+
+
+def test_size_oblivious_shapes_turns_the_setting_on_only_inside_and_says_where_absent(
+    monkeypatch,
+):
+    import torch.fx.experimental._config as config
+
+    from cudagraphs import torch_private
+
+    assert config.backed_size_oblivious is False
+    with torch_private.size_oblivious_shapes() as on:
+        assert on is True and config.backed_size_oblivious is True
+    assert config.backed_size_oblivious is False
+    for owner, name in (
+        ("torch._cudagraphs_no_such_module", "x"),
+        ("torch.fx.experimental._config", "no_such_flag"),
+    ):
+        monkeypatch.setattr(
+            torch_private, "SIZE_OBLIVIOUS", torch_private.PrivateName(owner, name, "a test")
+        )
+        with torch_private.size_oblivious_shapes() as on:
+            assert on is False and config.backed_size_oblivious is False
