@@ -208,3 +208,32 @@ def test_a_largest_bucket_of_two_rows_compiles_dynamic_and_drops_nothing(model, 
     gen = captured(model, (1, 2), compile_options={"backend": backend, "fullgraph": True})
     assert [shapes[0][0] for shapes in backend.compiles] == [2]
     assert gen.stats()["dropped"] == {} and len(gen.stats()["captured"]) == 2
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_only_a_compiled_capture_marks_shapes_and_turns_size_oblivious_reasoning_on(
+    model, dynamo, monkeypatch, compiled
+):
+    from contextlib import contextmanager
+
+    import cudagraphs.serving.hf.generator as generator
+
+    marked, oblivious = [], []
+    monkeypatch.setattr(generator, "mark_dynamic", lambda t, d: marked.append((t.shape[0], d)))
+
+    @contextmanager
+    def recorded():
+        oblivious.append(True)
+        yield True
+
+    monkeypatch.setattr(generator, "size_oblivious_shapes", recorded)
+    options = {"compile_options": {"backend": CountingBackend()}} if compiled else {}
+    captured(model, (1, 2, 4), **options)
+    if not compiled:
+        assert marked == [] and oblivious == []
+        return
+    assert oblivious == [True]
+    # Each decode input of a warmup or capture of two rows or more, dimension 0; never
+    # a one-row bucket's (a size dynamo specializes).
+    assert marked and {rows for rows, _ in marked} == {2, 4}
+    assert {d for _, d in marked} == {0}
