@@ -1,6 +1,8 @@
-"""torch's own best compiled training recipe, as the benchmarks compare ours with it.
+"""The compiled training steps the benchmarks compare: ours (``graph_train_step`` over a
+``torch.compile``d forward, :func:`ours_compiled`) and torch's own best recipe
+(:func:`torch_compiled_recipe`).
 
-Used as torch documents it: the model (or the function that runs it) and the
+torch's recipe is used as torch documents it: the model (or the function that runs it) and the
 optimizer's step compiled in one mode, a device learning rate (a float one is a guard
 that recompiles whenever it changes; AdamW takes a tensor with ``foreach`` only when
 ``capturable``), and under ``mode="reduce-overhead"`` one
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+import cudagraphs
 from _report import timed_setup
 
 WARM_STEPS = 3  # compiles, then (reduce-overhead) warmup and recording
@@ -80,3 +83,47 @@ def torch_compiled_recipe(
         raise
     notes = {"compile": f"forward and optimizer step, mode={mode!r}", "optimizer": "compiled"}
     return TorchRecipe(opt, compute, zero_grad, setup_s, notes)
+
+
+@dataclass
+class OursCompiled:
+    """``graph_train_step`` over a compiled forward: ``graphed(batch)`` runs one step."""
+
+    graphed: Any
+    setup_s: float
+    notes: dict
+
+    def release(self) -> None:
+        self.graphed.reset()
+        torch.compiler.reset()
+
+
+def ours_compiled(
+    forward: Callable[..., Any],
+    run: Callable[[Callable[..., Any], Any], Any],
+    sample: Any,
+    optimizer: torch.optim.Optimizer,
+    compiled_what: str,
+) -> OursCompiled:
+    """``graph_train_step`` of ``run(compiled_forward, batch)`` (one forward, loss and
+    backward) on ``sample`` with ``optimizer``, ``forward`` compiled in
+    ``mode="default"`` (inductor's kernels, no CUDA graphs of its own: ours takes their
+    place). On a failure torch's compile caches are reset before the error propagates."""
+    compiled = torch.compile(forward)
+
+    def step_fn(batch: Any) -> Any:
+        return run(compiled, batch)
+
+    try:
+        graphed, setup_s = timed_setup(
+            lambda: cudagraphs.graph_train_step(step_fn, sample, optimizer=optimizer)
+        )
+    except BaseException:
+        torch.compiler.reset()
+        raise
+    notes = {
+        "compile": f'torch.compile({compiled_what}), mode="default"',
+        "compile_seconds": round(graphed.stats.compile_seconds, 2),
+        "optimizer": "; ".join(graphed.stats.optimizer_changes),
+    }
+    return OursCompiled(graphed, setup_s, notes)

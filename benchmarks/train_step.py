@@ -110,7 +110,7 @@ from _checks import (  # noqa: E402
     launch_gaps_us,
     ratio,
 )
-from _compiled import torch_compiled_recipe  # noqa: E402
+from _compiled import ours_compiled, torch_compiled_recipe  # noqa: E402
 from _report import (  # noqa: E402
     add_common_arguments,
     add_round_arguments,
@@ -693,32 +693,17 @@ def build_train_step_compiled(cfg: BenchConfig, regime: str) -> Built:
     def stack_forward(inp: torch.Tensor) -> torch.Tensor:
         return run_stack(blocks, inp)
 
-    compiled = torch.compile(stack_forward)  # mode="default": no CUDA graphs of its own
-
-    def step_fn(batch: torch.Tensor) -> torch.Tensor:
-        loss = compiled(batch).float().pow(2).mean()
+    def run(forward: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
+        loss = forward(batch).float().pow(2).mean()
         loss.backward()
         return loss
 
-    try:
-        graphed, setup_s = timed_setup(
-            lambda: cudagraphs.graph_train_step(step_fn, x, optimizer=opt)
-        )
-    except BaseException:
-        torch.compiler.reset()
-        raise
-    notes = {
-        "compile": 'torch.compile(stack forward), mode="default"',
-        "compile_seconds": round(graphed.stats.compile_seconds, 2),
-        "optimizer": "AdamW(foreach=True) given; graph_train_step changed: "
-        + "; ".join(graphed.stats.optimizer_changes),
-    }
-
-    def release() -> None:
-        graphed.reset()
-        torch.compiler.reset()
-
-    return Built(blocks, TrainStep(partial(graphed, x)), setup_s, release, opt, notes)
+    ours = ours_compiled(stack_forward, run, x, opt, "stack forward")
+    ours.notes["optimizer"] = (
+        "AdamW(foreach=True) given; graph_train_step changed: " + ours.notes["optimizer"]
+    )
+    step = TrainStep(partial(ours.graphed, x))
+    return Built(blocks, step, ours.setup_s, ours.release, opt, ours.notes)
 
 
 def _build_torch_best(cfg: BenchConfig, regime: str, mode: str) -> Built:

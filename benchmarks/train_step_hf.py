@@ -62,7 +62,7 @@ from torch import nn  # noqa: E402
 import _report  # noqa: E402,F401  (first: puts this checkout's src on sys.path)
 import cudagraphs  # noqa: E402
 from _checks import fresh_kernel_busy, guard_steps, launch_gaps_us, ratio, relative_error  # noqa: E402
-from _compiled import torch_compiled_recipe  # noqa: E402
+from _compiled import ours_compiled, torch_compiled_recipe  # noqa: E402
 from _report import (  # noqa: E402
     add_common_arguments,
     describe_error,
@@ -220,27 +220,8 @@ def build_ours(model: str) -> Built:
 def build_ours_compiled(model: str) -> Built:
     net, ids = build_model(model), make_ids()
     opt = make_optimizer(net)
-    compiled = torch.compile(net)  # mode="default": no CUDA graphs of its own
-    try:
-        graphed, setup_s = timed_setup(
-            lambda: cudagraphs.graph_train_step(
-                partial(loss_and_backward, compiled), ids, optimizer=opt
-            )
-        )
-    except BaseException:
-        torch.compiler.reset()
-        raise
-    notes = {
-        "compile": 'torch.compile(model), mode="default"',
-        "compile_seconds": round(graphed.stats.compile_seconds, 2),
-        "optimizer": "; ".join(graphed.stats.optimizer_changes),
-    }
-
-    def release() -> None:
-        graphed.reset()
-        torch.compiler.reset()
-
-    return Built(net, partial(graphed, ids), opt, setup_s, release, notes)
+    ours = ours_compiled(net, loss_and_backward, ids, opt, "model")
+    return Built(net, partial(ours.graphed, ids), opt, ours.setup_s, ours.release, ours.notes)
 
 
 def build_torch_best(model: str, mode: str) -> Built:

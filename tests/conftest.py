@@ -12,6 +12,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches reset before and after the test, so that no compile of one test
+    serves (or fills the recompile limit of) another; yields ``torch._dynamo``."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield torch._dynamo
+    torch._dynamo.reset()
+
+
 def pytest_make_parametrize_id(config, val, argname):
     # A regex match pattern used as a parameter (r"args\[0\]") would put backslashes in
     # the test id, and pytest cannot select such a test by its id again: the mutation

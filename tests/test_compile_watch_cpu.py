@@ -19,12 +19,7 @@ from cudagraphs.compile_watch import (
 )
 from cudagraphs.errors import CompiledCaptureError, CudaGraphCaptureError
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _watched(fn, *args):

@@ -83,3 +83,43 @@ def test_a_failed_build_resets_torchs_compile_caches_and_raises(recipe):
     with pytest.raises(RuntimeError, match="compile failed"):
         mod.torch_compiled_recipe(net.parameters(), net, run, mode="default", lr=0.1, device="cpu")
     assert resets == [1]
+
+
+def test_ours_compiled_graphs_the_step_over_the_compiled_forward(recipe, monkeypatch):
+    import cudagraphs
+
+    mod = recipe.mod
+    got = {}
+
+    class Graphed:
+        stats = SimpleNamespace(compile_seconds=1.234, optimizer_changes=["fused", "lr"])
+        resets = 0
+
+        def reset(self):
+            Graphed.resets += 1
+
+    def fake_graph_train_step(step_fn, sample, *, optimizer):
+        got.update(loss=step_fn(sample), sample=sample, optimizer=optimizer)
+        return Graphed()
+
+    monkeypatch.setattr(cudagraphs, "graph_train_step", fake_graph_train_step)
+    net, x = _model(), torch.randn(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ours = mod.ours_compiled(net, lambda f, b: f(b).sum(), x, opt, "model")
+    assert recipe.compiled == [None]  # mode="default": torch.compile's own default
+    assert torch.equal(got["loss"], net(x).sum()) and got["sample"] is x and got["optimizer"] is opt
+    assert ours.notes == {
+        "compile": 'torch.compile(model), mode="default"',
+        "compile_seconds": 1.23,
+        "optimizer": "fused; lr",
+    }
+    ours.release()
+    assert Graphed.resets == 1 and recipe.resets == [1]
+
+    def failing(step_fn, sample, *, optimizer):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(cudagraphs, "graph_train_step", failing)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        mod.ours_compiled(net, lambda f, b: f(b).sum(), x, opt, "model")
+    assert recipe.resets == [1, 1]

@@ -12,7 +12,7 @@ import cudagraphs
 from cudagraphs import CompiledCaptureError
 from helpers.asserts import assert_bitwise_equal
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 class Block(torch.nn.Module):
@@ -36,13 +36,6 @@ class Counted(torch.nn.Module):
     def forward(self, x):
         self.calls += 1
         return self.inner(x)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def test_a_compiled_module_replays_like_its_eager_compiled_self():

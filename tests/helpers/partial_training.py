@@ -46,3 +46,19 @@ def step_both_and_compare(model, ref, ids, step):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         if p.grad is not None or q.grad is not None:
             assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name} differs"
+
+
+def train_both(model, ref, mgr, batches, optimizers=(), capture=None):
+    """Record the first batch, capture after it (``capture()``, by default
+    ``mgr.capture``), then train on the rest; both models step alike (``optimizers``:
+    one per model, stepped after each batch) and every loss and gradient must be
+    equal."""
+    mgr.start_recording()
+    for i, ids in enumerate(batches):
+        step_both_and_compare(model, ref, ids, i)
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        if i == 0:
+            (capture or mgr.capture)()

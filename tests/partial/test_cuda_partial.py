@@ -9,7 +9,7 @@ import torch
 from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial import PartialCudaGraphManager
 from helpers.hf_models import tiny
-from helpers.partial_training import loss_of, step_both_and_compare
+from helpers.partial_training import loss_of, step_both_and_compare, train_both
 
 ATTN_ROUTER = ("attention", "moe_router")
 
@@ -18,21 +18,6 @@ pytestmark = pytest.mark.cuda
 
 def tiny_cuda(kind):
     return tiny(kind).cuda()
-
-
-def train_both(model, ref, mgr, batches, optimizers=()):
-    """Record the first batch, capture after it, then train on the rest; both models
-    step alike (``optimizers``: one per model, stepped after each batch) and every
-    loss and gradient must be equal."""
-    mgr.start_recording()
-    for i, ids in enumerate(batches):
-        step_both_and_compare(model, ref, ids, i)
-        for opt in optimizers:
-            opt.step()
-        model.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        if i == 0:
-            mgr.capture()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])

@@ -10,16 +10,9 @@ import torch
 from cudagraphs.compile_watch import CompileWatch
 from cudagraphs.partial import PartialCudaGraphManager
 from helpers.hf_models import tiny
-from helpers.partial_training import step_both_and_compare
+from helpers.partial_training import train_both
 
-pytestmark = pytest.mark.cuda
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 def compile_like_ours(ref, model, mgr):
@@ -38,22 +31,19 @@ def test_compiled_targets_replay_and_train_like_their_compiled_eager_forwards():
     gen = torch.Generator(device="cuda").manual_seed(4)
     batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(5)]
     mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False, compile_options={})
+
+    def capture():
+        watch = CompileWatch.start()
+        mgr.capture()
+        report = watch.finish()
+        assert report.frames and report.seconds > 0, "the capture compiled nothing"
+        assert report.graph_breaks == 0, report
+        # Ours recorded step 0 eagerly; from step 1 on it replays compiled, and so does
+        # the reference.
+        compile_like_ours(ref, model, mgr)
+
     try:
-        mgr.start_recording()
-        for i, ids in enumerate(batches):
-            if i == 1:  # ours recorded step 0 eagerly; from step 1 on it replays compiled
-                compile_like_ours(ref, model, mgr)
-            step_both_and_compare(model, ref, ids, i)
-            opt.step()
-            ref_opt.step()
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
-            if i == 0:
-                watch = CompileWatch.start()
-                mgr.capture()
-                report = watch.finish()
-                assert report.frames and report.seconds > 0, "the capture compiled nothing"
-                assert report.graph_breaks == 0, report
+        train_both(model, ref, mgr, batches, (opt, ref_opt), capture)
         stats = mgr.stats()
         assert stats["captured"] == 2 and stats["fallbacks"] == 0, stats
         assert stats["replayed"] == 4 * 2, stats

@@ -10,7 +10,7 @@ import torch
 
 from cudagraphs.partial import PartialCudaGraphManager
 from helpers.hf_models import tiny
-from helpers.partial_training import step_both_and_compare
+from helpers.partial_training import train_both
 
 pytestmark = pytest.mark.cuda
 
@@ -38,15 +38,7 @@ def test_float8_layers_graph_and_train_like_torchaos_eager_float8_model(recipe):
     batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(5)]
     mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False)
     try:
-        mgr.start_recording()
-        for i, ids in enumerate(batches):
-            step_both_and_compare(model, ref, ids, i)
-            opt.step()
-            ref_opt.step()
-            model.zero_grad(set_to_none=True)
-            ref.zero_grad(set_to_none=True)
-            if i == 0:
-                mgr.capture()
+        train_both(model, ref, mgr, batches, (opt, ref_opt))
         stats = mgr.stats()
         assert stats["captured"] == 2 and stats["fallbacks"] == 0, stats
         assert stats["replayed"] == 4 * 2, stats

@@ -23,12 +23,7 @@ from cudagraphs.partial.graphing import TargetCompile, graphed_function  # noqa:
 from helpers.hf_models import tiny  # noqa: E402
 from helpers.partial_training import backend, train_and_compare  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_compiled_targets_train_equal_to_eager_and_their_graphed_functions_are_compiled():

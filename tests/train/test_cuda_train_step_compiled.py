@@ -14,7 +14,7 @@ from cudagraphs.models import BlockConfig, make_block_stack
 from cudagraphs.train import prepare_optimizer
 from helpers.asserts import assert_bitwise_equal, contain_failed_capture
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_dynamo")]
 
 
 class Stack(torch.nn.Module):
@@ -42,13 +42,6 @@ def stepper(model, calls):
         return loss
 
     return step
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def test_a_compiled_model_graphs_and_trains_like_its_eager_compiled_loop():
