@@ -370,3 +370,28 @@ def test_real_dynamo_records_the_frame_it_gives_up_at_its_recompile_limit():
     report = watch.finish()
     assert len(report.failures) == 1, report
     assert "recompile limit" in report.failures[0].failure.lower()
+
+
+def test_check_warmup_refuses_trees_and_a_last_compile_and_says_what_dynamo_gave_up(caplog):
+    import logging
+
+    from cudagraphs.compile_watch import check_warmup
+
+    log = logging.getLogger("cudagraphs.test_watch")
+    compiled = CompiledFrame("f", "m.py:1", "0/0", 1.0, None, 0)
+    failed = CompiledFrame("g", "m.py:9", "1/0", 0.0, None, 0, "Unsupported: generator")
+    check_warmup(CompileReport((compiled,)), CompileReport(), "here", "the last step", log)
+    with pytest.raises(CompiledCaptureError, match="during the last step"):
+        check_warmup(
+            CompileReport((compiled,)), CompileReport((compiled,)), "here", "the last step", log
+        )
+    with pytest.raises(CompiledCaptureError, match="CUDA graphs"):
+        check_warmup(CompileReport(torch_graphs=1), CompileReport(), "here", "the last step", log)
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.test_watch"):
+        # A frame given up in the last step is said, and is no compile there.
+        check_warmup(
+            CompileReport((failed,)), CompileReport((failed,)), "here", "the last step", log
+        )
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "here: dynamo gave up compiling g"
+    ]

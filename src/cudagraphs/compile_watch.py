@@ -38,6 +38,7 @@ __all__ = [
     "CompileWatch",
     "CompiledFrame",
     "check_compile_options",
+    "check_warmup",
     "recompile_fix",
     "require_no_compile",
     "require_no_torch_graphs",
@@ -234,6 +235,22 @@ def warn_failed_compiles(report: CompileReport, what: str, logger: logging.Logge
             fix,
         )
     return len(failed)
+
+
+def check_warmup(
+    total: CompileReport, last: CompileReport, what: str, last_phase: str, logger: logging.Logger
+) -> None:
+    """What a warmup before a capture must show: no CUDA-graph trees of torch's over the
+    whole warmup (``total``), nothing compiled in its last iteration (``last``, called
+    ``last_phase``), and every frame dynamo gave up on said (:func:`warn_failed_compiles`).
+
+    Raises:
+        CompiledCaptureError: as :func:`require_no_torch_graphs` and
+            :func:`require_no_compile`.
+    """
+    require_no_torch_graphs(total, what)
+    warn_failed_compiles(total, what, logger)
+    require_no_compile(last, last_phase, what)
 
 
 def require_no_torch_graphs(report: CompileReport, what: str) -> None:

@@ -12,12 +12,7 @@ import torch
 from ..capture import as_graph_pool
 from ..capture_state import capture_scope
 from ..checks import check_callable, require_cuda
-from ..compile_watch import (
-    CompileWatch,
-    require_no_compile,
-    require_no_torch_graphs,
-    warn_failed_compiles,
-)
+from ..compile_watch import CompileWatch, check_warmup, require_no_compile
 from ..errors import CudaGraphCaptureError, CudaGraphsValueError
 from ..forward_swap import swap_forward
 from ..memory import MemoryMeter
@@ -336,10 +331,7 @@ def make_graphed_callables(
         t1 = time.perf_counter()
         # Compiled callables: the captures must run code compiled before them
         # (cudagraphs.compile_watch).
-        require_no_torch_graphs(compiled, "make_graphed_callables")
-        warn_failed_compiles(compiled, "make_graphed_callables", logger)
-        if compiled.frames:
-            require_no_compile(last, "the last warmup iteration", "make_graphed_callables")
+        check_warmup(compiled, last, "make_graphed_callables", "the last warmup iteration", logger)
         opts = CaptureOptions(
             pool=graph_pool,
             stream=stream,

@@ -21,13 +21,7 @@ from typing import Any
 import torch
 
 from ..checks import check_callable, check_instance, require_cuda
-from ..compile_watch import (
-    CompileReport,
-    CompileWatch,
-    require_no_compile,
-    require_no_torch_graphs,
-    warn_failed_compiles,
-)
+from ..compile_watch import CompileReport, CompileWatch, check_warmup, require_no_compile
 from ..errors import (
     CudaGraphCaptureError,
     CudaGraphsTypeError,
@@ -228,7 +222,7 @@ class GraphedTrainStep:
                 t0 = time.perf_counter()
                 snapshot.zero_lr()
                 # Inside a fresh pool the warmup's memory is the capture's (warmup_scope).
-                compiled = CompileReport()
+                compiled = last = CompileReport()
                 with pool.warmup_scope(device), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=_CAPTURABLE_WARNING)
                     for _ in range(self.options.warmup_steps):
@@ -243,10 +237,7 @@ class GraphedTrainStep:
                 t1 = time.perf_counter()
                 # A compiled step (torch.compile inside step_fn): the capture must run
                 # code compiled before it, never compile (cudagraphs.compile_watch).
-                require_no_torch_graphs(compiled, "graph_train_step")
-                warn_failed_compiles(compiled, "graph_train_step", logger)
-                if compiled.frames:
-                    require_no_compile(last, "the last warmup step", "graph_train_step")
+                check_warmup(compiled, last, "graph_train_step", "the last warmup step", logger)
                 self._drop_grads()
                 snapshot.restore()
                 watch = CompileWatch.start(device.index)
