@@ -11,12 +11,17 @@ cause:
   a first-call path into the graph;
 * a step that still compiles in the warmup step just before capture: the capture
   would then be the first run of code compiled for a state it may not see again;
-* ``mode="reduce-overhead"``: torch's own CUDA graphs (cudagraph trees) inside ours.
+* ``mode="reduce-overhead"``: torch's own CUDA graphs (cudagraph trees) inside ours;
+* a frame dynamo gives up on (its recompile limit, most often): it runs eagerly, and
+  the graph records eager kernels under a compiled name.
 
 :class:`CompileWatch` collects dynamo's compilation records (``CompiledFrame``) made
 between its start and its end; :func:`require_no_compile` turns records where there
 must be none into a :class:`~cudagraphs.errors.CompiledCaptureError` that names each
-frame, dynamo's reason and the fix. Nothing is imported or read when dynamo was never
+frame, dynamo's reason and the fix; :func:`warn_failed_compiles` says each frame given
+up; :func:`check_warmup` makes the checks of a warmup before a capture.
+:func:`check_compile_options` says which ``torch.compile`` options may go inside our
+graphs. Nothing is imported or read when dynamo was never
 loaded: then nothing can have been compiled.
 """
 
