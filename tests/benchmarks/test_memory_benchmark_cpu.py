@@ -171,3 +171,41 @@ def test_the_census_of_an_empty_snapshot_and_of_blocks_without_frames():
     seg = {"total_size": 100, "blocks": [_block(10)]}  # no pool id: the default pool
     out = mem.segment_census({"segments": [seg]})
     assert out["pinned"][0]["blocks"] == [{"size": 10, "where": "?"}]
+
+
+BLOCK = st.tuples(st.integers(1, 64), st.sampled_from(["active_allocated", "inactive"]))
+SEGMENT = st.tuples(st.sampled_from([(0, 0), (0, 1), (0, 7)]), st.lists(BLOCK, max_size=6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(SEGMENT, max_size=8))
+def test_the_census_matches_a_plain_count_of_every_snapshot(segments):
+    mem = _mem()
+    snapshot = {
+        "segments": [
+            {
+                "total_size": sum(size for size, _ in blocks),
+                "segment_pool_id": pool,
+                "blocks": [{"size": size, "state": state} for size, state in blocks],
+            }
+            for pool, blocks in segments
+        ]
+    }
+    out = mem.segment_census(snapshot)
+    pools: dict = {}
+    pinned = []
+    for pool, blocks in segments:
+        name = "default" if pool == (0, 0) else f"graph{pool}"
+        total = sum(size for size, _ in blocks)
+        live = sum(size for size, state in blocks if state == "active_allocated")
+        row = pools.setdefault(name, {"segments": 0, "reserved": 0, "active": 0})
+        row["segments"] += 1
+        row["reserved"] += total
+        row["active"] += live
+        if name == "default" and live and live < mem.PINNED_SHARE * total:
+            pinned.append(total - live)
+    assert out["pools"] == pools
+    assert out["pinned_segments"] == len(pinned)
+    assert out["pinned_bytes"] == sum(pinned)
+    held = [r["held_for_nothing"] for r in out["pinned"]]
+    assert held == sorted(pinned, reverse=True)[: mem.CENSUS_TOP]
