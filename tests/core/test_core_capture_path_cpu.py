@@ -522,3 +522,71 @@ def test_in_graph_accumulation_adds_into_the_targets_and_hands_out_no_parameter_
     assert graph.static_grad_inputs[n:] == (None, None)
     # One multi-tensor add of the parameters' gradients into the targets.
     assert adds == [([id(t) for t in targets], [tuple(p.shape) for p in params])]
+
+
+def _explicit_parameter_function(module: nn.Module):
+    """A function of ``(params, x)`` that runs ``module`` with ``params`` bound in place
+    of its own (as partial graphs' graphed functions do)."""
+    names = [n for n, _ in module.named_parameters()]
+
+    def run(params, x):
+        return torch.func.functional_call(module, dict(zip(names, params)), (x,))
+
+    return run
+
+
+def test_warmup_passes_each_parameter_input_as_one_alias_like_the_capture_does():
+    module = nn.Linear(4, 4)
+    params = tuple(module.parameters())
+    inner = _explicit_parameter_function(module)
+    seen = []
+
+    def fn(params, x):
+        seen.append(params)
+        return inner(params, x)
+
+    x = torch.randn(2, 4, requires_grad=True)
+    plan = canonicalize((fn,), ((params, x),))
+    run_warmup(plan, 2, allow_unused_input=False)
+    assert len(seen) == 2
+    for got in seen:
+        for alias, p in zip(got, params):
+            assert type(alias) is nn.Parameter and alias is not p
+            assert alias.data_ptr() == p.data_ptr() and alias.requires_grad
+    # One alias per parameter for the whole warmup, and the parameters' .grad untouched.
+    assert all(a is b for a, b in zip(seen[0], seen[1]))
+    assert all(p.grad is None for p in params)
+    # The sample tensor that is not a parameter is passed as it is.
+    assert plan.entries[0].tensors[-1] is x
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_explicit_parameter_function_warms_up_and_captures_on_one_compile():
+    """Dynamo guards on whether an input *is* the module's parameter that
+    ``functional_call`` swaps out: the warmup passes the capture's kind of alias, so
+    the capture finds the warmup's compile (``fail_on_recompile`` would refuse another)."""
+    import torch._dynamo.testing
+
+    module = nn.Linear(4, 4)
+    params = tuple(module.parameters())
+    counter = torch._dynamo.testing.CompileCounter()
+    fn = torch.compile(_explicit_parameter_function(module), backend=counter)
+    x = torch.randn(2, 4, requires_grad=True)
+    plan = canonicalize((fn,), ((params, x),))
+    run_warmup(plan, 2, allow_unused_input=False)
+    assert counter.frame_count == 1
+    mp = pytest.MonkeyPatch()
+    try:
+        StandInCapture().install(mp)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            graphs = capture_plan(plan, cpu_options())
+    finally:
+        mp.undo()
+    assert len(graphs) == 1 and counter.frame_count == 1
+    # The reference: compiled on the parameter itself, an alias is one compile more.
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    fresh = torch.compile(_explicit_parameter_function(module), backend=counter)
+    fresh(params, x)
+    fresh(tuple(nn.Parameter(p.detach()) for p in params), x)
+    assert counter.frame_count == 2

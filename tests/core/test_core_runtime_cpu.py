@@ -1,8 +1,9 @@
 """The replay path's copy helper (CPU tensors behave the same here)."""
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from cudagraphs.core.runtime import copy_into
+from cudagraphs.core.runtime import copy_into, stage_grad_outputs
 from helpers.asserts import CopyOps
 
 
@@ -28,6 +29,39 @@ def test_skips_the_buffer_itself_and_none():
     other = torch.zeros(2)
     copy_into([buf, other], [buf, None])
     assert buf.tolist() == [0, 1, 2, 3] and other.tolist() == [0, 0]
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_incoming_gradients_are_copied_and_unreached_buffers_zeroed_in_place():
+    # The buffers hold the last replay's gradients: one that gets none this time must
+    # read zeros, without a zero tensor of its size being made for it.
+    dsts = [torch.full((3,), 7.0), torch.full((2, 2), 7.0), torch.full((4,), 7.0)]
+    ptrs = [d.data_ptr() for d in dsts]
+    grads = [torch.ones(3), None, None]
+    with _Ops() as mode:
+        stage_grad_outputs(dsts, grads)
+    assert dsts[0].tolist() == [1, 1, 1]
+    assert dsts[1].tolist() == [[0, 0], [0, 0]] and dsts[2].tolist() == [0, 0, 0, 0]
+    assert [d.data_ptr() for d in dsts] == ptrs
+    assert mode.ops == ["copy_", "_foreach_zero_"], mode.ops
+
+
+def test_staging_with_every_gradient_given_zeroes_nothing():
+    dsts = [torch.full((3,), 7.0), torch.full((2,), 7.0)]
+    grads = [torch.ones(3), torch.full((2,), 2.0)]
+    with _Ops() as mode:
+        stage_grad_outputs(dsts, grads)
+    assert mode.ops == ["_foreach_copy_"]
+    assert dsts[1].tolist() == [2, 2]
 
 
 def test_a_transposed_view_of_the_buffer_is_copied_not_skipped():

@@ -335,3 +335,42 @@ def test_function_with_dropout_gets_fresh_masks():
         zeros = (out == 0).float().mean().item()
         assert 0.2 < zeros < 0.3, f"{name} replay dropped {zeros:.3f} (p=0.25)"
     assert not torch.equal(first, second), "two replays used the same dropout mask"
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(HIDDEN, HIDDEN)
+        self.wide = nn.Linear(HIDDEN, 8 * HIDDEN)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return h.sum(), self.wide(h)  # a loss and "logits" beside it
+
+
+def test_an_output_no_gradient_reaches_gets_zeros_without_a_zero_tensor_per_step():
+    # HF's loss and logits: the loss alone is backpropagated. The replay hands the
+    # logits no materialized zeros; their buffer, written by an earlier backward that
+    # did use the logits, is zeroed in place, so the gradients stay eager's.
+    module = _TwoHeads().cuda()
+    eager = copy.deepcopy(module)
+    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
+    replays = count_backward_replays(module.cuda_graph.graphs)
+    wide = BATCH * 8 * HIDDEN * 4  # the logits' bytes
+    for it, use_logits in enumerate((True, False, False)):
+        x = _randn(BATCH, HIDDEN, seed=50 + it)
+        growth = []
+        for net in (module, eager):
+            net.zero_grad(set_to_none=True)
+            loss, logits = net(x)
+            loss = loss + logits.square().sum() if use_logits else loss
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss.backward()
+            torch.cuda.synchronize()
+            growth.append(torch.cuda.max_memory_allocated() - before)
+        if not use_logits:
+            assert growth[0] < wide, f"step {it}: the backward grew by {growth[0]} bytes"
+        _assert_param_grads_equal(module, eager, f"step {it} (logits used: {use_logits})")
+    assert replays() == 3

@@ -22,7 +22,7 @@ from .lent_grads import lent_grads_of
 from .runtime import EntryGraphs
 from .sharing import BufferSharing, chained_inputs
 from .te_compat import ReplayKeywords
-from .warmup import differentiable_inputs
+from .warmup import differentiable_inputs, parameter_alias
 
 __all__ = ["BackwardCapture", "CaptureOptions", "ForwardCapture", "capture_plan"]
 
@@ -61,18 +61,10 @@ def _new_static_input(t: torch.Tensor) -> torch.Tensor:
     # the samples, and the graph must own what it reads. Parameters passed as inputs
     # (explicit-parameter adapters) are the exception: they are persistent, the graph
     # reads them in place (no copy per call), and every call must pass the same
-    # parameter with the same storage (checked on the replay path). The graph still
-    # gets an alias (a new leaf over the same storage), not the parameter itself: an
-    # eager autograd graph the caller keeps alive (a live ``loss``) holds the
-    # parameter's AccumulateGrad node bound to the default stream, and a backward
-    # capture through that node would make the legacy stream wait on the capture.
-    # The alias of a plain Parameter is a Parameter too: dynamo guards on an input's
-    # type, so a compiled target warmed up on the parameter would recompile at capture
-    # for a plain tensor (and fail_on_recompile refuses that).
-    if type(t) is torch.nn.Parameter:
-        return torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+    # parameter with the same storage (checked on the replay path); the graph gets
+    # an alias of it (:func:`~.warmup.parameter_alias` says why).
     if isinstance(t, torch.nn.Parameter):
-        return t.detach().requires_grad_(t.requires_grad)
+        return parameter_alias(t)
     return t.detach().clone().requires_grad_(t.requires_grad)
 
 

@@ -27,6 +27,9 @@ class _ReplayFunction(torch.autograd.Function):
         n_user = len(graphs.static_inputs)
         graphs.replay_forward(inputs[:n_user])
         ctx.graphs = graphs
+        # An output no gradient reaches arrives as None, not as a zero tensor autograd
+        # would allocate for it: replay_backward zeroes its buffer in place instead.
+        ctx.set_materialize_grads(False)
         # Leaf inputs (parameters passed as inputs, say) may need an owned gradient:
         # see replay_backward.
         ctx.leaves = tuple(t if t.is_leaf else None for t in inputs[:n_user])

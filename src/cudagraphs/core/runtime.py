@@ -59,6 +59,21 @@ def copy_into(dsts: list[torch.Tensor], srcs: Any) -> None:
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
 
+def stage_grad_outputs(dsts: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    """Incoming gradients into their static buffers before a backward replay: each
+    one given is copied (:func:`copy_into`), and the buffer of each output that no
+    gradient reached (``None``) is zeroed in place, all in one launch.
+
+    Why ``None`` rather than zeros: the replay Function does not let autograd
+    materialize a zero tensor per such output (an HF model's logits beside its loss
+    are one), which would cost an allocation of the output's size and a copy per
+    step; a memset of the buffer does the same for the graph."""
+    copy_into(dsts, grads)
+    unreached = [d for d, g in zip(dsts, grads) if g is None]
+    if unreached:
+        torch._foreach_zero_(unreached)
+
+
 @dataclass
 class EntryGraphs:
     """The graphs and static buffers of one graphed entry (one ``sample_args`` element).
@@ -371,8 +386,9 @@ class EntryGraphs:
         self, grads: tuple[torch.Tensor | None, ...], leaves: tuple[torch.Tensor | None, ...]
     ) -> list[torch.Tensor | None]:
         """Replay the backward graph; return one gradient per Function input
-        (user tensors, then parameters). ``leaves`` holds each user input that is an
-        autograd leaf (``None`` for the others)."""
+        (user tensors, then parameters). ``grads``: one per output, ``None`` for an
+        output no gradient reached (:func:`stage_grad_outputs`). ``leaves`` holds each
+        user input that is an autograd leaf (``None`` for the others)."""
         self.check_live()
         n_inputs = len(self.static_inputs) + len(self.autograd_params)
         result: list[torch.Tensor | None] = [None] * n_inputs
@@ -380,7 +396,7 @@ class EntryGraphs:
             return result
         if self.grad_targets is not None:
             self.grad_targets.check_and_rebind()
-        copy_into(
+        stage_grad_outputs(
             self._grad_output_buffers, [g for g, m in zip(grads, self._grad_output_mask) if m]
         )
         if not self.clone_param_grads and self._param_grad_buffers:

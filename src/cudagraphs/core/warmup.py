@@ -9,21 +9,76 @@ says why). It follows the same schedule as capture so that capture-time hooks se
 same order in both phases.
 
 Backward passes use ``torch.autograd.grad`` so that no ``.grad`` attribute is touched.
+
+Parameters passed as inputs (explicit-parameter adapters such as partial graphs) are
+passed as the same kind of alias the capture passes (:func:`parameter_alias`): warmup
+and capture then call the function with inputs that relate to each other, and to the
+module's own parameters, in the same way, which a compiled function's guards check.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 from torch.utils import _pytree as pytree
 
 from ..compile_watch import CompileReport, CompileWatch
 from ..errors import CudaGraphsValueError
-from .canonicalize import GraphPlan
+from .canonicalize import EntrySpec, GraphPlan
 
-__all__ = ["differentiable_inputs", "run_warmup"]
+__all__ = ["differentiable_inputs", "parameter_alias", "run_warmup"]
+
+
+def parameter_alias(t: torch.nn.Parameter) -> torch.Tensor:
+    """A new leaf over ``t``'s storage, which a graph (and the warmup before it) is
+    passed in place of a parameter input.
+
+    Why not the parameter itself: an eager autograd graph the caller keeps alive (a
+    live ``loss``) holds the parameter's AccumulateGrad node bound to the default
+    stream, and a backward capture through that node would make the legacy stream wait
+    on the capture. Why a :class:`~torch.nn.Parameter` for a plain one: dynamo guards
+    on an input's type. Why the warmup passes one too: a function that also reaches
+    the parameter through its module (``functional_call`` over the module, as partial
+    graphs do) is guarded by dynamo on whether its input *is* the module's parameter,
+    so a compiled target warmed up on the parameter itself would recompile at capture
+    (and ``fail_on_recompile`` refuses that).
+    """
+    if type(t) is torch.nn.Parameter:
+        return torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+@dataclass
+class WarmupCall:
+    """One entry's call as the warmup makes it: its sample arguments with each
+    parameter input replaced by its alias, and its tensors in the entry's order."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    tensors: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, spec: EntrySpec, aliases: dict[int, torch.Tensor]) -> WarmupCall:
+        """``spec``'s call; ``aliases`` (by parameter ``id``) is shared by every entry
+        and iteration, so one parameter has one alias throughout the warmup."""
+        if not any(_aliased(t) for t in spec.tensors):
+            return cls(spec.args, spec.kwargs, spec.tensors)
+        leaves = list(spec.leaves)
+        for pos in spec.tensor_positions:
+            t = leaves[pos]
+            if _aliased(t):
+                leaves[pos] = aliases.setdefault(id(t), parameter_alias(t))
+        args, kwargs = pytree.tree_unflatten(leaves, spec.in_spec)
+        return cls(tuple(args), kwargs, [leaves[i] for i in spec.tensor_positions])
+
+
+def _aliased(t: torch.Tensor) -> bool:
+    # A lazy module's parameter is materialized by its first forward: it stays itself.
+    return isinstance(t, torch.nn.Parameter) and not is_lazy(t)
 
 
 def differentiable_inputs(
@@ -39,10 +94,11 @@ def differentiable_outputs(output: Any) -> list[torch.Tensor]:
     return [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
 
 
-def _warmup_backward(plan: GraphPlan, entry_index: int, output: Any, allow_unused: bool) -> None:
-    spec = plan.entries[entry_index]
+def _warmup_backward(
+    plan: GraphPlan, entry_index: int, call: WarmupCall, output: Any, allow_unused: bool
+) -> None:
     outs = differentiable_outputs(output)
-    _, inputs = differentiable_inputs(spec.tensors, plan.callable_of(entry_index).params)
+    _, inputs = differentiable_inputs(call.tensors, plan.callable_of(entry_index).params)
     if not outs or not inputs:
         return
     try:
@@ -85,11 +141,13 @@ def run_warmup(
         pre_warmup_hook()
     grad_mode = torch.enable_grad if plan.training else torch.no_grad
     total = last = CompileReport()
+    aliases: dict[int, torch.Tensor] = {}
+    calls = [WarmupCall.of(spec, aliases) for spec in plan.entries]
     for _ in range(num_iters):
         outputs: dict[int, Any] = {}
         watch = CompileWatch.start(device_index)
         try:
-            _warmup_iteration(plan, outputs, grad_mode, allow_unused_input)
+            _warmup_iteration(plan, calls, outputs, grad_mode, allow_unused_input)
         finally:
             # On failure too: live outputs would keep autograd graphs (and the
             # parameters' AccumulateGrad nodes, bound to the warmup stream) alive.
@@ -102,18 +160,22 @@ def run_warmup(
 
 
 def _warmup_iteration(
-    plan: GraphPlan, outputs: dict[int, Any], grad_mode: Callable, allow_unused_input: bool
+    plan: GraphPlan,
+    calls: list[WarmupCall],
+    outputs: dict[int, Any],
+    grad_mode: Callable,
+    allow_unused_input: bool,
 ) -> None:
     for step in plan.schedule:
-        spec = plan.entries[step.entry]
+        call = calls[step.entry]
         target = plan.callables[step.callable_index]
         hooks = plan.hooks[step.callable_index]
         if step.kind == "fwd":
             hooks.run("forward_pre_hooks", target.fn)
             with grad_mode():
-                outputs[step.entry] = target.fn(*spec.args, **spec.kwargs)
+                outputs[step.entry] = target.fn(*call.args, **call.kwargs)
             hooks.run("forward_hooks", target.fn)
         else:
             hooks.run("backward_pre_hooks", target.fn)
-            _warmup_backward(plan, step.entry, outputs.pop(step.entry), allow_unused_input)
+            _warmup_backward(plan, step.entry, call, outputs.pop(step.entry), allow_unused_input)
             hooks.run("backward_hooks", target.fn)
