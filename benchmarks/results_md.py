@@ -210,6 +210,8 @@ SCRIPTS = {
     **{name: f"{name}.py" for name in ORDER},
     "fp32_bitwise": "probes/fp32_bitwise.py",
     "moe_fp32_facts": "probes/moe_fp32_facts.py",
+    "fp8_rowwise_curves": "probes/fp8_rowwise_curves.py",
+    "serving_compiles": "probes/serving_compiles.py",
 }
 
 
