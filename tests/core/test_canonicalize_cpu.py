@@ -117,6 +117,29 @@ def test_same_callable_twice_is_rejected():
         canonicalize((m, m), ((x(),), (x(),)))
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_module_compiled_with_module_compile_is_refused_with_the_fix():
+    # Its compiled __call__ would trace the graphed forward installed on it.
+    compiled = nn.Linear(4, 4)
+    compiled.compile(backend="eager")
+    x = torch.randn(2, 4)
+    with pytest.raises(CudaGraphsValueError, match=r"callables\[1\].*module\.compile\(\)") as err:
+        canonicalize((nn.Linear(4, 4), compiled), ((x,), (x,)))
+    assert "holds torch.compile(module)" in str(err.value)
+
+    # The fix: a module holding torch.compile(module) plans like any module.
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.compile(nn.Linear(4, 4), backend="eager")
+
+        def forward(self, t):
+            return self.inner(t)
+
+    plan = canonicalize((Holder(),), ((x,),))
+    assert len(plan.callables[0].params) == 2
+
+
 def test_sample_kwargs_errors():
     with pytest.raises(ValueError, match=r"one dict per sample_args entry \(2\), got 1"):
         canonicalize((lin(), lin()), ((x(),), (x(),)), sample_kwargs=[{}])

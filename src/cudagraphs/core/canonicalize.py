@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 
 from ..checks import check_int
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError
+from ..torch_private import compiled_module
 from .hooks import CaptureTimeHooks, canonicalize_capture_time_hooks
 from .schedule import Entry, Layout, Step, assign_buffer_slots, build_layout, build_schedule
 
@@ -113,6 +114,21 @@ def _refuse_buffers_requiring_grad(module: torch.nn.Module, name: str) -> None:
         )
 
 
+def _refuse_compiled_call(module: torch.nn.Module, name: str) -> None:
+    # module.compile() compiles the module's __call__, which calls whatever forward the
+    # module has: after capture that is the graphed forward installed on it, so dynamo
+    # would trace every replay's Python (and record its side effects) instead of
+    # running it. torch.compile(module) compiles only the forward that is replaced.
+    if compiled_module(module) == "module.compile()":
+        raise CudaGraphsValueError(
+            f"{name} was compiled with module.compile(): its calls go through a compiled "
+            "__call__, which would trace the graphed forward installed on it. Fixes: 1. "
+            "graph a module that holds torch.compile(module) and calls it (its compiled "
+            "forward and backward are captured); 2. graph the uncompiled module, if "
+            "inductor's kernels are not needed inside the graph."
+        )
+
+
 def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
     single = not isinstance(callables, (tuple, list))
     items = (callables,) if single else tuple(callables)
@@ -145,6 +161,7 @@ def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
                     "move the work into capture_time_hooks."
                 )
             _refuse_buffers_requiring_grad(module, name)
+            _refuse_compiled_call(module, name)
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             params = tuple(p for _, p in named)
             param_names = tuple(n for n, _ in named)
