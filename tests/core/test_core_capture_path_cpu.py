@@ -543,12 +543,16 @@ def test_warmup_passes_each_parameter_input_as_one_alias_like_the_capture_does()
 
     def fn(params, x):
         seen.append(params)
+        inputs.append(x)
         return inner(params, x)
 
+    inputs = []
     x = torch.randn(2, 4, requires_grad=True)
     plan = canonicalize((fn,), ((params, x),))
     run_warmup(plan, 2, allow_unused_input=False)
     assert len(seen) == 2
+    # The sample tensor that is not a parameter is passed as it is.
+    assert all(got is x for got in inputs)
     for got in seen:
         for alias, p in zip(got, params):
             assert type(alias) is nn.Parameter and alias is not p
@@ -556,8 +560,20 @@ def test_warmup_passes_each_parameter_input_as_one_alias_like_the_capture_does()
     # One alias per parameter for the whole warmup, and the parameters' .grad untouched.
     assert all(a is b for a, b in zip(seen[0], seen[1]))
     assert all(p.grad is None for p in params)
-    # The sample tensor that is not a parameter is passed as it is.
-    assert plan.entries[0].tensors[-1] is x
+
+
+def test_a_lazy_parameter_input_is_passed_as_itself():
+    # Its first forward materializes it: an alias would be of nothing.
+    lazy = nn.parameter.UninitializedParameter(requires_grad=False)
+    seen = []
+
+    def fn(params, x):
+        seen.append(params[0])
+        return x * 2
+
+    plan = canonicalize((fn,), (((lazy,), torch.randn(2, 4, requires_grad=True)),))
+    run_warmup(plan, 1, allow_unused_input=False)
+    assert len(seen) == 1 and seen[0] is lazy
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
@@ -573,8 +589,10 @@ def test_a_compiled_explicit_parameter_function_warms_up_and_captures_on_one_com
     fn = torch.compile(_explicit_parameter_function(module), backend=counter)
     x = torch.randn(2, 4, requires_grad=True)
     plan = canonicalize((fn,), ((params, x),))
-    run_warmup(plan, 2, allow_unused_input=False)
+    total, last = run_warmup(plan, 2, allow_unused_input=False)
     assert counter.frame_count == 1
+    # The first iteration compiled, the last did not: the total keeps the first's.
+    assert len(total.frames) >= 1 and last.frames == ()
     mp = pytest.MonkeyPatch()
     try:
         StandInCapture().install(mp)
