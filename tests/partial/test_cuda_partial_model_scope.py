@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from cudagraphs.errors import UncapturedGradientError
 from cudagraphs.partial import MODEL_SCOPE, SCOPES, PartialCudaGraphManager
 from helpers.hf_models import tiny
 from helpers.partial_model_scope import batch, bf16, hf_loss, train_both
@@ -59,6 +60,39 @@ def test_outputs_are_copies_a_kept_loss_survives_the_next_step():
         hf_loss(model, *second, use_cache=False).backward()
         assert mgr.stats()["replayed"] == 2
         assert torch.equal(kept.detach(), kept_value)
+    finally:
+        mgr.close()
+
+
+def test_logits_no_recorded_backward_reached_get_no_buffer_and_a_later_use_is_refused():
+    # The recorded step's loss is HF's own: the logits beside it get no gradient from
+    # the caller, so the graph holds no incoming-gradient buffer of the logits' size.
+    model = bf16("llama")
+    ref = copy.deepcopy(model)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    first, second = batch(gen, pad=1), batch(gen, pad=2)
+    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
+    try:
+        mgr.start_recording()
+        hf_loss(model, *first, use_cache=False).backward()
+        hf_loss(ref, *first, use_cache=False).backward()
+        mgr.capture()
+        graphs = mgr.recordings[0].variants[0].graph.graphs
+        assert graphs.unreached_outputs == (1,)
+        assert graphs.static_grad_outputs[0] is not None
+        assert graphs.static_grad_outputs[1] is None
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        out = model(input_ids=second[0], attention_mask=second[1], labels=second[2])
+        with pytest.raises(UncapturedGradientError, match="captured as getting none"):
+            (out.loss + out.logits.float().square().mean()).backward()
+        model.zero_grad(set_to_none=True)
+        # The next loss-only step replays and is eager's.
+        hf_loss(model, *second, use_cache=False).backward()
+        hf_loss(ref, *second, use_cache=False).backward()
+        assert mgr.stats()["replayed"] == 2
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), name
     finally:
         mgr.close()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,12 @@ from ..memory import MemoryMeter
 from ..moe_kernels import check_grouped_mm_experts
 from ..settings import DISABLE_ENV, graphs_disabled
 from .canonicalize import GraphPlan, canonicalize, check_devices
-from .capture_phase import CaptureOptions, capture_plan, eager_entry_graphs
+from .capture_phase import (
+    CaptureOptions,
+    capture_plan,
+    check_unreached_outputs,
+    eager_entry_graphs,
+)
 from .grad_targets import GradTargets, prepare_grad_targets
 from .graphed import GraphedCallable
 from .runtime import EntryGraphs
@@ -140,6 +145,7 @@ def make_graphed_callables(
     accumulate_grads_in_graph: bool = False,
     main_grad_attr: str | None = None,
     _buffer_sharing: BufferSharing | None = None,
+    _unreached_outputs: Mapping[int, Iterable[int]] | None = None,
 ) -> Any:
     """Graph modules or functions: forward (and in training backward) CUDA graphs,
     replayed behind an autograd node.
@@ -227,6 +233,12 @@ def make_graphed_callables(
             buffers of equal shapes, inputs that are an earlier entry's output); for
             layers replayed in capture order each step, as partial graphs' are. Not
             with ``_reuse_graph_input_output_buffers``.
+        _unreached_outputs: per entry index, the positions among its tensor outputs
+            that no backward reaches (an HF model's logits beside its loss, as partial
+            graphs' recorded step sees): their backward graph gets no incoming-gradient
+            buffer for them and does not read one, and a backward that reaches one
+            raises :class:`~cudagraphs.errors.UncapturedGradientError`
+            (:func:`~cudagraphs.core.capture_phase.check_unreached_outputs`).
 
     Returns:
         One result per entry (a single one when one callable was passed). A module
@@ -298,6 +310,7 @@ def make_graphed_callables(
             f"main_grad_attr must be an attribute name, got {main_grad_attr!r}"
         )
     sharing = check_sharing(_buffer_sharing, len(plan.entries), ordered=_order is not None)
+    unreached = check_unreached_outputs(_unreached_outputs, len(plan.entries))
     if sharing is not None and plan.buffer_slots is not None:
         raise CudaGraphsValueError(
             "_buffer_sharing and _reuse_graph_input_output_buffers both decide which "
@@ -340,6 +353,7 @@ def make_graphed_callables(
             clone_param_grads_on_return=clone_param_grads_on_return,
             grad_targets=grad_targets,
             sharing=sharing,
+            unreached=unreached,
         )
         watch = CompileWatch.start(device.index)
         try:

@@ -8,6 +8,7 @@ before ``capture_into_graph`` is entered, post-hooks after it returned.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..capture import GraphMemoryPool, capture_into_graph
+from ..errors import CudaGraphsTypeError, CudaGraphsValueError
 from .canonicalize import EntrySpec, GraphPlan
 from .grad_staging import GradStaging
 from .grad_targets import GradTargets
@@ -40,6 +42,8 @@ class CaptureOptions:
     sharing: BufferSharing | None = None  # buffers shared beyond the pool (.sharing)
     # Owned mode: where backward graphs leave their parameter gradients (.grad_staging).
     staging: GradStaging | None = None
+    # Per entry: the tensor outputs no backward reaches (check_unreached_outputs).
+    unreached: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
 def _describe(plan: GraphPlan, entry_index: int) -> str:
@@ -171,6 +175,8 @@ class BackwardCapture:
     grad_targets: GradTargets | None = None
     pool_bytes: int = 0  # as ForwardCapture's
     new_buffer_bytes: int = 0  # incoming-gradient buffers made for it (not shared ones)
+    # Differentiable tensor outputs captured as getting no gradient (no buffer).
+    unreached_outputs: tuple[int, ...] = ()
 
 
 @dataclass
@@ -205,6 +211,7 @@ class _Pending:
                 static_grad_outputs=self.backward.static_grad_outputs,
                 static_grad_inputs=self.backward.static_grad_inputs,
                 grad_targets=self.backward.grad_targets,
+                unreached_outputs=self.backward.unreached_outputs,
                 pool_bytes=fields.get("pool_bytes", 0) + self.backward.pool_bytes,
                 buffer_bytes=fields["buffer_bytes"] + self.backward.new_buffer_bytes,
             )
@@ -240,6 +247,63 @@ def _capture_forward(
         out_differentiable=tuple(out_leaves[i].requires_grad for i in positions),
         pool_bytes=grown,
     )
+
+
+def check_unreached_outputs(value: object, n_entries: int) -> dict[int, frozenset[int]]:
+    """``_unreached_outputs`` as ``make_graphed_callables`` takes it: per entry index,
+    the positions among the entry's tensor outputs that no backward reaches (their
+    backward graph gets no incoming-gradient buffer for them, and a backward that does
+    reach one raises :class:`~cudagraphs.errors.UncapturedGradientError`). ``None``:
+    every output may be reached.
+
+    Raises:
+        CudaGraphsTypeError: not a mapping of ints to collections of ints.
+        CudaGraphsValueError: an entry index out of range, or a negative position.
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise CudaGraphsTypeError(
+            f"_unreached_outputs must be a mapping of entry index to output positions, "
+            f"got {type(value).__name__}"
+        )
+    out: dict[int, frozenset[int]] = {}
+    for entry, positions in value.items():
+        if not isinstance(entry, int) or isinstance(entry, bool):
+            raise CudaGraphsTypeError(f"_unreached_outputs: entry index {entry!r} is not an int")
+        if not 0 <= entry < n_entries:
+            raise CudaGraphsValueError(
+                f"_unreached_outputs: entry {entry} is out of range (there are {n_entries} entries)"
+            )
+        if isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
+            raise CudaGraphsTypeError(
+                f"_unreached_outputs[{entry}] must be a collection of output positions, "
+                f"got {type(positions).__name__}"
+            )
+        items = tuple(positions)
+        bad = [p for p in items if not isinstance(p, int) or isinstance(p, bool) or p < 0]
+        if bad:
+            raise CudaGraphsValueError(
+                f"_unreached_outputs[{entry}]: {bad} are not output positions (ints >= 0)"
+            )
+        out[entry] = frozenset(items)
+    return out
+
+
+def check_unreached_fits(unreached: frozenset[int], forward: ForwardCapture, name: str) -> None:
+    """Refuse positions past the tensor outputs the forward capture made.
+
+    Raises:
+        CudaGraphsValueError: naming the entry, the positions and the output count.
+    """
+    count = len(forward.out_tensor_positions)
+    past = sorted(p for p in unreached if p >= count)
+    if past:
+        raise CudaGraphsValueError(
+            f"{name}: _unreached_outputs names output positions {past}, but the call "
+            f"returns {count} tensor(s). Fix: name positions among its tensor outputs, "
+            "in the order torch.utils._pytree flattens them."
+        )
 
 
 def _grad_output_buffers(
@@ -294,14 +358,17 @@ def _capture_backward(
     opts: CaptureOptions,
     shared: list | None = None,
     targets: GradTargets | None = None,
+    unreached: frozenset[int] = frozenset(),
 ) -> BackwardCapture:
     outs = forward.tensor_outputs
     positions, diff_inputs = differentiable_inputs(inputs["static_inputs"], inputs["params"])
-    diff_outs = [o for o, d in zip(outs, forward.out_differentiable) if d]
+    skipped = tuple(i for i, d in enumerate(forward.out_differentiable) if d and i in unreached)
+    wanted = tuple(d and i not in unreached for i, d in enumerate(forward.out_differentiable))
+    diff_outs = [o for o, w in zip(outs, wanted) if w]
     if not diff_outs or not diff_inputs:
-        return BackwardCapture(diff_input_positions=tuple(positions))
+        return BackwardCapture(diff_input_positions=tuple(positions), unreached_outputs=skipped)
     # Incoming gradients are copied into these before each backward replay.
-    static_grad_outputs, made = _grad_output_buffers(outs, forward.out_differentiable, shared)
+    static_grad_outputs, made = _grad_output_buffers(outs, wanted, shared)
     grad_outputs = [s for s in static_grad_outputs if s is not None]
     n_diff = len(positions)
 
@@ -336,6 +403,7 @@ def _capture_backward(
         grad_targets=targets,
         pool_bytes=torch.cuda.memory_reserved(opts.stream.device) - before,
         new_buffer_bytes=sum(_nbytes(b) for b in grad_outputs) if made else 0,
+        unreached_outputs=skipped,
     )
 
 
@@ -407,7 +475,11 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
                 elif share_grads:
                     shared = slot_grad_outputs.setdefault(grad_output_key(p.forward), [])
                 targets = opts.grad_targets[step.callable_index] if opts.grad_targets else None
-                p.backward = _capture_backward(p.inputs, p.forward, opts, shared, targets)
+                unreached = opts.unreached.get(step.entry, frozenset())
+                check_unreached_fits(unreached, p.forward, p.inputs["name"])
+                p.backward = _capture_backward(
+                    p.inputs, p.forward, opts, shared, targets, unreached
+                )
                 if p.backward.graph is not None and not opts.retain_graph_in_backward:
                     # Drop the captured autograd graph that the static outputs still
                     # hang on to. It holds the parameters' AccumulateGrad nodes,

@@ -23,6 +23,7 @@ from ..errors import (
     CudaGraphInputError,
     GraphReleasedError,
     Mismatch,
+    UncapturedGradientError,
     describe_mismatches,
 )
 from ..torch_private import will_engine_execute_node
@@ -114,6 +115,9 @@ class EntryGraphs:
     untracked_params: tuple[tuple[str, torch.nn.Parameter], ...] = ()
     replay_keywords: ReplayKeywords | None = None  # keywords a call may add (te_compat)
     grad_targets: GradTargets | None = None  # in-graph accumulation of param grads
+    # Differentiable tensor outputs captured as getting no gradient (no incoming-gradient
+    # buffer, not read by the backward graph): a backward that reaches one raises.
+    unreached_outputs: tuple[int, ...] = ()
     lent: LentGrads | None = None  # the pool's registry of gradients lent to autograd
     eager_only: bool = False  # CUDAGRAPHS_DISABLE: validate calls, run them eagerly
     # Static inputs that are an earlier entry's static output (.sharing): (tensor
@@ -390,6 +394,7 @@ class EntryGraphs:
         output no gradient reached (:func:`stage_grad_outputs`). ``leaves`` holds each
         user input that is an autograd leaf (``None`` for the others)."""
         self.check_live()
+        self.check_reached(grads)
         n_inputs = len(self.static_inputs) + len(self.autograd_params)
         result: list[torch.Tensor | None] = [None] * n_inputs
         if self.bwd_graph is None:
@@ -427,6 +432,31 @@ class EntryGraphs:
         if self._param_grad_buffers:
             self._hand_out_param_grads(result)
         return result
+
+    def check_reached(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Raise :class:`~cudagraphs.errors.UncapturedGradientError` when a gradient
+        reached an output captured as getting none (``unreached_outputs``), before
+        anything is copied or replayed: the backward graph does not read it, so its
+        gradient would be dropped."""
+        reached = [i for i in self.unreached_outputs if i < len(grads) and grads[i] is not None]
+        if not reached:
+            return
+        leaves = [self.out_tensor_positions[i] for i in reached]
+        problems = [
+            Mismatch(f"output[{i}] (leaf {leaf})", "gradient", None, "a tensor")
+            for i, leaf in zip(reached, leaves)
+        ]
+        raise UncapturedGradientError(
+            describe_mismatches(
+                f"{self.name}: a backward pass gave a gradient to outputs captured as getting none",
+                problems,
+                "Its backward graph was captured without them (for partial graphs: the "
+                "recorded step's backward did not reach them), so their gradient would "
+                "be dropped. Fix: record a step whose loss uses these outputs and "
+                "capture again. The forward of this call replayed and is correct.",
+            ),
+            problems,
+        )
 
     def _hand_out_param_grads(self, result: list[torch.Tensor | None]) -> None:
         """Give autograd owned copies of the parameter gradients, made by one fused

@@ -70,6 +70,7 @@ __all__ = [
     "read_disabled",
     "release_cached",
     "replay_from_tensors",
+    "unreached_outputs",
 ]
 
 #: How a manager turns recorded calls into graphed callables:
@@ -80,7 +81,11 @@ TargetsBackend = Callable[[tuple, tuple, list], Sequence[Callable[..., Any]]]
 
 
 def _core_backend(
-    callables: tuple, sample_args: tuple, sample_kwargs: list, sharing: BufferSharing
+    callables: tuple,
+    sample_args: tuple,
+    sample_kwargs: list,
+    sharing: BufferSharing,
+    unreached: dict[int, frozenset[int]] | None = None,
 ) -> Sequence[Any]:
     # Lent gradients (.core.lent_grads), not owned copies: an owned copy is eager
     # memory that cannot take the place of the graphed targets' activations, dead in
@@ -93,6 +98,7 @@ def _core_backend(
         sample_kwargs=sample_kwargs,
         clone_param_grads_on_return=False,
         _buffer_sharing=sharing,
+        _unreached_outputs=unreached or None,
     )
     return result if isinstance(result, tuple) else (result,)
 
@@ -504,6 +510,19 @@ def capture_calls(
     return verdicts
 
 
+def unreached_outputs(group: list[Call]) -> dict[int, frozenset[int]]:
+    """Per call of ``group`` (by position), the outputs its recorded backwards never
+    reached (:meth:`~.recording.RecordedVariant.unreached_outputs`: whole model parts
+    only); calls with none are left out. The core captures their backward without
+    those outputs, and a later backward that reaches one raises."""
+    out = {}
+    for j, (rec, i) in enumerate(group):
+        positions = rec.variants[i].unreached_outputs()
+        if positions:
+            out[j] = positions
+    return out
+
+
 def _capture_group(
     group: list[Call],
     backend: TargetsBackend | None,
@@ -528,7 +547,13 @@ def _capture_group(
                 # of the user's gets the documented three arguments.
                 sharing = group_sharing(group)
                 graphed = list(
-                    _core_backend(tuple(functions), tuple(sample_args), sample_kwargs, sharing)
+                    _core_backend(
+                        tuple(functions),
+                        tuple(sample_args),
+                        sample_kwargs,
+                        sharing,
+                        unreached_outputs(group),
+                    )
                 )
             else:
                 graphed = list(backend(tuple(functions), tuple(sample_args), sample_kwargs))
