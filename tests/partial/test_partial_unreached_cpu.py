@@ -79,3 +79,52 @@ def test_inner_targets_are_not_watched(core):
         assert core.unreached and all(u is None for u in core.unreached)
     finally:
         mgr.close()
+
+
+# ---- RecordedVariant.watch_gradients, directly ----------------------------------------
+
+
+def test_watched_outputs_are_views_by_position_among_the_tensors_alone():
+    from cudagraphs.partial.recording import RecordedVariant
+
+    variant = RecordedVariant(args=None, kwargs=None)
+    a = torch.randn(2, requires_grad=True) * 1.0
+    frozen = torch.randn(2)
+    b = torch.randn(3, requires_grad=True) * 1.0
+    c = torch.randn(4, requires_grad=True) * 1.0
+    out = variant.watch_gradients({"a": a, "note": "text", "frozen": frozen, "b": b, "c": c})
+    # Tensor positions 0 (a), 2 (b), 3 (c) require grad; the string is no position and
+    # the frozen tensor is position 1, passed as it is.
+    assert variant.grad_outputs == {0, 2, 3}
+    assert out["note"] == "text" and out["frozen"] is frozen
+    for key, t in (("a", a), ("b", b), ("c", c)):
+        assert out[key] is not t and out[key]._base is t and torch.equal(out[key], t)
+    assert variant.unreached_outputs() == frozenset()  # no backward yet: nothing known
+    out["c"].sum().backward(retain_graph=True)
+    assert variant.unreached_outputs() == {0, 2}
+    # A gradient through the original tensor (inside the part) is not the caller's.
+    (b * 2).sum().backward()
+    assert variant.unreached_outputs() == {0, 2}
+    out["a"].sum().backward()
+    assert variant.unreached_outputs() == {2}
+
+
+def test_a_loss_computed_from_the_logits_alone_leaves_the_loss_unreached(core):
+    _, mgr, _ = _recorded(lambda m, x: m(input_ids=x, labels=x).logits.float().mean().backward())
+    try:
+        assert core.unreached == [{0: frozenset({0})}]
+    finally:
+        mgr.close()
+
+
+def test_every_hidden_state_beside_the_loss_is_left_unreached(core):
+    def step(m, x):
+        m(input_ids=x, labels=x, output_hidden_states=True).loss.backward()
+
+    model, mgr, ids = _recorded(step)
+    try:
+        out = model(input_ids=ids, labels=ids, output_hidden_states=True)
+        n = len(out.hidden_states)
+        assert core.unreached == [{0: frozenset(range(1, 2 + n))}]
+    finally:
+        mgr.close()

@@ -162,8 +162,6 @@ class RecordedVariant:
         self.args = self.kwargs = None
         self.params = ()
         self.chained = None
-        self.reached = None
-        self.grad_outputs = frozenset()
 
     def release(self) -> None:
         """Forget the graph and the samples."""
