@@ -16,7 +16,12 @@ from torch import nn
 
 from cudagraphs.core.canonicalize import canonicalize
 from cudagraphs.core.capture_phase import capture_plan, check_unreached_outputs
-from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError, UncapturedGradientError
+from cudagraphs.errors import (
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+    Mismatch,
+    UncapturedGradientError,
+)
 from helpers.stand_in_capture import StandInCapture, cpu_options
 
 
@@ -33,9 +38,18 @@ class LossAndLogits(nn.Module):
         return logits.square().mean(), logits
 
 
-def _captured(unreached, calls=None):
+class LogitsOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+def _captured(unreached, calls=None, module_type=None):
     torch.manual_seed(0)
-    module = LossAndLogits()
+    module = (module_type or LossAndLogits)()
     x = torch.randn(3, 4, requires_grad=True)
     plan = canonicalize((module,), ((x,),))
     real_grad = torch.autograd.grad
@@ -76,18 +90,38 @@ def test_without_unreached_outputs_every_differentiable_output_gets_a_buffer():
 def test_a_gradient_that_reaches_an_unreached_output_raises_before_the_replay():
     _, x, graphs = _captured({0: frozenset({1})})
     loss_grad, logits_grad = torch.ones(()), torch.ones(3, 6)
-    with pytest.raises(UncapturedGradientError, match=r"output\[1\]") as err:
+    with pytest.raises(UncapturedGradientError) as err:
         graphs.replay_backward((loss_grad, logits_grad), (x,))
-    assert "record a step whose loss uses these outputs" in str(err.value)
+    assert err.value.mismatches == [Mismatch("output[1] (leaf 1)", "gradient", None, "a tensor")]
+    text = str(err.value)
+    assert text.startswith(
+        "callables[0] (LossAndLogits): a backward pass gave a gradient to outputs captured as "
+        "getting none"
+    ), text
+    assert "output[1] (leaf 1)" in text and "record a step whose loss uses these outputs" in text
     # None there (autograd's "no gradient reached it") goes on to the backward graph:
     # the stand-in's graph says it was replayed.
     with pytest.raises(AssertionError, match="replayed"):
         graphs.replay_backward((loss_grad, None), (x,))
 
 
-def test_positions_past_the_outputs_are_refused_naming_the_count():
-    with pytest.raises(CudaGraphsValueError, match=r"positions \[5\].*returns 2 tensor"):
+def test_positions_past_the_outputs_are_refused_naming_the_entry_and_the_count():
+    with pytest.raises(CudaGraphsValueError, match=r"positions \[5\].*returns 2 tensor") as err:
         _captured({0: frozenset({1, 5})})
+    assert str(err.value).startswith("callables[0] (LossAndLogits): ")
+    # The first position past the end is refused too; the last one is not.
+    with pytest.raises(CudaGraphsValueError, match=r"positions \[2\]"):
+        _captured({0: frozenset({2})})
+    _captured({0: frozenset({1})})
+
+
+def test_a_call_whose_only_output_is_unreached_has_no_backward_graph_and_refuses_one():
+    _, x, graphs = _captured({0: frozenset({0})}, module_type=LogitsOnly)
+    assert graphs.bwd_graph is None and graphs.unreached_outputs == (0,)
+    with pytest.raises(UncapturedGradientError, match=r"output\[0\]"):
+        graphs.replay_backward((torch.ones(3, 6),), (x,))
+    # No gradient reached it: nothing to compute, no input gets one.
+    assert all(g is None for g in graphs.replay_backward((None,), (x,)))
 
 
 # ---- the argument ------------------------------------------------------------------
@@ -131,10 +165,31 @@ positions = st.one_of(
 def test_the_argument_is_checked_like_a_plain_reference(value, n):
     expected = _reference(value, n)
     if expected == "type":
-        with pytest.raises(CudaGraphsTypeError):
+        with pytest.raises(CudaGraphsTypeError) as err:
             check_unreached_outputs(value, n)
     elif expected == "value":
-        with pytest.raises(CudaGraphsValueError):
+        with pytest.raises(CudaGraphsValueError) as err:
             check_unreached_outputs(value, n)
     else:
         assert check_unreached_outputs(value, n) == expected
+        return
+    # What was wrong and where: the argument, and the entry or the type it got.
+    text = str(err.value)
+    assert text.startswith("_unreached_outputs"), text
+    if not isinstance(value, dict):
+        assert type(value).__name__ in text, text
+    else:
+        assert any(repr(k) in text or f"[{k}]" in text or f"entry {k}" in text for k in value)
+
+
+def test_each_refusal_names_what_it_got():
+    with pytest.raises(CudaGraphsTypeError, match="got list"):
+        check_unreached_outputs([1], 2)
+    with pytest.raises(CudaGraphsTypeError, match=r"entry index '0' is not an int"):
+        check_unreached_outputs({"0": [1]}, 2)
+    with pytest.raises(CudaGraphsValueError, match=r"entry 3 is out of range \(there are 2"):
+        check_unreached_outputs({3: [1]}, 2)
+    with pytest.raises(CudaGraphsTypeError, match=r"_unreached_outputs\[1\] must be .* got int"):
+        check_unreached_outputs({1: 5}, 2)
+    with pytest.raises(CudaGraphsValueError, match=r"_unreached_outputs\[0\]: \[-1\] are not"):
+        check_unreached_outputs({0: [1, -1]}, 2)

@@ -438,7 +438,7 @@ class EntryGraphs:
         reached an output captured as getting none (``unreached_outputs``), before
         anything is copied or replayed: the backward graph does not read it, so its
         gradient would be dropped."""
-        reached = [i for i in self.unreached_outputs if i < len(grads) and grads[i] is not None]
+        reached = [i for i in self.unreached_outputs if grads[i] is not None]
         if not reached:
             return
         leaves = [self.out_tensor_positions[i] for i in reached]
