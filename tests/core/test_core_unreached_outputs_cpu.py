@@ -182,6 +182,12 @@ def test_the_argument_is_checked_like_a_plain_reference(value, n):
         assert any(repr(k) in text or f"[{k}]" in text or f"entry {k}" in text for k in value)
 
 
+def test_position_zero_and_every_collection_kind_are_accepted():
+    assert check_unreached_outputs({0: [0]}, 1) == {0: frozenset({0})}
+    assert check_unreached_outputs({1: (0, 2), 0: {3}}, 2) == {1: frozenset({0, 2}), 0: {3}}
+    assert check_unreached_outputs(None, 3) == {} and check_unreached_outputs({}, 3) == {}
+
+
 def test_each_refusal_names_what_it_got():
     with pytest.raises(CudaGraphsTypeError, match="got list"):
         check_unreached_outputs([1], 2)
