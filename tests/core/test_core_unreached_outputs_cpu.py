@@ -199,3 +199,6 @@ def test_each_refusal_names_what_it_got():
         check_unreached_outputs({1: 5}, 2)
     with pytest.raises(CudaGraphsValueError, match=r"_unreached_outputs\[0\]: \[-1\] are not"):
         check_unreached_outputs({0: [1, -1]}, 2)
+    for bad in (True, 1.5, "1"):
+        with pytest.raises(CudaGraphsValueError, match=r"are not output positions"):
+            check_unreached_outputs({0: [0, bad]}, 1)
