@@ -4,6 +4,7 @@ restored, and the manager turning off a target whose graph loses."""
 
 import functools
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -187,6 +188,53 @@ def test_forward_backward_passes_keywords_and_skips_what_has_no_gradient():
     assert x.grad is None and unused.grad is None
 
 
+def test_forward_backward_leaves_out_the_unreached_outputs_by_tensor_position():
+    # A loss and the logits beside it, the logits unreached (tensor position 2: the
+    # frozen tensor before them counts, the plain value does not).
+    x = torch.randn(3, requires_grad=True)
+    seen = []
+    x.register_hook(lambda g: seen.append(g.clone()))
+
+    def fn(a):
+        logits = a * 3.0
+        return {"loss": (a * 2.0).sum(), "n": 7, "frozen": a.detach(), "logits": logits}
+
+    forward_backward(fn, (x,), {}, frozenset({2}))()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((3,), 2.0))
+    seen.clear()
+    forward_backward(fn, (x,), {})()
+    assert torch.equal(seen[0], torch.full((3,), 5.0))  # the logits' ones add 3 each
+
+
+def test_the_speed_check_backpropagates_what_the_graph_was_captured_for(monkeypatch):
+    # Both sides time the backward the graph has: with the logits unreached, a graph
+    # whose backward refused them would otherwise fail the speed check.
+    from cudagraphs.partial import speed as speed_module
+
+    seen = []
+    real = speed_module.forward_backward
+
+    def spy(fn, args, kwargs, unreached=frozenset()):
+        seen.append(unreached)
+        return real(fn, args, kwargs, unreached)
+
+    monkeypatch.setattr(speed_module, "forward_backward", spy)
+    variant = SimpleNamespace(args=(torch.randn(2, requires_grad=True),), kwargs={})
+    variant.unreached_outputs = lambda: frozenset({1})
+    rec = SimpleNamespace(
+        variants=[variant],
+        contracts=SimpleNamespace(variants=[SimpleNamespace(grad_enabled=True)]),
+        capture_params=lambda i: (),
+    )
+    check = SpeedCheck(rounds=1, iters=1, warmup=0, synchronize=lambda: None)
+
+    def fn(params, t):
+        return t.sum(), t * 2
+
+    speed_module.measure_group(check, [(rec, 0)], [fn], [fn])
+    assert seen == [frozenset({1}), frozenset({1})]
+
+
 def test_forward_backward_runs_only_the_forward_when_no_input_needs_grad():
     w = torch.randn(3, requires_grad=True)  # read inside, not passed: no input needs grad
     calls = []
@@ -209,9 +257,9 @@ class _Param:
 def _recording(name, grad_enabled, variant_args, calls):
     """A recording with one variant per args tuple; its graph and graphed function
     (``eager``) record calls."""
-    from types import SimpleNamespace
-
-    variants = [SimpleNamespace(args=a, kwargs={}) for a in variant_args]
+    variants = [
+        SimpleNamespace(args=a, kwargs={}, unreached_outputs=frozenset) for a in variant_args
+    ]
     contracts = SimpleNamespace(
         variants=[SimpleNamespace(grad_enabled=grad_enabled) for _ in variant_args]
     )

@@ -60,11 +60,15 @@ class SpeedVerdict:
         return self.graph_ms > self.eager_ms
 
 
-def forward_backward(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[[], None]:
+def forward_backward(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, unreached: frozenset[int] = frozenset()
+) -> Callable[[], None]:
     """A call of ``fn(*args, **kwargs)`` followed by the gradients of its outputs with
     respect to every input that requires grad (``torch.autograd.grad``: no ``.grad``
-    is written). Outputs that do not require grad are left out; with none, only the
-    forward runs (an inference variant)."""
+    is written). Outputs that do not require grad are left out, and so are the tensor
+    outputs at the positions ``unreached`` names (those no recorded backward reached:
+    the graph was captured without them, and a real step's backward does not reach
+    them either); with none left, only the forward runs (an inference variant)."""
     inputs = [
         t
         for t in pytree.tree_leaves((args, kwargs))
@@ -73,9 +77,8 @@ def forward_backward(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Calla
 
     def run() -> None:
         out = fn(*args, **kwargs)
-        outs = [
-            t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = [t for i, t in enumerate(tensors) if t.requires_grad and i not in unreached]
         if outs and inputs:
             torch.autograd.grad(
                 outs, inputs, grad_outputs=[torch.ones_like(t) for t in outs], allow_unused=True
@@ -163,9 +166,11 @@ def measure_group(setting: SpeedCheck | bool, group: list, graphed: list, functi
         if not contract.grad_enabled or (setting is True and not on_cuda):
             continue
         call = ((tuple(rec.capture_params(i)), *variant.args), variant.kwargs)
+        # The same backward on both sides: the one the graph was captured for.
+        unreached = variant.unreached_outputs()
         verdict = check.measure(
-            forward_backward(graph, *chained_call(graph, *call)),
-            forward_backward(eager, *call),
+            forward_backward(graph, *chained_call(graph, *call), unreached),
+            forward_backward(eager, *call, unreached),
         )
         verdicts.append((rec, verdict))
     return verdicts
