@@ -83,7 +83,10 @@ def test_logits_no_recorded_backward_reached_get_no_buffer_and_a_later_use_is_re
         assert graphs.static_grad_outputs[1] is None
         for m in (model, ref):
             m.zero_grad(set_to_none=True)
-        out = model(input_ids=second[0], attention_mask=second[1], labels=second[2])
+        out = model(
+            input_ids=second[0], attention_mask=second[1], labels=second[2], use_cache=False
+        )
+        assert mgr.stats()["replayed"] == 1  # the forward replayed; its backward is refused
         with pytest.raises(UncapturedGradientError, match="captured as getting none"):
             (out.loss + out.logits.float().square().mean()).backward()
         model.zero_grad(set_to_none=True)
