@@ -212,6 +212,7 @@ SCRIPTS = {
     "moe_fp32_facts": "probes/moe_fp32_facts.py",
     "fp8_rowwise_curves": "probes/fp8_rowwise_curves.py",
     "serving_compiles": "probes/serving_compiles.py",
+    "fp8_loss_regime": "probes/fp8_loss_regime.py",
 }
 
 
