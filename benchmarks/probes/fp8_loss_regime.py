@@ -5,7 +5,8 @@ Run from the repository root on the GPU machine:
 
     PYTHONPATH=src python benchmarks/probes/fp8_loss_regime.py [LR ...]
 
-For each learning rate (default ``1e-5``, a tenth of the benchmark's) it runs
+For each learning rate (default ``1e-5``, a tenth of the timed steps'; the
+benchmark's loss check now runs there) it runs
 ``train_fp8.loss_curve`` (200 graphed compiled steps from the seed's weights over the
 benchmark's 8 fixed batches) for bf16 twice and for each float8 recipe once, and
 records each curve's SQNR against the first bf16 run in dB, every 20th loss and the
@@ -49,11 +50,10 @@ def main(argv: list[str]) -> None:
         "by_lr": {},
     }
     for lr in lrs:
-        train_fp8.LR = lr  # build() reads the module's LR when it makes the optimizer
         curves, per = {}, {"sqnr_db": {}, "curves": {}}
         for name, recipe in CURVES:
             v = train_fp8.Variant(name, recipe, compiled=True, graphed=True)
-            curves[name] = train_fp8.loss_curve(v, data)
+            curves[name] = train_fp8.loss_curve(v, data, lr)
             c = curves[name]
             per["curves"][name] = [round(x, 5) for x in c[::20]] + [round(x, 5) for x in c[-3:]]
             if name != "bf16":

@@ -103,3 +103,29 @@ def test_without_a_gpu_the_benchmark_says_so_and_measures_nothing(fp8, capsys):
     assert fp8.main([]) == 0
     assert fp8.main(["--require-gpu"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_loss_curve_trains_at_the_loss_check_rate_not_the_timed_one(fp8, monkeypatch):
+    # The SQNR is read in a regime where bf16 repeats itself: a curve's optimizer gets
+    # LOSS_LR (or the rate asked for), and the timed steps keep LR.
+    seen: list[float] = []
+
+    class Stub:
+        def step(self, *batch):
+            return 0.5
+
+        def release(self):
+            pass
+
+    def fake_build(v, data, lr=fp8.LR):
+        seen.append(lr)
+        return Stub()
+
+    monkeypatch.setattr(fp8, "build", fake_build)
+    monkeypatch.setattr(fp8, "free_memory", lambda: None)
+    v = fp8.Variant("graphed_bf16_compiled", None, True, True)
+    curve = fp8.loss_curve(v, [(None, None)])
+    assert curve == [0.5] * fp8.LOSS_STEPS
+    fp8.loss_curve(v, [(None, None)], 3e-6)
+    assert seen == [fp8.LOSS_LR, 3e-6]
+    assert fp8.LOSS_LR < fp8.LR
