@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One device call per phase, sized for the 10-minute limit of a call.
+# Usage (repository root, on the GPU machine): benchmarks/device_session.sh PHASE COMMIT [LABEL]
+#   suite        every -m cuda test, core and partial first, per folder (about 390 s)
+#   memory       memory.py on small and mid three times, then the largest-batch search (about 340 s)
+#   fp8          train_fp8.py once (about 230 s on an H200)
+#   serving      serving_hf.py on Llama without the startup children (about 300 s)
+#   hf_compiled  train_step_hf.py: eager, ours, ours compiled, torch's two compiled recipes
+#   compute      train_step.py --configs compute_bound --regimes set_to_none, compiled variants
+# Wheels the machine lacks go in .wheels-dir (default .whl), installed into /tmp/site
+# first. JSONs land in $OUT (or OUT_DIR), logs in $OUT/logs.tgz.
+set -u
+phase=${1:?usage: benchmarks/device_session.sh PHASE COMMIT [LABEL]}
+commit=${2:?usage: benchmarks/device_session.sh PHASE COMMIT [LABEL]}
+label=${3:-run1}
+out=${OUT:-${OUT_DIR:-/tmp/device-out}}
+wheels=${WHEELS:-.whl}
+mkdir -p "$out/logs"
+if ls "$wheels"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$wheels"/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=src:/tmp/site
+else
+    export PYTHONPATH=src
+fi
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
+common=(--require-gpu --out "$out/" --commit "$commit")
+t0=$(date +%s)
+say() { echo "== $1 rc=$2 t=$(( $(date +%s) - t0 ))s"; }
+bench() {  # bench LOG LIMIT SCRIPT ARGS...
+    local log=$1 limit=$2; shift 2
+    timeout "$limit" python "$@" > "$out/logs/$log.log" 2>&1
+    local rc=$?
+    say "$log" "$rc"
+    tail -2 "$out/logs/$log.log" | cut -c1-400
+}
+case $phase in
+suite)
+    for d in tests/core tests/partial tests/train tests/serving tests/capture tests/program \
+        tests/integrations tests/distributed tests/benchmarks "tests/test_*.py"; do
+        name=$(echo "$d" | tr '/*.' '___')
+        # shellcheck disable=SC2086  # the last entry is a glob
+        timeout "${SUITE_LIMIT:-170}" python -m pytest -q -m cuda -p no:cacheprovider $d \
+            > "$out/logs/$name.log" 2>&1
+        rc=$?
+        say "$d" "$rc"
+        tail -1 "$out/logs/$name.log"
+        grep -E "^(FAILED|ERROR)" "$out/logs/$name.log" | head -8
+    done ;;
+memory)
+    for r in run1 run2 run3; do
+        bench "memory-$r" 170 benchmarks/memory.py "${common[@]}" --shapes small,mid --jobs 6 --run-label "$r"
+    done
+    bench memory-search 200 benchmarks/memory.py "${common[@]}" --shapes "" --search --jobs 6 --run-label search1 ;;
+fp8)
+    bench "fp8-$label" 560 benchmarks/train_fp8.py "${common[@]}" --run-label "$label" ;;
+serving)
+    bench "serving-$label" 560 benchmarks/serving_hf.py "${common[@]}" --models llama --skip-startup --run-label "$label" ;;
+hf_compiled)
+    bench "hf-$label" 560 benchmarks/train_step_hf.py "${common[@]}" --run-label "$label" --variants \
+        cudagraphs_train_step cudagraphs_train_step_compiled \
+        torch_compile_reduce_overhead_compiled_optimizer \
+        torch_compile_max_autotune_no_cudagraphs_compiled_optimizer ;;
+compute)
+    bench "compute-$label" 560 benchmarks/train_step.py "${common[@]}" --run-label "$label" \
+        --configs compute_bound --regimes set_to_none --variants \
+        cudagraphs_train_step cudagraphs_train_step_compiled \
+        torch_compile_reduce_overhead_compiled_optimizer \
+        torch_compile_max_autotune_no_cudagraphs_compiled_optimizer ;;
+*)
+    echo "unknown phase $phase"; exit 2 ;;
+esac
+tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
