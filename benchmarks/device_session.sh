@@ -6,6 +6,7 @@
 #   fp8          train_fp8.py once (about 230 s on an H200)
 #   serving      serving_hf.py on Llama without the startup children (about 300 s)
 #   hf_compiled  train_step_hf.py: eager, ours, ours compiled, torch's two compiled recipes
+#                (HF_MODELS=llama to run one model, should both not fit a call)
 #   compute      train_step.py --configs compute_bound --regimes set_to_none, compiled variants
 # Wheels the machine lacks go in .wheels-dir (default .whl), installed into /tmp/site
 # first. JSONs land in $OUT (or OUT_DIR), logs in $OUT/logs.tgz.
@@ -57,7 +58,9 @@ fp8)
 serving)
     bench "serving-$label" 560 benchmarks/serving_hf.py "${common[@]}" --models llama --skip-startup --run-label "$label" ;;
 hf_compiled)
-    bench "hf-$label" 560 benchmarks/train_step_hf.py "${common[@]}" --run-label "$label" --variants \
+    # shellcheck disable=SC2086  # HF_MODELS is a list
+    bench "hf-$label" 560 benchmarks/train_step_hf.py "${common[@]}" --run-label "$label" \
+        --models ${HF_MODELS:-llama qwen3_moe} --variants \
         cudagraphs_train_step cudagraphs_train_step_compiled \
         torch_compile_reduce_overhead_compiled_optimizer \
         torch_compile_max_autotune_no_cudagraphs_compiled_optimizer ;;
