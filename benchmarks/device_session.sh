@@ -8,6 +8,7 @@
 #   hf_compiled  train_step_hf.py: eager, ours, ours compiled, torch's two compiled recipes
 #                (HF_MODELS=llama to run one model, should both not fit a call)
 #   compute      train_step.py --configs compute_bound --regimes set_to_none, compiled variants
+#   sdpa_probe   probes/serving_compiles.py --backends: where the batch-of-one recompile comes from
 # Wheels the machine lacks go in .wheels-dir (default .whl), installed into /tmp/site
 # first. JSONs land in $OUT (or OUT_DIR), logs in $OUT/logs.tgz.
 set -u
@@ -70,6 +71,8 @@ compute)
         cudagraphs_train_step cudagraphs_train_step_compiled \
         torch_compile_reduce_overhead_compiled_optimizer \
         torch_compile_max_autotune_no_cudagraphs_compiled_optimizer ;;
+sdpa_probe)
+    OUT=$out bench "sdpa-probe" 560 benchmarks/probes/serving_compiles.py --backends ;;
 *)
     echo "unknown phase $phase"; exit 2 ;;
 esac
