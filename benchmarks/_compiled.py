@@ -12,7 +12,9 @@ not taken for the previous one's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import argparse
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,60 @@ import cudagraphs
 from _report import timed_setup
 
 WARM_STEPS = 3  # compiles, then (reduce-overhead) warmup and recording
+
+
+# ---- inductor settings for the whole run (every compiled variant alike) ---------------
+
+
+def parse_inductor_config(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["triton.enable_pdl=True", "combo_kernels=1"]`` as a dict of inductor config
+    keys to Python values: ``True``/``False``, then ``int``, then ``float``, else the
+    string. Raises ``ValueError`` naming a pair without ``=`` or with an empty key."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--inductor-config takes KEY=VALUE pairs; got {pair!r}")
+        out[key] = _value(raw.strip())
+    return out
+
+
+def _value(raw: str) -> Any:
+    if raw in ("True", "true"):
+        return True
+    if raw in ("False", "false"):
+        return False
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def add_inductor_config_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--inductor-config",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="inductor settings for every compiled variant of the run, e.g. "
+        "triton.enable_pdl=True combo_kernels=True (recorded in settings)",
+    )
+
+
+@contextlib.contextmanager
+def inductor_config(settings: dict[str, Any]) -> Iterator[None]:
+    """Every compile inside runs with ``settings`` patched into inductor's config (an
+    unknown key raises before anything runs); nothing when empty."""
+    if not settings:
+        yield
+        return
+    import torch._inductor.config as config
+
+    with config.patch(settings):
+        yield
 
 
 @dataclass

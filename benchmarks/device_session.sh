@@ -9,6 +9,8 @@
 #                (HF_MODELS=llama to run one model, should both not fit a call)
 #   compute      train_step.py --configs compute_bound --regimes set_to_none, compiled variants
 #   sdpa_probe   probes/serving_compiles.py --backends: where the batch-of-one recompile comes from
+#   inductor     train_step.py launch_bound, compiled variants, without and then with
+#                INDUCTOR (default "triton.enable_pdl=True"), one machine: the node gaps
 # Wheels the machine lacks go in .wheels-dir (default .whl), installed into /tmp/site
 # first. JSONs land in $OUT (or OUT_DIR), logs in $OUT/logs.tgz.
 set -u
@@ -71,6 +73,14 @@ compute)
         cudagraphs_train_step cudagraphs_train_step_compiled \
         torch_compile_reduce_overhead_compiled_optimizer \
         torch_compile_max_autotune_no_cudagraphs_compiled_optimizer ;;
+inductor)
+    lb=(--configs launch_bound --regimes set_to_none --variants cudagraphs_train_step
+        cudagraphs_train_step_compiled torch_compile_reduce_overhead_compiled_optimizer)
+    bench "inductor-base-$label" 270 benchmarks/train_step.py "${common[@]}" "${lb[@]}" \
+        --run-label "lb-base-$label"
+    # shellcheck disable=SC2086  # INDUCTOR is a list of KEY=VALUE pairs
+    bench "inductor-set-$label" 270 benchmarks/train_step.py "${common[@]}" "${lb[@]}" \
+        --run-label "lb-inductor-$label" --inductor-config ${INDUCTOR:-triton.enable_pdl=True} ;;
 sdpa_probe)
     OUT=$out bench "sdpa-probe" 560 benchmarks/probes/serving_compiles.py --backends ;;
 *)

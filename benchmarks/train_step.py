@@ -110,7 +110,13 @@ from _checks import (  # noqa: E402
     launch_gaps_us,
     ratio,
 )
-from _compiled import ours_compiled, torch_compiled_recipe  # noqa: E402
+from _compiled import (  # noqa: E402
+    add_inductor_config_argument,
+    inductor_config,
+    ours_compiled,
+    parse_inductor_config,
+    torch_compiled_recipe,
+)
 from _report import (  # noqa: E402
     add_common_arguments,
     add_round_arguments,
@@ -943,9 +949,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=list(VARIANTS),
         help="eager and eager_repeat always run (the references)",
     )
+    add_inductor_config_argument(p)
     add_round_arguments(p)
     add_common_arguments(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.inductor = parse_inductor_config(args.inductor_config)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
 
 
 def settings(configs: list[BenchConfig], names: list[str]) -> dict:
@@ -981,22 +993,23 @@ def main(argv: list[str] | None = None) -> int:
     regimes = [r for r in REGIMES if r in args.regimes]
     names = variant_names(args.variants)
     report = environment(NAME, args.commit, args.run_label)
-    report["settings"] = settings(configs, names)
-    report["configs"] = {
-        c.name: {
-            "settings": c.describe(),
-            "regimes": {r: run_regime(c, r, names) for r in regimes},
+    report["settings"] = {**settings(configs, names), "inductor_config": args.inductor}
+    with inductor_config(args.inductor):
+        report["configs"] = {
+            c.name: {
+                "settings": c.describe(),
+                "regimes": {r: run_regime(c, r, names) for r in regimes},
+            }
+            for c in configs
         }
-        for c in configs
-    }
-    report["targets"] = all_targets(report["configs"])
-    # Written once before the profiler too, so a crash there keeps the timings.
-    write_report(NAME, report, args.out, final=False)
-    if not args.skip_kernel_busy:
-        profiling = time.perf_counter()
-        profile_all(configs, report)
         report["targets"] = all_targets(report["configs"])
-        report["kernel_busy_elapsed_s"] = round(time.perf_counter() - profiling, 1)
+        # Written once before the profiler too, so a crash there keeps the timings.
+        write_report(NAME, report, args.out, final=False)
+        if not args.skip_kernel_busy:
+            profiling = time.perf_counter()
+            profile_all(configs, report)
+            report["targets"] = all_targets(report["configs"])
+            report["kernel_busy_elapsed_s"] = round(time.perf_counter() - profiling, 1)
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     write_report(NAME, report, args.out, final=True)
     failed = failures(report)

@@ -62,7 +62,13 @@ from torch import nn  # noqa: E402
 import _report  # noqa: E402,F401  (first: puts this checkout's src on sys.path)
 import cudagraphs  # noqa: E402
 from _checks import fresh_kernel_busy, guard_steps, launch_gaps_us, ratio, relative_error  # noqa: E402
-from _compiled import ours_compiled, torch_compiled_recipe  # noqa: E402
+from _compiled import (  # noqa: E402
+    add_inductor_config_argument,
+    inductor_config,
+    ours_compiled,
+    parse_inductor_config,
+    torch_compiled_recipe,
+)
 from _report import (  # noqa: E402
     add_common_arguments,
     describe_error,
@@ -453,8 +459,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="eager always runs (the reference)",
     )
     p.add_argument("--skip-kernel-busy", action="store_true")
+    add_inductor_config_argument(p)
     add_common_arguments(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        args.inductor = parse_inductor_config(args.inductor_config)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,14 +489,18 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": WARMUP_STEPS,
         "step_time": step_time_method(SHUFFLE_SEED),
         "kernel_busy": kernel_busy_method(KERNEL_BUSY_ITERS, KERNEL_BUSY_WARMUP),
+        "inductor_config": args.inductor,
     }
     names = [EAGER, *(v for v in VARIANTS if v in args.variants and v != EAGER)]
     report["settings"]["variants"] = names
-    report["models"] = {m: run_model(m, names) for m in args.models}
-    report["targets"] = {k: v for r in report["models"].values() for k, v in r["targets"].items()}
-    write_report(NAME, report, args.out, final=False)
-    if not args.skip_kernel_busy:
-        profile_all(args.models, report)
+    with inductor_config(args.inductor):
+        report["models"] = {m: run_model(m, names) for m in args.models}
+        report["targets"] = {
+            k: v for r in report["models"].values() for k, v in r["targets"].items()
+        }
+        write_report(NAME, report, args.out, final=False)
+        if not args.skip_kernel_busy:
+            profile_all(args.models, report)
     report["targets"] = {k: v for r in report["models"].values() for k, v in r["targets"].items()}
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     write_report(NAME, report, args.out, final=True)
