@@ -4,7 +4,8 @@
 #   suite        every -m cuda test, core and partial first, per folder (about 390 s)
 #   memory       memory.py on small and mid three times, then the largest-batch search (about 340 s)
 #   fp8          train_fp8.py once (about 230 s on an H200)
-#   serving      serving_hf.py on Llama without the startup children (about 300 s)
+#   serving      serving_hf.py on Llama without the startup children (about 300 s);
+#                INDUCTOR set: with --inductor-config $INDUCTOR (HF's compile and ours alike)
 #   hf_compiled  train_step_hf.py: eager, ours, ours compiled, torch's two compiled recipes
 #                (HF_MODELS=llama to run one model, should both not fit a call)
 #   compute      train_step.py --configs compute_bound --regimes set_to_none, compiled variants
@@ -59,7 +60,11 @@ memory)
 fp8)
     bench "fp8-$label" 560 benchmarks/train_fp8.py "${common[@]}" --run-label "$label" ;;
 serving)
-    bench "serving-$label" 560 benchmarks/serving_hf.py "${common[@]}" --models llama --skip-startup --run-label "$label" ;;
+    extra=()
+    # shellcheck disable=SC2206  # INDUCTOR is a list of KEY=VALUE pairs
+    if [ -n "${INDUCTOR:-}" ]; then extra=(--inductor-config $INDUCTOR); fi
+    bench "serving-$label" 560 benchmarks/serving_hf.py "${common[@]}" --models llama --skip-startup \
+        --run-label "$label" "${extra[@]}" ;;
 hf_compiled)
     # shellcheck disable=SC2086  # HF_MODELS is a list
     bench "hf-$label" 560 benchmarks/train_step_hf.py "${common[@]}" --run-label "$label" \

@@ -1,4 +1,4 @@
-"""CPU tests of the train-step benchmarks' ``--inductor-config``: pairs parsed to Python
+"""CPU tests of the compiled benchmarks' ``--inductor-config``: pairs parsed to Python
 values (against a plain reference over random pairs), bad pairs refused by the
 argument parser with the pair named, and the settings patched into inductor's config
 for the run and restored after it, an unknown key refused."""
@@ -77,7 +77,7 @@ def test_a_pair_without_key_or_value_sign_is_refused_by_name(compiled, bad):
     assert repr(bad) in str(info.value)
 
 
-@pytest.mark.parametrize("bench", ["train_step", "train_step_hf"])
+@pytest.mark.parametrize("bench", ["train_step", "train_step_hf", "serving_hf"])
 def test_the_benchmarks_take_the_option_and_refuse_a_bad_pair(bench, capsys):
     mod = script(bench)
     args = mod.parse_args(["--inductor-config", "combo_kernels=True", "triton.enable_pdl=1"])
