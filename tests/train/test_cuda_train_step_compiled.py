@@ -1,7 +1,8 @@
 """GPU tests of compiled steps inside graph_train_step: a ``torch.compile``d model
 (inductor's kernels, mode="default") graphs with the fused optimizer in one graph and
-trains bit for bit like the same compiled model stepped eagerly; a step that still
-compiles before capture is refused by name, and the next good call works."""
+trains bit for bit like the same compiled model stepped eagerly, HF Llama and
+Qwen3-MoE (grouped_mm experts) included; a step that still compiles before capture is
+refused by name, and the next good call works."""
 
 import copy
 
@@ -13,6 +14,7 @@ from cudagraphs import CompiledCaptureError
 from cudagraphs.models import BlockConfig, make_block_stack
 from cudagraphs.train import prepare_optimizer
 from helpers.asserts import assert_bitwise_equal, contain_failed_capture
+from helpers.hf_models import tiny
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -71,6 +73,51 @@ def test_a_compiled_model_graphs_and_trains_like_its_eager_compiled_loop():
         assert_bitwise_equal(a, b, f"loss of step {i}")
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert_bitwise_equal(p.detach(), q.detach(), f"parameter {name}")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_compiled_hf_model_graphs_and_trains_like_its_eager_compiled_loop(family):
+    # The benchmarks' compiled HF step (train_step_hf): the model compiled whole, its
+    # own loss from labels, AdamW fused in the graph. Qwen3-MoE runs the grouped_mm
+    # experts, whose routing must compile without a host sync to be captured.
+    model = tiny(family).to("cuda", torch.bfloat16)
+    if family == "qwen3_moe":
+        model.set_experts_implementation("grouped_mm")
+    model.train()
+    ref = copy.deepcopy(model)
+    compiled, ref_compiled = torch.compile(model), torch.compile(ref)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    prepare_optimizer(ref_opt, "auto")
+    calls = [0]
+
+    def step_for(m, count):
+        def step(batch):
+            count[0] += 1
+            loss = m(input_ids=batch, labels=batch, use_cache=False).loss
+            loss.backward()
+            return loss
+
+        return step
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    data = [torch.randint(0, 128, (2, 32), generator=g).cuda() for _ in range(5)]
+    step = cudagraphs.graph_train_step(step_for(compiled, calls), data[0], optimizer=opt)
+    assert step.graphed and step.stats.compiled_frames >= 1
+    before = calls[0]
+    losses = [step(b).clone() for b in data]
+    assert calls[0] == before, "a graphed step ran step_fn's Python: it did not replay"
+    ref_step = step_for(ref_compiled, [0])
+    ref_losses = []
+    for b in data:
+        for p in ref.parameters():
+            p.grad = None
+        ref_losses.append(ref_step(b).detach())
+        ref_opt.step()
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_bitwise_equal(a, b, f"{family}: loss of step {i}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_bitwise_equal(p.detach(), q.detach(), f"{family}: parameter {name}")
 
 
 def test_a_step_that_recompiles_every_call_is_refused_and_the_next_good_one_graphs():
