@@ -13,44 +13,21 @@ error handling run as written.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from cudagraphs.capture import GraphMemoryPool
 from cudagraphs.train import prepare_optimizer
 from cudagraphs.train import step as step_module
 from cudagraphs.train.records import TrainStepOptions
 from cudagraphs.train.step import GraphedTrainStep
+from helpers.stand_in_train_step import CpuMeter, CpuPool
 from helpers.train_cpu import OPTIMIZERS, _assert_same_training, _batches, _eager_loop, _step_fn
 
 
 class PlantedError(RuntimeError):
     pass
-
-
-class CpuPool(GraphMemoryPool):
-    def capture_stream(self, device=None):
-        return SimpleNamespace(device=torch.device("cpu"))
-
-    @contextlib.contextmanager
-    def warmup_scope(self, device=None):
-        yield None
-
-    def handles(self):
-        return ()
-
-
-class _Meter:
-    @classmethod
-    def start(cls, device):
-        return cls()
-
-    def finish(self, handles, what=""):
-        return None
 
 
 @pytest.fixture
@@ -65,7 +42,7 @@ def cpu_capture(monkeypatch):
 
     monkeypatch.setattr(step_module, "require_cuda", lambda *a, **k: None)
     monkeypatch.setattr(GraphedTrainStep, "_device", lambda self: torch.device("cpu"))
-    monkeypatch.setattr(step_module, "MemoryMeter", _Meter)
+    monkeypatch.setattr(step_module, "MemoryMeter", CpuMeter)
     monkeypatch.setattr(step_module, "capture_step_graphs", failing_capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     return calls
