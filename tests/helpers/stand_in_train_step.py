@@ -26,24 +26,39 @@ from cudagraphs.capture import GraphMemoryPool
 
 
 class CpuPool(GraphMemoryPool):
+    """A pool whose streams and warmup scope do nothing; ``asked`` records each call
+    with the device it named, and ``stream`` is the one stream it hands out."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[tuple[str, object]] = []
+        self.stream = SimpleNamespace(device=torch.device("cpu"))
+
     def capture_stream(self, device=None):
-        return SimpleNamespace(device=torch.device("cpu"))
+        self.asked.append(("capture_stream", device))
+        return self.stream
 
     @contextlib.contextmanager
     def warmup_scope(self, device=None):
+        self.asked.append(("warmup_scope", device))
         yield None
 
     def handles(self):
-        return ()
+        return ("cpu-pool-handle",)
 
 
 class CpuMeter:
+    """The memory meter: its account says which device, handles and caller it got."""
+
+    def __init__(self, device):
+        self.device = device
+
     @classmethod
     def start(cls, device):
-        return cls()
+        return cls(device)
 
     def finish(self, handles, what=""):
-        return None
+        return SimpleNamespace(device=self.device, handles=handles, what=what)
 
 
 class ReplayingGraph:
@@ -83,6 +98,7 @@ class ReplayingCapture:
         self.optimizer = optimizer
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.graphs: list[ReplayingGraph] = []
+        self.places: list[tuple[object, object]] = []  # (pool, stream) of each capture
 
     def _values(self):
         state = [
@@ -94,6 +110,7 @@ class ReplayingCapture:
         return [*self.params, *state]
 
     def __call__(self, run, pool, *, stream=None, what="callable", **_):
+        self.places.append((pool, stream))
         creates = all(p.grad is None for p in self.params)
         before = [(t, t.detach().clone()) for t in self._values()]
         output = run()

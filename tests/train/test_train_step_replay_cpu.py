@@ -12,11 +12,17 @@ micro-batches, a released step) before any replay, with the next good call worki
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from cudagraphs import CudaGraphInputError, CudaGraphsStateError, CudaGraphsTypeError
+from cudagraphs import (
+    CudaGraphInputError,
+    CudaGraphsStateError,
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+)
 from cudagraphs.errors import GraphReleasedError
 from cudagraphs.train import prepare_optimizer, step_capture
 from cudagraphs.train import step as step_module
@@ -224,3 +230,65 @@ def test_step_fn_runs_only_in_warmup_and_capture_not_in_the_step_itself(replayin
     for i, b in enumerate(batches):
         step(b)
         assert calls[0] == 3 + capture.replays()["train step"] == 3 + i + 1
+
+
+def test_the_capture_runs_on_the_pools_stream_and_device_and_accounts_for_it(
+    replaying, monkeypatch, caplog
+):
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: synced.append(a))
+    model, opt, *_ = _pair("adamw")
+    capture = replaying(opt)
+    pool = CpuPool()
+    batches = _batches(2, seed=5)
+    with caplog.at_level("WARNING", logger="cudagraphs"):
+        step = graph_train_step(_step_fn(model), batches[0], optimizer=opt, pool=pool)
+    cpu = torch.device("cpu")
+    assert pool.asked == [("capture_stream", cpu), ("warmup_scope", cpu)]
+    assert capture.places == [(pool, pool.stream)]
+    assert synced == [(cpu,)], "the warmup's work is waited for on the step's device"
+    stats = step.stats
+    assert stats.memory.device == cpu and stats.memory.what == "graph_train_step"
+    assert stats.memory.handles == pool.handles()
+    assert (stats.graphs, stats.accumulation_steps, stats.all_reduce) == (1, 1, False)
+    assert 0 <= stats.warmup_seconds < 60 and 0 <= stats.capture_seconds < 60
+    assert (stats.compile_seconds, stats.compiled_frames, stats.graph_breaks) == (0.0, 0, 0)
+    assert stats.masks_built_in_capture == ()
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+
+
+def test_accumulated_losses_keep_the_losses_dtype(replaying):
+    model, opt, ref, ref_opt = _pair("adamw")
+    model.double()
+    ref.double()
+    capture = replaying(opt)
+    data = [(x.double(), y.double()) for x, y in _batches(4, seed=12)]
+    steps = [data[0:2], data[2:4]]
+    step = graph_train_step(
+        _step_fn(model), data[0], optimizer=opt, accumulation_steps=2, pool=CpuPool()
+    )
+    losses = [step(m).clone() for m in steps]
+    assert all(loss.dtype == torch.float64 for loss in losses)
+    assert capture.replays()["train step: update"] == 2
+    ref_losses = _eager_loop(_step_fn(ref), ref_opt, steps, accumulation=2)
+    _assert_same_training(model, opt, ref, ref_opt, losses, ref_losses)
+
+
+def _holding(*devices):
+    return SimpleNamespace(params=[SimpleNamespace(device=torch.device(d)) for d in devices])
+
+
+def test_the_step_runs_on_the_one_cuda_device_of_its_parameters():
+    assert GraphedTrainStep._device(_holding("cuda:1", "cuda:1")) == torch.device("cuda:1")
+    assert GraphedTrainStep._device(_holding("cuda:0")) == torch.device("cuda:0")
+
+
+@pytest.mark.parametrize(
+    "devices", [("cpu",), ("cpu", "cpu"), ("cuda:0", "cuda:1"), ("cuda:0", "cpu"), ("meta",)]
+)
+def test_parameters_off_cuda_or_on_several_devices_are_refused_naming_them(devices):
+    with pytest.raises(CudaGraphsValueError, match="one CUDA device") as info:
+        GraphedTrainStep._device(_holding(*devices))
+    for d in set(devices):
+        assert f"'{d}'" in str(info.value)
+    assert "model.cuda()" in str(info.value)
