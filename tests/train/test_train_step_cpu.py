@@ -56,6 +56,8 @@ def test_disabled_step_is_eager_and_equals_the_eager_loop(disabled, name):
     assert step.stats.accumulation_steps == 1
     assert step.stats.all_reduce is False
     assert step.stats.optimizer_changes == ()
+    assert (step.stats.warmup_seconds, step.stats.capture_seconds) == (0.0, 0.0)
+    assert step.stats.memory is None and step.stats.compile_seconds == 0.0
     assert step.grad_norm is None
     assert all(p.grad is None for p in model.parameters())  # nothing ran yet
     for p, q in zip(model.parameters(), initial):

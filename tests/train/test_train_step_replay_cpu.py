@@ -197,7 +197,7 @@ def test_a_wrong_number_of_micro_batches_is_refused_before_a_replay(replaying):
     )
     with pytest.raises(CudaGraphsTypeError, match="2 micro-batches; got a list of 3"):
         step(data)
-    with pytest.raises(CudaGraphsTypeError, match="got a Tensor"):
+    with pytest.raises(CudaGraphsTypeError, match="got a Tensor$"):
         step(data[0][0])
     assert set(capture.replays().values()) == {0}
     step(data[:2])
@@ -253,7 +253,7 @@ def test_the_capture_runs_on_the_pools_stream_and_device_and_accounts_for_it(
     assert (stats.graphs, stats.accumulation_steps, stats.all_reduce) == (1, 1, False)
     assert 0 <= stats.warmup_seconds < 60 and 0 <= stats.capture_seconds < 60
     assert (stats.compile_seconds, stats.compiled_frames, stats.graph_breaks) == (0.0, 0, 0)
-    assert stats.masks_built_in_capture == ()
+    assert stats.masks_built_in_capture == () and stats.optimizer_changes == ()
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
 
 
