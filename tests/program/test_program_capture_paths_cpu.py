@@ -1,0 +1,336 @@
+"""A program's capture paths on the CPU: ``capture_program`` (warmup, the input buffer,
+the capture or, graphs disabled, the eager stand-in), ``capture_function`` into its own
+pool and into a shared one, ``run_function_eagerly`` and ``CapturedProgram.stats``.
+
+The device-only calls are stand-ins that record what they were given: the capture
+(``capture_into_graph`` / ``capture_with_static_outputs``: the function runs once, as a
+capture records it), the pool's streams, the warmup's side stream and the allocator's
+figures. Everything else runs as written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+from cudagraphs.errors import CudaGraphsTypeError
+from cudagraphs.program import graph_capture
+from cudagraphs.program.buffer import ReusableValueBuffer
+from cudagraphs.program.graph_capture import (
+    CapturedProgram,
+    capture_function,
+    capture_program,
+    run_function_eagerly,
+)
+from cudagraphs.program.signature import ValueTreeSignature
+
+CPU = torch.device("cpu")
+
+
+class _ReportsCuda(torch.Tensor):
+    """A CPU tensor that reports cuda:0: an output on another device than the program's."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def _elsewhere(x):
+    return (x + 1).as_subclass(_ReportsCuda)
+
+
+class Graph:
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self):
+        self.resets += 1
+
+
+class Captures:
+    """Stand-ins for both captures; ``calls`` records (kind, pool, opts)."""
+
+    def __init__(self):
+        self.calls = []
+        self.graphs = []
+
+    def own(self, run, pool, **opts):
+        self.calls.append(("own", pool, opts))
+        self.graphs.append(Graph())
+        return self.graphs[-1], run()
+
+    def shared(self, run, like, pool, **opts):
+        self.calls.append(("shared", pool, opts))
+        self.graphs.append(Graph())
+        out = run()
+        assert [t.shape for t in out] == [t.shape for t in like], "like sizes the buffers"
+        static = [torch.full_like(t, 7.0) for t in like]  # buffers outside the scratch
+        return self.graphs[-1], static
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    c = Captures()
+    monkeypatch.setattr(graph_capture, "capture_into_graph", c.own)
+    monkeypatch.setattr(graph_capture, "capture_with_static_outputs", c.shared)
+    return c
+
+
+class Pool:
+    """The graph pool's streams, recorded by the device asked for."""
+
+    def __init__(self):
+        self.asked = []
+
+    def warmup_stream(self, device):
+        self.asked.append(("warmup_stream", device))
+        return "warmup-stream"
+
+    def capture_stream(self, device):
+        self.asked.append(("capture_stream", device))
+        return "capture-stream"
+
+
+@pytest.fixture
+def streams(monkeypatch):
+    entered = []
+
+    @contextlib.contextmanager
+    def side_stream(stream):
+        entered.append(stream)
+        yield
+
+    monkeypatch.setattr(graph_capture, "side_stream", side_stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return entered
+
+
+def _buffer(*tensors):
+    sig = ValueTreeSignature.from_value(tuple(tensors), path="inputs")
+    buf = ReusableValueBuffer(sig, CPU)
+    buf.copy_from(tuple(tensors), path="inputs")
+    return buf
+
+
+def _scale(x, y):
+    return {"sum": x + y, "twice": (x * 2).requires_grad_()}
+
+
+# ---- capture_function: its own pool ----------------------------------------------------
+
+
+def test_own_pool_capture_gets_the_options_and_returns_detached_outputs(captures):
+    buf = _buffer(torch.arange(3.0), torch.ones(3))
+    pool = object()
+    got = capture_function(
+        _scale,
+        buf,
+        last=None,
+        graph_pool=pool,
+        stream="s",
+        shared_pool=False,
+        leaf_types=None,
+        name="p",
+        check_input_liveness=True,
+        staging="copy",
+    )
+    assert captures.calls == [
+        (
+            "own",
+            pool,
+            {"stream": "s", "check_input_liveness": True, "what": "program p", "keep_graph": False},
+        ),
+    ]
+    assert got.graph is captures.graphs[0] and got.staging is None
+    assert torch.equal(got.output["sum"], torch.tensor([1.0, 2.0, 3.0]))
+    assert not got.output["twice"].requires_grad, "outputs are detached views"
+    assert got.out_sig == ValueTreeSignature.from_value(got.output, path="output")
+    assert captures.graphs[0].resets == 0
+
+
+def test_an_output_on_another_device_resets_the_graph_and_is_refused(captures):
+    buf = _buffer(torch.ones(2))
+    with pytest.raises(CudaGraphsTypeError, match=r"\['cuda:0'\].*its device cpu"):
+        capture_function(
+            _elsewhere,
+            buf,
+            last=None,
+            graph_pool=object(),
+            stream=None,
+            shared_pool=False,
+            leaf_types=None,
+            name="p",
+            check_input_liveness=False,
+            staging="copy",
+        )
+    assert captures.graphs[0].resets == 1
+
+
+def test_own_pool_staging_auto_on_the_cpu_is_copies(captures):
+    buf = _buffer(torch.ones(2))
+    got = capture_function(
+        lambda x: x + 1,
+        buf,
+        last=None,
+        graph_pool=object(),
+        stream=None,
+        shared_pool=False,
+        leaf_types=None,
+        name="p",
+        check_input_liveness=False,
+        staging="auto",
+    )
+    assert captures.calls[0][2]["keep_graph"] is False and got.staging is None
+
+
+# ---- capture_function: a shared pool -----------------------------------------------------
+
+
+def test_shared_pool_outputs_are_the_buffers_sized_by_the_last_warmup(captures):
+    x, y = torch.arange(3.0), torch.ones(3)
+    buf = _buffer(x, y)
+    last = _scale(x, y)
+    pool = object()
+    got = capture_function(
+        _scale,
+        buf,
+        last=last,
+        graph_pool=pool,
+        stream="s",
+        shared_pool=True,
+        leaf_types=None,
+        name="q",
+        check_input_liveness=False,
+        staging="copy",
+    )
+    assert [c[:2] for c in captures.calls] == [("shared", pool)]
+    assert captures.calls[0][2]["what"] == "program q"
+    leaves = pytree.tree_leaves(got.output)
+    assert all(torch.equal(t, torch.full((3,), 7.0)) for t in leaves)
+    assert set(got.output) == {"sum", "twice"} and got.staging is None
+
+
+def test_shared_pool_refuses_a_warmup_output_on_another_device_before_capturing(captures):
+    buf = _buffer(torch.ones(2))
+    with pytest.raises(CudaGraphsTypeError, match="cuda:0"):
+        capture_function(
+            _elsewhere,
+            buf,
+            last=_elsewhere(torch.ones(2)),
+            graph_pool=object(),
+            stream=None,
+            shared_pool=True,
+            leaf_types=None,
+            name="p",
+            check_input_liveness=False,
+            staging="copy",
+        )
+    assert captures.calls == []
+
+
+# ---- run_function_eagerly ------------------------------------------------------------------
+
+
+def test_graphs_disabled_replays_run_eagerly_into_the_same_output(caplog):
+    buf = _buffer(torch.arange(3.0), torch.ones(3))
+    with caplog.at_level(logging.WARNING, logger="cudagraphs"):
+        got = run_function_eagerly(_scale, buf, None, "prog")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "CUDAGRAPHS_DISABLE" in said[0] and "prog" in said[0]
+    out = got.output
+    assert torch.equal(out["sum"], torch.tensor([1.0, 2.0, 3.0]))
+    assert not out["twice"].requires_grad and got.staging is None
+    buf.copy_from((torch.full((3,), 2.0), torch.zeros(3)), path="inputs")
+    got.graph.replay()
+    assert got.output is out, "callers borrow one output tree"
+    assert torch.equal(out["sum"], torch.full((3,), 2.0))
+    assert torch.equal(out["twice"], torch.full((3,), 4.0))
+    assert got.out_sig == ValueTreeSignature.from_value(out, path="output")
+
+
+def test_graphs_disabled_refuses_outputs_on_another_device():
+    buf = _buffer(torch.ones(2))
+    with pytest.raises(CudaGraphsTypeError, match="cuda:0"):
+        run_function_eagerly(_elsewhere, buf, None, "p")
+
+
+# ---- capture_program ---------------------------------------------------------------------
+
+
+def _program(function, inputs, *, disabled, warmup=2, pool=None):
+    sig = ValueTreeSignature.from_value(inputs, path="inputs")
+    return capture_program(
+        function,
+        inputs,
+        sig,
+        CPU,
+        warmup=warmup,
+        pool=pool,
+        leaf_types=None,
+        check_input_liveness=False,
+        staging="copy",
+        disabled=disabled,
+    )
+
+
+def test_a_disabled_program_skips_the_warmup_and_runs_eagerly(monkeypatch):
+    monkeypatch.setattr(graph_capture, "warm_up", lambda *a, **k: pytest.fail("warmed up"))
+    x, y = torch.arange(3.0), torch.ones(3)
+    got = _program(_scale, (x, y), disabled=True)
+    assert isinstance(got, CapturedProgram)
+    assert got.name == "_scale" and got.device == CPU and got.last is None
+    assert got.warmup_iterations == 2 and got.pool is None and got.graph_pool is not None
+    assert [t is x or t is y for t in got.buffer.tensors] == [False, False]
+    assert torch.equal(got.buffer.tensors[0], x) and torch.equal(got.buffer.tensors[1], y)
+    assert torch.equal(got.captured.output["sum"], x + y)
+    assert 0 <= got.warmup_seconds < 60 and 0 <= got.capture_seconds < 60
+
+
+def test_a_program_warms_up_on_the_pools_streams_then_captures(monkeypatch, captures, streams):
+    pool = Pool()
+    monkeypatch.setattr(graph_capture, "GraphMemoryPool", lambda: pool)
+    calls = []
+
+    def function(x, y):
+        calls.append(1)
+        return _scale(x, y)
+
+    x, y = torch.arange(3.0), torch.ones(3)
+    got = _program(function, (x, y), disabled=False, warmup=3)
+    assert pool.asked == [("warmup_stream", CPU), ("capture_stream", CPU)]
+    assert streams == ["warmup-stream"]
+    assert len(calls) == 4, "three warmup runs and the capture"
+    assert captures.calls[0][0] == "own" and captures.calls[0][1] is pool
+    assert captures.calls[0][2]["stream"] == "capture-stream"
+    assert got.graph_pool is pool and got.pool is None
+    assert torch.equal(got.last["sum"], x + y)
+    assert got.name.endswith("function") and got.warmup_iterations == 3
+
+
+def test_a_program_in_a_shared_pool_captures_with_static_outputs(captures, streams):
+    pool = SimpleNamespace(graph_pool=Pool())
+    x = torch.arange(2.0)
+    got = _program(lambda a: (a * 3,), (x,), disabled=False, warmup=1, pool=pool)
+    assert [c[0] for c in captures.calls] == ["shared"]
+    assert captures.calls[0][1] is pool.graph_pool
+    assert got.pool is pool and got.graph_pool is None
+    assert torch.equal(got.captured.output[0], torch.full((2,), 7.0))
+
+
+def test_stats_report_the_capture_and_the_allocator_now(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: asked.append(d) or 11)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: asked.append(d) or 22)
+    got = _program(_scale, (torch.ones(2), torch.ones(2)), disabled=True, warmup=4)
+    stats = got.stats(first_replay_seconds=0.5)
+    assert stats.warmup_iterations == 4 and stats.first_replay_seconds == 0.5
+    assert stats.warmup_seconds == got.warmup_seconds
+    assert stats.capture_seconds == got.capture_seconds
+    assert (stats.memory_allocated_bytes, stats.memory_reserved_bytes) == (11, 22)
+    assert asked == [CPU, CPU]
+    assert got.stats().first_replay_seconds == 0.0
