@@ -28,6 +28,7 @@ from cudagraphs.program.graph_capture import (
     run_function_eagerly,
 )
 from cudagraphs.program.signature import ValueTreeSignature
+from helpers.leaf_types import QuantizedTensor, make_leaf_types
 
 CPU = torch.device("cpu")
 
@@ -213,6 +214,8 @@ def test_shared_pool_outputs_are_the_buffers_sized_by_the_last_warmup(captures):
     leaves = pytree.tree_leaves(got.output)
     assert all(torch.equal(t, torch.full((3,), 7.0)) for t in leaves)
     assert set(got.output) == {"sum", "twice"} and got.staging is None
+    assert got.graph is captures.graphs[0]
+    assert got.out_sig == ValueTreeSignature.from_value(got.output, path="output")
 
 
 def test_shared_pool_refuses_a_warmup_output_on_another_device_before_capturing(captures):
@@ -334,3 +337,48 @@ def test_stats_report_the_capture_and_the_allocator_now(monkeypatch):
     assert (stats.memory_allocated_bytes, stats.memory_reserved_bytes) == (11, 22)
     assert asked == [CPU, CPU]
     assert got.stats().first_replay_seconds == 0.0
+
+
+# ---- registered leaf types in the outputs ------------------------------------------------
+
+
+def _quantize(x):
+    return {"q": QuantizedTensor((x * 10).to(torch.int8), x.sum().reshape(1), 2), "x": x + 1}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own_pool", "shared_pool"])
+def test_outputs_with_registered_leaves_are_described_with_the_leaf_types(captures, shared):
+    leaf_types = make_leaf_types()
+    x = torch.arange(4.0)
+    buf = _buffer(x)
+    got = capture_function(
+        _quantize,
+        buf,
+        last=_quantize(x),
+        graph_pool=object(),
+        stream=None,
+        shared_pool=shared,
+        leaf_types=leaf_types,
+        name="p",
+        check_input_liveness=False,
+        staging="copy",
+    )
+    assert got.graph is captures.graphs[0]
+    assert isinstance(got.output["q"], QuantizedTensor) and got.output["q"].block == 2
+    assert got.out_sig == ValueTreeSignature.from_value(
+        got.output, path="output", leaf_types=leaf_types
+    )
+    if not shared:
+        assert torch.equal(got.output["q"].data, (x * 10).to(torch.int8))
+
+
+def test_graphs_disabled_outputs_with_registered_leaves_replay_into_them():
+    leaf_types = make_leaf_types()
+    buf = _buffer(torch.arange(4.0))
+    got = run_function_eagerly(_quantize, buf, leaf_types, "p")
+    q = got.output["q"]
+    buf.copy_from((torch.ones(4),), path="inputs")
+    got.graph.replay()
+    assert got.output["q"] is q, "callers borrow one output tree"
+    assert torch.equal(got.output["q"].data, torch.full((4,), 10, dtype=torch.int8))
+    assert torch.equal(got.output["q"].scale, torch.tensor([4.0]))
