@@ -265,8 +265,8 @@ def test_graphs_disabled_refuses_outputs_on_another_device():
 # ---- capture_program ---------------------------------------------------------------------
 
 
-def _program(function, inputs, *, disabled, warmup=2, pool=None):
-    sig = ValueTreeSignature.from_value(inputs, path="inputs")
+def _program(function, inputs, *, disabled, warmup=2, pool=None, leaf_types=None, live=False):
+    sig = ValueTreeSignature.from_value(inputs, path="inputs", leaf_types=leaf_types)
     return capture_program(
         function,
         inputs,
@@ -274,8 +274,8 @@ def _program(function, inputs, *, disabled, warmup=2, pool=None):
         CPU,
         warmup=warmup,
         pool=pool,
-        leaf_types=None,
-        check_input_liveness=False,
+        leaf_types=leaf_types,
+        check_input_liveness=live,
         staging="copy",
         disabled=disabled,
     )
@@ -382,3 +382,34 @@ def test_graphs_disabled_outputs_with_registered_leaves_replay_into_them():
     assert got.output["q"] is q, "callers borrow one output tree"
     assert torch.equal(got.output["q"].data, torch.full((4,), 10, dtype=torch.int8))
     assert torch.equal(got.output["q"].scale, torch.tensor([4.0]))
+
+
+def test_a_program_keeps_what_it_was_made_of_and_hands_it_to_the_capture(
+    monkeypatch, captures, streams
+):
+    monkeypatch.setattr(graph_capture, "GraphMemoryPool", Pool)
+    leaf_types = make_leaf_types()
+    x = torch.arange(4.0)
+    got = _program(_quantize, (x,), disabled=False, warmup=1, leaf_types=leaf_types, live=True)
+    opts = captures.calls[0][2]
+    assert opts["what"] == "program _quantize" and opts["check_input_liveness"] is True
+    assert got.function is _quantize and got.leaf_types is leaf_types
+    assert got.signature == ValueTreeSignature.from_value((x,), path="inputs")
+    assert isinstance(got.captured.output["q"], QuantizedTensor)
+
+
+def test_a_program_without_a_qualname_is_named_by_its_type(captures, streams):
+    class Scaler:
+        def __call__(self, x):
+            return x * 2
+
+    got = _program(Scaler(), (torch.ones(2),), disabled=True)
+    assert got.name == "Scaler"
+
+
+def test_a_disabled_program_with_registered_leaves_replays_eagerly(caplog):
+    leaf_types = make_leaf_types()
+    with caplog.at_level(logging.WARNING, logger="cudagraphs"):
+        got = _program(_quantize, (torch.arange(4.0),), disabled=True, leaf_types=leaf_types)
+    assert isinstance(got.captured.output["q"], QuantizedTensor)
+    assert "program _quantize is not captured" in caplog.text
