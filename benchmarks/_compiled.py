@@ -56,11 +56,25 @@ def _value(raw: str) -> Any:
     return raw
 
 
+class _InductorPairs(argparse.Action):
+    """Collects ``KEY=VALUE`` pairs into ``namespace.inductor`` (a dict)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            setattr(namespace, self.dest, parse_inductor_config(values))
+        except ValueError as exc:
+            parser.error(f"argument {option_string}: {exc}")
+
+
 def add_inductor_config_argument(parser: argparse.ArgumentParser) -> None:
+    """``--inductor-config KEY=VALUE ...``, parsed into ``args.inductor`` (``{}`` when
+    absent)."""
     parser.add_argument(
         "--inductor-config",
+        dest="inductor",
         nargs="+",
-        default=[],
+        default={},
+        action=_InductorPairs,
         metavar="KEY=VALUE",
         help="inductor settings for every compiled variant of the run, e.g. "
         "triton.enable_pdl=True combo_kernels=True (recorded in settings)",

@@ -91,7 +91,6 @@ import _report  # noqa: E402,F401  (first: puts this checkout's src on sys.path)
 from _compiled import (  # noqa: E402
     add_inductor_config_argument,
     inductor_config,
-    parse_inductor_config,
 )
 from _report import (  # noqa: E402
     add_common_arguments,
@@ -502,12 +501,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-startup", action="store_true", help="the eager generator's startup")
     p.add_argument("--skip-compiled-startup", action="store_true")
     add_inductor_config_argument(p)
-    args = p.parse_args(argv)
-    try:
-        args.inductor = parse_inductor_config(args.inductor_config)
-    except ValueError as exc:
-        p.error(str(exc))
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

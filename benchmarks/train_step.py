@@ -114,7 +114,6 @@ from _compiled import (  # noqa: E402
     add_inductor_config_argument,
     inductor_config,
     ours_compiled,
-    parse_inductor_config,
     torch_compiled_recipe,
 )
 from _report import (  # noqa: E402
@@ -952,12 +951,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_inductor_config_argument(p)
     add_round_arguments(p)
     add_common_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        args.inductor = parse_inductor_config(args.inductor_config)
-    except ValueError as exc:
-        p.error(str(exc))
-    return args
+    return p.parse_args(argv)
 
 
 def settings(configs: list[BenchConfig], names: list[str]) -> dict:

@@ -66,7 +66,6 @@ from _compiled import (  # noqa: E402
     add_inductor_config_argument,
     inductor_config,
     ours_compiled,
-    parse_inductor_config,
     torch_compiled_recipe,
 )
 from _report import (  # noqa: E402
@@ -461,12 +460,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-kernel-busy", action="store_true")
     add_inductor_config_argument(p)
     add_common_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        args.inductor = parse_inductor_config(args.inductor_config)
-    except ValueError as exc:
-        p.error(str(exc))
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
