@@ -58,7 +58,9 @@ def backends_scope(name: str):
     return sdpa_kernel([getattr(SDPBackend, b) for b in chosen])
 
 
-def capture_once(backends: str = "default") -> dict:
+def captured(backends: str = "default") -> tuple[GraphedGenerator, float]:
+    """The benchmark's Llama cut to ``LAYERS`` layers, its compiled generator captured
+    under the named SDPA backends, and the seconds that took."""
     serving_hf.MODELS["llama"] = dict(serving_hf.MODELS["llama"], num_hidden_layers=LAYERS)
     model = serving_hf.build_model("llama")
     with torch.no_grad(), backends_scope(backends):
@@ -71,7 +73,11 @@ def capture_once(backends: str = "default") -> dict:
             compile_options=serving_hf.COMPILE_OPTIONS,
         )
         gen.capture()
-        seconds = time.perf_counter() - t0
+    return gen, time.perf_counter() - t0
+
+
+def capture_once(backends: str = "default") -> dict:
+    gen, seconds = captured(backends)
     out = {
         "backends": backends,
         "capture_s": round(seconds, 3),
@@ -127,19 +133,7 @@ def main() -> None:
     if sys.argv[1:2] == ["--backends"]:
         by_backends()
         return
-    serving_hf.MODELS["llama"] = dict(serving_hf.MODELS["llama"], num_hidden_layers=LAYERS)
-    model = serving_hf.build_model("llama")
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        gen = GraphedGenerator(
-            model,
-            BUCKETS,
-            max_cache_len=serving_hf.MAX_CACHE_LEN,
-            require_all_buckets=True,
-            compile_options=serving_hf.COMPILE_OPTIONS,
-        )
-        gen.capture()
-        seconds = time.perf_counter() - t0
+    gen, seconds = captured()
     record = {
         "probe": "serving_compiles",
         "torch": torch.__version__,
