@@ -43,6 +43,16 @@ def _make_model(seed=0):
     return model
 
 
+def _mlp(seed=0):
+    """Linear, tanh, linear: two layers, so a gradient flows through a hidden one."""
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
 def _step_fn(model):
     def step(batch):
         x, y = batch

@@ -23,7 +23,14 @@ from cudagraphs.train import step as step_module
 from cudagraphs.train.records import TrainStepOptions
 from cudagraphs.train.step import GraphedTrainStep
 from helpers.stand_in_train_step import CpuMeter, CpuPool
-from helpers.train_cpu import OPTIMIZERS, _assert_same_training, _batches, _eager_loop, _step_fn
+from helpers.train_cpu import (
+    OPTIMIZERS,
+    _assert_same_training,
+    _batches,
+    _eager_loop,
+    _mlp,
+    _step_fn,
+)
 
 
 class PlantedError(RuntimeError):
@@ -48,17 +55,8 @@ def cpu_capture(monkeypatch):
     return calls
 
 
-def _model(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    return model
-
-
 def _pair(opt_name, resumed):
-    model = _model()
+    model = _mlp()
     make = OPTIMIZERS[opt_name]
     opt = make(model.parameters())
     if resumed:  # optimizer state exists before graphing

@@ -28,16 +28,14 @@ from cudagraphs.train import prepare_optimizer, step_capture
 from cudagraphs.train import step as step_module
 from cudagraphs.train.step import GraphedTrainStep, graph_train_step
 from helpers.stand_in_train_step import CpuMeter, CpuPool, ReplayingCapture
-from helpers.train_cpu import OPTIMIZERS, _assert_same_training, _batches, _eager_loop, _step_fn
-
-
-def _model(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    return model
+from helpers.train_cpu import (
+    OPTIMIZERS,
+    _assert_same_training,
+    _batches,
+    _eager_loop,
+    _mlp,
+    _step_fn,
+)
 
 
 @pytest.fixture
@@ -57,7 +55,7 @@ def replaying(monkeypatch):
 
 
 def _pair(opt_name):
-    model = _model()
+    model = _mlp()
     ref = copy.deepcopy(model)
     make = OPTIMIZERS[opt_name]
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
