@@ -46,6 +46,25 @@ def stepper(model, calls):
     return step
 
 
+def eager_loop(step, model, opt, data):
+    """The reference: each batch from ``.grad`` None, ``step`` then ``opt.step()``."""
+    losses = []
+    for b in data:
+        for p in model.parameters():
+            p.grad = None
+        losses.append(step(b).detach())
+        opt.step()
+    return losses
+
+
+def assert_same_steps(model, ref, losses, ref_losses, what):
+    assert len(losses) == len(ref_losses)
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_bitwise_equal(a, b, f"{what}loss of step {i}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_bitwise_equal(p.detach(), q.detach(), f"{what}parameter {name}")
+
+
 def test_a_compiled_model_graphs_and_trains_like_its_eager_compiled_loop():
     model = Stack()
     ref = copy.deepcopy(model)
@@ -62,17 +81,8 @@ def test_a_compiled_model_graphs_and_trains_like_its_eager_compiled_loop():
     before = calls[0]
     losses = [step(b).clone() for b in data]
     assert calls[0] == before, "a graphed step ran step_fn's Python: it did not replay"
-    ref_step = stepper(ref_compiled, ref_calls)
-    ref_losses = []
-    for b in data:
-        for p in ref.parameters():
-            p.grad = None
-        ref_losses.append(ref_step(b).detach())
-        ref_opt.step()
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert_bitwise_equal(a, b, f"loss of step {i}")
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_bitwise_equal(p.detach(), q.detach(), f"parameter {name}")
+    ref_losses = eager_loop(stepper(ref_compiled, ref_calls), ref, ref_opt, data)
+    assert_same_steps(model, ref, losses, ref_losses, "")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
@@ -107,17 +117,8 @@ def test_a_compiled_hf_model_graphs_and_trains_like_its_eager_compiled_loop(fami
     before = calls[0]
     losses = [step(b).clone() for b in data]
     assert calls[0] == before, "a graphed step ran step_fn's Python: it did not replay"
-    ref_step = step_for(ref_compiled, [0])
-    ref_losses = []
-    for b in data:
-        for p in ref.parameters():
-            p.grad = None
-        ref_losses.append(ref_step(b).detach())
-        ref_opt.step()
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert_bitwise_equal(a, b, f"{family}: loss of step {i}")
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_bitwise_equal(p.detach(), q.detach(), f"{family}: parameter {name}")
+    ref_losses = eager_loop(step_for(ref_compiled, [0]), ref, ref_opt, data)
+    assert_same_steps(model, ref, losses, ref_losses, f"{family}: ")
 
 
 def test_a_step_that_recompiles_every_call_is_refused_and_the_next_good_one_graphs():
