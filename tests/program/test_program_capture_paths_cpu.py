@@ -122,24 +122,28 @@ def _scale(x, y):
     return {"sum": x + y, "twice": (x * 2).requires_grad_()}
 
 
+def _capture(function, buf, **given):
+    """``capture_function`` with a program's usual options, ``given`` overriding them."""
+    options = dict(
+        last=None,
+        graph_pool=object(),
+        stream=None,
+        shared_pool=False,
+        leaf_types=None,
+        name="p",
+        check_input_liveness=False,
+        staging="copy",
+    )
+    return capture_function(function, buf, **{**options, **given})
+
+
 # ---- capture_function: its own pool ----------------------------------------------------
 
 
 def test_own_pool_capture_gets_the_options_and_returns_detached_outputs(captures):
     buf = _buffer(torch.arange(3.0), torch.ones(3))
     pool = object()
-    got = capture_function(
-        _scale,
-        buf,
-        last=None,
-        graph_pool=pool,
-        stream="s",
-        shared_pool=False,
-        leaf_types=None,
-        name="p",
-        check_input_liveness=True,
-        staging="copy",
-    )
+    got = _capture(_scale, buf, graph_pool=pool, stream="s", check_input_liveness=True)
     assert captures.calls == [
         (
             "own",
@@ -157,35 +161,13 @@ def test_own_pool_capture_gets_the_options_and_returns_detached_outputs(captures
 def test_an_output_on_another_device_resets_the_graph_and_is_refused(captures):
     buf = _buffer(torch.ones(2))
     with pytest.raises(CudaGraphsTypeError, match=r"\['cuda:0'\].*its device cpu"):
-        capture_function(
-            _elsewhere,
-            buf,
-            last=None,
-            graph_pool=object(),
-            stream=None,
-            shared_pool=False,
-            leaf_types=None,
-            name="p",
-            check_input_liveness=False,
-            staging="copy",
-        )
+        _capture(_elsewhere, buf)
     assert captures.graphs[0].resets == 1
 
 
 def test_own_pool_staging_auto_on_the_cpu_is_copies(captures):
     buf = _buffer(torch.ones(2))
-    got = capture_function(
-        lambda x: x + 1,
-        buf,
-        last=None,
-        graph_pool=object(),
-        stream=None,
-        shared_pool=False,
-        leaf_types=None,
-        name="p",
-        check_input_liveness=False,
-        staging="auto",
-    )
+    got = _capture(lambda x: x + 1, buf, staging="auto")
     assert captures.calls[0][2]["keep_graph"] is False and got.staging is None
 
 
@@ -197,18 +179,7 @@ def test_shared_pool_outputs_are_the_buffers_sized_by_the_last_warmup(captures):
     buf = _buffer(x, y)
     last = _scale(x, y)
     pool = object()
-    got = capture_function(
-        _scale,
-        buf,
-        last=last,
-        graph_pool=pool,
-        stream="s",
-        shared_pool=True,
-        leaf_types=None,
-        name="q",
-        check_input_liveness=False,
-        staging="copy",
-    )
+    got = _capture(_scale, buf, last=last, graph_pool=pool, stream="s", shared_pool=True, name="q")
     assert [c[:2] for c in captures.calls] == [("shared", pool)]
     assert captures.calls[0][2]["what"] == "program q"
     leaves = pytree.tree_leaves(got.output)
@@ -221,18 +192,7 @@ def test_shared_pool_outputs_are_the_buffers_sized_by_the_last_warmup(captures):
 def test_shared_pool_refuses_a_warmup_output_on_another_device_before_capturing(captures):
     buf = _buffer(torch.ones(2))
     with pytest.raises(CudaGraphsTypeError, match="cuda:0"):
-        capture_function(
-            _elsewhere,
-            buf,
-            last=_elsewhere(torch.ones(2)),
-            graph_pool=object(),
-            stream=None,
-            shared_pool=True,
-            leaf_types=None,
-            name="p",
-            check_input_liveness=False,
-            staging="copy",
-        )
+        _capture(_elsewhere, buf, last=_elsewhere(torch.ones(2)), shared_pool=True)
     assert captures.calls == []
 
 
@@ -351,18 +311,7 @@ def test_outputs_with_registered_leaves_are_described_with_the_leaf_types(captur
     leaf_types = make_leaf_types()
     x = torch.arange(4.0)
     buf = _buffer(x)
-    got = capture_function(
-        _quantize,
-        buf,
-        last=_quantize(x),
-        graph_pool=object(),
-        stream=None,
-        shared_pool=shared,
-        leaf_types=leaf_types,
-        name="p",
-        check_input_liveness=False,
-        staging="copy",
-    )
+    got = _capture(_quantize, buf, last=_quantize(x), shared_pool=shared, leaf_types=leaf_types)
     assert got.graph is captures.graphs[0]
     assert isinstance(got.output["q"], QuantizedTensor) and got.output["q"].block == 2
     assert got.out_sig == ValueTreeSignature.from_value(
