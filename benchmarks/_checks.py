@@ -192,7 +192,8 @@ def fresh_kernel_busy(
 ) -> dict:
     """A variant's own kernel-busy time and launches per step, on a fresh build
     (``build()`` returns an object with a ``step``; ``release`` frees it):
-    ``{"kernel_busy_ms", "kernels_per_step"}``, or
+    ``{"kernel_busy_ms", "kernels_per_step", "heaviest_kernels"}`` (the latter a list
+    of ``{"name", "ms", "launches"}`` per step, longest first), or
     ``{"kernel_busy_error", ...}`` when building or profiling fails. Memory is freed
     before returning, so the next variant starts clean."""
     try:
@@ -204,6 +205,10 @@ def fresh_kernel_busy(
         return {
             "kernel_busy_ms": round(activity.busy_ms, 4),
             "kernels_per_step": round(activity.launches, 1),
+            "heaviest_kernels": [
+                {"name": name[:120], "ms": round(ms, 4), "launches": round(n, 1)}
+                for name, ms, n in activity.heaviest
+            ],
         }
     except Exception as exc:
         return {"kernel_busy_error": describe_error(exc)}

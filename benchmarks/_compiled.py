@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,20 @@ import cudagraphs
 from _report import timed_setup
 
 WARM_STEPS = 3  # compiles, then (reduce-overhead) warmup and recording
+
+# Ours compiled: graph_train_step over the torch.compile'd model (mode="default") with the
+# fused optimizer, or with the optimizer step compiled too (optimizer_impl="compiled").
+# The targets take the faster of the two that ran, as they take torch's best recipe.
+OURS_COMPILED = "cudagraphs_train_step_compiled"
+OURS_COMPILED_OPTIMIZER = "cudagraphs_train_step_compiled_optimizer"
+OURS_COMPILED_VARIANTS = (OURS_COMPILED, OURS_COMPILED_OPTIMIZER)
+
+
+def fastest(ms: Mapping[str, float], names: Iterable[str]) -> str | None:
+    """The one of ``names`` with the lowest time in ``ms`` (first on a tie); ``None``
+    when none of them ran."""
+    ran = [n for n in names if ms.get(n) is not None]
+    return min(ran, key=lambda n: ms[n]) if ran else None
 
 
 # ---- inductor settings for the whole run (every compiled variant alike) ---------------
@@ -174,11 +188,13 @@ def ours_compiled(
     sample: Any,
     optimizer: torch.optim.Optimizer,
     compiled_what: str,
+    optimizer_impl: str = "auto",
 ) -> OursCompiled:
     """``graph_train_step`` of ``run(compiled_forward, batch)`` (one forward, loss and
-    backward) on ``sample`` with ``optimizer``, ``forward`` compiled in
-    ``mode="default"`` (inductor's kernels, no CUDA graphs of its own: ours takes their
-    place). On a failure torch's compile caches are reset before the error propagates."""
+    backward) on ``sample`` with ``optimizer`` (prepared as ``optimizer_impl`` says),
+    ``forward`` compiled in ``mode="default"`` (inductor's kernels, no CUDA graphs of
+    its own: ours takes their place). On a failure torch's compile caches are reset
+    before the error propagates."""
     compiled = torch.compile(forward)
 
     def step_fn(batch: Any) -> Any:
@@ -186,13 +202,16 @@ def ours_compiled(
 
     try:
         graphed, setup_s = timed_setup(
-            lambda: cudagraphs.graph_train_step(step_fn, sample, optimizer=optimizer)
+            lambda: cudagraphs.graph_train_step(
+                step_fn, sample, optimizer=optimizer, optimizer_impl=optimizer_impl
+            )
         )
     except BaseException:
         torch.compiler.reset()
         raise
+    compiled_step = "; optimizer step compiled" if optimizer_impl == "compiled" else ""
     notes = {
-        "compile": f'torch.compile({compiled_what}), mode="default"',
+        "compile": f'torch.compile({compiled_what}), mode="default"{compiled_step}',
         "compile_seconds": round(graphed.stats.compile_seconds, 2),
         "optimizer": "; ".join(graphed.stats.optimizer_changes),
     }

@@ -6,9 +6,11 @@
 #   fp8          train_fp8.py once (about 230 s on an H200)
 #   serving      serving_hf.py on Llama without the startup children (about 300 s);
 #                INDUCTOR set: with --inductor-config $INDUCTOR (HF's compile and ours alike)
-#   hf_compiled  train_step_hf.py: eager, ours, ours compiled, torch's two compiled recipes
-#                (HF_MODELS=llama to run one model, should both not fit a call)
-#   compute      train_step.py --configs compute_bound --regimes set_to_none, compiled variants
+#   hf_compiled  train_step_hf.py: eager, ours, ours compiled (fused and compiled optimizer
+#                step), torch's two compiled recipes; one model is about 370 s on an
+#                H200 (HF_MODELS=llama, then HF_MODELS=qwen3_moe: both do not fit a call)
+#   compute      train_step.py --configs compute_bound --regimes set_to_none, compiled
+#                variants (about 370 s)
 #   sdpa_probe   probes/serving_compiles.py --backends: where the batch-of-one recompile comes from
 #   inductor     train_step.py launch_bound, compiled variants, without and then with
 #                INDUCTOR (default "triton.enable_pdl=True"), one machine: the node gaps
@@ -69,18 +71,19 @@ hf_compiled)
     # shellcheck disable=SC2086  # HF_MODELS is a list
     bench "hf-$label" 560 benchmarks/train_step_hf.py "${common[@]}" --run-label "$label" \
         --models ${HF_MODELS:-llama qwen3_moe} --variants \
-        cudagraphs_train_step cudagraphs_train_step_compiled \
+        cudagraphs_train_step cudagraphs_train_step_compiled cudagraphs_train_step_compiled_optimizer \
         torch_compile_reduce_overhead_compiled_optimizer \
         torch_compile_max_autotune_no_cudagraphs_compiled_optimizer ;;
 compute)
     bench "compute-$label" 560 benchmarks/train_step.py "${common[@]}" --run-label "$label" \
         --configs compute_bound --regimes set_to_none --variants \
-        cudagraphs_train_step cudagraphs_train_step_compiled \
+        cudagraphs_train_step cudagraphs_train_step_compiled cudagraphs_train_step_compiled_optimizer \
         torch_compile_reduce_overhead_compiled_optimizer \
         torch_compile_max_autotune_no_cudagraphs_compiled_optimizer ;;
 inductor)
     lb=(--configs launch_bound --regimes set_to_none --variants cudagraphs_train_step
-        cudagraphs_train_step_compiled torch_compile_reduce_overhead_compiled_optimizer)
+        cudagraphs_train_step_compiled cudagraphs_train_step_compiled_optimizer
+        torch_compile_reduce_overhead_compiled_optimizer)
     bench "inductor-base-$label" 270 benchmarks/train_step.py "${common[@]}" "${lb[@]}" \
         --run-label "lb-base-$label"
     # shellcheck disable=SC2086  # INDUCTOR is a list of KEY=VALUE pairs

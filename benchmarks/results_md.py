@@ -155,6 +155,10 @@ HEADLINES: dict[str, tuple[Grid, ...]] = {
             "Kernel-busy ms per token", ("models", COL, "batches", COL, "kernel_busy_ms_per_token")
         ),
         Grid(
+            "Kernel-busy ms per token, compiled",
+            ("models", COL, "batches", COL, "compiled_kernel_busy_ms_per_token"),
+        ),
+        Grid(
             "Tokens equal HF's static-cache eager `generate`",
             ("models", COL, "batches", COL, "tokens", ROW, "equal_hf_static_eager"),
         ),

@@ -405,27 +405,49 @@ def compiled_startups() -> dict:
 
 
 def profile_ours(report: dict) -> None:
-    """Our own kernel-busy ms and launches per token, per model and batch (after all
-    timing)."""
+    """Our own kernel-busy ms, launches and heaviest kernels per token, per model and
+    batch (after all timing): ``kernel_busy_ms_per_token`` and the others for the
+    generator of eager kernels, the same with a ``compiled_`` prefix for the one with
+    ``compile_options=COMPILE_OPTIONS``."""
     from cudagraphs.serving.hf import GraphedGenerator
 
     for family in report["models"]:
         model = build_model(family)
-        gen = GraphedGenerator(model, BUCKETS, max_cache_len=MAX_CACHE_LEN)
-        gen.capture()
-        with torch.no_grad():
-            for batch in BATCHES:
-                ids = prompts(batch)
-                request = partial(gen.generate, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
-                activity = kernel_activity(request, iters=3, warmup=1)
-                entry = report["models"][family]["batches"][str(batch)]
-                entry["kernel_busy_ms_per_token"] = round(activity.busy_ms / NEW_TOKENS, 4)
-                # A request is a prefill and NEW_TOKENS - 1 decode steps: launches per
-                # token, with the prefill's spread over them.
-                entry["kernels_per_token"] = round(activity.launches / NEW_TOKENS, 1)
-        gen.close()
-        del gen, model
+        for prefix, options in (("", None), ("compiled_", COMPILE_OPTIONS)):
+            gen = GraphedGenerator(
+                model, BUCKETS, max_cache_len=MAX_CACHE_LEN, compile_options=options
+            )
+            gen.capture()
+            with torch.no_grad():
+                for batch in BATCHES:
+                    ids = prompts(batch)
+                    request = partial(gen.generate, ids, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+                    activity = kernel_activity(request, iters=3, warmup=1)
+                    entry = report["models"][family]["batches"][str(batch)]
+                    entry.update(per_token_activity(activity, prefix))
+            gen.close()
+            del gen
+            free_memory()
+        del model
         free_memory()
+
+
+def per_token_activity(activity, prefix: str = "") -> dict:
+    """A request's :class:`~cudagraphs.timing.KernelActivity` per generated token. A
+    request is a prefill and ``NEW_TOKENS - 1`` decode steps: the prefill is spread
+    over the tokens."""
+    return {
+        f"{prefix}kernel_busy_ms_per_token": round(activity.busy_ms / NEW_TOKENS, 4),
+        f"{prefix}kernels_per_token": round(activity.launches / NEW_TOKENS, 1),
+        f"{prefix}heaviest_kernels_per_token": [
+            {
+                "name": name[:120],
+                "ms": round(ms / NEW_TOKENS, 4),
+                "launches": round(n / NEW_TOKENS, 1),
+            }
+            for name, ms, n in activity.heaviest
+        ],
+    }
 
 
 def graphs_only(stats: dict | None) -> bool | None:

@@ -179,6 +179,9 @@ class KernelActivity:
 
     busy_ms: float  # at least one kernel, copy or memset running
     launches: float
+    # The kernels that took longest, summed by name: (name, ms per step, launches per
+    # step), longest first; what to look at when two steps' busy times differ.
+    heaviest: tuple[tuple[str, float, float], ...] = ()
 
 
 def kernel_activity(
@@ -203,20 +206,32 @@ def kernel_busy_ms(step: Callable[[], object], *, iters: int = 20, warmup: int =
     return kernel_activity(step, iters=iters, warmup=warmup).busy_ms
 
 
+HEAVIEST_KERNELS = 8
+
+
 def profile_activity(prof: Any, steps: int = 1) -> KernelActivity:
     """:class:`KernelActivity` per step of a finished ``torch.profiler.profile`` that
     covered ``steps`` steps. Activities the profiler gave no usable interval (see
     :func:`_usable_intervals`) are neither busy time nor launches."""
     if steps < 1:
         raise CudaGraphsValueError(f"profile_activity() needs steps >= 1, got {steps}")
-    intervals = _usable_intervals(
-        [
-            (evt.time_range.start, evt.time_range.end)
-            for evt in prof.events()
-            if evt.device_type == torch.autograd.DeviceType.CUDA
-        ]
+    named = [
+        (evt.time_range.start, evt.time_range.end, str(getattr(evt, "name", "")))
+        for evt in prof.events()
+        if evt.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    kept = [(a, b, name) for a, b, name in named if _usable(a, b)]
+    by_name: dict[str, list[float]] = {}  # name: [microseconds, launches]
+    for a, b, name in kept:
+        total = by_name.setdefault(name, [0.0, 0.0])
+        total[0] += b - a
+        total[1] += 1
+    heaviest = sorted(by_name.items(), key=lambda kv: (-kv[1][0], kv[0]))[:HEAVIEST_KERNELS]
+    return KernelActivity(
+        _union_length([(a, b) for a, b, _ in kept]) / 1e3 / steps,
+        len(kept) / steps,
+        tuple((name, us / 1e3 / steps, n / steps) for name, (us, n) in heaviest),
     )
-    return KernelActivity(_union_length(intervals) / 1e3 / steps, len(intervals) / steps)
 
 
 def profile_busy_ms(prof: Any) -> float:
@@ -231,4 +246,8 @@ def _usable_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float,
     at timestamp 0, which the CUDA 13.0 profiler reports for some activities whose
     start it did not record. Merged with the others, such an interval would count
     everything from the epoch to its end as busy."""
-    return [(a, b) for a, b in intervals if a > 0 and b > a]
+    return [(a, b) for a, b in intervals if _usable(a, b)]
+
+
+def _usable(start: float, end: float) -> bool:
+    return start > 0 and end > start

@@ -98,8 +98,8 @@ def test_ours_compiled_graphs_the_step_over_the_compiled_forward(recipe, monkeyp
         def reset(self):
             Graphed.resets += 1
 
-    def fake_graph_train_step(step_fn, sample, *, optimizer):
-        got.update(loss=step_fn(sample), sample=sample, optimizer=optimizer)
+    def fake_graph_train_step(step_fn, sample, *, optimizer, optimizer_impl):
+        got.update(loss=step_fn(sample), sample=sample, optimizer=optimizer, impl=optimizer_impl)
         return Graphed()
 
     monkeypatch.setattr(cudagraphs, "graph_train_step", fake_graph_train_step)
@@ -108,6 +108,7 @@ def test_ours_compiled_graphs_the_step_over_the_compiled_forward(recipe, monkeyp
     ours = mod.ours_compiled(net, lambda f, b: f(b).sum(), x, opt, "model")
     assert recipe.compiled == [None]  # mode="default": torch.compile's own default
     assert torch.equal(got["loss"], net(x).sum()) and got["sample"] is x and got["optimizer"] is opt
+    assert got["impl"] == "auto"
     assert ours.notes == {
         "compile": 'torch.compile(model), mode="default"',
         "compile_seconds": 1.23,
@@ -115,11 +116,16 @@ def test_ours_compiled_graphs_the_step_over_the_compiled_forward(recipe, monkeyp
     }
     ours.release()
     assert Graphed.resets == 1 and recipe.resets == [1]
+    # optimizer_impl="compiled" reaches graph_train_step and the notes say so.
+    ours = mod.ours_compiled(net, lambda f, b: f(b).sum(), x, opt, "model", "compiled")
+    assert got["impl"] == "compiled"
+    assert ours.notes["compile"] == 'torch.compile(model), mode="default"; optimizer step compiled'
+    ours.release()
 
-    def failing(step_fn, sample, *, optimizer):
+    def failing(step_fn, sample, *, optimizer, optimizer_impl):
         raise RuntimeError("capture failed")
 
     monkeypatch.setattr(cudagraphs, "graph_train_step", failing)
     with pytest.raises(RuntimeError, match="capture failed"):
         mod.ours_compiled(net, lambda f, b: f(b).sum(), x, opt, "model")
-    assert recipe.resets == [1, 1]
+    assert recipe.resets == [1, 1, 1]

@@ -108,3 +108,20 @@ def test_an_unknown_key_is_refused_before_the_run(compiled):
     ):
         ran.append(1)
     assert ran == []
+
+
+# ---- fastest: which of ours' compiled variants the targets take -------------------------
+@given(
+    st.dictionaries(
+        st.sampled_from(["a", "b", "c", "d"]),
+        st.one_of(st.none(), st.floats(0.01, 100.0)),
+    ),
+    st.lists(st.sampled_from(["a", "b", "c"]), unique=True),
+)
+def test_fastest_is_the_first_lowest_time_among_the_names_that_ran(compiled, ms, names):
+    ran = [n for n in names if ms.get(n) is not None]
+    want = None
+    for n in ran:  # the reference: a plain scan, first on a tie
+        if want is None or ms[n] < ms[want]:
+            want = n
+    assert compiled.fastest(ms, names) == want

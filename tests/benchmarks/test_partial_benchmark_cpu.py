@@ -177,7 +177,11 @@ def test_fresh_kernel_busy_releases_the_build_and_records_failures(ts, monkeypat
     from cudagraphs.timing import KernelActivity
 
     monkeypatch.setattr(
-        _checks, "kernel_activity", lambda step, iters, warmup: KernelActivity(1.23456, 291.98)
+        _checks,
+        "kernel_activity",
+        lambda step, iters, warmup: KernelActivity(
+            1.23456, 291.98, (("gemm_" * 40, 0.81234, 8.0),)
+        ),
     )
     released = []
 
@@ -185,7 +189,12 @@ def test_fresh_kernel_busy_releases_the_build_and_records_failures(ts, monkeypat
         step = staticmethod(lambda: None)
 
     ok = _checks.fresh_kernel_busy(Built, released.append, iters=2, warmup=1)
-    assert ok == {"kernel_busy_ms": 1.2346, "kernels_per_step": 292.0} and len(released) == 1
+    assert ok == {
+        "kernel_busy_ms": 1.2346,
+        "kernels_per_step": 292.0,
+        "heaviest_kernels": [{"name": ("gemm_" * 40)[:120], "ms": 0.8123, "launches": 8.0}],
+    }
+    assert len(released) == 1
 
     def failing_build():
         raise RuntimeError("no build")

@@ -177,3 +177,20 @@ def test_the_compiled_capture_target_reads_the_cold_start(bench):
     failed = report(bench)
     failed["compiled_startup"] = {"empty_inductor_cache": {"error": "boom"}}
     assert bench.compute_targets(failed)["compiled_capture_le_20s"] is None
+
+
+def test_per_token_activity_spreads_a_request_over_its_new_tokens(bench):
+    from cudagraphs.timing import KernelActivity
+
+    n = bench.NEW_TOKENS
+    activity = KernelActivity(2.0 * n, 800.0 * n, (("gemv", 1.25 * n, 64.0 * n),))
+    assert bench.per_token_activity(activity, "compiled_") == {
+        "compiled_kernel_busy_ms_per_token": 2.0,
+        "compiled_kernels_per_token": 800.0,
+        "compiled_heaviest_kernels_per_token": [{"name": "gemv", "ms": 1.25, "launches": 64.0}],
+    }
+    assert set(bench.per_token_activity(activity)) == {
+        "kernel_busy_ms_per_token",
+        "kernels_per_token",
+        "heaviest_kernels_per_token",
+    }

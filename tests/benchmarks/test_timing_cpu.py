@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cudagraphs.timing import (
     _union_length,
@@ -126,9 +128,10 @@ def test_only_an_interval_starting_at_zero_is_dropped():
 
 
 class _Event:
-    def __init__(self, start, end, device_type):
+    def __init__(self, start, end, device_type, name="k"):
         self.time_range = type("Range", (), {"start": start, "end": end})()
         self.device_type = device_type
+        self.name = name
 
 
 class _Profile:
@@ -147,17 +150,49 @@ def test_profile_activity_counts_usable_launches_and_their_union_per_step():
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     prof = _Profile(
         [
-            _Event(1000.0, 1500.0, cuda),
-            _Event(1400.0, 2000.0, cuda),  # overlaps the first: busy once, two launches
-            _Event(3000.0, 3100.0, cuda),
-            _Event(0.0, 9000.0, cuda),  # no recorded start: neither busy nor a launch
-            _Event(100.0, 5000.0, cpu),  # host activity
+            _Event(1000.0, 1500.0, cuda, "gemm"),
+            _Event(1400.0, 2000.0, cuda, "adam"),  # overlaps: busy once, two launches
+            _Event(3000.0, 3100.0, cuda, "gemm"),
+            _Event(0.0, 9000.0, cuda, "gemm"),  # no recorded start: not busy, no launch
+            _Event(100.0, 5000.0, cpu, "host"),  # host activity
         ]
     )
-    assert profile_activity(prof, steps=2) == KernelActivity(busy_ms=0.55, launches=1.5)
+    assert profile_activity(prof, steps=2) == KernelActivity(
+        busy_ms=0.55,
+        launches=1.5,
+        heaviest=(("adam", 0.3, 0.5), ("gemm", 0.3, 1.0)),  # a tie: by name
+    )
     assert profile_busy_ms(prof) == pytest.approx(1.1)
     with pytest.raises(ValueError, match="steps >= 1"):
         profile_activity(prof, steps=0)
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 1e6), st.floats(0.0, 1e4), st.sampled_from("abcdefghijk")),
+        max_size=40,
+    ),
+    st.integers(1, 4),
+)
+def test_the_heaviest_kernels_are_the_longest_names_summed_over_usable_launches(evts, steps):
+    import torch
+
+    from cudagraphs.timing import HEAVIEST_KERNELS, profile_activity
+
+    cuda = torch.autograd.DeviceType.CUDA
+    prof = _Profile([_Event(a, a + d, cuda, n) for a, d, n in evts])
+    want: dict[str, list[float]] = {}
+    for a, d, n in evts:  # the reference: a plain sum per name of what is usable
+        if a > 0 and d > 0 and a + d > a:
+            want.setdefault(n, [0.0, 0])
+            want[n][0] += (a + d) - a
+            want[n][1] += 1
+    ranked = sorted(want, key=lambda n: (-want[n][0], n))[:HEAVIEST_KERNELS]
+    got = profile_activity(prof, steps=steps).heaviest
+    assert [name for name, _, _ in got] == ranked
+    for name, ms, launches in got:
+        assert ms == pytest.approx(want[name][0] / 1e3 / steps)
+        assert launches == want[name][1] / steps
 
 
 def test_kernel_busy_is_the_activity_busy_time(monkeypatch):

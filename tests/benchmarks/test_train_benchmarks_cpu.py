@@ -259,6 +259,22 @@ def test_the_compiled_step_targets_on_the_compute_bound_stack(ts):
     assert ts.compiled_targets("compute_bound", missing, {})["compiled_step_le_torch_best"] is None
 
 
+def test_the_compiled_targets_take_the_faster_of_ours_compiled_with_its_own_busy_time(ts):
+    # optimizer_impl="compiled" (OURS_COMPILED_OPTIMIZER) faster than the fused one: it
+    # is ours compiled, and its own busy time is the 1.10x bar, not the other's.
+    ms = {ts.OURS_COMPILED: 7.0, ts.OURS_COMPILED_OPTIMIZER: 6.4, ts.TORCH_RO: 6.5}
+    busy = {ts.OURS_COMPILED: 6.9, ts.OURS_COMPILED_OPTIMIZER: 5.0}
+    t = ts.compiled_targets("compute_bound", ms, busy)
+    assert t["compiled_step_le_torch_best"] is True  # 6.4 <= 6.5
+    assert t["compiled_step_le_1.10x_own_kernel_busy"] is False  # 6.4 > 1.10 * 5.0
+    slower = {**ms, ts.OURS_COMPILED_OPTIMIZER: 7.5}
+    t = ts.compiled_targets("compute_bound", slower, busy)
+    assert t["compiled_step_le_torch_best"] is False  # 7.0 > 6.5
+    assert t["compiled_step_le_1.10x_own_kernel_busy"] is True  # 7.0 <= 1.10 * 6.9
+    alone = {k: v for k, v in ms.items() if k != ts.OURS_COMPILED}
+    assert ts.compiled_targets("compute_bound", alone, busy)["compiled_step_le_torch_best"]
+
+
 def test_the_compute_bound_target_takes_the_best_other_variant(ts):
     key = "compute_bound_step_le_best_alternative"
     ms = {"eager": 30.0, ts.HELPER: 10.7, ts.RAW: 14.3, ts.RAW_SAME: 10.0, ts.OURS: 10.1}

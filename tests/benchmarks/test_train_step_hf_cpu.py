@@ -119,6 +119,19 @@ def test_the_compiled_targets_against_ours_eager_kernels_torchs_best_and_own_bus
     assert edge["hf_llama_compiled_step_le_0.6x_eager_kernel_step"] is True  # 1.2 == 0.6 * 2
 
 
+def test_the_compiled_targets_take_the_faster_of_ours_compiled_variants(hf):
+    ms = {hf.OURS: 2.8, hf.OURS_COMPILED: 1.3, hf.OURS_COMPILED_OPTIMIZER: 1.1, hf.TORCH_RO: 2.7}
+    busy = {hf.OURS_COMPILED: 1.25, hf.OURS_COMPILED_OPTIMIZER: 0.95}
+    out = hf.model_targets("llama", ms, busy)
+    assert out["hf_llama_compiled_step_le_0.4x_torch_best"] is False  # 1.1 > 1.08
+    assert out["hf_llama_compiled_step_le_1.10x_own_kernel_busy"] is False  # 1.1 > 1.045
+    out = hf.model_targets("llama", {**ms, hf.TORCH_RO: 2.75}, busy)
+    assert out["hf_llama_compiled_step_le_0.4x_torch_best"] is True  # 1.1 <= 1.1
+    fused = hf.model_targets("llama", {**ms, hf.OURS_COMPILED_OPTIMIZER: 1.4}, busy)
+    assert fused["hf_llama_compiled_step_le_1.10x_own_kernel_busy"] is True  # 1.3 <= 1.375
+    assert hf.VARIANTS[hf.OURS_COMPILED_OPTIMIZER].keywords == {"optimizer_impl": "compiled"}
+
+
 def test_torchs_recipes_never_fail_the_run_and_their_losses_are_recorded_only(hf):
     eager = [7.0, 6.5, 5.7]
     losses = {hf.EAGER: eager, hf.TORCH_RO: [7.0, 8.0, 9.0], hf.OURS_COMPILED: eager}

@@ -1,8 +1,9 @@
 """GPU tests of compiled steps inside graph_train_step: a ``torch.compile``d model
 (inductor's kernels, mode="default") graphs with the fused optimizer in one graph and
 trains bit for bit like the same compiled model stepped eagerly, HF Llama and
-Qwen3-MoE (grouped_mm experts) included; a step that still compiles before capture is
-refused by name, and the next good call works."""
+Qwen3-MoE (grouped_mm experts) included; ``optimizer_impl="compiled"`` (the optimizer
+step compiled too) trains like the eager loop calling the same compiled step; a step
+that still compiles before capture is refused by name, and the next good call works."""
 
 import copy
 
@@ -12,7 +13,7 @@ import torch
 import cudagraphs
 from cudagraphs import CompiledCaptureError
 from cudagraphs.models import BlockConfig, make_block_stack
-from cudagraphs.train import prepare_optimizer
+from cudagraphs.train import compiled_optimizer_step, prepare_optimizer
 from helpers.asserts import assert_bitwise_equal, contain_failed_capture
 from helpers.hf_models import tiny
 
@@ -46,14 +47,16 @@ def stepper(model, calls):
     return step
 
 
-def eager_loop(step, model, opt, data):
-    """The reference: each batch from ``.grad`` None, ``step`` then ``opt.step()``."""
+def eager_loop(step, model, opt, data, optimizer_step=None):
+    """The reference: each batch from ``.grad`` None, ``step`` then ``opt.step()`` (or
+    ``optimizer_step()``: the compiled one)."""
+    optimizer_step = optimizer_step or opt.step
     losses = []
     for b in data:
         for p in model.parameters():
             p.grad = None
         losses.append(step(b).detach())
-        opt.step()
+        optimizer_step()
     return losses
 
 
@@ -83,6 +86,43 @@ def test_a_compiled_model_graphs_and_trains_like_its_eager_compiled_loop():
     assert calls[0] == before, "a graphed step ran step_fn's Python: it did not replay"
     ref_losses = eager_loop(stepper(ref_compiled, ref_calls), ref, ref_opt, data)
     assert_same_steps(model, ref, losses, ref_losses, "")
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("compile_model", [False, True], ids=["eager_model", "compiled_model"])
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_a_compiled_optimizer_step_graphs_and_trains_like_its_eager_loop(opt_name, compile_model):
+    # optimizer_impl="compiled": the foreach step compiled by inductor, captured in the
+    # same graph as forward and backward; the reference calls the same compiled step.
+    model = Stack()
+    ref = copy.deepcopy(model)
+    run, ref_run = (torch.compile(model), torch.compile(ref)) if compile_model else (model, ref)
+    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref.parameters())
+    prepare_optimizer(ref_opt, "compiled")
+    calls = [0]
+    data = batches()
+    step = cudagraphs.graph_train_step(
+        stepper(run, calls), data[0], optimizer=opt, optimizer_impl="compiled"
+    )
+    assert step.graphed and step.stats.graphs == 1 and step.stats.compiled_frames >= 1
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert opt.param_groups[0]["foreach"] is True and not opt.param_groups[0]["fused"]
+    before = calls[0]
+    losses = [step(b).clone() for b in data]
+    assert calls[0] == before, "a graphed step ran step_fn's Python: it did not replay"
+    opt.param_groups[0]["lr"] = 5e-4  # a new rate reaches the replay (device lr, no guard)
+    losses.append(step(data[0]).clone())
+    ref_step, ref_fn = compiled_optimizer_step(ref_opt), stepper(ref_run, [0])
+    ref_losses = eager_loop(ref_fn, ref, ref_opt, data, ref_step)
+    ref_opt.param_groups[0]["lr"].fill_(5e-4)
+    ref_losses += eager_loop(ref_fn, ref, ref_opt, data[:1], ref_step)
+    assert calls[0] == before
+    assert_same_steps(model, ref, losses, ref_losses, f"{opt_name}: ")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])

@@ -12,7 +12,7 @@ stages batches through the program layer's fixed buffers.
 """
 
 from .gradients import DEFAULT_BUCKET_MB, all_reduce_gradients, plan_buckets
-from .optimizers import GroupPlan, plan_optimizer, prepare_optimizer
+from .optimizers import GroupPlan, compiled_optimizer_step, plan_optimizer, prepare_optimizer
 from .records import TrainStepOptions, TrainStepStats
 from .step import GraphedTrainStep, graph_train_step
 
@@ -23,6 +23,7 @@ __all__ = [
     "TrainStepOptions",
     "TrainStepStats",
     "all_reduce_gradients",
+    "compiled_optimizer_step",
     "graph_train_step",
     "plan_buckets",
     "plan_optimizer",

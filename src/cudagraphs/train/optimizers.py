@@ -17,22 +17,32 @@ parameters it is the slowest AdamW, slower in a whole-step graph than eager
 ``foreach`` AdamW beside per-layer graphs, while the fused kernel does the whole update in one pass and reads a device learning rate. For
 SGD, ``fused`` is the implementation that reads a device learning rate; ``foreach``
 SGD would read a tensor learning rate with a host sync.
+
+``implementation="compiled"`` is the other way to one pass over the state: the
+``foreach`` implementation (capturable for Adam/AdamW), its step compiled by
+:func:`compiled_optimizer_step`, so that inductor fuses the multi-tensor arithmetic
+into a few generated kernels. This is torch's own recipe for a fast step ("compiling
+the optimizer", torch.compile's tutorial), and under ``torch.compile`` the
+``foreach`` paths read a device learning rate without a host sync, SGD's included
+(``torch/optim/sgd.py``, ``_multi_tensor_sgd``).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..checks import check_instance
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError, CudaGraphsValueError
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "compiled_optimizer_step",
     "GroupPlan",
     "HyperparameterGuard",
     "OptimizerSnapshot",
@@ -44,7 +54,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("auto", "keep")
+IMPLEMENTATIONS = ("auto", "keep", "compiled")
 # dtypes torch's fused Adam/AdamW/SGD kernels take on CUDA.
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Group keys that are not hyperparameters the step reads.
@@ -100,8 +110,11 @@ def plan_optimizer(
     * Adam/AdamW: ``capturable=True``; with ``"auto"`` also ``fused=True`` (and
       ``foreach=False``) where the fused kernel takes the parameters.
     * SGD: with ``"auto"``, ``fused=True`` where possible; ``"keep"`` leaves it.
+    * ``"compiled"``: ``foreach=True`` and ``fused=False`` for all three (the step
+      then runs through :func:`compiled_optimizer_step`).
     * The learning rate becomes a device tensor where the implementation reads one
-      without a host sync (fused, or capturable Adam); elsewhere it is baked.
+      without a host sync (fused, capturable Adam, or any compiled step); elsewhere
+      it is baked.
 
     Nothing is planned for parameters off CUDA (``device_type``): there is no graph
     to capture, and torch refuses ``capturable`` off the GPU.
@@ -133,13 +146,15 @@ def plan_optimizer(
                 settings["capturable"] = True
             if implementation == "auto" and _fusable(group, device_type):
                 settings.update(fused=True, foreach=False)
+            elif implementation == "compiled":
+                settings.update(fused=False, foreach=True)
         settings = {k: v for k, v in settings.items() if group.get(k) != v}
         fused = settings.get("fused", group.get("fused")) or False
         capturable = settings.get("capturable", group.get("capturable")) or False
         device_lr = bool(
             device_type == "cuda"
             and not isinstance(group["lr"], torch.Tensor)
-            and (fused or (kind == "adam" and capturable))
+            and (fused or (kind == "adam" and capturable) or implementation == "compiled")
         )
         changes = [f"param_groups[{i}]['{k}'] = {v}" for k, v in settings.items()]
         if device_lr:
@@ -182,6 +197,27 @@ def prepare_optimizer(
         for line in plan.changes:
             logger.info("optimizer prepared for capture: %s", line)
     return plans
+
+
+def compiled_optimizer_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """``optimizer.step()`` compiled with ``torch.compile`` (``mode="default"``): the
+    step :func:`~cudagraphs.graph_train_step` runs with ``optimizer_impl="compiled"``.
+
+    Call it, after ``prepare_optimizer(optimizer, "compiled")``, for the eager reference
+    loop of such a step: the same generated kernels, so the same bits. Compiling is
+    lazy (the first call compiles). Inductor's kernels hold no CUDA graph of their own
+    (``mode="default"``): inside a graph of ours they are captured like any others.
+
+    The optimizer is read through the closure, so a group's hyperparameters are
+    dynamo guards: a learning rate held as a number recompiles whenever it changes,
+    which is why the plan gives a compiled step a device learning rate.
+    """
+    check_instance("optimizer", optimizer, torch.optim.Optimizer, "a torch optimizer")
+
+    def optimizer_step() -> None:
+        optimizer.step()
+
+    return torch.compile(optimizer_step)
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -35,7 +35,13 @@ from ..program.buffer import ReusableValueBuffer
 from ..program.signature import ValueTreeSignature
 from ..settings import graphs_disabled
 from .gradients import DEFAULT_BUCKET_MB, GradientReducer
-from .optimizers import HyperparameterGuard, OptimizerSnapshot, StateKeeper, prepare_optimizer
+from .optimizers import (
+    HyperparameterGuard,
+    OptimizerSnapshot,
+    StateKeeper,
+    compiled_optimizer_step,
+    prepare_optimizer,
+)
 from .records import TrainStepOptions, TrainStepStats
 from .step_capture import CapturedStep, capture_step_graphs
 from .step_modules import check_step_experts
@@ -92,6 +98,12 @@ class GraphedTrainStep:
         if not self.params:
             raise CudaGraphsValueError("the optimizer holds no parameters")
         self.plans = prepare_optimizer(optimizer, options.optimizer_impl)
+        # Compiled lazily: the warmup's first step compiles it, never the capture.
+        self._optimizer_step = (
+            compiled_optimizer_step(optimizer)
+            if options.optimizer_impl == "compiled"
+            else optimizer.step
+        )
         self.graphed = False
         self.stats: TrainStepStats | None = None
         self._captured: CapturedStep | None = None
@@ -126,7 +138,7 @@ class GraphedTrainStep:
             norm = torch.nn.utils.clip_grad_norm_(
                 with_grad, self.options.max_grad_norm, foreach=True
             )
-        self.optimizer.step()
+        self._optimizer_step()
         return norm
 
     def _say_unused(self) -> None:
@@ -437,8 +449,11 @@ def graph_train_step(
         max_grad_norm: clip the gradients' total norm to this (no host sync); the norm
             before clipping is :attr:`GraphedTrainStep.grad_norm`.
         accumulation_steps: micro-batches per step; a call then takes a list of them.
-        optimizer_impl: ``"auto"`` (fused kernels where possible: fastest inside a
-            graph, for small and large models) or ``"keep"`` (only what capture needs).
+        optimizer_impl: ``"auto"`` (fused kernels where possible), ``"compiled"``
+            (the ``foreach`` step compiled by ``torch.compile``:
+            :func:`~cudagraphs.train.compiled_optimizer_step`; its compile is part of
+            the warmup and of ``stats.compile_seconds``) or ``"keep"`` (only what
+            capture needs).
         all_reduce: average gradients over ranks inside the graph (one NCCL call per
             bucket of ``bucket_mb`` MiB); ``None``: when ``torch.distributed`` is
             initialized with more than one rank. Do not also wrap the model in DDP.
