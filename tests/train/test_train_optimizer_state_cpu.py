@@ -541,3 +541,36 @@ def test_keeper_puts_back_the_prepared_fused_flag():
     opt.load_state_dict(saved)
     assert opt.param_groups[0]["fused"] is None
     keeper.remove()
+
+
+def test_a_group_without_eps_is_not_exact_at_lr_0():
+    # Read as eps 0: a fused Adam step then divides by sqrt(v) alone, 0 / 0 where a
+    # gradient element was 0.
+    opt = torch.optim.Adam([_param(3)], lr=0.1, fused=True)
+    assert exact_at_zero_lr(opt, {"fused": True, "params": []}) is False
+    assert exact_at_zero_lr(opt, {"fused": True, "eps": 1e-8, "params": []}) is True
+
+
+def test_snapshot_keeps_only_the_groups_whose_step_at_lr_0_is_not_exact():
+    exact, inexact = _param(3), _param(2, seed=1)
+    opt = torch.optim.Adam(
+        [{"params": [exact], "fused": True}, {"params": [inexact], "foreach": False}], lr=0.1
+    )
+    snapshot = OptimizerSnapshot.take(opt)
+    assert set(snapshot.params) == {id(inexact)}
+
+
+def test_snapshot_copies_of_cuda_tensors_are_on_the_host():
+    # Fake CUDA tensors (metadata only, as in test_train_optimizer_plan_cpu.py): the
+    # snapshot's copies of parameters and state must leave the device, or the warmup
+    # would hold a second copy of the model there.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        p = torch.nn.Parameter(torch.empty(3, device="cuda"))
+        opt = torch.optim.Adam([p], lr=0.1, foreach=False)
+        opt.state[p]["exp_avg"] = torch.zeros(3, device="cuda")
+        snapshot = OptimizerSnapshot.take(opt)
+    ((_, saved),) = snapshot.params.values()
+    assert saved.device.type == "cpu"
+    assert snapshot.state[id(p)]["exp_avg"].device.type == "cpu"
