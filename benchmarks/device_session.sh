@@ -14,6 +14,8 @@
 #   sdpa_probe   probes/serving_compiles.py --backends: where the batch-of-one recompile comes from
 #   inductor     train_step.py launch_bound, compiled variants, without and then with
 #                INDUCTOR (default "triton.enable_pdl=True"), one machine: the node gaps
+# PRE_TESTS="tests/a.py tests/b.py" runs those GPU tests (-m cuda, at most PRE_LIMIT s,
+# default 200) before any phase, in the same call.
 # Wheels the machine lacks go in .wheels-dir (default .whl), installed into /tmp/site
 # first. JSONs land in $OUT (or OUT_DIR), logs in $OUT/logs.tgz.
 set -u
@@ -41,6 +43,14 @@ bench() {  # bench LOG LIMIT SCRIPT ARGS...
     say "$log" "$rc"
     tail -2 "$out/logs/$log.log" | cut -c1-400
 }
+if [ -n "${PRE_TESTS:-}" ]; then
+    # shellcheck disable=SC2086  # PRE_TESTS is a list of paths
+    timeout "${PRE_LIMIT:-200}" python -m pytest -q -m cuda -p no:cacheprovider $PRE_TESTS \
+        > "$out/logs/pre_tests.log" 2>&1
+    say "pre-tests" "$?"
+    tail -1 "$out/logs/pre_tests.log"
+    grep -E "^(FAILED|ERROR)" "$out/logs/pre_tests.log" | head -8
+fi
 case $phase in
 suite)
     for d in tests/core tests/partial tests/train tests/serving tests/capture tests/program \
