@@ -15,12 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cudagraphs import CudaGraphsTypeError
-from cudagraphs.train import compiled_optimizer_step, plan_optimizer, step_capture
-from cudagraphs.train import step as step_module
+from cudagraphs.train import compiled_optimizer_step, plan_optimizer
 from cudagraphs.train.optimizers import IMPLEMENTATIONS
-from cudagraphs.train.step import GraphedTrainStep, graph_train_step
+from cudagraphs.train.step import graph_train_step
 from helpers.asserts import assert_bitwise_equal
-from helpers.stand_in_train_step import CpuMeter, CpuPool, ReplayingCapture
+from helpers.stand_in_train_step import CpuPool, install_replaying
 from helpers.train_cpu import _batches, _mlp, _param, _step_fn
 
 
@@ -123,17 +122,7 @@ def test_compiled_optimizer_step_refuses_what_is_not_an_optimizer():
 # ---- a graphed step with a compiled optimizer step -----------------------------------
 @pytest.fixture
 def replaying(monkeypatch):
-    monkeypatch.setattr(step_module, "require_cuda", lambda *a, **k: None)
-    monkeypatch.setattr(GraphedTrainStep, "_device", lambda self: torch.device("cpu"))
-    monkeypatch.setattr(step_module, "MemoryMeter", CpuMeter)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-
-    def make(optimizer):
-        capture = ReplayingCapture(optimizer)
-        monkeypatch.setattr(step_capture, "capture_into_graph", capture)
-        return capture
-
-    return make
+    return install_replaying(monkeypatch)
 
 
 def _sgd(params):

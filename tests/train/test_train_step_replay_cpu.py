@@ -24,10 +24,9 @@ from cudagraphs import (
     CudaGraphsValueError,
 )
 from cudagraphs.errors import GraphReleasedError
-from cudagraphs.train import prepare_optimizer, step_capture
-from cudagraphs.train import step as step_module
+from cudagraphs.train import prepare_optimizer
 from cudagraphs.train.step import GraphedTrainStep, graph_train_step
-from helpers.stand_in_train_step import CpuMeter, CpuPool, ReplayingCapture
+from helpers.stand_in_train_step import CpuPool, install_replaying
 from helpers.train_cpu import (
     OPTIMIZERS,
     _assert_same_training,
@@ -41,17 +40,7 @@ from helpers.train_cpu import (
 @pytest.fixture
 def replaying(monkeypatch):
     """``make(optimizer)`` installs a replaying capture for ``optimizer``, returned."""
-    monkeypatch.setattr(step_module, "require_cuda", lambda *a, **k: None)
-    monkeypatch.setattr(GraphedTrainStep, "_device", lambda self: torch.device("cpu"))
-    monkeypatch.setattr(step_module, "MemoryMeter", CpuMeter)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-
-    def make(optimizer):
-        capture = ReplayingCapture(optimizer)
-        monkeypatch.setattr(step_capture, "capture_into_graph", capture)
-        return capture
-
-    return make
+    return install_replaying(monkeypatch)
 
 
 def _pair(opt_name):
