@@ -13,9 +13,10 @@ stderr. Writes ``$OUT/probe-serving_compiles.json`` when OUT is set.
 ``--backends`` asks where the batch-of-one guard comes from. For each set of SDPA
 backends (``default``: torch's choice; ``no_cudnn``: flash, mem-efficient and math;
 ``efficient``: mem-efficient and math; ``math``), a fresh child process captures
-under ``torch.nn.attention.sdpa_kernel`` of that set with ``TORCH_LOGS=+dynamic``, and
-the record keeps each bucket's warmup seconds and every "guard added" line that
-compares a size with 1, with the frame that added it. One compile for all four
+under ``torch.nn.attention.sdpa_kernel`` of that set with
+``TORCH_LOGS=+dynamic,recompiles``, and the record keeps each bucket's warmup seconds,
+every "guard added" line that compares a size with 1, with the frame that added it, and
+the guard each recompile failed (``recompiles``). One compile for all four
 buckets under a set names the backend whose checks specialize a batch of one.
 Writes ``$OUT/probe-serving_compiles-backends.json``.
 """
@@ -97,7 +98,7 @@ def by_backends() -> None:
         "buckets": list(BUCKETS),
         "runs": {},
     }
-    env = dict(os.environ, TORCH_LOGS="+dynamic")
+    env = dict(os.environ, TORCH_LOGS="+dynamic,recompiles")
     for name in BACKEND_SETS:
         child = subprocess.run(
             [sys.executable, __file__, "--child", name],
@@ -114,9 +115,7 @@ def by_backends() -> None:
             for line in child.stderr.splitlines()
             if "guard added" in line and _ONE.search(line)
         ][:20]
-        run["recompiles"] = [
-            line.strip()[-400:] for line in child.stderr.splitlines() if "guard failure" in line
-        ][:10]
+        run["recompiles"] = recompile_reasons(child.stderr)[:10]
         if child.returncode != 0:
             run["stderr_tail"] = child.stderr[-2000:]
         record["runs"][name] = run
@@ -124,6 +123,22 @@ def by_backends() -> None:
     if os.environ.get("OUT"):
         with open(Path(os.environ["OUT"]) / "probe-serving_compiles-backends.json", "w") as f:
             json.dump(record, f, indent=1)
+
+
+def recompile_reasons(log: str) -> list[str]:
+    """The failed guards of each recompile in a ``TORCH_LOGS=recompiles`` log: dynamo
+    writes "triggered by the following guard failure(s):" and then one "- <frame>:
+    <guard>" line per failed guard, each behind the logger's prefix."""
+    reasons, reading = [], False
+    for line in log.splitlines():
+        text = line.split("[__recompiles]", 1)[-1].strip()
+        if "guard failure" in text:
+            reading = True
+        elif reading and text.startswith("- "):
+            reasons.append(text[2:][:400])
+        else:
+            reading = False
+    return reasons
 
 
 def main() -> None:

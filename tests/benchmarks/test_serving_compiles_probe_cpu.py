@@ -1,0 +1,41 @@
+"""CPU test of ``benchmarks/probes/serving_compiles.py``'s log reading: each recompile's
+failed guards are kept, read from the lines dynamo writes after "guard failure(s):"."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from helpers.train_bench import BENCH
+
+# What TORCH_LOGS=recompiles wrote for a function compiled with a dynamic batch and
+# called with a batch of one (torch 2.13, a real run), then an unrelated line.
+LOG = """\
+V1202 22:39:28.204000 25746 torch/_dynamo/guards.py:5396] [0/1] [__recompiles] Recompiling function f in /tmp/so.py:7
+V1202 22:39:28.204000 25746 torch/_dynamo/guards.py:5396] [0/1] [__recompiles]     triggered by the following guard failure(s):
+V1202 22:39:28.204000 25746 torch/_dynamo/guards.py:5396] [0/1] [__recompiles]     - 0/0: 2 <= kv.size()[0]  # return x.sum()  # so.py:9 in f
+V1202 22:39:28.204000 25746 torch/_dynamo/guards.py:5396] [0/1] [__recompiles]     - 0/0: 2 <= x.size()[0]
+I1202 22:39:29.000000 25746 torch/_dynamo/symbolic_shapes.py:1] - not a guard line
+V1202 22:39:30.000000 25746 torch/_dynamo/guards.py:5396] [0/2] [__recompiles]     triggered by the following guard failure(s):
+V1202 22:39:30.000000 25746 torch/_dynamo/guards.py:5396] [0/2] [__recompiles]     - 0/1: ___check_type_id(n, 1)
+"""
+
+
+@pytest.fixture(scope="module")
+def probe():
+    spec = importlib.util.spec_from_file_location(
+        "serving_compiles", BENCH / "probes" / "serving_compiles.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recompile_reasons_are_the_failed_guards_of_each_recompile(probe):
+    assert probe.recompile_reasons(LOG) == [
+        "0/0: 2 <= kv.size()[0]  # return x.sum()  # so.py:9 in f",
+        "0/0: 2 <= x.size()[0]",
+        "0/1: ___check_type_id(n, 1)",
+    ]
+    assert probe.recompile_reasons("") == []
