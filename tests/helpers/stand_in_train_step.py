@@ -125,18 +125,24 @@ class ReplayingCapture:
         return {g.what: g.replays for g in self.graphs}
 
 
-def install_replaying(monkeypatch):
-    """Make ``GraphedTrainStep.capture`` run on the CPU (no device check, the CPU as the
-    device, :class:`CpuMeter`, no synchronize) and return ``make(optimizer)``, which
-    installs a :class:`ReplayingCapture` for ``optimizer`` and returns it."""
+def run_capture_on_cpu(monkeypatch):
+    """Let ``GraphedTrainStep.capture`` run on the CPU: no device check, the CPU as the
+    device, :class:`CpuMeter`, no synchronize (the capture itself is left as it is)."""
     from cudagraphs.train import step as step_module
-    from cudagraphs.train import step_capture
     from cudagraphs.train.step import GraphedTrainStep
 
     monkeypatch.setattr(step_module, "require_cuda", lambda *a, **k: None)
     monkeypatch.setattr(GraphedTrainStep, "_device", lambda self: torch.device("cpu"))
     monkeypatch.setattr(step_module, "MemoryMeter", CpuMeter)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+
+def install_replaying(monkeypatch):
+    """:func:`run_capture_on_cpu`, and return ``make(optimizer)``, which installs a
+    :class:`ReplayingCapture` for ``optimizer`` and returns it."""
+    from cudagraphs.train import step_capture
+
+    run_capture_on_cpu(monkeypatch)
 
     def make(optimizer):
         capture = ReplayingCapture(optimizer)

@@ -22,7 +22,7 @@ from cudagraphs.train import prepare_optimizer
 from cudagraphs.train import step as step_module
 from cudagraphs.train.records import TrainStepOptions
 from cudagraphs.train.step import GraphedTrainStep
-from helpers.stand_in_train_step import CpuMeter, CpuPool
+from helpers.stand_in_train_step import CpuPool, run_capture_on_cpu
 from helpers.train_cpu import (
     OPTIMIZERS,
     _assert_same_training,
@@ -47,11 +47,8 @@ def cpu_capture(monkeypatch):
         micro(batch)  # what a capture records first: forward and backward
         raise PlantedError("planted failure in the capture of the train step")
 
-    monkeypatch.setattr(step_module, "require_cuda", lambda *a, **k: None)
-    monkeypatch.setattr(GraphedTrainStep, "_device", lambda self: torch.device("cpu"))
-    monkeypatch.setattr(step_module, "MemoryMeter", CpuMeter)
+    run_capture_on_cpu(monkeypatch)
     monkeypatch.setattr(step_module, "capture_step_graphs", failing_capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     return calls
 
 
