@@ -70,6 +70,21 @@ def test_disabled_step_is_eager_and_equals_the_eager_loop(disabled, name):
     assert all(p.grad is not None for p in model.parameters())  # the last step's
 
 
+def test_an_lr_scheduler_built_after_the_step_sees_every_optimizer_step(disabled, recwarn):
+    # torch's LRScheduler wraps optimizer.step when it is built; the step must call the
+    # optimizer's step as it is then, not one it looked up before.
+    model, opt, *_ = _build("adamw")
+    batches = _batches(3)
+    step = graph_train_step(_step_fn(model), batches[0], optimizer=opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for b in batches:
+        step(b)
+        sched.step()
+    assert opt._opt_called  # the scheduler's wrapper ran
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
+
+
 def test_a_step_without_any_gradient_names_both_causes_and_a_good_step_works_after(disabled):
     model = torch.nn.Linear(4, 2)
     other = torch.nn.Linear(4, 2)  # the optimizer is built over another model

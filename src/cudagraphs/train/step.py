@@ -99,10 +99,8 @@ class GraphedTrainStep:
             raise CudaGraphsValueError("the optimizer holds no parameters")
         self.plans = prepare_optimizer(optimizer, options.optimizer_impl)
         # Compiled lazily: the warmup's first step compiles it, never the capture.
-        self._optimizer_step = (
-            compiled_optimizer_step(optimizer)
-            if options.optimizer_impl == "compiled"
-            else optimizer.step
+        self._compiled_step = (
+            compiled_optimizer_step(optimizer) if options.optimizer_impl == "compiled" else None
         )
         self.graphed = False
         self.stats: TrainStepStats | None = None
@@ -138,7 +136,11 @@ class GraphedTrainStep:
             norm = torch.nn.utils.clip_grad_norm_(
                 with_grad, self.options.max_grad_norm, foreach=True
             )
-        self._optimizer_step()
+        if self._compiled_step is not None:
+            self._compiled_step()
+        else:
+            # Looked up at each step: an LR scheduler built later wraps optimizer.step.
+            self.optimizer.step()
         return norm
 
     def _say_unused(self) -> None:
