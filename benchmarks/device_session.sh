@@ -2,7 +2,8 @@
 # One device call per phase, sized for the 10-minute limit of a call.
 # Usage (repository root, on the GPU machine): benchmarks/device_session.sh PHASE COMMIT [LABEL]
 #   suite        every -m cuda test, core and partial first, per folder (about 390 s)
-#   memory       memory.py on small and mid three times, then the largest-batch search (about 340 s)
+#   memory       memory.py on small and mid three times, then the largest-batch search (about 340 s);
+#                MEMORY_RUNS="run1 run2" names the runs, MEMORY_SEARCH=0 leaves the search out
 #   fp8          train_fp8.py once (about 230 s on an H200)
 #   serving      serving_hf.py on Llama without the startup children (about 300 s);
 #                INDUCTOR set: with --inductor-config $INDUCTOR (HF's compile and ours alike)
@@ -65,10 +66,10 @@ suite)
         grep -E "^(FAILED|ERROR)" "$out/logs/$name.log" | head -8
     done ;;
 memory)
-    for r in run1 run2 run3; do
+    for r in ${MEMORY_RUNS:-run1 run2 run3}; do
         bench "memory-$r" 170 benchmarks/memory.py "${common[@]}" --shapes small,mid --jobs 6 --run-label "$r"
     done
-    bench memory-search 200 benchmarks/memory.py "${common[@]}" --shapes "" --search --jobs 6 --run-label search1 ;;
+    [ "${MEMORY_SEARCH:-1}" = 0 ] || bench memory-search 200 benchmarks/memory.py "${common[@]}" --shapes "" --search --jobs 6 --run-label search1 ;;
 fp8)
     bench "fp8-$label" 560 benchmarks/train_fp8.py "${common[@]}" --run-label "$label" ;;
 serving)

@@ -9,6 +9,9 @@
 * ``CUDAGRAPHS_EXPANDABLE_POOLS`` (default on): graph pools grow as expandable
   segments (:func:`cudagraphs.graph_pool.pool_segments`); ``0`` makes them as the
   caching allocator's settings say.
+* ``CUDAGRAPHS_OWNED_GRAD_COPIES``: owned parameter gradients are copied out of the
+  graph pool at every backward replay, not only when something still holds them at
+  the next replay that could overwrite them (:mod:`cudagraphs.core.deferred_grads`).
 * ``CUDAGRAPHS_CUDA_BINDING``: which binding makes the package's direct CUDA calls
   (:mod:`cudagraphs.cuda_binding`): ``auto`` (the default: ``cuda.bindings`` when it
   imports and reaches the driver, else ``ctypes``), ``cuda.bindings`` or ``ctypes``.
@@ -29,17 +32,20 @@ __all__ = [
     "BINDING_ENV",
     "DISABLE_ENV",
     "EXPANDABLE_POOLS_ENV",
+    "OWNED_GRAD_COPIES_ENV",
     "STRICT_BUCKETS_ENV",
     "env_choice",
     "env_flag",
     "expandable_pools",
     "graphs_disabled",
+    "owned_grad_copies",
 ]
 
 DISABLE_ENV = "CUDAGRAPHS_DISABLE"
 STRICT_BUCKETS_ENV = "CUDAGRAPHS_REQUIRE_ALL_BUCKETS"
 BINDING_ENV = "CUDAGRAPHS_CUDA_BINDING"
 EXPANDABLE_POOLS_ENV = "CUDAGRAPHS_EXPANDABLE_POOLS"
+OWNED_GRAD_COPIES_ENV = "CUDAGRAPHS_OWNED_GRAD_COPIES"
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -94,3 +100,9 @@ def graphs_disabled() -> bool:
 def expandable_pools() -> bool:
     """``CUDAGRAPHS_EXPANDABLE_POOLS`` now (default on)."""
     return env_flag(EXPANDABLE_POOLS_ENV, default=True)
+
+
+def owned_grad_copies() -> bool:
+    """Whether ``CUDAGRAPHS_OWNED_GRAD_COPIES`` asks for a copy of every owned gradient
+    at every backward replay (default off)."""
+    return env_flag(OWNED_GRAD_COPIES_ENV)

@@ -46,8 +46,11 @@ __all__ = [
     "TENSOR_GUARDS",
     "PrivateName",
     "UnsupportedTorchError",
+    "STORAGE_USE_COUNT",
+    "SWAP_STORAGE_DATA",
     "below_autograd",
     "can_make_expandable_segments",
+    "can_move_storages",
     "check_torch",
     "compiled_module",
     "current_graph_task_id",
@@ -63,6 +66,8 @@ __all__ = [
     "release_pool",
     "set_grad_enabled",
     "size_oblivious_shapes",
+    "storage_use_count",
+    "swap_storage_data",
     "tensor_guards_class",
     "will_engine_execute_node",
 ]
@@ -162,8 +167,26 @@ SIZE_OBLIVIOUS = PrivateName(
     "specialization of the batch dimension); without it that bucket compiles apart",
 )
 
+STORAGE_USE_COUNT = PrivateName(
+    "torch._C",
+    "_storage_Use_Count",
+    "telling whether anything beside a graph still refers to an owned gradient it "
+    "lent (cudagraphs.core.deferred_grads); without it owned gradients are copied at "
+    "every backward replay",
+)
+
+SWAP_STORAGE_DATA = PrivateName(
+    "torch.UntypedStorage",
+    "_swap_data_ptr_",
+    "moving a lent owned gradient that something still holds to memory of its own "
+    "(cudagraphs.core.deferred_grads); without it owned gradients are copied at every "
+    "backward replay",
+)
+
 OPTIONAL: tuple[PrivateName, ...] = (
     COMPILATION_METRICS,
+    STORAGE_USE_COUNT,
+    SWAP_STORAGE_DATA,
     MARK_DYNAMIC,
     SIZE_OBLIVIOUS,
     PrivateName(
@@ -270,6 +293,25 @@ def _expandable_now() -> bool:
 def release_pool(device: int, pool: Any) -> None:
     """Give back the use of ``pool`` that :func:`begin_allocate_to_pool` took."""
     torch._C._cuda_releasePool(device, pool)
+
+
+def can_move_storages() -> bool:
+    """Whether this torch has both names :func:`storage_use_count` and
+    :func:`swap_storage_data` need."""
+    return STORAGE_USE_COUNT.lookup() is not None and SWAP_STORAGE_DATA.lookup() is not None
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many references the C++ storage behind ``storage`` has: one per tensor on
+    it, one per Python storage object (``storage`` itself included)."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+def swap_storage_data(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Exchange the memory of two storages of one device: every tensor on ``a`` (views
+    included) now reads ``b``'s bytes at ``b``'s address, and the other way round;
+    each memory is freed with the storage that holds it now."""
+    a._swap_data_ptr_(b)
 
 
 def current_stream_key() -> Callable[[int], Any]:

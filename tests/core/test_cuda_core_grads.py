@@ -45,16 +45,29 @@ def _static_grad_ptrs(module):
     return {t.data_ptr() for t in module.cuda_graph.graphs.static_grad_inputs if t is not None}
 
 
-@pytest.mark.parametrize("lent", [False, True], ids=["owned", "lent"])
-def test_param_grads_accumulate_like_eager_owned_or_lent(lent):
-    # Owned (default): no .grad is ever a buffer. Lent: the first backward hands the
-    # static buffers out as .grad (no copy); the next replay would overwrite them, so
-    # it moves them to owned copies first. Either way the sum is eager's bit for bit.
+# How a backward replay hands out parameter gradients: owned with deferred copies (the
+# default in a pool of the call's own), owned with a copy at every replay
+# (CUDAGRAPHS_OWNED_GRAD_COPIES=1), lent (clone_param_grads_on_return=False).
+MODES = ["owned", "owned_copies", "lent"]
+
+
+def _graph_in_mode(module, sample, mode, monkeypatch):
+    if mode == "owned_copies":
+        monkeypatch.setenv("CUDAGRAPHS_OWNED_GRAD_COPIES", "1")
+    make_graphed_callables(module, (sample,), clone_param_grads_on_return=mode != "lent")
+    monkeypatch.delenv("CUDAGRAPHS_OWNED_GRAD_COPIES", raising=False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_param_grads_accumulate_like_eager_owned_or_lent(mode, monkeypatch):
+    # Copied at every replay: no .grad is ever a buffer. Deferred or lent: the first
+    # backward hands the static buffers out as .grad (no copy); the next replay would
+    # overwrite them, so they move to copies of their own first. Either way the sum
+    # is eager's bit for bit.
     module = _mlp()
     eager = copy.deepcopy(module)
-    make_graphed_callables(
-        module, (_randn(BATCH, HIDDEN, seed=1),), clone_param_grads_on_return=not lent
-    )
+    _graph_in_mode(module, _randn(BATCH, HIDDEN, seed=1), mode, monkeypatch)
+    lent = mode != "owned_copies"
     static = _static_grad_ptrs(module)
     assert static, "the backward graph should produce parameter gradients"
     for it in range(3):  # no zeroing in between: gradients accumulate
@@ -71,15 +84,15 @@ def test_param_grads_accumulate_like_eager_owned_or_lent(lent):
         _assert_param_grads_equal(module, eager, f"sum of {it + 1} replays")
 
 
-@pytest.mark.parametrize("lent", [False, True], ids=["owned", "lent"])
-def test_param_grads_with_set_to_none_and_an_optimizer_match_eager(lent):
+@pytest.mark.parametrize("mode", MODES)
+def test_param_grads_with_set_to_none_and_an_optimizer_match_eager(mode, monkeypatch):
     # torch's default regime: zero_grad(set_to_none=True) after every optimizer step.
-    # Owned: each backward's gradients are fresh copies; lent: views of the buffers.
+    # Copied at every replay: each backward's gradients are fresh copies; deferred or
+    # lent: the buffers themselves, and nothing is ever copied.
     module = _mlp()
     eager = copy.deepcopy(module)
-    make_graphed_callables(
-        module, (_randn(BATCH, HIDDEN, seed=1),), clone_param_grads_on_return=not lent
-    )
+    _graph_in_mode(module, _randn(BATCH, HIDDEN, seed=1), mode, monkeypatch)
+    lent = mode != "owned_copies"
     static = _static_grad_ptrs(module)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2, foreach=True)
     opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
@@ -96,15 +109,18 @@ def test_param_grads_with_set_to_none_and_an_optimizer_match_eager(lent):
         opt_eager.zero_grad(set_to_none=True)
     for (name, p), q in zip(module.named_parameters(), eager.parameters()):
         _assert_equal(p.detach(), q.detach(), f"{name} after 4 AdamW steps")
+    lent_grads = module.cuda_graph.graphs.lent
+    assert lent_grads.deferred.moves == 0, "set_to_none: nothing was still held"
 
 
-def test_a_hook_kept_gradient_survives_later_steps_by_default():
+@pytest.mark.parametrize("mode", ["owned", "owned_copies"])
+def test_a_hook_kept_gradient_survives_later_steps_by_default(mode, monkeypatch):
     # Transformer Engine 2.20's contract (clone_param_grads_on_return=True, TE PR 2937),
     # as its own tests check it: a weight hook keeps the gradients it receives, and
     # later replays change neither their values nor their storage.
     module = _mlp()
     eager = copy.deepcopy(module)
-    make_graphed_callables(module, (_randn(BATCH, HIDDEN, seed=1),))
+    _graph_in_mode(module, _randn(BATCH, HIDDEN, seed=1), mode, monkeypatch)
     weight, weight_eager = module[0].weight, eager[0].weight
     kept, kept_eager = [], []
     weight.register_hook(kept.append)
@@ -121,6 +137,43 @@ def test_a_hook_kept_gradient_survives_later_steps_by_default():
     for it, (g, g_eager) in enumerate(zip(kept, kept_eager)):
         _assert_equal(g, g_eager, f"the gradient the hook kept at step {it}")
     assert len({g.untyped_storage().data_ptr() for g in kept}) == 3, "one storage per step"
+    if mode == "owned":
+        # The hook's gradient was the buffer: moved out at each next step's forward.
+        assert module.cuda_graph.graphs.lent.deferred.moves >= 2
+
+
+def test_deferred_owned_gradients_are_the_buffers_and_stay_exact_in_a_stack():
+    # The memory point of deferral: a set_to_none loop of a graphed stack hands out
+    # every parameter gradient as its graph buffer and copies nothing, bit for bit
+    # like eager; a .grad kept past the next forward keeps its values.
+    torch.manual_seed(0)
+    layers = [_mlp() for _ in range(3)]
+    refs = [copy.deepcopy(m) for m in layers]
+    samples = tuple((_randn(BATCH, HIDDEN, seed=k).requires_grad_(),) for k in range(3))
+    graphed = make_graphed_callables(tuple(layers), samples)
+    entries = [g.cuda_graph.graphs for g in graphed]
+    assert all(e._held for e in entries), "every entry defers its copies"
+    counts = [count_backward_replays(e) for e in entries]
+    kept = None
+    for it in range(3):
+        x = _randn(BATCH, HIDDEN, seed=90 + it).requires_grad_()
+        for seq in (graphed, refs):
+            h = x
+            for layer in seq:
+                h = layer(h)
+            h.pow(2).mean().backward()
+        for g, r in zip(graphed, refs):
+            for pg, pr in zip(g.parameters(), r.parameters()):
+                _assert_equal(pg.grad, pr.grad, f"step {it}")
+        if it == 1:
+            kept = [(p.grad, p.grad.clone()) for p in graphed[0].parameters()]
+        for m in (*graphed, *refs):
+            m.zero_grad(set_to_none=True)
+    assert [c() for c in counts] == [3, 3, 3], "every step replays every backward graph"
+    for k, (g, want) in enumerate(kept):
+        _assert_equal(g, want, f"parameter {k}'s gradient kept from step 1")
+    deferred = entries[0].lent.deferred
+    assert deferred.moves == len(kept), "only what was kept moved, once"
 
 
 def test_autograd_grad_returns_owned_param_grads():

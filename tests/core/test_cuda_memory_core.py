@@ -1,7 +1,7 @@
 """On the GPU, the mechanisms behind the memory contract, in process: a warmup inside a
 fresh pool leaves no cache beside the graphs; a pool that already holds a graph warms
-up outside it; owned parameter gradients staged through one buffer equal eager's and
-leave no per-parameter buffer behind; a failed warmup inside a pool leaves it usable."""
+up outside it; owned parameter gradients copied at every replay and staged through one
+buffer equal eager's and leave no per-parameter buffer behind; a failed warmup inside a pool leaves it usable."""
 
 from __future__ import annotations
 
@@ -75,7 +75,10 @@ def test_a_pool_holding_a_graph_warms_up_outside_it_and_gives_the_cache_back():
     y.sum().backward()
 
 
-def test_staged_owned_gradients_equal_eager_and_leave_one_shared_buffer():
+def test_staged_owned_gradients_equal_eager_and_leave_one_shared_buffer(monkeypatch):
+    # Staging serves owned gradients copied at every replay (a pool passed in, or
+    # CUDAGRAPHS_OWNED_GRAD_COPIES=1); deferred copies need a buffer per parameter.
+    monkeypatch.setenv("CUDAGRAPHS_OWNED_GRAD_COPIES", "1")
     torch.manual_seed(0)
     models = [_mlp(depth=2) for _ in range(3)]
     refs = [_mlp(depth=2) for _ in range(3)]

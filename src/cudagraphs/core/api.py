@@ -25,6 +25,7 @@ from .capture_phase import (
     check_unreached_outputs,
     eager_entry_graphs,
 )
+from .deferred_grads import defers_owned_copies
 from .grad_targets import GradTargets, prepare_grad_targets
 from .graphed import GraphedCallable
 from .runtime import EntryGraphs
@@ -354,6 +355,9 @@ def make_graphed_callables(
             grad_targets=grad_targets,
             sharing=sharing,
             unreached=unreached,
+            # Only in a pool of this call's own: every graph in it moves what it would
+            # overwrite (.deferred_grads); a pool passed in may hold graphs that do not.
+            defer_owned_copies=pool is None and defers_owned_copies(),
         )
         watch = CompileWatch.start(device.index)
         try:

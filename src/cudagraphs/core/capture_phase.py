@@ -44,6 +44,8 @@ class CaptureOptions:
     staging: GradStaging | None = None
     # Per entry: the tensor outputs no backward reaches (check_unreached_outputs).
     unreached: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    # Owned mode: hand out the gradient buffers, copied only when kept (.deferred_grads).
+    defer_owned_copies: bool = False
 
 
 def _describe(plan: GraphPlan, entry_index: int) -> str:
@@ -133,6 +135,7 @@ def _entry_inputs(
         ),
         eager_only=opts is None,
         lent=lent_grads_of(opts.pool) if opts is not None else None,
+        defer_copies=opts.defer_owned_copies if opts is not None else False,
     )
 
 
@@ -151,6 +154,7 @@ class ForwardCapture:
     out_tensor_positions: tuple[int, ...]
     out_differentiable: tuple[bool, ...]  # per tensor output
     pool_bytes: int = 0  # what the device's reserved memory grew by during the capture
+    seq: int = 0  # its number among the pool's captures (.deferred_grads)
 
     @property
     def tensor_outputs(self) -> list[torch.Tensor]:
@@ -177,6 +181,7 @@ class BackwardCapture:
     new_buffer_bytes: int = 0  # incoming-gradient buffers made for it (not shared ones)
     # Differentiable tensor outputs captured as getting no gradient (no buffer).
     unreached_outputs: tuple[int, ...] = ()
+    seq: int = 0  # as ForwardCapture's
 
 
 @dataclass
@@ -203,6 +208,7 @@ class _Pending:
                 out_tensor_positions=self.forward.out_tensor_positions,
                 out_differentiable=self.forward.out_differentiable,
                 pool_bytes=self.forward.pool_bytes,
+                fwd_seq=self.forward.seq,
             )
         if self.backward is not None:
             fields.update(
@@ -214,6 +220,7 @@ class _Pending:
                 unreached_outputs=self.backward.unreached_outputs,
                 pool_bytes=fields.get("pool_bytes", 0) + self.backward.pool_bytes,
                 buffer_bytes=fields["buffer_bytes"] + self.backward.new_buffer_bytes,
+                bwd_seq=self.backward.seq,
             )
         return EntryGraphs(**fields)
 
@@ -237,6 +244,7 @@ def _capture_forward(
         run, opts.pool, stream=opts.stream, what=f"forward of {inputs['name']}"
     )
     grown = torch.cuda.memory_reserved(opts.stream.device) - before
+    seq = lent_grads_of(opts.pool).deferred.next_capture()
     out_leaves, out_spec = pytree.tree_flatten(output)
     positions = tuple(i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor))
     return ForwardCapture(
@@ -246,6 +254,7 @@ def _capture_forward(
         out_tensor_positions=positions,
         out_differentiable=tuple(out_leaves[i].requires_grad for i in positions),
         pool_bytes=grown,
+        seq=seq,
     )
 
 
@@ -404,6 +413,7 @@ def _capture_backward(
         pool_bytes=torch.cuda.memory_reserved(opts.stream.device) - before,
         new_buffer_bytes=sum(_nbytes(b) for b in grad_outputs) if made else 0,
         unreached_outputs=skipped,
+        seq=lent_grads_of(opts.pool).deferred.next_capture(),
     )
 
 
@@ -416,9 +426,9 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
 
     On failure every graph captured so far is released before the error propagates.
     """
-    if opts.clone_param_grads_on_return and plan.training:
-        # Owned gradients: the backward graphs copy theirs into one shared buffer,
-        # sized for the largest callable (.grad_staging says why).
+    if opts.clone_param_grads_on_return and plan.training and not opts.defer_owned_copies:
+        # Owned gradients copied at every replay: the backward graphs copy theirs into
+        # one shared buffer, sized for the largest callable (.grad_staging says why).
         staged = [
             c.params
             for c, t in zip(plan.callables, opts.grad_targets or (None,) * len(plan.callables))

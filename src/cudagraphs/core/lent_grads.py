@@ -29,18 +29,21 @@ from __future__ import annotations
 import torch
 
 from ..graph_pool import GraphMemoryPool
+from .deferred_grads import DeferredCopies
 
 __all__ = ["LentGrads", "lent_grads_of", "move_aliased_grads"]
 
 
 class LentGrads:
-    """Parameters whose ``.grad`` may still be a static buffer of the pool."""
+    """Parameters whose ``.grad`` may still be a static buffer of the pool, and the
+    pool's owned gradients handed out as its memory (``deferred``)."""
 
-    __slots__ = ("params", "ptrs")
+    __slots__ = ("params", "ptrs", "deferred")
 
     def __init__(self) -> None:
         self.params: list[torch.nn.Parameter] = []
         self.ptrs: list[int] = []
+        self.deferred = DeferredCopies()
 
     def lend(self, params: list[torch.nn.Parameter], ptrs: list[int]) -> None:
         self.params.extend(params)

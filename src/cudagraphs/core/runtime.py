@@ -27,6 +27,7 @@ from ..errors import (
     describe_mismatches,
 )
 from ..torch_private import will_engine_execute_node
+from .deferred_grads import HeldStorage, held_storages
 from .grad_targets import GradTargets
 from .lent_grads import LentGrads, move_aliased_grads
 from .te_compat import ReplayKeywords
@@ -119,6 +120,10 @@ class EntryGraphs:
     # buffer, not read by the backward graph): a backward that reaches one raises.
     unreached_outputs: tuple[int, ...] = ()
     lent: LentGrads | None = None  # the pool's registry of gradients lent to autograd
+    # Owned mode: hand out the gradient buffers, copied only when kept (deferred_grads).
+    defer_copies: bool = False
+    fwd_seq: int = 0  # the graphs' numbers among the pool's captures (deferred_grads)
+    bwd_seq: int = 0
     eager_only: bool = False  # CUDAGRAPHS_DISABLE: validate calls, run them eagerly
     # Static inputs that are an earlier entry's static output (.sharing): (tensor
     # index, the source's name). A call must pass that very buffer there.
@@ -147,6 +152,7 @@ class EntryGraphs:
     _lent_input_ptrs: list[int] = field(init=False, repr=False)
     _lent_positions: frozenset[int] = field(init=False, repr=False)
     _probe_accumulator: Any = field(init=False, repr=False)
+    _held: tuple[HeldStorage, ...] = field(init=False, repr=False)
     _grad_output_buffers: list[torch.Tensor] = field(init=False, repr=False)
     _grad_output_mask: tuple[bool, ...] = field(init=False, repr=False)
 
@@ -288,8 +294,11 @@ class EntryGraphs:
         if self.chained:
             self._check_chained(tensors)
         lent = self.lent
-        if lent is not None and lent.params:
-            lent.settle()  # this replay may overwrite pool memory lent as .grad
+        if lent is not None:
+            if lent.params:
+                lent.settle()  # this replay may overwrite pool memory lent as .grad
+            if lent.deferred.held:
+                lent.deferred.settle(self.fwd_seq)  # ... or owned gradients handed out
         copy_into(self.static_inputs, tensors)
         self.fwd_graph.replay()
 
@@ -369,13 +378,14 @@ class EntryGraphs:
         self._lent_input_params = [param for _, param, _ in self._lent_inputs]
         self._lent_input_ptrs = [g.data_ptr() for _, _, g in self._lent_inputs]
         self._lent_positions = frozenset(pos for pos, _, _ in self._lent_inputs)
+        self._held = self._held_storages(grads)
         # One parameter's gradient accumulator (held, so that autograd hands out this
         # very node every time) tells whether a backward accumulates into .grad
         # (backward()) or returns the gradients to the caller (autograd.grad()).
         lent_params = [*self._param_grad_params, *self._lent_input_params]
         self._probe_accumulator = (
             _grad_accumulator(lent_params[0])
-            if lent_params and not self.clone_param_grads
+            if lent_params and (not self.clone_param_grads or self._held)
             else None
         )
         # The parameters the autograd node takes as inputs. With in-graph accumulation
@@ -385,6 +395,23 @@ class EntryGraphs:
         self.autograd_params = self.params if self.grad_targets is None else self.params[:1]
         self._grad_output_buffers = [g for g in self.static_grad_outputs if g is not None]
         self._grad_output_mask = tuple(g is not None for g in self.static_grad_outputs)
+
+    def _held_storages(self, grads: Sequence[torch.Tensor | None]) -> tuple[HeldStorage, ...]:
+        """Owned mode with deferred copies: the storages of the parameter gradient
+        buffers, with every gradient buffer on them; ``()`` where the copies are made
+        at every replay (deferral off, or a buffer something else refers to)."""
+        if not (
+            self.clone_param_grads
+            and self.defer_copies
+            and self.lent is not None
+            and self._param_grad_buffers
+        ):
+            return ()
+        held = held_storages([g for g in grads if g is not None], self.bwd_seq)
+        if held is None:
+            return ()
+        ptrs = {g.untyped_storage().data_ptr() for g in self._param_grad_buffers}
+        return tuple(h for h in held if h.storage.data_ptr() in ptrs)
 
     def replay_backward(
         self, grads: tuple[torch.Tensor | None, ...], leaves: tuple[torch.Tensor | None, ...]
@@ -409,6 +436,11 @@ class EntryGraphs:
             move_aliased_grads(self._param_grad_params, self._param_grad_ptrs)
         if self._lent_inputs:
             move_aliased_grads(self._lent_input_params, self._lent_input_ptrs)
+        if self.lent is not None and self.lent.deferred.held:
+            # Owned gradients handed out by graphs captured after this one (their
+            # memory may be this graph's temporaries), and by this one.
+            self.lent.deferred.settle(self.bwd_seq)
+            self.lent.deferred.count(self._held)
         self.bwd_graph.replay()
         lend_inputs = bool(self._lent_inputs) and _engine_accumulates(self._probe_accumulator)
         if lend_inputs and self.lent is not None:
@@ -462,8 +494,16 @@ class EntryGraphs:
         """Give autograd owned copies of the parameter gradients, made by one fused
         kernel (the default, Transformer Engine 2.20's contract: a gradient a hook or
         ``.grad`` keeps is never overwritten by a later replay); in lent mode, the
-        buffers themselves (see ``lent_grads``), except under ``autograd.grad()``."""
-        if self.clone_param_grads or not _engine_accumulates(self._probe_accumulator):
+        buffers themselves (see ``lent_grads``), except under ``autograd.grad()``.
+        Owned with deferred copies: the buffers too, held until nothing refers to them
+        or a replay that could overwrite them moves them out (``deferred_grads``)."""
+        accumulates = self._probe_accumulator is not None and _engine_accumulates(
+            self._probe_accumulator
+        )
+        if self._held and accumulates:
+            views = [g.detach() for g in self._param_grad_buffers]
+            self.lent.deferred.hold(self._held)
+        elif self.clone_param_grads or not accumulates:
             # autograd.grad() returns the gradients to its caller instead of adding
             # them into .grad, so no later replay could move them out of the way.
             # x * 1.0 is exact (signed zeros and NaNs included) and makes every copy in
@@ -482,6 +522,11 @@ class EntryGraphs:
         """Drop the graphs and static buffers (idempotent)."""
         if self.released:
             return
+        if self._held:
+            # What is still kept leaves the pool memory before the graphs' references
+            # to it go; graphs still in the pool could overwrite it.
+            self.lent.deferred.count(self._held)
+            self.lent.deferred.forget(self._held)
         for g in (self.fwd_graph, self.bwd_graph):
             if g is not None:
                 g.reset()

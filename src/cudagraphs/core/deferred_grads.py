@@ -1,0 +1,165 @@
+"""Owned parameter gradients that cost a copy only when something keeps them: the
+default of ``make_graphed_callables`` (``clone_param_grads_on_return=True``).
+
+The owned contract (Transformer Engine 2.20's, TE PR 2937): a gradient a hook,
+``.grad`` or any other reference keeps is never overwritten by a later replay. The
+plain way to keep it is a copy of every parameter gradient at every backward replay,
+outside the graph pool. Those copies cannot take the place of the activations the
+pool holds, as eager's gradients take theirs, so graphs that replay inside an eager
+step held up to ``min(activations, gradients)`` more than eager: 1.17x to 1.19x of
+eager's peak on a 16-layer, hidden-2048 Llama at batch 1 (issue 36).
+
+Here a backward replay hands out the gradient buffers themselves, as lent mode does
+(:mod:`.lent_grads`), and copies only what is still referenced when a replay that
+could overwrite it comes. Under ``zero_grad(set_to_none=True)`` nothing is, so no
+copy is made at all. A buffer is moved out by copying its bytes into fresh memory and
+exchanging the two storages' memory (:func:`~cudagraphs.torch_private.
+swap_storage_data`). Every tensor on the buffer's storage then reads the copy:
+``.grad``, a tensor a hook kept, a view of either. The graph's own tensors are
+pointed back at the graph memory. Whether anything else refers to a buffer is its
+storage's use count against the count with nothing handed out
+(:func:`~cudagraphs.torch_private.storage_use_count`).
+
+Which replays can overwrite a buffer: only graphs captured *before* it was allocated.
+A graph captured later never got its memory, which was in use throughout. So each
+held storage carries the capture number of the backward graph that writes it, and a
+replay of the graph captured ``n``-th moves out the held storages numbered above
+``n`` first (:meth:`DeferredCopies.settle`). In the usual order (forwards, then the
+backwards in reverse) no backward of a step moves anything and the next step's first
+forward moves what is still kept. A buffer's own backward graph moves it before it
+replays again (:func:`move_out`).
+
+What this asks of the caller: an address. A ``.grad`` kept past the next step's first
+forward moves to memory of its own at that point, once, so code that recorded the
+address of such a ``.grad`` (a CUDA graph of its own optimizer step, say) must record
+it after that. ``CUDAGRAPHS_OWNED_GRAD_COPIES=1`` copies at every replay instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..settings import owned_grad_copies
+from ..torch_private import can_move_storages, storage_use_count, swap_storage_data
+
+__all__ = ["DeferredCopies", "HeldStorage", "defers_owned_copies", "held_storages", "move_out"]
+
+
+def defers_owned_copies() -> bool:
+    """Whether owned gradients are handed out as graph memory now: this torch can
+    move a storage's memory, and ``CUDAGRAPHS_OWNED_GRAD_COPIES`` is not set."""
+    return can_move_storages() and not owned_grad_copies()
+
+
+@dataclass(eq=False)
+class HeldStorage:
+    """One storage of graph memory that owned gradients are handed out from.
+
+    ``storage`` and ``tensors`` are the graph's own (a move replaces the first and
+    re-points the second); ``base`` is the storage's use count with nothing handed out;
+    ``seq`` the capture number of the backward graph that writes it."""
+
+    storage: torch.UntypedStorage
+    tensors: tuple[torch.Tensor, ...]
+    base: int
+    seq: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.nbytes()
+
+    def referenced_elsewhere(self) -> bool:
+        return storage_use_count(self.storage) > self.base
+
+
+def held_storages(
+    tensors: Sequence[torch.Tensor | None], seq: int
+) -> tuple[HeldStorage, ...] | None:
+    """The storages of ``tensors`` (a backward graph's gradient outputs), each with
+    every one of ``tensors`` on it; ``None`` when one of them is referenced by anything
+    else now (its use count would then not tell a keeper from the graph), and the
+    caller copies as before.
+
+    Storages of no bytes are left out: a replay writes nothing there."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t is not None and t.untyped_storage().nbytes() > 0:
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    # A storage object counts itself once (its Python object holds the C++ storage).
+    probe = torch.empty(1)
+    own = storage_use_count(probe.untyped_storage()) - 1
+    held = []
+    for group in groups.values():
+        storage = group[0].untyped_storage()
+        base = storage_use_count(storage)
+        if base != len(group) + own:
+            return None
+        held.append(HeldStorage(storage, tuple(group), base, seq))
+    return tuple(held)
+
+
+def move_out(held: Sequence[HeldStorage]) -> tuple[int, int]:
+    """Give everything that still refers to one of ``held`` a copy of its bytes, in
+    memory of its own, and leave the graph's tensors on the graph memory; one fused
+    copy for all. Returns how many storages moved and their bytes."""
+    busy = [h for h in held if h.referenced_elsewhere()]
+    if not busy:
+        return 0, 0
+    with torch.no_grad():
+        srcs = [
+            torch.empty(0, dtype=torch.uint8, device=h.storage.device).set_(h.storage) for h in busy
+        ]
+        dsts = [torch.empty_like(s) for s in srcs]
+        torch._foreach_copy_(dsts, srcs)
+        del srcs
+        for h, d in zip(busy, dsts):
+            fresh = d.untyped_storage()
+            # The keepers' storage now holds the copy, ``fresh`` the graph memory.
+            swap_storage_data(h.storage, fresh)
+            for t in h.tensors:
+                t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+            h.storage = fresh
+    return len(busy), sum(h.nbytes for h in busy)
+
+
+class DeferredCopies:
+    """The held storages of one graph pool whose gradients are handed out now, and a
+    count of what moving them out cost."""
+
+    __slots__ = ("held", "captures", "moves", "moved_bytes")
+
+    def __init__(self) -> None:
+        self.held: dict[int, HeldStorage] = {}
+        self.captures = 0  # graphs captured into the pool so far
+        self.moves = 0  # storages moved out
+        self.moved_bytes = 0
+
+    def next_capture(self) -> int:
+        """The number of the graph being captured into the pool now (1, 2, ...)."""
+        self.captures += 1
+        return self.captures
+
+    def hold(self, held: Sequence[HeldStorage]) -> None:
+        for h in held:
+            self.held[id(h)] = h
+
+    def forget(self, held: Sequence[HeldStorage]) -> None:
+        for h in held:
+            self.held.pop(id(h), None)
+
+    def settle(self, seq: int) -> None:
+        """Before a replay of the graph captured ``seq``-th: move out every held
+        storage a graph captured later writes (numbered above ``seq``)."""
+        later = [h for h in self.held.values() if h.seq > seq]
+        if later:
+            self.count(later)
+            self.forget(later)
+
+    def count(self, held: Sequence[HeldStorage]) -> None:
+        """:func:`move_out` of ``held``, counted."""
+        moves, nbytes = move_out(held)
+        self.moves += moves
+        self.moved_bytes += nbytes

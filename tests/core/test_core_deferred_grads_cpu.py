@@ -1,0 +1,400 @@
+"""Owned gradients with deferred copies, on the CPU: the default hand-out when the pool
+is the call's own (``cudagraphs.core.deferred_grads``).
+
+The stand-in graphs write what a captured graph would, into the same static buffers,
+through the graph's own tensor objects: after a move those point at the graph memory
+again, as a real graph's recorded addresses do.
+
+The contract under test is the owned one (Transformer Engine 2.20's): a gradient that
+``.grad``, a hook or any tensor keeps is never changed by a later replay. What it
+costs is the point: a copy only when something still refers to a gradient buffer at a
+replay that could overwrite it, so ``zero_grad(set_to_none=True)`` loops copy nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cudagraphs.core import deferred_grads
+from cudagraphs.core.deferred_grads import DeferredCopies, held_storages, move_out
+from cudagraphs.core.graphed import GraphedCallable
+from cudagraphs.core.lent_grads import LentGrads
+from cudagraphs.settings import OWNED_GRAD_COPIES_ENV
+from helpers.stand_in_graphs import positional_entry
+
+_COPIES = ("clone", "_foreach_mul", "_foreach_copy_", "copy_")
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def copies(self) -> list[str]:
+        return [n for n in self.names if n in _COPIES]
+
+
+class _Forward:
+    """out = w * x into the static output; ``scratch``: graph memory this forward uses
+    for temporaries (a graph captured earlier than the buffer), scribbled over."""
+
+    def __init__(self, w, x, out, scratch=None):
+        self.w, self.x, self.out, self.scratch = w, x, out, scratch
+
+    def replay(self):
+        if self.scratch is not None:
+            self.scratch.fill_(-1234.0)
+        self.out.copy_(self.w.detach() * self.x)
+
+    def reset(self):
+        pass
+
+
+class _Backward:
+    def __init__(self, x, grad_out, grad_w):
+        self.x, self.grad_out, self.grad_w = x, grad_out, grad_w
+
+    def replay(self):
+        self.grad_w.copy_(self.grad_out * self.x)
+
+    def reset(self):
+        pass
+
+
+def _entry(w, lent, *, fwd_seq, bwd_seq, scratch_of=None, name="scale", defer=True):
+    x = torch.zeros(3)
+    out, grad_out, grad_w = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    graphs = positional_entry(
+        f"callables[0] ({name})",
+        x,
+        out,
+        _Forward(w, x, out, scratch_of),
+        params=(w,),
+        bwd_graph=_Backward(x, grad_out, grad_w),
+        out_differentiable=(True,),
+        static_grad_outputs=[grad_out],
+        static_grad_inputs=(grad_w,),
+        clone_param_grads=True,
+        lent=lent,
+        defer_copies=defer,
+        fwd_seq=fwd_seq,
+        bwd_seq=bwd_seq,
+    )
+    return GraphedCallable(graphs, eager=lambda t: w * t, module=None, captured_training=None)
+
+
+def _graphed(forward_overwrites_grad=False, defer=True):
+    """One entry: forward captured first (1), backward second (2). With
+    ``forward_overwrites_grad`` the forward's temporaries sit where the gradient
+    buffer is, as a graph captured before the buffer may."""
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    fn = _entry(w, LentGrads(), fwd_seq=1, bwd_seq=2, defer=defer)
+    if forward_overwrites_grad:
+        fn.graphs.fwd_graph.scratch = fn.graphs.static_grad_inputs[0]
+    return fn, w
+
+
+def _step(fn, x):
+    fn(x).sum().backward()
+
+
+def test_set_to_none_steps_hand_out_the_buffer_and_copy_nothing():
+    fn, w = _graphed()
+    buffer = fn.graphs.static_grad_inputs[0]
+    ptr = buffer.data_ptr()
+    for k in range(3):
+        x = torch.full((3,), float(k + 1))
+        with _Ops() as ops:
+            _step(fn, x)
+        assert not {"_foreach_mul", "_foreach_copy_", "clone"} & set(ops.names), f"step {k}"
+        assert w.grad.data_ptr() == ptr and w.grad.tolist() == x.tolist()
+        w.grad = None
+    assert fn.graphs.lent.deferred.moves == 0
+    assert buffer.data_ptr() == ptr
+
+
+def test_a_hook_kept_gradient_survives_later_replays():
+    # Transformer Engine's test of clone_param_grads_on_return=True: a weight hook
+    # keeps what it receives; later replays change neither its values nor its storage.
+    fn, w = _graphed(forward_overwrites_grad=True)
+    ptr = fn.graphs.static_grad_inputs[0].data_ptr()
+    kept = []
+    w.register_hook(lambda g: kept.append(g))
+    xs = [torch.full((3,), float(k + 1)) for k in range(4)]
+    for x in xs:
+        _step(fn, x)
+        w.grad = None
+    fn(torch.full((3,), 9.0))  # one more forward: scribbles over the buffer
+    assert [g.tolist() for g in kept] == [x.tolist() for x in xs]
+    assert len({g.untyped_storage().data_ptr() for g in kept}) == 4, "one storage per step"
+    assert ptr not in {g.data_ptr() for g in kept}, "each was moved off the graph memory"
+    assert fn.graphs.static_grad_inputs[0].data_ptr() == ptr, "the graph keeps its address"
+
+
+def test_a_kept_view_of_grad_keeps_its_values():
+    fn, w = _graphed(forward_overwrites_grad=True)
+    _step(fn, torch.tensor([4.0, 5.0, 6.0]))
+    tail = w.grad[1:]  # a view: no .grad left to move, the storage is what is kept
+    w.grad = None
+    _step(fn, torch.ones(3))
+    assert tail.tolist() == [5.0, 6.0]
+    assert w.grad.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_accumulation_moves_the_grad_once_and_sums_exactly():
+    fn, w = _graphed()
+    ptr = fn.graphs.static_grad_inputs[0].data_ptr()
+    xs = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0]), torch.ones(3)]
+    _step(fn, xs[0])
+    with _Ops() as ops:
+        _step(fn, xs[1])  # .grad is the buffer: moved before the forward replays
+    assert ops.names.count("_foreach_copy_") == 1
+    assert w.grad.data_ptr() != ptr
+    with _Ops() as ops:
+        _step(fn, xs[2])  # .grad is its own now: nothing to move
+    assert "_foreach_copy_" not in ops.names
+    assert w.grad.tolist() == (xs[0] + xs[1] + xs[2]).tolist()
+    assert fn.graphs.lent.deferred.moves == 1
+    assert fn.graphs.lent.deferred.moved_bytes == 3 * 4
+
+
+def test_zeroing_in_place_keeps_the_sum_right():
+    fn, w = _graphed(forward_overwrites_grad=True)
+    _step(fn, torch.ones(3))
+    w.grad.zero_()  # zero_grad(set_to_none=False): .grad is still the buffer
+    _step(fn, torch.full((3,), 2.0))
+    _step(fn, torch.full((3,), 3.0))
+    assert w.grad.tolist() == [5.0, 5.0, 5.0]
+
+
+def test_autograd_grad_returns_owned_copies():
+    fn, w = _graphed()
+    buffer = fn.graphs.static_grad_inputs[0]
+    (g1,) = torch.autograd.grad(fn(torch.ones(3)).sum(), (w,))
+    (g2,) = torch.autograd.grad(fn(torch.full((3,), 7.0)).sum(), (w,))
+    assert g1.data_ptr() != buffer.data_ptr() and g2.data_ptr() != buffer.data_ptr()
+    assert g1.tolist() == [1.0, 1.0, 1.0] and g2.tolist() == [7.0, 7.0, 7.0]
+    assert not fn.graphs.lent.deferred.held
+
+
+def test_deferral_off_copies_at_every_replay():
+    fn, w = _graphed(defer=False)
+    buffer = fn.graphs.static_grad_inputs[0]
+    with _Ops() as ops:
+        _step(fn, torch.ones(3))
+    assert "_foreach_mul" in ops.names and w.grad.data_ptr() != buffer.data_ptr()
+
+
+def test_a_buffer_something_else_refers_to_is_copied_at_every_replay():
+    # The use count could not tell a keeper from that reference: no deferral.
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    lent = LentGrads()
+    grad_w = torch.zeros(3)
+    other = grad_w.view(3)  # noqa: F841  (kept alive on purpose)
+    x, out, grad_out = torch.zeros(3), torch.zeros(3), torch.zeros(3)
+    graphs = positional_entry(
+        "callables[0] (scale)",
+        x,
+        out,
+        _Forward(w, x, out),
+        params=(w,),
+        bwd_graph=_Backward(x, grad_out, grad_w),
+        out_differentiable=(True,),
+        static_grad_outputs=[grad_out],
+        static_grad_inputs=(grad_w,),
+        lent=lent,
+        defer_copies=True,
+        bwd_seq=2,
+    )
+    fn = GraphedCallable(graphs, eager=lambda t: w * t, module=None, captured_training=None)
+    _step(fn, torch.ones(3))
+    assert w.grad.data_ptr() != grad_w.data_ptr() and not lent.deferred.held
+
+
+def _two_entries(scribbles: bool):
+    """Two entries in one pool, captured as make_graphed_callables does: forward A (1),
+    forward B (2), backward B (3), backward A (4). With ``scribbles`` backward B's
+    temporaries sit where backward A's gradient buffer is: B was captured first."""
+    wa = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    wb = torch.nn.Parameter(torch.tensor([4.0, 5.0, 6.0]))
+    lent = LentGrads()
+    a = _entry(wa, lent, fwd_seq=1, bwd_seq=4, name="a")
+    b = _entry(wb, lent, fwd_seq=2, bwd_seq=3, name="b")
+    if scribbles:
+        buffer_a = a.graphs.static_grad_inputs[0]
+        bwd_b = b.graphs.bwd_graph
+        plain = bwd_b.replay
+
+        def replay():
+            buffer_a.fill_(-1234.0)
+            plain()
+
+        bwd_b.replay = replay
+    return a, b, wa, wb, lent
+
+
+def test_the_usual_order_moves_nothing_within_a_step():
+    a, b, wa, wb, lent = _two_entries(scribbles=True)
+    for k in range(3):
+        x = torch.full((3,), float(k + 1))
+        with _Ops() as ops:
+            (a(x).sum() + b(x).sum()).backward()  # backward B, then backward A
+        assert "_foreach_copy_" not in ops.names, f"step {k}"
+        assert wa.grad.tolist() == x.tolist() and wb.grad.tolist() == x.tolist()
+        wa.grad = wb.grad = None
+    assert lent.deferred.moves == 0
+
+
+def test_a_graph_captured_earlier_moves_what_a_later_one_handed_out():
+    # An order a step of one stack never has: backward A hands out its gradient,
+    # then backward B (captured before A's buffer existed) replays.
+    a, b, wa, wb, lent = _two_entries(scribbles=True)
+    ya, yb = a(torch.ones(3)), b(torch.full((3,), 2.0))
+    ya.sum().backward()
+    kept_a = wa.grad
+    yb.sum().backward()  # may write over A's buffer: A's .grad moves first
+    assert kept_a.tolist() == [1.0, 1.0, 1.0] and wa.grad is kept_a
+    assert wb.grad.tolist() == [2.0, 2.0, 2.0]
+    assert lent.deferred.moves == 1
+
+
+def test_release_moves_out_what_is_kept_and_forgets_it():
+    fn, w = _graphed()
+    _step(fn, torch.tensor([1.0, 2.0, 3.0]))
+    kept = w.grad
+    registry = fn.graphs.lent.deferred
+    fn.graphs.release()
+    assert kept.tolist() == [1.0, 2.0, 3.0]
+    assert not registry.held and registry.moves == 1
+
+
+def test_the_switch_and_torch_decide_deferral(monkeypatch):
+    monkeypatch.delenv(OWNED_GRAD_COPIES_ENV, raising=False)
+    assert deferred_grads.defers_owned_copies() is True  # this torch has both names
+    monkeypatch.setenv(OWNED_GRAD_COPIES_ENV, "1")
+    assert deferred_grads.defers_owned_copies() is False
+    monkeypatch.delenv(OWNED_GRAD_COPIES_ENV)
+    monkeypatch.setattr(deferred_grads, "can_move_storages", lambda: False)
+    assert deferred_grads.defers_owned_copies() is False
+
+
+# ---- move_out on its own ---------------------------------------------------------------
+
+
+def test_move_out_leaves_the_keepers_a_copy_and_the_graph_its_memory():
+    buffer = torch.arange(6.0)
+    ptr = buffer.data_ptr()
+    (held,) = held_storages([buffer], seq=1)
+    kept = buffer.detach()[2:]
+    assert move_out([held]) == (1, 24)
+    buffer.fill_(-1.0)  # the next replay
+    assert kept.tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert buffer.data_ptr() == ptr and kept.data_ptr() != ptr + 8
+    assert move_out([held]) == (0, 0), "nothing refers to it now"
+
+
+def test_held_storages_group_tensors_of_one_storage_and_skip_empty_ones():
+    storage = torch.zeros(10).untyped_storage()
+    a = torch.empty(0).set_(storage, 0, (4,), (1,))
+    b = torch.empty(0).set_(storage, 4, (6,), (1,))
+    del storage
+    empty = torch.zeros(0)
+    (held,) = held_storages([a, b, empty], seq=3)
+    assert held.tensors == (a, b) and held.seq == 3 and held.nbytes == 40
+    kept = b.detach()
+    move_out([held])
+    a.fill_(7.0)
+    b.fill_(8.0)
+    assert kept.tolist() == [0.0] * 6
+    assert a.data_ptr() + 16 == b.data_ptr(), "the graph's views stay one storage"
+
+
+def test_a_view_keeps_its_base_alive_so_its_storage_is_not_held():
+    # A view's autograd base is one more reference the count cannot tell from a
+    # keeper's: such gradients are copied at every replay instead.
+    flat = torch.zeros(10)
+    a, b = flat[:4], flat[4:]
+    del flat
+    assert held_storages([a, b], seq=1) is None
+
+
+def test_settle_moves_only_what_later_captures_handed_out():
+    registry = DeferredCopies()
+    bufs = [torch.zeros(2) for _ in range(3)]
+    held = [held_storages([t], seq=s)[0] for t, s in zip(bufs, (2, 5, 9))]
+    keepers = [t.detach() for t in bufs]  # noqa: F841  (all still referenced)
+    registry.hold(held)
+    registry.settle(5)
+    assert registry.moves == 1 and set(registry.held) == {id(held[0]), id(held[1])}
+    registry.settle(0)
+    assert registry.moves == 3 and not registry.held
+
+
+# ---- against a reference: random loops keep every gradient they keep ------------------
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["step", "keep_grad", "keep_hook", "zero", "none", "forward"]),
+        st.integers(1, 9),
+    ),
+    min_size=1,
+    max_size=14,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=_OPS, scribble=st.booleans())
+def test_random_loops_keep_every_kept_gradient_like_eager(ops, scribble):
+    """The reference is the plain rule of eager autograd: a backward of ``sum(w * x)``
+    adds ``x`` into ``.grad`` (or makes it ``x``), and what anyone kept never changes."""
+    fn, w = _graphed(forward_overwrites_grad=scribble)
+    hooked: list[torch.Tensor] = []
+    w.register_hook(lambda g: hooked.append(g) if keep_hook[0] else None)
+    keep_hook = [False]
+    kept: list[list] = []  # [tensor, its values once it no longer is .grad]
+    grad: list[float] | None = None  # the reference .grad
+    for op, k in ops:
+        x = [float(k), float(k + 1), float(k + 2)]
+        if op in ("step", "keep_hook"):
+            keep_hook[0] = op == "keep_hook"
+            before = len(hooked)
+            _step(fn, torch.tensor(x))
+            if keep_hook[0]:
+                kept.append([hooked[before], list(x)])
+            grad = x if grad is None else [g + v for g, v in zip(grad, x)]
+        elif op == "keep_grad" and grad is not None:
+            kept.append([w.grad, list(grad)])  # .grad itself: it changes while it is .grad
+        elif op == "zero" and grad is not None:
+            w.grad.zero_()
+            grad = [0.0, 0.0, 0.0]
+        elif op == "none":
+            for entry in kept:
+                if entry[0] is w.grad:
+                    entry[1] = list(grad)  # what it holds from now on (eager's rule)
+            w.grad, grad = None, None
+        elif op == "forward":
+            fn(torch.tensor(x))  # a forward whose backward never runs
+        assert (w.grad is None) == (grad is None)
+        if grad is not None:
+            assert w.grad.tolist() == grad
+        for t, values in kept:
+            if t is not w.grad:
+                assert t.tolist() == values, (op, k)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_fresh_pool_loop_never_copies_under_set_to_none(steps):
+    fn, w = _graphed(forward_overwrites_grad=True)
+    for k in range(steps):
+        _step(fn, torch.full((3,), float(k + 1)))
+        w.grad = None
+        fn(torch.ones(3))  # the forward that overwrites the buffer memory
+    assert fn.graphs.lent.deferred.moves == 0
