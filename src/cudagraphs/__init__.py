@@ -43,6 +43,7 @@ from .errors import (
     CudaGraphsTypeError,
     CudaGraphsValueError,
     GraphReleasedError,
+    KeptGradientViewError,
     Mismatch,
     MissingDependencyError,
     NoCudaDeviceError,
@@ -97,6 +98,7 @@ __all__ = [
     "GraphMemoryPool",
     "GraphPool",  # deprecated alias of GraphMemoryPool
     "GraphReleasedError",
+    "KeptGradientViewError",
     "Mismatch",
     "MissingDependencyError",
     "UnsupportedModelError",

@@ -35,6 +35,7 @@ __all__ = [
     "CudaGraphsTypeError",
     "CudaGraphsValueError",
     "GraphReleasedError",
+    "KeptGradientViewError",
     "Mismatch",
     "MissingDependencyError",
     "UnsupportedModelError",
@@ -190,6 +191,13 @@ class CudaGraphOutputError(CudaGraphsError, ValueError):
 
 class GraphReleasedError(CudaGraphsError, RuntimeError):
     """A graph was used after ``reset()`` / ``close()`` released it."""
+
+
+class KeptGradientViewError(CudaGraphsStateError):
+    """An owned parameter gradient that a backward replay handed out as graph memory is
+    still referenced, at a replay that would overwrite it, by a tensor this torch
+    cannot move (a view, or a ``.grad`` kept after ``.grad`` was set to ``None``:
+    ``cudagraphs.core.deferred_grads``). Raised before that replay."""
 
 
 class ProgramClosedError(GraphReleasedError):

@@ -50,6 +50,7 @@ __all__ = [
     "SWAP_STORAGE_DATA",
     "below_autograd",
     "can_make_expandable_segments",
+    "can_count_storage_uses",
     "can_move_storages",
     "check_torch",
     "compiled_module",
@@ -178,9 +179,9 @@ STORAGE_USE_COUNT = PrivateName(
 SWAP_STORAGE_DATA = PrivateName(
     "torch.UntypedStorage",
     "_swap_data_ptr_",
-    "moving a lent owned gradient that something still holds to memory of its own "
-    "(cudagraphs.core.deferred_grads); without it owned gradients are copied at every "
-    "backward replay",
+    "moving a lent owned gradient that something still holds to memory of its own, "
+    "views of it included (cudagraphs.core.deferred_grads); without it the tensors "
+    "handed out are moved one by one, and a kept view of one raises",
 )
 
 OPTIONAL: tuple[PrivateName, ...] = (
@@ -295,10 +296,14 @@ def release_pool(device: int, pool: Any) -> None:
     torch._C._cuda_releasePool(device, pool)
 
 
+def can_count_storage_uses() -> bool:
+    """Whether this torch has what :func:`storage_use_count` needs."""
+    return STORAGE_USE_COUNT.lookup() is not None
+
+
 def can_move_storages() -> bool:
-    """Whether this torch has both names :func:`storage_use_count` and
-    :func:`swap_storage_data` need."""
-    return STORAGE_USE_COUNT.lookup() is not None and SWAP_STORAGE_DATA.lookup() is not None
+    """Whether this torch has what :func:`swap_storage_data` needs."""
+    return SWAP_STORAGE_DATA.lookup() is not None
 
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -23,6 +23,7 @@ from cudagraphs.core import deferred_grads
 from cudagraphs.core.deferred_grads import DeferredCopies, held_storages, move_out
 from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.core.lent_grads import LentGrads
+from cudagraphs.errors import KeptGradientViewError
 from cudagraphs.settings import OWNED_GRAD_COPIES_ENV
 from helpers.stand_in_graphs import positional_entry
 
@@ -40,6 +41,15 @@ class _Ops(TorchDispatchMode):
 
     def copies(self) -> list[str]:
         return [n for n in self.names if n in _COPIES]
+
+
+@pytest.fixture(params=["exchange", "repoint"])
+def exchange(request, monkeypatch):
+    """Both ways a move can go: exchanging storage memory (torch 2.13), or pointing
+    each tensor handed out at the copy (torch 2.11, which lacks the exchange)."""
+    on = request.param == "exchange"
+    monkeypatch.setattr(deferred_grads, "can_move_storages", lambda: on)
+    return on
 
 
 class _Forward:
@@ -121,7 +131,7 @@ def test_set_to_none_steps_hand_out_the_buffer_and_copy_nothing():
     assert buffer.data_ptr() == ptr
 
 
-def test_a_hook_kept_gradient_survives_later_replays():
+def test_a_hook_kept_gradient_survives_later_replays(exchange):
     # Transformer Engine's test of clone_param_grads_on_return=True: a weight hook
     # keeps what it receives; later replays change neither its values nor its storage.
     fn, w = _graphed(forward_overwrites_grad=True)
@@ -139,17 +149,24 @@ def test_a_hook_kept_gradient_survives_later_replays():
     assert fn.graphs.static_grad_inputs[0].data_ptr() == ptr, "the graph keeps its address"
 
 
-def test_a_kept_view_of_grad_keeps_its_values():
+def test_a_kept_view_of_grad_keeps_its_values(exchange):
     fn, w = _graphed(forward_overwrites_grad=True)
     _step(fn, torch.tensor([4.0, 5.0, 6.0]))
     tail = w.grad[1:]  # a view: no .grad left to move, the storage is what is kept
     w.grad = None
+    if not exchange:
+        # No call re-points a view: refused before the forward would overwrite it.
+        with pytest.raises(KeptGradientViewError, match="callables.0. .scale.") as err:
+            _step(fn, torch.ones(3))
+        assert "CUDAGRAPHS_OWNED_GRAD_COPIES=1" in str(err.value)
+        assert tail.tolist() == [5.0, 6.0], "nothing replayed"
+        tail = tail.clone()  # the fix the error names; the next call works
     _step(fn, torch.ones(3))
     assert tail.tolist() == [5.0, 6.0]
     assert w.grad.tolist() == [1.0, 1.0, 1.0]
 
 
-def test_accumulation_moves_the_grad_once_and_sums_exactly():
+def test_accumulation_moves_the_grad_once_and_sums_exactly(exchange):
     fn, w = _graphed()
     ptr = fn.graphs.static_grad_inputs[0].data_ptr()
     xs = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0]), torch.ones(3)]
@@ -166,7 +183,7 @@ def test_accumulation_moves_the_grad_once_and_sums_exactly():
     assert fn.graphs.lent.deferred.moved_bytes == 3 * 4
 
 
-def test_zeroing_in_place_keeps_the_sum_right():
+def test_zeroing_in_place_keeps_the_sum_right(exchange):
     fn, w = _graphed(forward_overwrites_grad=True)
     _step(fn, torch.ones(3))
     w.grad.zero_()  # zero_grad(set_to_none=False): .grad is still the buffer
@@ -253,7 +270,7 @@ def test_the_usual_order_moves_nothing_within_a_step():
     assert lent.deferred.moves == 0
 
 
-def test_a_graph_captured_earlier_moves_what_a_later_one_handed_out():
+def test_a_graph_captured_earlier_moves_what_a_later_one_handed_out(exchange):
     # An order a step of one stack never has: backward A hands out its gradient,
     # then backward B (captured before A's buffer existed) replays.
     a, b, wa, wb, lent = _two_entries(scribbles=True)
@@ -266,7 +283,7 @@ def test_a_graph_captured_earlier_moves_what_a_later_one_handed_out():
     assert lent.deferred.moves == 1
 
 
-def test_release_moves_out_what_is_kept_and_forgets_it():
+def test_release_moves_out_what_is_kept_and_forgets_it(exchange):
     fn, w = _graphed()
     _step(fn, torch.tensor([1.0, 2.0, 3.0]))
     kept = w.grad
@@ -283,6 +300,8 @@ def test_the_switch_and_torch_decide_deferral(monkeypatch):
     assert deferred_grads.defers_owned_copies() is False
     monkeypatch.delenv(OWNED_GRAD_COPIES_ENV)
     monkeypatch.setattr(deferred_grads, "can_move_storages", lambda: False)
+    assert deferred_grads.defers_owned_copies() is True, "moves without the exchange"
+    monkeypatch.setattr(deferred_grads, "can_count_storage_uses", lambda: False)
     assert deferred_grads.defers_owned_copies() is False
 
 
@@ -294,11 +313,29 @@ def test_move_out_leaves_the_keepers_a_copy_and_the_graph_its_memory():
     ptr = buffer.data_ptr()
     (held,) = held_storages([buffer], seq=1)
     kept = buffer.detach()[2:]
-    assert move_out([held]) == (1, 24)
+    assert move_out([held], exchange=True) == (1, 24)
     buffer.fill_(-1.0)  # the next replay
     assert kept.tolist() == [2.0, 3.0, 4.0, 5.0]
     assert buffer.data_ptr() == ptr and kept.data_ptr() != ptr + 8
-    assert move_out([held]) == (0, 0), "nothing refers to it now"
+    assert move_out([held], exchange=True) == (0, 0), "nothing refers to it now"
+
+
+def test_move_out_without_the_exchange_repoints_what_was_handed_out():
+    buffer = torch.arange(6.0)
+    ptr = buffer.data_ptr()
+    (held,) = held_storages([buffer], seq=1)
+    handed = buffer.detach()
+    held.hand(handed)
+    alias = handed  # another name of the same tensor follows it
+    assert move_out([held], exchange=False) == (1, 24)
+    buffer.fill_(-1.0)
+    assert alias.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and handed.data_ptr() != ptr
+    assert buffer.data_ptr() == ptr and not held.handed
+    view = buffer.detach()[1:]  # not handed out: a view no call can re-point
+    with pytest.raises(KeptGradientViewError):
+        move_out([held], exchange=False)
+    del view
+    assert move_out([held], exchange=False) == (0, 0)
 
 
 def test_held_storages_group_tensors_of_one_storage_and_skip_empty_ones():
@@ -310,7 +347,7 @@ def test_held_storages_group_tensors_of_one_storage_and_skip_empty_ones():
     (held,) = held_storages([a, b, empty], seq=3)
     assert held.tensors == (a, b) and held.seq == 3 and held.nbytes == 40
     kept = b.detach()
-    move_out([held])
+    move_out([held], exchange=True)
     a.fill_(7.0)
     b.fill_(8.0)
     assert kept.tolist() == [0.0] * 6
@@ -350,44 +387,74 @@ _OPS = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=_OPS, scribble=st.booleans())
-def test_random_loops_keep_every_kept_gradient_like_eager(ops, scribble):
+def test_random_loops_keep_every_kept_gradient_like_eager(ops, scribble, exchange):
     """The reference is the plain rule of eager autograd: a backward of ``sum(w * x)``
-    adds ``x`` into ``.grad`` (or makes it ``x``), and what anyone kept never changes."""
+    adds ``x`` into ``.grad`` (or makes it ``x``), and what anyone kept never changes.
+    Without the exchange, a ``.grad`` kept past ``.grad = None`` while it was still
+    the buffer is out of reach: the next replay refuses, and runs once it is dropped."""
     fn, w = _graphed(forward_overwrites_grad=scribble)
     hooked: list[torch.Tensor] = []
-    w.register_hook(lambda g: hooked.append(g) if keep_hook[0] else None)
     keep_hook = [False]
-    kept: list[list] = []  # [tensor, its values once it no longer is .grad]
+    w.register_hook(lambda g: hooked.append(g) if keep_hook[0] else None)
+    kept: list[list] = []  # [tensor, its values once it no longer is .grad, orphan]
     grad: list[float] | None = None  # the reference .grad
+    on_buffer = False  # the reference: .grad still is the graph's buffer
     for op, k in ops:
         x = [float(k), float(k + 1), float(k + 2)]
+        if op in ("step", "keep_hook", "forward"):
+            orphans = [e for e in kept if e[2]]
+            if orphans and not exchange:
+                try:
+                    fn(torch.tensor(x))
+                except KeptGradientViewError:
+                    pass
+                else:
+                    raise AssertionError("a kept .grad out of reach was not refused")
+                kept = [entry for entry in kept if not entry[2]]  # the fix: drop them
+                del orphans
+            else:
+                for entry in orphans:
+                    entry[2] = False  # moved off the buffer
+                del orphans
+            on_buffer = False
         if op in ("step", "keep_hook"):
             keep_hook[0] = op == "keep_hook"
             before = len(hooked)
+            was_none = grad is None
             _step(fn, torch.tensor(x))
             if keep_hook[0]:
-                kept.append([hooked[before], list(x)])
+                kept.append([hooked[before], list(x), False])
             grad = x if grad is None else [g + v for g, v in zip(grad, x)]
+            on_buffer = was_none and not keep_hook[0]
         elif op == "keep_grad" and grad is not None:
-            kept.append([w.grad, list(grad)])  # .grad itself: it changes while it is .grad
+            kept.append([w.grad, list(grad), False])  # .grad itself: it changes as .grad
         elif op == "zero" and grad is not None:
             w.grad.zero_()
             grad = [0.0, 0.0, 0.0]
         elif op == "none":
-            for entry in kept:
-                if entry[0] is w.grad:
-                    entry[1] = list(grad)  # what it holds from now on (eager's rule)
+            _drop_grad(kept, w.grad, grad, on_buffer)
             w.grad, grad = None, None
         elif op == "forward":
             fn(torch.tensor(x))  # a forward whose backward never runs
         assert (w.grad is None) == (grad is None)
         if grad is not None:
             assert w.grad.tolist() == grad
-        for t, values in kept:
+        for t, values, _ in kept:
             if t is not w.grad:
                 assert t.tolist() == values, (op, k)
+
+
+def _drop_grad(kept: list[list], grad: torch.Tensor, values: list[float], on_buffer: bool):
+    """``.grad = None`` in the reference: a kept ``.grad`` holds its values from now
+    on, and is out of reach (without the exchange) if it still was the buffer."""
+    for entry in kept:
+        if entry[0] is grad:
+            entry[1] = list(values)
+            entry[2] = on_buffer
 
 
 @pytest.mark.parametrize("steps", [1, 3])

@@ -12,13 +12,24 @@ eager's peak on a 16-layer, hidden-2048 Llama at batch 1 (issue 36).
 Here a backward replay hands out the gradient buffers themselves, as lent mode does
 (:mod:`.lent_grads`), and copies only what is still referenced when a replay that
 could overwrite it comes. Under ``zero_grad(set_to_none=True)`` nothing is, so no
-copy is made at all. A buffer is moved out by copying its bytes into fresh memory and
-exchanging the two storages' memory (:func:`~cudagraphs.torch_private.
-swap_storage_data`). Every tensor on the buffer's storage then reads the copy:
-``.grad``, a tensor a hook kept, a view of either. The graph's own tensors are
-pointed back at the graph memory. Whether anything else refers to a buffer is its
-storage's use count against the count with nothing handed out
-(:func:`~cudagraphs.torch_private.storage_use_count`).
+copy is made at all. Whether anything else refers to a buffer is its storage's use
+count against the count with nothing handed out (:func:`~cudagraphs.torch_private.
+storage_use_count`). A buffer is moved out by copying its bytes into fresh memory,
+then one of two ways:
+
+* where torch can exchange two storages' memory (``UntypedStorage._swap_data_ptr_``,
+  torch 2.13 has it; :func:`~cudagraphs.torch_private.swap_storage_data`), the
+  buffer's storage takes the copy and the graph's own tensors are pointed back at
+  the graph memory: every tensor on it reads the copy, ``.grad``, a tensor a hook
+  kept and any view of either;
+* elsewhere (torch 2.11), each tensor handed out that is still alive, and each
+  parameter's ``.grad`` on the buffer, is pointed at the copy (``tensor.data = ...``,
+  which every Python name of it follows: a hook's kept gradient, ``kept = p.grad``
+  while it still is ``.grad``). Two kinds of tensor are out of reach: a *view* of
+  one, and a ``.grad`` kept under another name after ``.grad`` was set to ``None``
+  (autograd makes ``.grad`` a tensor of its own, which cudagraphs never sees). One
+  still referenced raises :class:`~cudagraphs.errors.KeptGradientViewError` before
+  the replay that would overwrite it.
 
 Which replays can overwrite a buffer: only graphs captured *before* it was allocated.
 A graph captured later never got its memory, which was in use throughout. So each
@@ -37,46 +48,64 @@ it after that. ``CUDAGRAPHS_OWNED_GRAD_COPIES=1`` copies at every replay instead
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import KeptGradientViewError
 from ..settings import owned_grad_copies
-from ..torch_private import can_move_storages, storage_use_count, swap_storage_data
+from ..torch_private import (
+    can_count_storage_uses,
+    can_move_storages,
+    storage_use_count,
+    swap_storage_data,
+)
 
 __all__ = ["DeferredCopies", "HeldStorage", "defers_owned_copies", "held_storages", "move_out"]
 
 
 def defers_owned_copies() -> bool:
     """Whether owned gradients are handed out as graph memory now: this torch can
-    move a storage's memory, and ``CUDAGRAPHS_OWNED_GRAD_COPIES`` is not set."""
-    return can_move_storages() and not owned_grad_copies()
+    count a storage's uses, and ``CUDAGRAPHS_OWNED_GRAD_COPIES`` is not set."""
+    return can_count_storage_uses() and not owned_grad_copies()
 
 
 @dataclass(eq=False)
 class HeldStorage:
     """One storage of graph memory that owned gradients are handed out from.
 
-    ``storage`` and ``tensors`` are the graph's own (a move replaces the first and
-    re-points the second); ``base`` is the storage's use count with nothing handed out;
-    ``seq`` the capture number of the backward graph that writes it."""
+    ``storage`` and ``tensors`` are the graph's own (a move by exchange replaces the
+    first and re-points the second); ``base`` is the storage's use count with nothing
+    handed out; ``seq`` the capture number of the backward graph that writes it;
+    ``handed`` the tensors on it handed out since it was last checked (weakly);
+    ``params`` the parameters whose gradients it holds (autograd makes ``.grad`` a
+    tensor of its own on the storage, not the one handed out); ``label`` names it in
+    errors."""
 
     storage: torch.UntypedStorage
     tensors: tuple[torch.Tensor, ...]
     base: int
     seq: int
+    label: str = ""
+    params: tuple[torch.nn.Parameter, ...] = ()
+    handed: list[weakref.ref] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         return self.storage.nbytes()
+
+    def hand(self, t: torch.Tensor) -> None:
+        """Note ``t`` (on this storage) as handed out."""
+        self.handed.append(weakref.ref(t))
 
     def referenced_elsewhere(self) -> bool:
         return storage_use_count(self.storage) > self.base
 
 
 def held_storages(
-    tensors: Sequence[torch.Tensor | None], seq: int
+    tensors: Sequence[torch.Tensor | None], seq: int, label: str = ""
 ) -> tuple[HeldStorage, ...] | None:
     """The storages of ``tensors`` (a backward graph's gradient outputs), each with
     every one of ``tensors`` on it; ``None`` when one of them is referenced by anything
@@ -97,17 +126,29 @@ def held_storages(
         base = storage_use_count(storage)
         if base != len(group) + own:
             return None
-        held.append(HeldStorage(storage, tuple(group), base, seq))
+        held.append(HeldStorage(storage, tuple(group), base, seq, label))
     return tuple(held)
 
 
-def move_out(held: Sequence[HeldStorage]) -> tuple[int, int]:
+def move_out(held: Sequence[HeldStorage], exchange: bool | None = None) -> tuple[int, int]:
     """Give everything that still refers to one of ``held`` a copy of its bytes, in
     memory of its own, and leave the graph's tensors on the graph memory; one fused
-    copy for all. Returns how many storages moved and their bytes."""
+    copy for all. ``exchange``: move by exchanging storage memory (default: where this
+    torch can). Returns how many storages moved and their bytes.
+
+    Raises:
+        KeptGradientViewError: without the exchange, something other than a tensor
+            handed out (a view of one) still refers to a storage; everything else was
+            moved, and the caller's replay must not run.
+    """
     busy = [h for h in held if h.referenced_elsewhere()]
+    for h in held:
+        if h not in busy:
+            h.handed.clear()  # none of them is alive: nothing refers to the storage
     if not busy:
         return 0, 0
+    if exchange is None:
+        exchange = can_move_storages()
     with torch.no_grad():
         srcs = [
             torch.empty(0, dtype=torch.uint8, device=h.storage.device).set_(h.storage) for h in busy
@@ -115,14 +156,45 @@ def move_out(held: Sequence[HeldStorage]) -> tuple[int, int]:
         dsts = [torch.empty_like(s) for s in srcs]
         torch._foreach_copy_(dsts, srcs)
         del srcs
+        left = []
         for h, d in zip(busy, dsts):
             fresh = d.untyped_storage()
-            # The keepers' storage now holds the copy, ``fresh`` the graph memory.
-            swap_storage_data(h.storage, fresh)
-            for t in h.tensors:
-                t.set_(fresh, t.storage_offset(), t.size(), t.stride())
-            h.storage = fresh
+            if exchange:
+                # The keepers' storage now holds the copy, ``fresh`` the graph memory.
+                swap_storage_data(h.storage, fresh)
+                for t in h.tensors:
+                    t.set_(fresh, t.storage_offset(), t.size(), t.stride())
+                h.storage = fresh
+            else:
+                _repoint_handed(h, fresh)
+                if h.referenced_elsewhere():
+                    left.append(h)
+            h.handed.clear()
+    if left:
+        names = ", ".join(h.label or f"storage at {h.storage.data_ptr():#x}" for h in left)
+        raise KeptGradientViewError(
+            f"a parameter gradient that a backward replay handed out as graph memory is "
+            f"still referenced by a tensor torch {torch.__version__} gives no way to move "
+            f"({names}): a view of it, or a .grad kept under another name after .grad was "
+            "set to None. The next replay would overwrite it, so it did not run. Fix: "
+            "keep a .clone() instead, or set CUDAGRAPHS_OWNED_GRAD_COPIES=1 (a copy of "
+            "every gradient at every replay), or use a torch with "
+            "UntypedStorage._swap_data_ptr_ (2.13 has it). What could be moved was; "
+            "call again once that tensor is dropped."
+        )
     return len(busy), sum(h.nbytes for h in busy)
+
+
+def _repoint_handed(h: HeldStorage, fresh: torch.UntypedStorage) -> None:
+    """Point each live tensor handed out from ``h``, and each of its parameters'
+    ``.grad`` on it, at the same place in ``fresh``."""
+    ptr = h.storage.data_ptr()
+    tensors = [ref() for ref in h.handed] + [p.grad for p in h.params]
+    for t in tensors:
+        if t is not None and t.untyped_storage().data_ptr() == ptr:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                fresh, t.storage_offset(), t.size(), t.stride()
+            )
 
 
 class DeferredCopies:
@@ -143,6 +215,7 @@ class DeferredCopies:
         return self.captures
 
     def hold(self, held: Sequence[HeldStorage]) -> None:
+        """Register ``held`` as handed out (their ``handed`` lists say what)."""
         for h in held:
             self.held[id(h)] = h
 

@@ -153,6 +153,7 @@ class EntryGraphs:
     _lent_positions: frozenset[int] = field(init=False, repr=False)
     _probe_accumulator: Any = field(init=False, repr=False)
     _held: tuple[HeldStorage, ...] = field(init=False, repr=False)
+    _held_of: tuple[HeldStorage | None, ...] = field(init=False, repr=False)  # per buffer
     _grad_output_buffers: list[torch.Tensor] = field(init=False, repr=False)
     _grad_output_mask: tuple[bool, ...] = field(init=False, repr=False)
 
@@ -379,6 +380,11 @@ class EntryGraphs:
         self._lent_input_ptrs = [g.data_ptr() for _, _, g in self._lent_inputs]
         self._lent_positions = frozenset(pos for pos, _, _ in self._lent_inputs)
         self._held = self._held_storages(grads)
+        by_ptr = {h.storage.data_ptr(): h for h in self._held}
+        self._held_of = tuple(
+            by_ptr.get(g.untyped_storage().data_ptr()) if self._held else None
+            for g in self._param_grad_buffers
+        )
         # One parameter's gradient accumulator (held, so that autograd hands out this
         # very node every time) tells whether a backward accumulates into .grad
         # (backward()) or returns the gradients to the caller (autograd.grad()).
@@ -407,11 +413,20 @@ class EntryGraphs:
             and self._param_grad_buffers
         ):
             return ()
-        held = held_storages([g for g in grads if g is not None], self.bwd_seq)
+        held = held_storages(
+            [g for g in grads if g is not None],
+            self.bwd_seq,
+            f"parameter gradients of {self.name}",
+        )
         if held is None:
             return ()
-        ptrs = {g.untyped_storage().data_ptr() for g in self._param_grad_buffers}
-        return tuple(h for h in held if h.storage.data_ptr() in ptrs)
+        owners: dict[int, list[torch.nn.Parameter]] = {}
+        for p, g in zip(self._param_grad_params, self._param_grad_buffers):
+            owners.setdefault(g.untyped_storage().data_ptr(), []).append(p)
+        held = tuple(h for h in held if h.storage.data_ptr() in owners)
+        for h in held:
+            h.params = tuple(owners[h.storage.data_ptr()])
+        return held
 
     def replay_backward(
         self, grads: tuple[torch.Tensor | None, ...], leaves: tuple[torch.Tensor | None, ...]
@@ -502,6 +517,9 @@ class EntryGraphs:
         )
         if self._held and accumulates:
             views = [g.detach() for g in self._param_grad_buffers]
+            for h, v in zip(self._held_of, views):
+                if h is not None:
+                    h.hand(v)
             self.lent.deferred.hold(self._held)
         elif self.clone_param_grads or not accumulates:
             # autograd.grad() returns the gradients to its caller instead of adding
