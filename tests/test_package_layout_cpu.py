@@ -66,7 +66,8 @@ LAYERS: dict[str, int] = {
 FOREIGN_PRIVATE_ATTRIBUTES: dict[str, set[str]] = {
     # torch's storage seam: a storage's C++ handle for its use count, and the exchange
     # of two storages' memory (owned gradients moved off graph memory on demand).
-    "cudagraphs.torch_private": {"_cdata", "_swap_data_ptr_"},
+    # A view's base tensor, which holds the same storage.
+    "cudagraphs.torch_private": {"_cdata", "_swap_data_ptr_", "_base"},
     # The caller's frame, to name the line of a user's call in a warning.
     "cudagraphs.hf_masks": {"_getframe"},
     # Every child slot of a module, a module registered twice included (named_children

@@ -69,6 +69,7 @@ __all__ = [
     "size_oblivious_shapes",
     "storage_use_count",
     "swap_storage_data",
+    "view_base",
     "tensor_guards_class",
     "will_engine_execute_node",
 ]
@@ -317,6 +318,11 @@ def swap_storage_data(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     included) now reads ``b``'s bytes at ``b``'s address, and the other way round;
     each memory is freed with the storage that holds it now."""
     a._swap_data_ptr_(b)
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (its autograd view record), or ``None``."""
+    return t._base
 
 
 def current_stream_key() -> Callable[[int], Any]:

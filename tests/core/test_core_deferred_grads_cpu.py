@@ -24,7 +24,7 @@ from cudagraphs.core.deferred_grads import DeferredCopies, held_storages, move_o
 from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.core.lent_grads import LentGrads
 from cudagraphs.errors import KeptGradientViewError
-from cudagraphs.settings import OWNED_GRAD_COPIES_ENV
+from cudagraphs.settings import OWNED_GRADS_ENV
 from helpers.stand_in_graphs import positional_entry
 
 _COPIES = ("clone", "_foreach_mul", "_foreach_copy_", "copy_")
@@ -158,7 +158,7 @@ def test_a_kept_view_of_grad_keeps_its_values(exchange):
         # No call re-points a view: refused before the forward would overwrite it.
         with pytest.raises(KeptGradientViewError, match="callables.0. .scale.") as err:
             _step(fn, torch.ones(3))
-        assert "CUDAGRAPHS_OWNED_GRAD_COPIES=1" in str(err.value)
+        assert "CUDAGRAPHS_OWNED_GRADS=copy" in str(err.value)
         assert tail.tolist() == [5.0, 6.0], "nothing replayed"
         tail = tail.clone()  # the fix the error names; the next call works
     _step(fn, torch.ones(3))
@@ -202,7 +202,7 @@ def test_autograd_grad_returns_owned_copies():
     assert not fn.graphs.lent.deferred.held
 
 
-def test_deferral_off_copies_at_every_replay():
+def test_copies_at_every_replay_without_deferral():
     fn, w = _graphed(defer=False)
     buffer = fn.graphs.static_grad_inputs[0]
     with _Ops() as ops:
@@ -294,11 +294,12 @@ def test_release_moves_out_what_is_kept_and_forgets_it(exchange):
 
 
 def test_the_switch_and_torch_decide_deferral(monkeypatch):
-    monkeypatch.delenv(OWNED_GRAD_COPIES_ENV, raising=False)
-    assert deferred_grads.defers_owned_copies() is True  # this torch has both names
-    monkeypatch.setenv(OWNED_GRAD_COPIES_ENV, "1")
+    monkeypatch.delenv(OWNED_GRADS_ENV, raising=False)
+    assert deferred_grads.defers_owned_copies() is False, "copies stay the default for now"
+    monkeypatch.setenv(OWNED_GRADS_ENV, "copy")
     assert deferred_grads.defers_owned_copies() is False
-    monkeypatch.delenv(OWNED_GRAD_COPIES_ENV)
+    monkeypatch.setenv(OWNED_GRADS_ENV, " Defer ")
+    assert deferred_grads.defers_owned_copies() is True
     monkeypatch.setattr(deferred_grads, "can_move_storages", lambda: False)
     assert deferred_grads.defers_owned_copies() is True, "moves without the exchange"
     monkeypatch.setattr(deferred_grads, "can_count_storage_uses", lambda: False)
@@ -354,13 +355,28 @@ def test_held_storages_group_tensors_of_one_storage_and_skip_empty_ones():
     assert a.data_ptr() + 16 == b.data_ptr(), "the graph's views stay one storage"
 
 
-def test_a_view_keeps_its_base_alive_so_its_storage_is_not_held():
-    # A view's autograd base is one more reference the count cannot tell from a
-    # keeper's: such gradients are copied at every replay instead.
+def test_views_count_their_base_as_the_graphs_and_move_it_along(exchange):
+    # Autograd hands out many gradients as views (a transposed mm, a reshaped sum);
+    # each holds its base tensor, another of the graph's own on the storage.
     flat = torch.zeros(10)
     a, b = flat[:4], flat[4:]
     del flat
-    assert held_storages([a, b], seq=1) is None
+    (held,) = held_storages([a, b], seq=1)
+    assert len(held.tensors) == 3 and not held.referenced_elsewhere()
+    handed = b.detach()
+    held.hand(handed)
+    move_out([held], exchange=exchange)
+    b.fill_(5.0)
+    assert handed.tolist() == [0.0] * 6
+    assert not held.referenced_elsewhere(), "the base moved with the views"
+    assert a.data_ptr() + 16 == b.data_ptr()
+
+
+def test_something_else_on_the_storage_at_capture_means_no_deferral():
+    flat = torch.zeros(10)
+    a = flat[:4]
+    other = flat.view(10)  # noqa: F841  (another tensor on it, alive)
+    assert held_storages([a], seq=1) is None
 
 
 def test_settle_moves_only_what_later_captures_handed_out():
@@ -443,9 +459,15 @@ def test_random_loops_keep_every_kept_gradient_like_eager(ops, scribble, exchang
         assert (w.grad is None) == (grad is None)
         if grad is not None:
             assert w.grad.tolist() == grad
-        for t, values, _ in kept:
-            if t is not w.grad:
-                assert t.tolist() == values, (op, k)
+        _check_kept(kept, w.grad, (op, k))
+
+
+def _check_kept(kept: list[list], grad: torch.Tensor | None, where) -> None:
+    """Every kept tensor that no longer is ``.grad`` holds its values (a function: a
+    loop variable left in the test would be one more reference to a kept tensor)."""
+    for t, values, _ in kept:
+        if t is not grad:
+            assert t.tolist() == values, where
 
 
 def _drop_grad(kept: list[list], grad: torch.Tensor, values: list[float], on_buffer: bool):
@@ -465,3 +487,25 @@ def test_a_fresh_pool_loop_never_copies_under_set_to_none(steps):
         w.grad = None
         fn(torch.ones(3))  # the forward that overwrites the buffer memory
     assert fn.graphs.lent.deferred.moves == 0
+
+
+def test_a_real_capture_defers_its_gradients_views_included(monkeypatch):
+    # The capture phase as written (graphs stood in by eager runs): Linear gradients
+    # come out of autograd as views (a transposed mm, a reshaped sum), each holding
+    # its base; the storages must still be held, or deferral silently never engages.
+    from cudagraphs.core.canonicalize import canonicalize
+    from cudagraphs.core.capture_phase import capture_plan
+    from cudagraphs.core.warmup import run_warmup
+    from helpers.stand_in_capture import StandInCapture, cpu_options
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    plan = canonicalize((m,), ((torch.randn(4, 8, requires_grad=True),),))
+    run_warmup(plan, 1, allow_unused_input=False)
+    StandInCapture().install(monkeypatch)
+    (entry,) = capture_plan(plan, cpu_options(defer_owned_copies=True))
+    assert len(entry._held) == 4, "one held storage per parameter gradient"
+    assert all(not h.referenced_elsewhere() for h in entry._held)
+    assert {p for h in entry._held for p in h.params} == set(m.parameters())
+    (plain,) = capture_plan(plan, cpu_options())
+    assert plain._held == (), "copies at every replay unless asked to defer"

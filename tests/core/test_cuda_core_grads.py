@@ -47,17 +47,17 @@ def _static_grad_ptrs(module):
     return {t.data_ptr() for t in module.cuda_graph.graphs.static_grad_inputs if t is not None}
 
 
-# How a backward replay hands out parameter gradients: owned with deferred copies (the
-# default in a pool of the call's own), owned with a copy at every replay
-# (CUDAGRAPHS_OWNED_GRAD_COPIES=1), lent (clone_param_grads_on_return=False).
-MODES = ["owned", "owned_copies", "lent"]
+# How a backward replay hands out parameter gradients: owned with a copy at every
+# replay (the default), owned with deferred copies (CUDAGRAPHS_OWNED_GRADS=defer),
+# lent (clone_param_grads_on_return=False).
+MODES = ["owned", "owned_deferred", "lent"]
 
 
 def _graph_in_mode(module, sample, mode, monkeypatch):
-    if mode == "owned_copies":
-        monkeypatch.setenv("CUDAGRAPHS_OWNED_GRAD_COPIES", "1")
+    if mode == "owned_deferred":
+        monkeypatch.setenv("CUDAGRAPHS_OWNED_GRADS", "defer")
     make_graphed_callables(module, (sample,), clone_param_grads_on_return=mode != "lent")
-    monkeypatch.delenv("CUDAGRAPHS_OWNED_GRAD_COPIES", raising=False)
+    monkeypatch.delenv("CUDAGRAPHS_OWNED_GRADS", raising=False)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -69,7 +69,7 @@ def test_param_grads_accumulate_like_eager_owned_or_lent(mode, monkeypatch):
     module = _mlp()
     eager = copy.deepcopy(module)
     _graph_in_mode(module, _randn(BATCH, HIDDEN, seed=1), mode, monkeypatch)
-    lent = mode != "owned_copies"
+    lent = mode != "owned"
     static = _static_grad_ptrs(module)
     assert static, "the backward graph should produce parameter gradients"
     for it in range(3):  # no zeroing in between: gradients accumulate
@@ -94,7 +94,7 @@ def test_param_grads_with_set_to_none_and_an_optimizer_match_eager(mode, monkeyp
     module = _mlp()
     eager = copy.deepcopy(module)
     _graph_in_mode(module, _randn(BATCH, HIDDEN, seed=1), mode, monkeypatch)
-    lent = mode != "owned_copies"
+    lent = mode != "owned"
     static = _static_grad_ptrs(module)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2, foreach=True)
     opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
@@ -115,7 +115,7 @@ def test_param_grads_with_set_to_none_and_an_optimizer_match_eager(mode, monkeyp
     assert lent_grads.deferred.moves == 0, "set_to_none: nothing was still held"
 
 
-@pytest.mark.parametrize("mode", ["owned", "owned_copies"])
+@pytest.mark.parametrize("mode", ["owned", "owned_deferred"])
 def test_a_hook_kept_gradient_survives_later_steps_by_default(mode, monkeypatch):
     # Transformer Engine 2.20's contract (clone_param_grads_on_return=True, TE PR 2937),
     # as its own tests check it: a weight hook keeps the gradients it receives, and
@@ -139,12 +139,12 @@ def test_a_hook_kept_gradient_survives_later_steps_by_default(mode, monkeypatch)
     for it, (g, g_eager) in enumerate(zip(kept, kept_eager)):
         _assert_equal(g, g_eager, f"the gradient the hook kept at step {it}")
     assert len({g.untyped_storage().data_ptr() for g in kept}) == 3, "one storage per step"
-    if mode == "owned":
+    if mode == "owned_deferred":
         # The hook's gradient was the buffer: moved out at each next step's forward.
         assert module.cuda_graph.graphs.lent.deferred.moves >= 2
 
 
-def test_deferred_owned_gradients_are_the_buffers_and_stay_exact_in_a_stack():
+def test_deferred_owned_gradients_are_the_buffers_and_stay_exact_in_a_stack(monkeypatch):
     # The memory point of deferral: a set_to_none loop of a graphed stack hands out
     # every parameter gradient as its graph buffer and copies nothing, bit for bit
     # like eager. A .grad kept past .grad = None keeps its values where torch can
@@ -154,6 +154,7 @@ def test_deferred_owned_gradients_are_the_buffers_and_stay_exact_in_a_stack():
     layers = [_mlp() for _ in range(3)]
     refs = [copy.deepcopy(m) for m in layers]
     samples = tuple((_randn(BATCH, HIDDEN, seed=k).requires_grad_(),) for k in range(3))
+    monkeypatch.setenv("CUDAGRAPHS_OWNED_GRADS", "defer")
     graphed = make_graphed_callables(tuple(layers), samples)
     entries = [g.cuda_graph.graphs for g in graphed]
     assert all(e._held for e in entries), "every entry defers its copies"
@@ -164,7 +165,7 @@ def test_deferred_owned_gradients_are_the_buffers_and_stay_exact_in_a_stack():
     for it in range(4):
         x = _randn(BATCH, HIDDEN, seed=90 + it).requires_grad_()
         if it == 2 and not exchange:
-            with pytest.raises(KeptGradientViewError, match="CUDAGRAPHS_OWNED_GRAD_COPIES"):
+            with pytest.raises(KeptGradientViewError, match="CUDAGRAPHS_OWNED_GRADS=copy"):
                 graphed[0](x)
             kept = None  # the fix the error names: drop them (or keep clones)
         for seq in (graphed, refs):

@@ -76,9 +76,9 @@ def test_a_pool_holding_a_graph_warms_up_outside_it_and_gives_the_cache_back():
 
 
 def test_staged_owned_gradients_equal_eager_and_leave_one_shared_buffer(monkeypatch):
-    # Staging serves owned gradients copied at every replay (a pool passed in, or
-    # CUDAGRAPHS_OWNED_GRAD_COPIES=1); deferred copies need a buffer per parameter.
-    monkeypatch.setenv("CUDAGRAPHS_OWNED_GRAD_COPIES", "1")
+    # Staging serves owned gradients copied at every replay (the default, or a pool
+    # passed in); deferred copies need a buffer per parameter.
+    monkeypatch.setenv("CUDAGRAPHS_OWNED_GRADS", "copy")
     torch.manual_seed(0)
     models = [_mlp(depth=2) for _ in range(3)]
     refs = [_mlp(depth=2) for _ in range(3)]

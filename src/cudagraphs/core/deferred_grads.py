@@ -1,5 +1,6 @@
-"""Owned parameter gradients that cost a copy only when something keeps them: the
-default of ``make_graphed_callables`` (``clone_param_grads_on_return=True``).
+"""Owned parameter gradients that cost a copy only when something keeps them:
+``make_graphed_callables``'s owned mode (``clone_param_grads_on_return=True``) under
+``CUDAGRAPHS_OWNED_GRADS=defer``, in a pool of the call's own.
 
 The owned contract (Transformer Engine 2.20's, TE PR 2937): a gradient a hook,
 ``.grad`` or any other reference keeps is never overwritten by a later replay. The
@@ -43,7 +44,8 @@ replays again (:func:`move_out`).
 What this asks of the caller: an address. A ``.grad`` kept past the next step's first
 forward moves to memory of its own at that point, once, so code that recorded the
 address of such a ``.grad`` (a CUDA graph of its own optimizer step, say) must record
-it after that. ``CUDAGRAPHS_OWNED_GRAD_COPIES=1`` copies at every replay instead.
+it after that. ``CUDAGRAPHS_OWNED_GRADS=copy`` (the default until the GPU tests of
+this mode have run) copies at every replay instead.
 """
 
 from __future__ import annotations
@@ -55,21 +57,22 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import KeptGradientViewError
-from ..settings import owned_grad_copies
+from ..settings import owned_grads_deferred
 from ..torch_private import (
     can_count_storage_uses,
     can_move_storages,
     storage_use_count,
     swap_storage_data,
+    view_base,
 )
 
 __all__ = ["DeferredCopies", "HeldStorage", "defers_owned_copies", "held_storages", "move_out"]
 
 
 def defers_owned_copies() -> bool:
-    """Whether owned gradients are handed out as graph memory now: this torch can
-    count a storage's uses, and ``CUDAGRAPHS_OWNED_GRAD_COPIES`` is not set."""
-    return can_count_storage_uses() and not owned_grad_copies()
+    """Whether owned gradients are handed out as graph memory now:
+    ``CUDAGRAPHS_OWNED_GRADS=defer``, on a torch that can count a storage's uses."""
+    return can_count_storage_uses() and owned_grads_deferred()
 
 
 @dataclass(eq=False)
@@ -84,13 +87,13 @@ class HeldStorage:
     tensor of its own on the storage, not the one handed out); ``label`` names it in
     errors."""
 
-    storage: torch.UntypedStorage
-    tensors: tuple[torch.Tensor, ...]
+    storage: torch.UntypedStorage = field(repr=False)
+    tensors: tuple[torch.Tensor, ...] = field(repr=False)
     base: int
     seq: int
     label: str = ""
-    params: tuple[torch.nn.Parameter, ...] = ()
-    handed: list[weakref.ref] = field(default_factory=list)
+    params: tuple[torch.nn.Parameter, ...] = field(default=(), repr=False)
+    handed: list[weakref.ref] = field(default_factory=list, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -122,11 +125,18 @@ def held_storages(
     own = storage_use_count(probe.untyped_storage()) - 1
     held = []
     for group in groups.values():
+        # A view holds its base tensor (autograd's view record): one more tensor of
+        # the graph's on the storage, moved along with the views.
+        bases: dict[int, torch.Tensor] = {}
+        for t in group:
+            b = view_base(t)
+            if b is not None and all(b is not u for u in group):
+                bases[id(b)] = b
         storage = group[0].untyped_storage()
         base = storage_use_count(storage)
-        if base != len(group) + own:
+        if base != len(group) + len(bases) + own:
             return None
-        held.append(HeldStorage(storage, tuple(group), base, seq, label))
+        held.append(HeldStorage(storage, (*group, *bases.values()), base, seq, label))
     return tuple(held)
 
 
@@ -177,7 +187,7 @@ def move_out(held: Sequence[HeldStorage], exchange: bool | None = None) -> tuple
             f"still referenced by a tensor torch {torch.__version__} gives no way to move "
             f"({names}): a view of it, or a .grad kept under another name after .grad was "
             "set to None. The next replay would overwrite it, so it did not run. Fix: "
-            "keep a .clone() instead, or set CUDAGRAPHS_OWNED_GRAD_COPIES=1 (a copy of "
+            "keep a .clone() instead, or set CUDAGRAPHS_OWNED_GRADS=copy (a copy of "
             "every gradient at every replay), or use a torch with "
             "UntypedStorage._swap_data_ptr_ (2.13 has it). What could be moved was; "
             "call again once that tensor is dropped."

@@ -1,6 +1,7 @@
 """Parameter gradients lent to autograd as views of graph memory, and when to take
 them back: the opt-in lent mode of ``make_graphed_callables``
-(``clone_param_grads_on_return=False``; the default hands out owned copies).
+(``clone_param_grads_on_return=False``; the default hands out owned copies, and
+:mod:`.deferred_grads` owned gradients at lent memory).
 
 A backward graph writes each parameter gradient into a static buffer in the graph
 pool. Handing that buffer to autograd as it is costs nothing, and under
