@@ -17,7 +17,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagraphs.core import deferred_grads
 from cudagraphs.core.deferred_grads import DeferredCopies, held_storages, move_out
@@ -25,22 +24,18 @@ from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.core.lent_grads import LentGrads
 from cudagraphs.errors import KeptGradientViewError
 from cudagraphs.settings import OWNED_GRADS_ENV
-from helpers.stand_in_graphs import positional_entry
+from helpers.stand_in_graphs import OpNames, ScaleBackward, ScaleForward, positional_entry
 
 _COPIES = ("clone", "_foreach_mul", "_foreach_copy_", "copy_")
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
+class _Ops(OpNames):
     def copies(self) -> list[str]:
         return [n for n in self.names if n in _COPIES]
+
+
+_Forward = ScaleForward
+_Backward = ScaleBackward
 
 
 @pytest.fixture(params=["exchange", "repoint"])
@@ -50,33 +45,6 @@ def exchange(request, monkeypatch):
     on = request.param == "exchange"
     monkeypatch.setattr(deferred_grads, "can_move_storages", lambda: on)
     return on
-
-
-class _Forward:
-    """out = w * x into the static output; ``scratch``: graph memory this forward uses
-    for temporaries (a graph captured earlier than the buffer), scribbled over."""
-
-    def __init__(self, w, x, out, scratch=None):
-        self.w, self.x, self.out, self.scratch = w, x, out, scratch
-
-    def replay(self):
-        if self.scratch is not None:
-            self.scratch.fill_(-1234.0)
-        self.out.copy_(self.w.detach() * self.x)
-
-    def reset(self):
-        pass
-
-
-class _Backward:
-    def __init__(self, x, grad_out, grad_w):
-        self.x, self.grad_out, self.grad_w = x, grad_out, grad_w
-
-    def replay(self):
-        self.grad_w.copy_(self.grad_out * self.x)
-
-    def reset(self):
-        pass
 
 
 def _entry(w, lent, *, fwd_seq, bwd_seq, scratch_of=None, name="scale", defer=True):

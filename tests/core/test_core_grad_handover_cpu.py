@@ -16,52 +16,17 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.core.lent_grads import LentGrads
 from cudagraphs.core.runtime import EntryGraphs
-from helpers.stand_in_graphs import positional_entry
+from helpers.stand_in_graphs import OpNames, ScaleBackward, ScaleForward, positional_entry
+
+_Ops = OpNames
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-class _Forward:
-    """out = w * x, into the static output, as a replay would. ``scratch``: memory
-    the forward uses for temporaries, which a graph captured later into the same pool
-    may have been given for its outputs; the replay scribbles over it."""
-
-    def __init__(self, w, x, out, scratch=None):
-        self.w, self.x, self.out, self.scratch = w, x, out, scratch
-
-    def replay(self):
-        if self.scratch is not None:
-            self.scratch.fill_(-1234.0)
-        self.out.copy_(self.w.detach() * self.x)
-
-    def reset(self):
-        pass
-
-
-class _Backward:
-    """d(out)/dw = x, times the incoming gradient, into the static gradient buffer."""
-
-    def __init__(self, x, grad_out, grad_w):
-        self.x, self.grad_out, self.grad_w = x, grad_out, grad_w
-
-    def replay(self):
-        self.grad_w.copy_(self.grad_out * self.x)
-
-    def reset(self):
-        pass
+_Forward = ScaleForward
+_Backward = ScaleBackward
 
 
 def _graphed(clone: bool = True, forward_overwrites_grad: bool = False):
