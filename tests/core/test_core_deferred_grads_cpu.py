@@ -477,3 +477,41 @@ def test_a_real_capture_defers_its_gradients_views_included(monkeypatch):
     assert {p for h in entry._held for p in h.params} == set(m.parameters())
     (plain,) = capture_plan(plan, cpu_options())
     assert plain._held == (), "copies at every replay unless asked to defer"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    script=st.lists(
+        st.tuples(st.sampled_from(["hold", "settle", "own"]), st.integers(0, 6)),
+        min_size=1,
+        max_size=20,
+    )
+)
+def test_settle_moves_exactly_what_a_later_capture_handed_out(script):
+    """Against the rule written out: a replay of the graph captured ``s``-th moves
+    every held storage numbered above ``s`` and nothing else; a backward's own check
+    moves its own if held. Every storage here is kept, so each move is observable."""
+    registry = DeferredCopies()
+    bufs = [torch.zeros(1) for _ in range(7)]
+    held = [held_storages([t], seq=s)[0] for s, t in enumerate(bufs)]
+    keepers = [t.detach() for t in bufs]  # every storage is referenced
+    expected_held: set[int] = set()
+    expected_moves = 0
+    for op, s in script:
+        if op == "hold":
+            registry.hold([held[s]])
+            expected_held.add(s)
+        elif op == "settle":
+            later = {k for k in expected_held if k > s}
+            registry.settle(s)
+            expected_held -= later
+            expected_moves += len(later)
+        else:
+            registry.settle_own([held[s]])
+            if s in expected_held:
+                expected_held.discard(s)
+                expected_moves += 1
+        assert {h.seq for h in registry.held.values()} == expected_held
+        assert registry.top == max(expected_held, default=0)
+        assert registry.moves == expected_moves, (op, s)
+        keepers[:] = [h.tensors[0].detach() for h in held]  # the moved ones kept too

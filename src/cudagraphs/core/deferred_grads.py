@@ -209,12 +209,19 @@ def _repoint_handed(h: HeldStorage, fresh: torch.UntypedStorage) -> None:
 
 class DeferredCopies:
     """The held storages of one graph pool whose gradients are handed out now, and a
-    count of what moving them out cost."""
+    count of what moving them out cost.
 
-    __slots__ = ("held", "captures", "moves", "moved_bytes")
+    Every replay asks it first (:meth:`settle`), so the common answer is O(1): in the
+    usual order each backward of a step was captured after every storage handed out
+    before it, so ``top`` (the highest capture number held) is below its own."""
+
+    __slots__ = ("held", "top", "exchange", "captures", "moves", "moved_bytes")
 
     def __init__(self) -> None:
         self.held: dict[int, HeldStorage] = {}
+        self.top = 0  # the highest ``seq`` in ``held`` (0: none)
+        # How moves go in this pool (move_out); decided once, at the pool's first use.
+        self.exchange = can_move_storages()
         self.captures = 0  # graphs captured into the pool so far
         self.moves = 0  # storages moved out
         self.moved_bytes = 0
@@ -228,21 +235,32 @@ class DeferredCopies:
         """Register ``held`` as handed out (their ``handed`` lists say what)."""
         for h in held:
             self.held[id(h)] = h
+            self.top = max(self.top, h.seq)
 
     def forget(self, held: Sequence[HeldStorage]) -> None:
         for h in held:
             self.held.pop(id(h), None)
+        self.top = max((h.seq for h in self.held.values()), default=0)
 
     def settle(self, seq: int) -> None:
         """Before a replay of the graph captured ``seq``-th: move out every held
         storage a graph captured later writes (numbered above ``seq``)."""
+        if self.top <= seq:
+            return
         later = [h for h in self.held.values() if h.seq > seq]
-        if later:
-            self.count(later)
-            self.forget(later)
+        self.count(later)
+        self.forget(later)
+
+    def settle_own(self, held: Sequence[HeldStorage]) -> None:
+        """Before a backward graph replays again: move out what its last replay
+        handed out (``held``, its own storages) if that is still held."""
+        own = [h for h in held if id(h) in self.held]
+        if own:
+            self.count(own)
+            self.forget(own)
 
     def count(self, held: Sequence[HeldStorage]) -> None:
-        """:func:`move_out` of ``held``, counted."""
-        moves, nbytes = move_out(held)
+        """:func:`move_out` of ``held`` in this pool's way, counted."""
+        moves, nbytes = move_out(held, self.exchange)
         self.moves += moves
         self.moved_bytes += nbytes

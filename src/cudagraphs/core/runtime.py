@@ -455,7 +455,7 @@ class EntryGraphs:
             # Owned gradients handed out by graphs captured after this one (their
             # memory may be this graph's temporaries), and by this one.
             self.lent.deferred.settle(self.bwd_seq)
-            self.lent.deferred.count(self._held)
+            self.lent.deferred.settle_own(self._held)
         self.bwd_graph.replay()
         lend_inputs = bool(self._lent_inputs) and _engine_accumulates(self._probe_accumulator)
         if lend_inputs and self.lent is not None:
@@ -517,9 +517,11 @@ class EntryGraphs:
         )
         if self._held and accumulates:
             views = [g.detach() for g in self._param_grad_buffers]
-            for h, v in zip(self._held_of, views):
-                if h is not None:
-                    h.hand(v)
+            if not self.lent.deferred.exchange:
+                # Moves re-point what was handed out (deferred_grads), so note it.
+                for h, v in zip(self._held_of, views):
+                    if h is not None:
+                        h.hand(v)
             self.lent.deferred.hold(self._held)
         elif self.clone_param_grads or not accumulates:
             # autograd.grad() returns the gradients to its caller instead of adding
@@ -543,8 +545,7 @@ class EntryGraphs:
         if self._held:
             # What is still kept leaves the pool memory before the graphs' references
             # to it go; graphs still in the pool could overwrite it.
-            self.lent.deferred.count(self._held)
-            self.lent.deferred.forget(self._held)
+            self.lent.deferred.settle_own(self._held)
         for g in (self.fwd_graph, self.bwd_graph):
             if g is not None:
                 g.reset()
