@@ -301,7 +301,7 @@ def test_move_out_without_the_exchange_repoints_what_was_handed_out():
     assert alias.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and handed.data_ptr() != ptr
     assert buffer.data_ptr() == ptr and not held.handed
     view = buffer.detach()[1:]  # not handed out: a view no call can re-point
-    with pytest.raises(KeptGradientViewError):
+    with pytest.raises(KeptGradientViewError, match=r"\(storage at 0x[0-9a-f]+\)"):
         move_out([held], exchange=False)
     del view
     assert move_out([held], exchange=False) == (0, 0)
@@ -515,3 +515,63 @@ def test_settle_moves_exactly_what_a_later_capture_handed_out(script):
         assert registry.top == max(expected_held, default=0)
         assert registry.moves == expected_moves, (op, s)
         keepers[:] = [h.tensors[0].detach() for h in held]  # the moved ones kept too
+
+
+def test_a_move_keeps_dtype_layout_and_odd_byte_counts(exchange):
+    # A transposed bfloat16 gradient of 30 bytes: the copy is byte for byte (not in
+    # 4-byte words), and every tensor keeps its dtype, strides and offset.
+    buffer = torch.arange(15, dtype=torch.bfloat16).reshape(3, 5).t()  # strides (1, 5)
+    (held,) = held_storages([buffer], seq=1)
+    handed = buffer.detach()
+    held.hand(handed)
+    want = handed.clone()
+    move_out([held], exchange=exchange)
+    buffer.fill_(-1.0)  # the next replay writes the graph memory
+    assert handed.dtype == torch.bfloat16 and handed.stride() == (1, 5)
+    assert torch.equal(handed, want)
+    assert buffer.stride() == (1, 5) and buffer.dtype == torch.bfloat16
+    assert buffer.untyped_storage().data_ptr() != handed.untyped_storage().data_ptr()
+
+
+def test_the_error_names_every_storage_out_of_reach():
+    bufs = [torch.zeros(2), torch.zeros(2)]
+    held = [held_storages([t], seq=1, label=name)[0] for t, name in zip(bufs, "ab")]
+    views = [t.detach()[1:] for t in bufs]  # noqa: F841  (kept: out of reach)
+    with pytest.raises(KeptGradientViewError, match=r"\(a, b\)"):
+        move_out(held, exchange=False)
+
+
+def test_views_of_two_bases_on_one_storage_count_both():
+    storage = torch.zeros(8).untyped_storage()
+    first = torch.empty(0).set_(storage, 0, (4,), (1,))
+    second = torch.empty(0).set_(storage, 4, (4,), (1,))
+    del storage
+    a, b = first[1:], second[1:]
+    del first, second
+    (held,) = held_storages([a, b], seq=1)
+    assert len(held.tensors) == 4 and not held.referenced_elsewhere()
+
+
+def test_a_one_byte_storage_is_held_and_an_empty_one_is_not():
+    (held,) = held_storages([torch.zeros(1, dtype=torch.uint8), torch.zeros(0)], seq=1)
+    assert held.nbytes == 1
+
+
+def test_a_pool_numbers_its_captures_in_order(monkeypatch):
+    from cudagraphs.core.canonicalize import canonicalize
+    from cudagraphs.core.capture_phase import capture_plan
+    from cudagraphs.core.lent_grads import lent_grads_of
+    from cudagraphs.core.warmup import run_warmup
+    from helpers.stand_in_capture import StandInCapture, cpu_options
+
+    layers = [torch.nn.Linear(4, 4) for _ in range(2)]
+    x = torch.randn(2, 4, requires_grad=True)
+    plan = canonicalize(tuple(layers), ((x,), (x,)))
+    run_warmup(plan, 1, allow_unused_input=False)
+    StandInCapture().install(monkeypatch)
+    opts = cpu_options(defer_owned_copies=True)
+    first, second = capture_plan(plan, opts)
+    # make_graphed_callables' order: the forwards, then the backwards in reverse.
+    assert (first.fwd_seq, second.fwd_seq, second.bwd_seq, first.bwd_seq) == (1, 2, 3, 4)
+    assert lent_grads_of(opts.pool).deferred.captures == 4
+    assert all(h.seq == 4 for h in first._held) and all(h.seq == 3 for h in second._held)

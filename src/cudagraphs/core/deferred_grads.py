@@ -39,7 +39,7 @@ replay of the graph captured ``n``-th moves out the held storages numbered above
 ``n`` first (:meth:`DeferredCopies.settle`). In the usual order (forwards, then the
 backwards in reverse) no backward of a step moves anything and the next step's first
 forward moves what is still kept. A buffer's own backward graph moves it before it
-replays again (:func:`move_out`).
+replays again (:meth:`DeferredCopies.settle_own`).
 
 What this asks of the caller: an address. A ``.grad`` kept past the next step's first
 forward moves to memory of its own at that point, once, so code that recorded the
@@ -140,25 +140,26 @@ def held_storages(
     return tuple(held)
 
 
-def move_out(held: Sequence[HeldStorage], exchange: bool | None = None) -> tuple[int, int]:
+def move_out(held: Sequence[HeldStorage], exchange: bool) -> tuple[int, int]:
     """Give everything that still refers to one of ``held`` a copy of its bytes, in
     memory of its own, and leave the graph's tensors on the graph memory; one fused
-    copy for all. ``exchange``: move by exchanging storage memory (default: where this
-    torch can). Returns how many storages moved and their bytes.
+    copy for all. ``exchange``: move by exchanging storage memory (where torch can:
+    :func:`~cudagraphs.torch_private.can_move_storages`), else by re-pointing what
+    was handed out. Returns how many storages moved and their bytes.
 
     Raises:
         KeptGradientViewError: without the exchange, something other than a tensor
             handed out (a view of one) still refers to a storage; everything else was
             moved, and the caller's replay must not run.
     """
-    busy = [h for h in held if h.referenced_elsewhere()]
+    busy = []
     for h in held:
-        if h not in busy:
+        if h.referenced_elsewhere():
+            busy.append(h)
+        else:
             h.handed.clear()  # none of them is alive: nothing refers to the storage
     if not busy:
         return 0, 0
-    if exchange is None:
-        exchange = can_move_storages()
     with torch.no_grad():
         srcs = [
             torch.empty(0, dtype=torch.uint8, device=h.storage.device).set_(h.storage) for h in busy
@@ -238,8 +239,9 @@ class DeferredCopies:
             self.top = max(self.top, h.seq)
 
     def forget(self, held: Sequence[HeldStorage]) -> None:
+        """Drop ``held`` (each of them held now)."""
         for h in held:
-            self.held.pop(id(h), None)
+            del self.held[id(h)]
         self.top = max((h.seq for h in self.held.values()), default=0)
 
     def settle(self, seq: int) -> None:
