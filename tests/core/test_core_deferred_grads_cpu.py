@@ -19,7 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cudagraphs.core import deferred_grads
-from cudagraphs.core.deferred_grads import DeferredCopies, held_storages, move_out
+from cudagraphs.core.deferred_grads import (
+    DeferredCopies,
+    DeferredCopyStats,
+    held_storages,
+    move_out,
+)
 from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.core.lent_grads import LentGrads
 from cudagraphs.errors import KeptGradientViewError
@@ -149,6 +154,7 @@ def test_accumulation_moves_the_grad_once_and_sums_exactly(exchange):
     assert w.grad.tolist() == (xs[0] + xs[1] + xs[2]).tolist()
     assert fn.graphs.lent.deferred.moves == 1
     assert fn.graphs.lent.deferred.moved_bytes == 3 * 4
+    assert fn.deferred_copies == DeferredCopyStats(deferred=True, moves=1, moved_bytes=12)
 
 
 def test_zeroing_in_place_keeps_the_sum_right(exchange):
@@ -172,6 +178,7 @@ def test_autograd_grad_returns_owned_copies():
 
 def test_copies_at_every_replay_without_deferral():
     fn, w = _graphed(defer=False)
+    assert fn.deferred_copies == DeferredCopyStats(deferred=False, moves=0, moved_bytes=0)
     buffer = fn.graphs.static_grad_inputs[0]
     with _Ops() as ops:
         _step(fn, torch.ones(3))

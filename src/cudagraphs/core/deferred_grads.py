@@ -66,13 +66,34 @@ from ..torch_private import (
     view_base,
 )
 
-__all__ = ["DeferredCopies", "HeldStorage", "defers_owned_copies", "held_storages", "move_out"]
+__all__ = [
+    "DeferredCopies",
+    "DeferredCopyStats",
+    "HeldStorage",
+    "defers_owned_copies",
+    "held_storages",
+    "move_out",
+]
 
 
 def defers_owned_copies() -> bool:
     """Whether owned gradients are handed out as graph memory now:
     ``CUDAGRAPHS_OWNED_GRADS=defer``, on a torch that can count a storage's uses."""
     return can_count_storage_uses() and owned_grads_deferred()
+
+
+@dataclass(frozen=True)
+class DeferredCopyStats:
+    """What deferral did for one graphed entry: whether its owned gradients are handed
+    out as graph memory, and the copies moves made so far in its pool (storages and
+    bytes, counted for the pool: every entry of one call shares them). Many moves
+    per step mean something keeps the gradients each step (``.grad`` accumulated
+    without ``zero_grad(set_to_none=True)``, a hook's list): correct, at the copies'
+    cost."""
+
+    deferred: bool
+    moves: int
+    moved_bytes: int
 
 
 @dataclass(eq=False)
@@ -260,6 +281,9 @@ class DeferredCopies:
         if own:
             self.count(own)
             self.forget(own)
+
+    def stats(self, deferred: bool) -> DeferredCopyStats:
+        return DeferredCopyStats(deferred, self.moves, self.moved_bytes)
 
     def count(self, held: Sequence[HeldStorage]) -> None:
         """:func:`move_out` of ``held`` in this pool's way, counted."""

@@ -12,6 +12,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..errors import CudaGraphsStateError, UncapturedGradientError, describe_mismatches
+from .deferred_grads import DeferredCopyStats
 from .runtime import EntryGraphs
 
 __all__ = ["GraphedCallable"]
@@ -117,6 +118,16 @@ class GraphedCallable:
         this went (:class:`~cudagraphs.memory.MemoryAccount`, shared by all its
         results); ``None`` under ``CUDAGRAPHS_DISABLE``."""
         return self.graphs.memory
+
+    @property
+    def deferred_copies(self) -> DeferredCopyStats:
+        """Whether this entry hands out its owned parameter gradients as graph memory
+        (``CUDAGRAPHS_OWNED_GRADS=defer``), and the copies that moves made so far
+        (:mod:`cudagraphs.core.deferred_grads`)."""
+        lent = self.graphs.lent
+        if lent is None:
+            return DeferredCopyStats(False, 0, 0)
+        return lent.deferred.stats(bool(self.graphs.held_storages))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, graphs = self._module, self.graphs

@@ -402,6 +402,12 @@ class EntryGraphs:
         self._grad_output_buffers = [g for g in self.static_grad_outputs if g is not None]
         self._grad_output_mask = tuple(g is not None for g in self.static_grad_outputs)
 
+    @property
+    def held_storages(self) -> tuple[HeldStorage, ...]:
+        """The storages its owned gradients are handed out from (``()``: copied at
+        every replay, or lent)."""
+        return self._held
+
     def _held_storages(self, grads: Sequence[torch.Tensor | None]) -> tuple[HeldStorage, ...]:
         """Owned mode with deferred copies: the storages of the parameter gradient
         buffers, with every gradient buffer on them; ``()`` where the copies are made
