@@ -382,8 +382,7 @@ class EntryGraphs:
         self._held = self._held_storages(grads)
         by_ptr = {h.storage.data_ptr(): h for h in self._held}
         self._held_of = tuple(
-            by_ptr.get(g.untyped_storage().data_ptr()) if self._held else None
-            for g in self._param_grad_buffers
+            by_ptr.get(g.untyped_storage().data_ptr()) for g in self._param_grad_buffers
         )
         # One parameter's gradient accumulator (held, so that autograd hands out this
         # very node every time) tells whether a backward accumulates into .grad
