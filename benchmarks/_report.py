@@ -10,6 +10,7 @@ import argparse
 import gc
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -119,6 +120,9 @@ def environment(benchmark: str, commit: str | None = None, run_label: str | None
         cudagraphs=cudagraphs.__version__,
         python=sys.version.split()[0],
         timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        # The package's switches in force (CUDAGRAPHS_OWNED_GRADS=defer, say): they
+        # change what a layer does, so a run under one must say so.
+        cudagraphs_env={k: v for k, v in sorted(os.environ.items()) if k.startswith("CUDAGRAPHS_")},
     )
     return record
 

@@ -3,7 +3,10 @@
 # Usage (repository root, on the GPU machine): benchmarks/device_session.sh PHASE COMMIT [LABEL]
 #   suite        every -m cuda test, core and partial first, per folder (about 390 s)
 #   memory       memory.py on small and mid three times, then the largest-batch search (about 340 s);
-#                MEMORY_RUNS="run1 run2" names the runs, MEMORY_SEARCH=0 leaves the search out
+#                MEMORY_RUNS="run1 run2" names the runs, MEMORY_SEARCH=0 leaves the search out;
+#                with CUDAGRAPHS_OWNED_GRADS=defer exported (deferred owned gradients), name
+#                the runs apart (MEMORY_RUNS="defer1 defer2 defer3"): the JSONs record it
+#                under cudagraphs_env
 #   fp8          train_fp8.py once (about 230 s on an H200)
 #   serving      serving_hf.py on Llama without the startup children (about 300 s);
 #                INDUCTOR set: with --inductor-config $INDUCTOR (HF's compile and ours alike)
