@@ -230,6 +230,16 @@ def _train_child(variant: str, shape: Shape, batch: int) -> dict:
         account = graphed.memory
         info["account"] = account.as_dict() if account is not None else None
         step = lambda: eager_step(lambda: _layers_step(net, run_layers, ids))  # noqa: E731
+        out = _run(step, info)
+        # Whether owned gradients were handed out as graph memory, and what moves copied
+        # (CUDAGRAPHS_OWNED_GRADS=defer): a set_to_none loop should copy nothing.
+        copies = graphed.deferred_copies
+        out["info"]["deferred_copies"] = {
+            "deferred": copies.deferred,
+            "moves": copies.moves,
+            "moved_bytes": copies.moved_bytes,
+        }
+        return out
     elif variant in ("partial_default", "partial_model"):
         from cudagraphs.partial import MODEL_SCOPE, PartialCudaGraphManager
 
