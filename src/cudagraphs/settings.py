@@ -10,10 +10,10 @@
   segments (:func:`cudagraphs.graph_pool.pool_segments`); ``0`` makes them as the
   caching allocator's settings say.
 * ``CUDAGRAPHS_OWNED_GRADS``: how owned parameter gradients leave a backward replay:
-  ``copy`` (the default: a copy of each at every replay) or ``defer`` (the graph
-  memory itself, copied only when something still holds it at the next replay that
-  could overwrite it: :mod:`cudagraphs.core.deferred_grads`; not yet the default
-  because its GPU tests have not run).
+  ``defer`` (the default: the graph memory itself, copied only when something still
+  holds it at the next replay that could overwrite it:
+  :mod:`cudagraphs.core.deferred_grads`) or ``copy`` (a copy of each at every
+  replay, at that copy's memory and time).
 * ``CUDAGRAPHS_CUDA_BINDING``: which binding makes the package's direct CUDA calls
   (:mod:`cudagraphs.cuda_binding`): ``auto`` (the default: ``cuda.bindings`` when it
   imports and reaches the driver, else ``ctypes``), ``cuda.bindings`` or ``ctypes``.
@@ -105,5 +105,5 @@ def expandable_pools() -> bool:
 
 
 def owned_grads_deferred() -> bool:
-    """Whether ``CUDAGRAPHS_OWNED_GRADS`` is ``defer`` (the default is ``copy``)."""
-    return env_choice(OWNED_GRADS_ENV, ("copy", "defer"), "copy") == "defer"
+    """Whether ``CUDAGRAPHS_OWNED_GRADS`` is ``defer`` (the default) rather than ``copy``."""
+    return env_choice(OWNED_GRADS_ENV, ("copy", "defer"), "defer") == "defer"

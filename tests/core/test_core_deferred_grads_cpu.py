@@ -270,7 +270,7 @@ def test_release_moves_out_what_is_kept_and_forgets_it(exchange):
 
 def test_the_switch_and_torch_decide_deferral(monkeypatch):
     monkeypatch.delenv(OWNED_GRADS_ENV, raising=False)
-    assert deferred_grads.defers_owned_copies() is False, "copies stay the default for now"
+    assert deferred_grads.defers_owned_copies() is True, "deferral is the default"
     monkeypatch.setenv(OWNED_GRADS_ENV, "copy")
     assert deferred_grads.defers_owned_copies() is False
     monkeypatch.setenv(OWNED_GRADS_ENV, " Defer ")

@@ -47,15 +47,14 @@ def _static_grad_ptrs(module):
     return {t.data_ptr() for t in module.cuda_graph.graphs.static_grad_inputs if t is not None}
 
 
-# How a backward replay hands out parameter gradients: owned with a copy at every
-# replay (the default), owned with deferred copies (CUDAGRAPHS_OWNED_GRADS=defer),
-# lent (clone_param_grads_on_return=False).
-MODES = ["owned", "owned_deferred", "lent"]
+# How a backward replay hands out parameter gradients: owned with deferred copies
+# (the default, CUDAGRAPHS_OWNED_GRADS=defer), owned with a copy at every replay
+# (CUDAGRAPHS_OWNED_GRADS=copy), lent (clone_param_grads_on_return=False).
+MODES = ["owned_copy", "owned_deferred", "lent"]
 
 
 def _graph_in_mode(module, sample, mode, monkeypatch):
-    if mode == "owned_deferred":
-        monkeypatch.setenv("CUDAGRAPHS_OWNED_GRADS", "defer")
+    monkeypatch.setenv("CUDAGRAPHS_OWNED_GRADS", "copy" if mode == "owned_copy" else "defer")
     make_graphed_callables(module, (sample,), clone_param_grads_on_return=mode != "lent")
     monkeypatch.delenv("CUDAGRAPHS_OWNED_GRADS", raising=False)
 
@@ -69,7 +68,7 @@ def test_param_grads_accumulate_like_eager_owned_or_lent(mode, monkeypatch):
     module = _mlp()
     eager = copy.deepcopy(module)
     _graph_in_mode(module, _randn(BATCH, HIDDEN, seed=1), mode, monkeypatch)
-    lent = mode != "owned"
+    lent = mode != "owned_copy"
     static = _static_grad_ptrs(module)
     assert static, "the backward graph should produce parameter gradients"
     for it in range(3):  # no zeroing in between: gradients accumulate
@@ -94,7 +93,7 @@ def test_param_grads_with_set_to_none_and_an_optimizer_match_eager(mode, monkeyp
     module = _mlp()
     eager = copy.deepcopy(module)
     _graph_in_mode(module, _randn(BATCH, HIDDEN, seed=1), mode, monkeypatch)
-    lent = mode != "owned"
+    lent = mode != "owned_copy"
     static = _static_grad_ptrs(module)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2, foreach=True)
     opt_eager = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
@@ -115,7 +114,7 @@ def test_param_grads_with_set_to_none_and_an_optimizer_match_eager(mode, monkeyp
     assert lent_grads.deferred.moves == 0, "set_to_none: nothing was still held"
 
 
-@pytest.mark.parametrize("mode", ["owned", "owned_deferred"])
+@pytest.mark.parametrize("mode", ["owned_copy", "owned_deferred"])
 def test_a_hook_kept_gradient_survives_later_steps_by_default(mode, monkeypatch):
     # Transformer Engine 2.20's contract (clone_param_grads_on_return=True, TE PR 2937),
     # as its own tests check it: a weight hook keeps the gradients it receives, and

@@ -194,9 +194,13 @@ def make_graphed_callables(
             input and incoming-gradient buffers.
         clone_param_grads_on_return: Transformer Engine 2.20's parameter (TE PR 2937),
             with its default and meaning. ``True``: every parameter gradient a backward
-            replay hands to autograd is an owned tensor, copied from the graph's
-            buffers in one fused launch per replay, so a gradient that a tensor hook,
-            a variable or ``.grad`` keeps is never overwritten by a later replay.
+            replay hands to autograd is owned, so a gradient that a tensor hook, a
+            variable or ``.grad`` keeps is never overwritten by a later replay. By
+            default (``CUDAGRAPHS_OWNED_GRADS=defer``) the replay hands out the
+            graph's buffers and copies out only what is still kept when a replay
+            would overwrite it (:mod:`cudagraphs.core.deferred_grads`); with
+            ``CUDAGRAPHS_OWNED_GRADS=copy`` every one is copied, in one fused launch
+            per replay.
             ``False`` lends the buffers instead (no copy), for loops that consume the
             gradients at once: ``zero_grad(set_to_none=True)``, backward, ``step()``.
             Risk, as TE states it: a later replay overwrites a lent gradient that is

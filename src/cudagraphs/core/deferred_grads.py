@@ -44,8 +44,8 @@ replays again (:meth:`DeferredCopies.settle_own`).
 What this asks of the caller: an address. A ``.grad`` kept past the next step's first
 forward moves to memory of its own at that point, once, so code that recorded the
 address of such a ``.grad`` (a CUDA graph of its own optimizer step, say) must record
-it after that. ``CUDAGRAPHS_OWNED_GRADS=copy`` (the default until the GPU tests of
-this mode have run) copies at every replay instead.
+it after that. ``CUDAGRAPHS_OWNED_GRADS=copy`` copies at every replay instead (the
+default is ``defer``).
 """
 
 from __future__ import annotations
