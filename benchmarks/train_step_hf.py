@@ -228,7 +228,7 @@ def build_ours(model: str) -> Built:
     return Built(net, partial(graphed, ids), opt, setup_s, graphed.reset, notes)
 
 
-def build_ours_compiled(model: str, optimizer_impl: str = "auto") -> Built:
+def build_ours_compiled(model: str, optimizer_impl: str = "fused") -> Built:
     net, ids = build_model(model), make_ids()
     opt = make_optimizer(net)
     ours = ours_compiled(net, loss_and_backward, ids, opt, "model", optimizer_impl)

@@ -95,12 +95,16 @@ def test_ours_compiled_graphs_the_step_over_the_compiled_forward(recipe, monkeyp
         stats = SimpleNamespace(compile_seconds=1.234, optimizer_changes=["fused", "lr"])
         resets = 0
 
+        def __init__(self, optimizer_compiled):
+            self.optimizer_compiled = optimizer_compiled
+
         def reset(self):
             Graphed.resets += 1
 
     def fake_graph_train_step(step_fn, sample, *, optimizer, optimizer_impl):
         got.update(loss=step_fn(sample), sample=sample, optimizer=optimizer, impl=optimizer_impl)
-        return Graphed()
+        # What the real step reports: "compiled" (or "auto" on a compiling step) compiles.
+        return Graphed(optimizer_impl == "compiled")
 
     monkeypatch.setattr(cudagraphs, "graph_train_step", fake_graph_train_step)
     net, x = _model(), torch.randn(4, 3)
@@ -108,7 +112,7 @@ def test_ours_compiled_graphs_the_step_over_the_compiled_forward(recipe, monkeyp
     ours = mod.ours_compiled(net, lambda f, b: f(b).sum(), x, opt, "model")
     assert recipe.compiled == [None]  # mode="default": torch.compile's own default
     assert torch.equal(got["loss"], net(x).sum()) and got["sample"] is x and got["optimizer"] is opt
-    assert got["impl"] == "auto"
+    assert got["impl"] == "fused", "the fused variant asks for the fused kernel by name"
     assert ours.notes == {
         "compile": 'torch.compile(model), mode="default"',
         "compile_seconds": 1.23,

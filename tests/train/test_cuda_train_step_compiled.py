@@ -1,5 +1,6 @@
 """GPU tests of compiled steps inside graph_train_step: a ``torch.compile``d model
-(inductor's kernels, mode="default") graphs with the fused optimizer in one graph and
+(inductor's kernels, mode="default") graphs with its optimizer step in one graph
+(compiled under ``optimizer_impl="auto"``, the fused kernel under ``"fused"``) and
 trains bit for bit like the same compiled model stepped eagerly, HF Llama and
 Qwen3-MoE (grouped_mm experts) included; ``optimizer_impl="compiled"`` (the optimizer
 step compiled too) trains like the eager loop calling the same compiled step; a step
@@ -68,24 +69,37 @@ def assert_same_steps(model, ref, losses, ref_losses, what):
         assert_bitwise_equal(p.detach(), q.detach(), f"{what}parameter {name}")
 
 
-def test_a_compiled_model_graphs_and_trains_like_its_eager_compiled_loop():
+def reference_optimizer_step(ref_opt, impl):
+    """The eager loop's optimizer step for ``optimizer_impl=impl`` on a compiled model:
+    ``"auto"`` compiles it there (the step compiles), ``"fused"`` keeps the kernel."""
+    plan = "compiled" if impl == "auto" else impl
+    prepare_optimizer(ref_opt, plan)
+    return compiled_optimizer_step(ref_opt) if plan == "compiled" else None
+
+
+@pytest.mark.parametrize("impl", ["auto", "fused"])
+def test_a_compiled_model_graphs_and_trains_like_its_eager_compiled_loop(impl):
     model = Stack()
     ref = copy.deepcopy(model)
     compiled, ref_compiled = torch.compile(model), torch.compile(ref)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    prepare_optimizer(ref_opt, "auto")
+    ref_step = reference_optimizer_step(ref_opt, impl)
     calls, ref_calls = [0], [0]
     data = batches()
-    step = cudagraphs.graph_train_step(stepper(compiled, calls), data[0], optimizer=opt)
+    step = cudagraphs.graph_train_step(
+        stepper(compiled, calls), data[0], optimizer=opt, optimizer_impl=impl
+    )
     assert step.graphed and step.stats.graphs == 1
+    assert step.optimizer_compiled is (impl == "auto")
+    assert bool(opt.param_groups[0]["fused"]) is (impl == "fused")
     assert step.stats.compiled_frames >= 1 and step.stats.compile_seconds > 0
     assert step.stats.compile_seconds <= step.stats.warmup_seconds
     before = calls[0]
     losses = [step(b).clone() for b in data]
     assert calls[0] == before, "a graphed step ran step_fn's Python: it did not replay"
-    ref_losses = eager_loop(stepper(ref_compiled, ref_calls), ref, ref_opt, data)
-    assert_same_steps(model, ref, losses, ref_losses, "")
+    ref_losses = eager_loop(stepper(ref_compiled, ref_calls), ref, ref_opt, data, ref_step)
+    assert_same_steps(model, ref, losses, ref_losses, f"{impl}: ")
 
 
 OPTIMIZERS = {
@@ -128,7 +142,8 @@ def test_a_compiled_optimizer_step_graphs_and_trains_like_its_eager_loop(opt_nam
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_a_compiled_hf_model_graphs_and_trains_like_its_eager_compiled_loop(family):
     # The benchmarks' compiled HF step (train_step_hf): the model compiled whole, its
-    # own loss from labels, AdamW fused in the graph. Qwen3-MoE runs the grouped_mm
+    # own loss from labels, AdamW in the graph compiled too ("auto" on a compiling
+    # step). Qwen3-MoE runs the grouped_mm
     # experts, whose routing must compile without a host sync to be captured.
     model = tiny(family).to("cuda", torch.bfloat16)
     if family == "qwen3_moe":
@@ -138,7 +153,7 @@ def test_a_compiled_hf_model_graphs_and_trains_like_its_eager_compiled_loop(fami
     compiled, ref_compiled = torch.compile(model), torch.compile(ref)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    prepare_optimizer(ref_opt, "auto")
+    ref_step = reference_optimizer_step(ref_opt, "auto")
     calls = [0]
 
     def step_for(m, count):
@@ -153,11 +168,11 @@ def test_a_compiled_hf_model_graphs_and_trains_like_its_eager_compiled_loop(fami
     g = torch.Generator(device="cpu").manual_seed(3)
     data = [torch.randint(0, 128, (2, 32), generator=g).cuda() for _ in range(5)]
     step = cudagraphs.graph_train_step(step_for(compiled, calls), data[0], optimizer=opt)
-    assert step.graphed and step.stats.compiled_frames >= 1
+    assert step.graphed and step.stats.compiled_frames >= 1 and step.optimizer_compiled
     before = calls[0]
     losses = [step(b).clone() for b in data]
     assert calls[0] == before, "a graphed step ran step_fn's Python: it did not replay"
-    ref_losses = eager_loop(step_for(ref_compiled, [0]), ref, ref_opt, data)
+    ref_losses = eager_loop(step_for(ref_compiled, [0]), ref, ref_opt, data, ref_step)
     assert_same_steps(model, ref, losses, ref_losses, f"{family}: ")
 
 

@@ -3,7 +3,9 @@ rate; property-tested with every other implementation against the rule written o
 ``compiled_optimizer_step``, and a graphed step whose optimizer step is compiled,
 captured and replayed over stand-in graphs (``helpers.stand_in_train_step``): it
 compiles in the warmup only, never in the capture, and trains bit for bit like the
-eager loop that calls the same compiled step."""
+eager loop that calls the same compiled step. ``"auto"`` compiles the optimizer step
+of a step that compiles (the rule property-tested against its statement; the switch
+in the warmup through the same stand-in capture), and of no other."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 
 from cudagraphs import CudaGraphsTypeError
 from cudagraphs.train import compiled_optimizer_step, plan_optimizer
-from cudagraphs.train.optimizers import IMPLEMENTATIONS
+from cudagraphs.train.optimizers import IMPLEMENTATIONS, adopts_compiled_step
 from cudagraphs.train.step import graph_train_step
 from helpers.asserts import assert_bitwise_equal
 from helpers.stand_in_train_step import CpuPool, install_replaying
@@ -84,7 +86,7 @@ def expected_group(kind, group, implementation, device_type):
         p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
         for p in group["params"]
     )
-    if implementation == "auto" and fusable:
+    if implementation in ("auto", "fused") and fusable:
         want.update(fused=True, foreach=False)
     if implementation == "compiled":
         want.update(fused=False, foreach=True)
@@ -167,3 +169,72 @@ def test_a_compiled_optimizer_step_compiles_in_the_warmup_and_replays_like_its_e
         assert_bitwise_equal(
             opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"], "momentum"
         )
+
+
+# ---- "auto": the optimizer step compiled where the step compiles --------------------
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(IMPLEMENTATIONS), st.booleans(), st.integers(-1, 6))
+def test_auto_adopts_the_compiled_step_exactly_as_the_rule_says(impl, compiled, left):
+    # The rule as documented: only "auto", only a step that compiled, and two warmup
+    # steps left after the first (one compiles the optimizer step, one compiles nothing).
+    expected = impl == "auto" and compiled and left >= 2
+    assert adopts_compiled_step(impl, compiled, left) is expected
+
+
+def _compiled_stepper(model):
+    return _step_fn(torch.compile(model))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_auto_on_a_compiled_step_compiles_the_optimizer_step_and_replays_like_its_loop(
+    replaying,
+):
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    capture = replaying(opt)
+    batches = _batches(4, seed=13)
+    step = graph_train_step(_compiled_stepper(model), batches[0], optimizer=opt, pool=CpuPool())
+    assert step.graphed and step.optimizer_compiled, "auto on a compiling step: compiled"
+    # Compiled in the warmup only (the capture refuses a compile).
+    assert step.stats.compiled_frames >= 2
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_bitwise_equal(p.detach(), q.detach(), "parameter after capture")
+    losses = [step(b).clone() for b in batches]
+    assert capture.replays() == {"train step": len(batches)}
+
+    ref_step, ref_fn, ref_losses = compiled_optimizer_step(ref_opt), _compiled_stepper(ref), []
+    for b in batches:
+        for p in ref.parameters():
+            p.grad = None
+        ref_losses.append(ref_fn(b).detach())
+        ref_step()
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_bitwise_equal(a, b, f"loss of step {i}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_bitwise_equal(p.detach(), q.detach(), f"parameter {name}")
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize(
+    ("compiles", "impl", "warmup"),
+    [(False, "auto", 3), (True, "fused", 3), (True, "auto", 2)],
+    ids=["eager_step", "fused_asked", "too_few_warmup_steps"],
+)
+def test_auto_keeps_the_plain_optimizer_step_elsewhere(replaying, compiles, impl, warmup):
+    model = _mlp()
+    opt = _sgd(model.parameters())
+    capture = replaying(opt)
+    batches = _batches(2, seed=17)
+    step_fn = _compiled_stepper(model) if compiles else _step_fn(model)
+    step = graph_train_step(
+        step_fn,
+        batches[0],
+        optimizer=opt,
+        optimizer_impl=impl,
+        warmup_steps=warmup,
+        pool=CpuPool(),
+    )
+    assert step.graphed and not step.optimizer_compiled
+    step(batches[1])
+    assert capture.replays() == {"train step": 1}

@@ -11,20 +11,30 @@ Vocabulary:
   parameters' device. The fused and capturable kernels read it at every replay, and
   torch's schedulers write it in place (``fill_``), so schedules keep working.
 
-Why ``implementation="auto"`` picks ``fused``: torch's capturable ``foreach`` AdamW
-computes the bias corrections with extra multi-tensor kernels per step; on large
-parameters it is the slowest AdamW, slower in a whole-step graph than eager
-``foreach`` AdamW beside per-layer graphs, while the fused kernel does the whole update in one pass and reads a device learning rate. For
-SGD, ``fused`` is the implementation that reads a device learning rate; ``foreach``
-SGD would read a tensor learning rate with a host sync.
+Implementations (``IMPLEMENTATIONS``):
 
-``implementation="compiled"`` is the other way to one pass over the state: the
-``foreach`` implementation (capturable for Adam/AdamW), its step compiled by
-:func:`compiled_optimizer_step`, so that inductor fuses the multi-tensor arithmetic
-into a few generated kernels. This is torch's own recipe for a fast step ("compiling
-the optimizer", torch.compile's tutorial), and under ``torch.compile`` the
-``foreach`` paths read a device learning rate without a host sync, SGD's included
-(``torch/optim/sgd.py``, ``_multi_tensor_sgd``).
+* ``"fused"``: torch's fused kernels where they take the parameters. Not the
+  capturable ``foreach`` AdamW: it computes the bias corrections with extra
+  multi-tensor kernels per step, and on large parameters it is the slowest AdamW,
+  slower in a whole-step graph than eager ``foreach`` AdamW beside per-layer graphs,
+  while the fused kernel does the whole update in one pass and reads a device
+  learning rate. For SGD, ``fused`` is the implementation that reads a device
+  learning rate; ``foreach`` SGD would read a tensor learning rate with a host sync.
+* ``"compiled"``: the other way to one pass over the state: the ``foreach``
+  implementation (capturable for Adam/AdamW), its step compiled by
+  :func:`compiled_optimizer_step`, so that inductor fuses the multi-tensor arithmetic
+  into a few generated kernels. This is torch's own recipe for a fast step
+  ("compiling the optimizer", torch.compile's tutorial), and under ``torch.compile``
+  the ``foreach`` paths read a device learning rate without a host sync, SGD's
+  included (``torch/optim/sgd.py``, ``_multi_tensor_sgd``).
+* ``"auto"``: ``"fused"`` here (a plan cannot see the step). In
+  :func:`~cudagraphs.graph_train_step` it becomes ``"compiled"`` when the step
+  itself compiles (:func:`adopts_compiled_step`): measured on the H200 with a
+  compiled model, the compiled step was the faster on both shapes tried, 0.92x on
+  the compute-bound block stack and 0.96x on HF Llama (the
+  ``cudagraphs_train_step_compiled_optimizer`` rows of ``benchmarks/results``), and
+  it costs no compile a step of eager kernels would not otherwise make.
+* ``"keep"``: only what capture needs.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from ..errors import CudaGraphsStateError, CudaGraphsTypeError, CudaGraphsValueE
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "adopts_compiled_step",
     "compiled_optimizer_step",
     "GroupPlan",
     "HyperparameterGuard",
@@ -54,7 +65,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("auto", "keep", "compiled")
+IMPLEMENTATIONS = ("auto", "fused", "keep", "compiled")
+# Warmup steps a step that compiles needs after its first, once the optimizer step is
+# compiled too: one that compiles it, one that compiles nothing (the capture's check).
+_STEPS_AFTER_ADOPTING = 2
 # dtypes torch's fused Adam/AdamW/SGD kernels take on CUDA.
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Group keys that are not hyperparameters the step reads.
@@ -107,9 +121,11 @@ def plan_optimizer(
     """Decide, per parameter group, what makes ``optimizer.step()`` capturable (pure:
     nothing is changed; :func:`prepare_optimizer` applies the plan).
 
-    * Adam/AdamW: ``capturable=True``; with ``"auto"`` also ``fused=True`` (and
-      ``foreach=False``) where the fused kernel takes the parameters.
-    * SGD: with ``"auto"``, ``fused=True`` where possible; ``"keep"`` leaves it.
+    * Adam/AdamW: ``capturable=True``; with ``"fused"`` (or ``"auto"``) also
+      ``fused=True`` (and ``foreach=False``) where the fused kernel takes the
+      parameters.
+    * SGD: with ``"fused"`` (or ``"auto"``), ``fused=True`` where possible;
+      ``"keep"`` leaves it.
     * ``"compiled"``: ``foreach=True`` and ``fused=False`` for all three (the step
       then runs through :func:`compiled_optimizer_step`).
     * The learning rate becomes a device tensor where the implementation reads one
@@ -144,7 +160,7 @@ def plan_optimizer(
         if device_type == "cuda":
             if kind == "adam":
                 settings["capturable"] = True
-            if implementation == "auto" and _fusable(group, device_type):
+            if implementation in ("auto", "fused") and _fusable(group, device_type):
                 settings.update(fused=True, foreach=False)
             elif implementation == "compiled":
                 settings.update(fused=False, foreach=True)
@@ -197,6 +213,18 @@ def prepare_optimizer(
         for line in plan.changes:
             logger.info("optimizer prepared for capture: %s", line)
     return plans
+
+
+def adopts_compiled_step(implementation: str, step_compiled: bool, steps_left: int) -> bool:
+    """Whether :func:`~cudagraphs.graph_train_step`'s ``optimizer_impl`` becomes
+    ``"compiled"`` after its first warmup step (pure policy).
+
+    Only ``"auto"`` changes, and only when that step compiled (``torch.compile``
+    inside ``step_fn``: dynamo compiled a frame) and at least two warmup steps are
+    left: one to compile the optimizer step, one that compiles nothing, which the
+    capture requires. With fewer, ``"auto"`` stays ``"fused"``.
+    """
+    return implementation == "auto" and step_compiled and steps_left >= _STEPS_AFTER_ADOPTING
 
 
 def compiled_optimizer_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:

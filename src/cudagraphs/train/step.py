@@ -39,7 +39,9 @@ from .optimizers import (
     HyperparameterGuard,
     OptimizerSnapshot,
     StateKeeper,
+    adopts_compiled_step,
     compiled_optimizer_step,
+    exact_at_zero_lr,
     prepare_optimizer,
 )
 from .records import TrainStepOptions, TrainStepStats
@@ -239,7 +241,8 @@ class GraphedTrainStep:
                 compiled = last = CompileReport()
                 with pool.warmup_scope(device), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=_CAPTURABLE_WARNING)
-                    for _ in range(self.options.warmup_steps):
+                    steps = self.options.warmup_steps
+                    for done in range(1, steps + 1):
                         watch = CompileWatch.start(device.index)
                         self._eager_step(
                             [self._buffer.value] * self.options.accumulation_steps,
@@ -247,6 +250,8 @@ class GraphedTrainStep:
                         )
                         last = watch.finish()
                         compiled += last
+                        if done == 1:
+                            self._resolve_auto(bool(last.frames), steps - done, snapshot)
                 torch.cuda.synchronize(device)
                 t1 = time.perf_counter()
                 # A compiled step (torch.compile inside step_fn): the capture must run
@@ -305,6 +310,34 @@ class GraphedTrainStep:
         if said is not None:
             logger.warning(said)
         return self
+
+    def _resolve_auto(
+        self, step_compiled: bool, steps_left: int, snapshot: OptimizerSnapshot
+    ) -> None:
+        """``optimizer_impl="auto"`` on a step that compiles: from the next warmup step
+        on, the optimizer step is compiled too (:func:`~.optimizers.adopts_compiled_step`
+        says when). The state the fused first step made is the ``foreach`` step's
+        too; parameters of a group no longer exact at learning rate 0 are kept on the
+        host now, before any step of the new kind."""
+        if self._compiled_step is not None or not adopts_compiled_step(
+            self.options.optimizer_impl, step_compiled, steps_left
+        ):
+            return
+        self.plans = [*self.plans, *prepare_optimizer(self.optimizer, "compiled")]
+        for group in self.optimizer.param_groups:
+            if not exact_at_zero_lr(self.optimizer, group):
+                snapshot.keep_params(group["params"])
+        self._compiled_step = compiled_optimizer_step(self.optimizer)
+        logger.info(
+            "graph_train_step: the step compiles, so optimizer_impl='auto' compiles the "
+            "optimizer step too (optimizer_impl='fused' keeps the fused kernels)"
+        )
+
+    @property
+    def optimizer_compiled(self) -> bool:
+        """Whether the step runs the optimizer step compiled (``optimizer_impl=
+        "compiled"``, or ``"auto"`` on a step that compiles, decided in the warmup)."""
+        return self._compiled_step is not None
 
     def _device(self) -> torch.device:
         devices = sorted({str(p.device) for p in self.params})
@@ -446,16 +479,20 @@ def graph_train_step(
             must match its structure, shapes, strides and dtypes.
         optimizer: ``torch.optim.Adam``, ``AdamW`` or ``SGD`` over the parameters on
             one CUDA device. Changed in place: ``capturable=True`` for Adam/AdamW,
-            with ``optimizer_impl="auto"`` the fused implementation, and the learning
+            the implementation ``optimizer_impl`` picks, and the learning
             rate as a device tensor (schedulers keep working: they write it in place).
         max_grad_norm: clip the gradients' total norm to this (no host sync); the norm
             before clipping is :attr:`GraphedTrainStep.grad_norm`.
         accumulation_steps: micro-batches per step; a call then takes a list of them.
-        optimizer_impl: ``"auto"`` (fused kernels where possible), ``"compiled"``
-            (the ``foreach`` step compiled by ``torch.compile``:
+        optimizer_impl: ``"auto"``: ``"fused"``, except that on a step that compiles
+            (``torch.compile`` inside ``step_fn``, seen in the first warmup step, with
+            at least three warmup steps) the optimizer step is compiled too;
+            ``"fused"`` (fused kernels where possible); ``"compiled"`` (the
+            ``foreach`` step compiled by ``torch.compile``:
             :func:`~cudagraphs.train.compiled_optimizer_step`; its compile is part of
             the warmup and of ``stats.compile_seconds``) or ``"keep"`` (only what
-            capture needs).
+            capture needs). :attr:`GraphedTrainStep.optimizer_compiled` says which
+            ran.
         all_reduce: average gradients over ranks inside the graph (one NCCL call per
             bucket of ``bucket_mb`` MiB); ``None``: when ``torch.distributed`` is
             initialized with more than one rank. Do not also wrap the model in DDP.
