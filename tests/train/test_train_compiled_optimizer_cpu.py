@@ -135,6 +135,21 @@ def _sgd(params):
     return opt
 
 
+def _assert_like_the_compiled_step_loop(model, ref, ref_opt, ref_fn, batches, losses):
+    """The eager loop calling the same compiled optimizer step gives ``losses`` and
+    leaves ``ref`` equal to ``model``, bit for bit."""
+    ref_step, ref_losses = compiled_optimizer_step(ref_opt), []
+    for b in batches:
+        for p in ref.parameters():
+            p.grad = None
+        ref_losses.append(ref_fn(b).detach())
+        ref_step()
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_bitwise_equal(a, b, f"loss of step {i}")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_bitwise_equal(p.detach(), q.detach(), f"parameter {name}")
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_a_compiled_optimizer_step_compiles_in_the_warmup_and_replays_like_its_eager_loop(
     replaying,
@@ -155,16 +170,7 @@ def test_a_compiled_optimizer_step_compiles_in_the_warmup_and_replays_like_its_e
     losses = [step(b).clone() for b in batches]
     assert capture.replays() == {"train step": len(batches)}
 
-    ref_step, ref_fn, ref_losses = compiled_optimizer_step(ref_opt), _step_fn(ref), []
-    for b in batches:
-        for p in ref.parameters():
-            p.grad = None
-        ref_losses.append(ref_fn(b).detach())
-        ref_step()
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert_bitwise_equal(a, b, f"loss of step {i}")
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_bitwise_equal(p.detach(), q.detach(), f"parameter {name}")
+    _assert_like_the_compiled_step_loop(model, ref, ref_opt, _step_fn(ref), batches, losses)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_bitwise_equal(
             opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"], "momentum"
@@ -203,16 +209,9 @@ def test_auto_on_a_compiled_step_compiles_the_optimizer_step_and_replays_like_it
     losses = [step(b).clone() for b in batches]
     assert capture.replays() == {"train step": len(batches)}
 
-    ref_step, ref_fn, ref_losses = compiled_optimizer_step(ref_opt), _compiled_stepper(ref), []
-    for b in batches:
-        for p in ref.parameters():
-            p.grad = None
-        ref_losses.append(ref_fn(b).detach())
-        ref_step()
-    for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        assert_bitwise_equal(a, b, f"loss of step {i}")
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_bitwise_equal(p.detach(), q.detach(), f"parameter {name}")
+    _assert_like_the_compiled_step_loop(
+        model, ref, ref_opt, _compiled_stepper(ref), batches, losses
+    )
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
