@@ -237,3 +237,48 @@ def test_auto_keeps_the_plain_optimizer_step_elsewhere(replaying, compiles, impl
     assert step.graphed and not step.optimizer_compiled
     step(batches[1])
     assert capture.replays() == {"train step": 1}
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_switch_plans_the_compiled_step_and_keeps_groups_inexact_at_zero_lr(
+    replaying, monkeypatch, caplog
+):
+    # What the CPU cannot show by numbers (its plan changes nothing, and SGD is exact at
+    # learning rate 0): the switch plans the compiled implementation, and keeps on the
+    # host the parameters of each group its new kind no longer leaves exact at lr 0 (the
+    # capturable foreach AdamW on CUDA), before any step of that kind.
+    import logging
+
+    from cudagraphs.train import step as step_module
+    from cudagraphs.train.optimizers import OptimizerSnapshot
+
+    model = _mlp()
+    opt = _sgd(model.parameters())
+    group = opt.param_groups[0]
+    replaying(opt)
+    planned, kept = [], []
+    real_prepare, real_keep = step_module.prepare_optimizer, OptimizerSnapshot.keep_params
+
+    def prepare(optimizer, implementation="auto"):
+        planned.append(implementation)
+        return real_prepare(optimizer, implementation)
+
+    def inexact(optimizer, g):
+        assert optimizer is opt and g is group, "asked of another group"
+        return False
+
+    def keep(snapshot, params=None):
+        kept.append(params)
+        return real_keep(snapshot, params)
+
+    monkeypatch.setattr(step_module, "prepare_optimizer", prepare)
+    monkeypatch.setattr(step_module, "exact_at_zero_lr", inexact)
+    monkeypatch.setattr(OptimizerSnapshot, "keep_params", keep)
+    batches = _batches(2, seed=19)
+    with caplog.at_level(logging.INFO, logger=step_module.logger.name):
+        step = graph_train_step(_compiled_stepper(model), batches[0], optimizer=opt, pool=CpuPool())
+    assert step.optimizer_compiled
+    assert planned == ["auto", "compiled"]
+    assert group["params"] in kept, "the inexact group's parameters were not kept"
+    assert None not in kept, "kept every parameter instead of the group's"
+    assert any("compiles the optimizer step too" in r.getMessage() for r in caplog.records)
