@@ -367,8 +367,11 @@ def segment_census(snapshot: dict) -> dict:
     per pool (``default`` or the graph pool's id) segments, reserved and live bytes;
     and the default pool's pinned segments (live blocks under ``PINNED_SHARE`` of the
     segment), the ``CENSUS_TOP`` largest by bytes they hold for nothing, each with its
-    live blocks' sizes and the allocation sites (with memory history recorded)."""
+    live blocks' sizes and the allocation sites (with memory history recorded); and per
+    graph pool the ``CENSUS_TOP`` allocation sites of its live blocks by bytes
+    (``sites``: what the graphs keep for good)."""
     pools: dict[str, dict[str, int]] = {}
+    sites: dict[str, dict[str, list[int]]] = {}
     pinned = []
     for seg in snapshot.get("segments", []):
         pool_id = tuple(seg.get("segment_pool_id") or (0, 0))
@@ -380,6 +383,12 @@ def segment_census(snapshot: dict) -> dict:
         row["segments"] += 1
         row["reserved"] += total
         row["active"] += active
+        if pool != "default":
+            per = sites.setdefault(pool, {})
+            for b in live:
+                where = per.setdefault(_where(b), [0, 0])
+                where[0] += int(b.get("size", 0))
+                where[1] += 1
         if pool == "default" and live and active < PINNED_SHARE * total:
             pinned.append(
                 {
@@ -393,6 +402,9 @@ def segment_census(snapshot: dict) -> dict:
                 }
             )
     pinned.sort(key=lambda r: -r["held_for_nothing"])
+    for pool, per in sites.items():
+        top = sorted(per.items(), key=lambda kv: -kv[1][0])[:CENSUS_TOP]
+        pools[pool]["sites"] = [{"where": w, "bytes": n, "blocks": k} for w, (n, k) in top]
     return {
         "pools": pools,
         "pinned_segments": len(pinned),

@@ -707,7 +707,9 @@ def build_compile(cfg: BenchConfig, regime: str) -> Built:
     return Built(blocks, step, setup_s, torch.compiler.reset, step.optimizer, notes)
 
 
-def build_train_step_compiled(cfg: BenchConfig, regime: str, optimizer_impl: str = "fused") -> Built:
+def build_train_step_compiled(
+    cfg: BenchConfig, regime: str, optimizer_impl: str = "fused"
+) -> Built:
     blocks, x = make_stack(cfg, regime), make_input(cfg)
     opt = make_optimizer(blocks)
 

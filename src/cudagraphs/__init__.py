@@ -44,6 +44,7 @@ from .errors import (
     CudaGraphsValueError,
     GraphReleasedError,
     KeptGradientViewError,
+    KeptOutputViewError,
     Mismatch,
     MissingDependencyError,
     NoCudaDeviceError,
@@ -99,6 +100,7 @@ __all__ = [
     "GraphPool",  # deprecated alias of GraphMemoryPool
     "GraphReleasedError",
     "KeptGradientViewError",
+    "KeptOutputViewError",
     "Mismatch",
     "MissingDependencyError",
     "UnsupportedModelError",

@@ -36,6 +36,7 @@ __all__ = [
     "CudaGraphsValueError",
     "GraphReleasedError",
     "KeptGradientViewError",
+    "KeptOutputViewError",
     "Mismatch",
     "MissingDependencyError",
     "UnsupportedModelError",
@@ -198,6 +199,14 @@ class KeptGradientViewError(CudaGraphsStateError):
     still referenced, at a replay that would overwrite it, by a tensor this torch
     cannot move (a view, or a ``.grad`` kept after ``.grad`` was set to ``None``:
     ``cudagraphs.core.deferred_grads``). Raised before that replay."""
+
+
+class KeptOutputViewError(CudaGraphsStateError):
+    """An output that a forward replay handed out as graph memory (a whole model
+    part's logits and loss under partial graphs' ``"model"`` scope) is still
+    referenced, at the next replay that would overwrite it, by a tensor this torch
+    cannot move: a view of it, or a ``.detach()`` of it (``cudagraphs.core.
+    deferred_grads``). Raised before that replay."""
 
 
 class ProgramClosedError(GraphReleasedError):

@@ -152,7 +152,12 @@ def test_the_census_counts_each_pool_and_names_the_pins_of_mostly_free_segments(
     out = mem.segment_census(snapshot)
     assert out["pools"] == {
         "default": {"segments": 3, "reserved": 32 * mib, "active": 4 * mib},
-        "graph(0, 3)": {"segments": 1, "reserved": 64 * mib, "active": mib},
+        "graph(0, 3)": {
+            "segments": 1,
+            "reserved": 64 * mib,
+            "active": mib,
+            "sites": [{"where": "?", "bytes": mib, "blocks": 1}],
+        },
     }
     assert out["pinned_segments"] == 1 and out["pinned_bytes"] == 18 * mib
     (pin,) = out["pinned"]
@@ -204,6 +209,13 @@ def test_the_census_matches_a_plain_count_of_every_snapshot(segments):
         row["active"] += live
         if name == "default" and live and live < mem.PINNED_SHARE * total:
             pinned.append(total - live)
+        if name != "default":  # blocks without frames: one site, "?"
+            row.setdefault("n_live", 0)
+            row["n_live"] += sum(1 for _, state in blocks if state == "active_allocated")
+    for name, row in pools.items():
+        if name != "default":
+            n = row.pop("n_live")
+            row["sites"] = [{"where": "?", "bytes": row["active"], "blocks": n}] if n else []
     assert out["pools"] == pools
     assert out["pinned_segments"] == len(pinned)
     assert out["pinned_bytes"] == sum(pinned)

@@ -8,7 +8,7 @@ class FakeCore:
 
     def __init__(self, bare=False):
         self.calls, self.replays, self.bare, self.sharing = [], 0, bare, []
-        self.owned, self.unreached = [], []
+        self.owned, self.unreached, self.owned_outputs = [], [], []
 
     def __call__(
         self,
@@ -18,10 +18,12 @@ class FakeCore:
         clone_param_grads_on_return=True,
         _buffer_sharing=None,
         _unreached_outputs=None,
+        _owned_outputs=(),
     ):
         self.calls.append((modules, sample_args, sample_kwargs))
         self.sharing.append(_buffer_sharing)
         self.unreached.append(_unreached_outputs)
+        self.owned_outputs.append(frozenset(_owned_outputs))
         self.owned.append(clone_param_grads_on_return)
 
         def graphed(fn):

@@ -45,21 +45,38 @@ def test_whole_model_trains_bitwise_equal_to_eager_for_five_adamw_steps(kind):
         mgr.close()
 
 
-def test_outputs_are_copies_a_kept_loss_survives_the_next_step():
+def test_outputs_are_the_callers_own_a_kept_loss_and_logits_survive_the_next_step():
+    # Handed out as graph memory (no copy) and moved out of the next replay's way only
+    # while still referenced: a loop that drops them copies nothing.
     model = bf16("llama")
+    ref = copy.deepcopy(model)
     gen = torch.Generator(device="cuda").manual_seed(4)
-    first, second = batch(gen, pad=1), batch(gen, pad=2)
+    first, second, third = batch(gen, pad=1), batch(gen, pad=2), batch(gen, pad=3)
     mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
     try:
         mgr.start_recording()
         hf_loss(model, *first, use_cache=False).backward()
         mgr.capture()
-        kept = hf_loss(model, *first, use_cache=False)
-        kept_value = kept.detach().clone()
-        kept.backward()
-        hf_loss(model, *second, use_cache=False).backward()
-        assert mgr.stats()["replayed"] == 2
-        assert torch.equal(kept.detach(), kept_value)
+        graph = mgr.recordings[0].variants[0].graph
+        moves = graph.graphs.lent.deferred
+        for b in (first, second):  # dropped before the next step
+            hf_loss(model, *b, use_cache=False).backward()
+        assert graph.graphs.outputs_deferred, "the outputs are handed out, not copied"
+        assert moves.moves == 0
+        kw = dict(attention_mask=second[1], labels=second[2], use_cache=False)
+        out = model(input_ids=second[0], **kw)
+        static = [graph.graphs.out_leaves[i] for i in graph.graphs.out_tensor_positions]
+        assert {out.loss.data_ptr(), out.logits.data_ptr()} <= {t.data_ptr() for t in static}
+        kept_loss, kept_logits = out.loss.detach().clone(), out.logits.detach().clone()
+        out.loss.backward()
+        hf_loss(model, *third, use_cache=False).backward()  # the next replay
+        assert mgr.stats()["replayed"] == 5
+        assert moves.moves == 2, "the kept loss and logits moved out, once"
+        assert torch.equal(out.loss.detach(), kept_loss)
+        assert torch.equal(out.logits.detach(), kept_logits)
+        want = ref(input_ids=second[0], **kw)
+        assert torch.equal(out.loss.detach(), want.loss.detach())
+        assert torch.equal(out.logits.detach(), want.logits.detach())
     finally:
         mgr.close()
 

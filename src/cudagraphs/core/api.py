@@ -22,6 +22,7 @@ from .canonicalize import GraphPlan, canonicalize, check_devices
 from .capture_phase import (
     CaptureOptions,
     capture_plan,
+    check_entry_indices,
     check_unreached_outputs,
     eager_entry_graphs,
 )
@@ -147,6 +148,7 @@ def make_graphed_callables(
     main_grad_attr: str | None = None,
     _buffer_sharing: BufferSharing | None = None,
     _unreached_outputs: Mapping[int, Iterable[int]] | None = None,
+    _owned_outputs: Iterable[int] = (),
 ) -> Any:
     """Graph modules or functions: forward (and in training backward) CUDA graphs,
     replayed behind an autograd node.
@@ -244,6 +246,12 @@ def make_graphed_callables(
             buffer for them and does not read one, and a backward that reaches one
             raises :class:`~cudagraphs.errors.UncapturedGradientError`
             (:func:`~cudagraphs.core.capture_phase.check_unreached_outputs`).
+        _owned_outputs: the entry indices whose callers own their tensor outputs: a
+            later replay never changes an output the caller keeps (a whole model's
+            logits and loss, as partial graphs' ``"model"`` scope hands them out). In
+            a pool of this call's own they are handed out as the static outputs and
+            moved out only when still referenced at a replay that could overwrite
+            them (:mod:`~cudagraphs.core.deferred_grads`); otherwise copied per replay.
 
     Returns:
         One result per entry (a single one when one callable was passed). A module
@@ -316,6 +324,7 @@ def make_graphed_callables(
         )
     sharing = check_sharing(_buffer_sharing, len(plan.entries), ordered=_order is not None)
     unreached = check_unreached_outputs(_unreached_outputs, len(plan.entries))
+    owned_outputs = check_entry_indices(_owned_outputs, len(plan.entries), "_owned_outputs")
     if sharing is not None and plan.buffer_slots is not None:
         raise CudaGraphsValueError(
             "_buffer_sharing and _reuse_graph_input_output_buffers both decide which "
@@ -362,6 +371,7 @@ def make_graphed_callables(
             # Only in a pool of this call's own: every graph in it moves what it would
             # overwrite (.deferred_grads); a pool passed in may hold graphs that do not.
             defer_owned_copies=pool is None and defers_owned_copies(),
+            owned_outputs=owned_outputs,
         )
         watch = CompileWatch.start(device.index)
         try:

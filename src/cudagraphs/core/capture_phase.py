@@ -46,6 +46,8 @@ class CaptureOptions:
     unreached: Mapping[int, frozenset[int]] = field(default_factory=dict)
     # Owned mode: hand out the gradient buffers, copied only when kept (.deferred_grads).
     defer_owned_copies: bool = False
+    # The entries whose callers own their tensor outputs (EntryGraphs.owned_outputs).
+    owned_outputs: frozenset[int] = frozenset()
 
 
 def _describe(plan: GraphPlan, entry_index: int) -> str:
@@ -136,6 +138,7 @@ def _entry_inputs(
         eager_only=opts is None,
         lent=lent_grads_of(opts.pool) if opts is not None else None,
         defer_copies=opts.defer_owned_copies if opts is not None else False,
+        owned_outputs=opts is not None and index in opts.owned_outputs,
     )
 
 
@@ -256,6 +259,28 @@ def _capture_forward(
         pool_bytes=grown,
         seq=seq,
     )
+
+
+def check_entry_indices(value: object, n_entries: int, what: str) -> frozenset[int]:
+    """``value`` (a collection of entry indices, ``what`` in errors) as a frozenset.
+
+    Raises:
+        CudaGraphsTypeError: not a collection, or an index that is not an int.
+        CudaGraphsValueError: an index out of range.
+    """
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise CudaGraphsTypeError(
+            f"{what} must be a collection of entry indices, got {type(value).__name__}"
+        )
+    items = tuple(value)
+    for entry in items:
+        if not isinstance(entry, int) or isinstance(entry, bool):
+            raise CudaGraphsTypeError(f"{what}: entry index {entry!r} is not an int")
+        if not 0 <= entry < n_entries:
+            raise CudaGraphsValueError(
+                f"{what}: entry {entry} is out of range (there are {n_entries} entries)"
+            )
+    return frozenset(items)
 
 
 def check_unreached_outputs(value: object, n_entries: int) -> dict[int, frozenset[int]]:

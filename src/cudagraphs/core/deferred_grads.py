@@ -41,6 +41,14 @@ backwards in reverse) no backward of a step moves anything and the next step's f
 forward moves what is still kept. A buffer's own backward graph moves it before it
 replays again (:meth:`DeferredCopies.settle_own`).
 
+The same hand-out serves *owned outputs* (``EntryGraphs.owned_outputs``: partial
+graphs' ``"model"`` scope, whose logits and loss reach the caller's code, which may
+keep them past the next step): a forward replay hands out its static outputs, held
+under the forward graph's capture number, and the next replay that could overwrite
+one (that graph's own next forward, or a graph captured before it) moves out what is
+still referenced. An output kept by a tensor out of reach (a view, a ``.detach()``)
+raises :class:`~cudagraphs.errors.KeptOutputViewError` there instead.
+
 What this asks of the caller: an address. A ``.grad`` kept past the next step's first
 forward moves to memory of its own at that point, once, so code that recorded the
 address of such a ``.grad`` (a CUDA graph of its own optimizer step, say) must record
@@ -56,7 +64,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import KeptGradientViewError
+from ..errors import KeptGradientViewError, KeptOutputViewError
 from ..settings import owned_grads_deferred
 from ..torch_private import (
     can_count_storage_uses,
@@ -106,13 +114,14 @@ class HeldStorage:
     ``handed`` the tensors on it handed out since it was last checked (weakly);
     ``params`` the parameters whose gradients it holds (autograd makes ``.grad`` a
     tensor of its own on the storage, not the one handed out); ``label`` names it in
-    errors."""
+    errors; ``kind`` says what it holds, ``"gradient"`` or ``"output"``."""
 
     storage: torch.UntypedStorage = field(repr=False)
     tensors: tuple[torch.Tensor, ...] = field(repr=False)
     base: int
     seq: int
     label: str = ""
+    kind: str = "gradient"
     params: tuple[torch.nn.Parameter, ...] = field(default=(), repr=False)
     handed: list[weakref.ref] = field(default_factory=list, repr=False)
 
@@ -129,12 +138,12 @@ class HeldStorage:
 
 
 def held_storages(
-    tensors: Sequence[torch.Tensor | None], seq: int, label: str = ""
+    tensors: Sequence[torch.Tensor | None], seq: int, label: str = "", kind: str = "gradient"
 ) -> tuple[HeldStorage, ...] | None:
-    """The storages of ``tensors`` (a backward graph's gradient outputs), each with
-    every one of ``tensors`` on it; ``None`` when one of them is referenced by anything
-    else now (its use count would then not tell a keeper from the graph), and the
-    caller copies as before.
+    """The storages of ``tensors`` (a backward graph's gradient outputs, or a forward
+    graph's static outputs: ``kind``), each with every one of ``tensors`` on it;
+    ``None`` when one of them is referenced by anything else now (its use count would
+    then not tell a keeper from the graph), and the caller copies as before.
 
     Storages of no bytes are left out: a replay writes nothing there."""
     groups: dict[int, list[torch.Tensor]] = {}
@@ -157,7 +166,7 @@ def held_storages(
         base = storage_use_count(storage)
         if base != len(group) + len(bases) + own:
             return None
-        held.append(HeldStorage(storage, (*group, *bases.values()), base, seq, label))
+        held.append(HeldStorage(storage, (*group, *bases.values()), base, seq, label, kind))
     return tuple(held)
 
 
@@ -170,8 +179,9 @@ def move_out(held: Sequence[HeldStorage], exchange: bool) -> tuple[int, int]:
 
     Raises:
         KeptGradientViewError: without the exchange, something other than a tensor
-            handed out (a view of one) still refers to a storage; everything else was
-            moved, and the caller's replay must not run.
+            handed out (a view of one) still refers to a gradient storage; everything
+            else was moved, and the caller's replay must not run.
+        KeptOutputViewError: the same for an output storage (and none of gradients).
     """
     busy = []
     for h in held:
@@ -204,6 +214,16 @@ def move_out(held: Sequence[HeldStorage], exchange: bool) -> tuple[int, int]:
             h.handed.clear()
     if left:
         names = ", ".join(h.label or f"storage at {h.storage.data_ptr():#x}" for h in left)
+        if all(h.kind == "output" for h in left):
+            raise KeptOutputViewError(
+                f"an output that a forward replay handed out as graph memory is still "
+                f"referenced by a tensor torch {torch.__version__} gives no way to move "
+                f"({names}): a view of it or a .detach() of it. The next replay would "
+                "overwrite it, so it did not run. Fix: keep a .clone() of the output "
+                "instead, or use a torch with UntypedStorage._swap_data_ptr_ (2.13 has "
+                "it), or set CUDAGRAPHS_OWNED_GRADS=copy (outputs copied at every "
+                "replay). What could be moved was; call again once that tensor is dropped."
+            )
         raise KeptGradientViewError(
             f"a parameter gradient that a backward replay handed out as graph memory is "
             f"still referenced by a tensor torch {torch.__version__} gives no way to move "

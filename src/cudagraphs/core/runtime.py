@@ -122,6 +122,10 @@ class EntryGraphs:
     lent: LentGrads | None = None  # the pool's registry of gradients lent to autograd
     # Owned mode: hand out the gradient buffers, copied only when kept (deferred_grads).
     defer_copies: bool = False
+    # The caller owns the tensor outputs: a later replay never changes one it keeps.
+    # Handed out as the static outputs, moved out only when still referenced at a
+    # replay that could overwrite them (deferred_grads), else copied per replay.
+    owned_outputs: bool = False
     fwd_seq: int = 0  # the graphs' numbers among the pool's captures (deferred_grads)
     bwd_seq: int = 0
     eager_only: bool = False  # CUDAGRAPHS_DISABLE: validate calls, run them eagerly
@@ -154,6 +158,10 @@ class EntryGraphs:
     _probe_accumulator: Any = field(init=False, repr=False)
     _held: tuple[HeldStorage, ...] = field(init=False, repr=False)
     _held_of: tuple[HeldStorage | None, ...] = field(init=False, repr=False)  # per buffer
+    # Owned outputs: their storages, decided at the first forward replay (None before;
+    # () when they are copied at every replay), and the one of each tensor output.
+    _held_outputs: tuple[HeldStorage, ...] | None = field(init=False, repr=False)
+    _held_out_of: tuple[HeldStorage | None, ...] = field(init=False, repr=False)
     _grad_output_buffers: list[torch.Tensor] = field(init=False, repr=False)
     _grad_output_mask: tuple[bool, ...] = field(init=False, repr=False)
 
@@ -300,6 +308,11 @@ class EntryGraphs:
                 lent.settle()  # this replay may overwrite pool memory lent as .grad
             if lent.deferred.held:
                 lent.deferred.settle(self.fwd_seq)  # ... or owned gradients handed out
+                if self._held_outputs:
+                    # ... or this graph's own outputs, handed out by its last replay.
+                    lent.deferred.settle_own(self._held_outputs)
+        if self.owned_outputs and self._held_outputs is None:
+            self._held_outputs, self._held_out_of = self._output_storages()
         copy_into(self.static_inputs, tensors)
         self.fwd_graph.replay()
 
@@ -336,8 +349,44 @@ class EntryGraphs:
             self.buffer_bytes += buffer.numel() * buffer.element_size()
 
     def output_tensors(self) -> tuple[torch.Tensor, ...]:
-        # Detached views: autograd attaches its graph to these, never to the buffers.
-        return tuple(self.out_leaves[i].detach() for i in self.out_tensor_positions)
+        """What a forward replay hands out: detached views of the static outputs
+        (autograd attaches its graph to these, never to the buffers). With
+        ``owned_outputs`` held until a replay that could overwrite them moves out any
+        still referenced, or copies where they cannot be held."""
+        views = tuple(self.out_leaves[i].detach() for i in self.out_tensor_positions)
+        if not self.owned_outputs:
+            return views
+        if not self._held_outputs:
+            return tuple(v.clone() for v in views)
+        if not self.lent.deferred.exchange:
+            # Moves re-point what was handed out (deferred_grads), so note it.
+            for h, v in zip(self._held_out_of, views):
+                if h is not None:
+                    h.hand(v)
+        self.lent.deferred.hold(self._held_outputs)
+        return views
+
+    @property
+    def outputs_deferred(self) -> bool:
+        """Whether owned outputs are handed out as the static outputs (decided at the
+        first forward replay; ``False`` before it, and when they are copied)."""
+        return bool(self._held_outputs)
+
+    def _output_storages(
+        self,
+    ) -> tuple[tuple[HeldStorage, ...], tuple[HeldStorage | None, ...]]:
+        """The storages of the static tensor outputs to hand out (``()``: copy them at
+        every replay: deferral is off, as for owned gradients (``defer_copies``), or
+        something else refers to one), and the storage of each tensor output
+        (``None`` for a storage of no bytes)."""
+        outs = [self.out_leaves[i] for i in self.out_tensor_positions]
+        held = None
+        if self.lent is not None and self.defer_copies:
+            held = held_storages(outs, self.fwd_seq, f"outputs of {self.name}", kind="output")
+        if not held:
+            return (), (None,) * len(outs)
+        by_ptr = {h.storage.data_ptr(): h for h in held}
+        return held, tuple(by_ptr.get(t.untyped_storage().data_ptr()) for t in outs)
 
     def output_tree(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.out_leaves)
@@ -380,6 +429,7 @@ class EntryGraphs:
         self._lent_input_ptrs = [g.data_ptr() for _, _, g in self._lent_inputs]
         self._lent_positions = frozenset(pos for pos, _, _ in self._lent_inputs)
         self._held = self._held_storages(grads)
+        self._held_outputs, self._held_out_of = None, ()
         by_ptr = {h.storage.data_ptr(): h for h in self._held}
         self._held_of = tuple(
             by_ptr.get(g.untyped_storage().data_ptr()) for g in self._param_grad_buffers
@@ -551,6 +601,8 @@ class EntryGraphs:
             # What is still kept leaves the pool memory before the graphs' references
             # to it go; graphs still in the pool could overwrite it.
             self.lent.deferred.settle_own(self._held)
+        if self._held_outputs:
+            self.lent.deferred.settle_own(self._held_outputs)
         for g in (self.fwd_graph, self.bwd_graph):
             if g is not None:
                 g.reset()
@@ -566,6 +618,7 @@ class EntryGraphs:
         self.static_grad_outputs = []
         self.static_grad_inputs = ()
         self._derive()  # drops the precomputed references to the buffers
+        self._held_outputs = ()
         self.released = True
 
 

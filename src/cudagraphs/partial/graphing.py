@@ -86,6 +86,7 @@ def _core_backend(
     sample_kwargs: list,
     sharing: BufferSharing,
     unreached: dict[int, frozenset[int]] | None = None,
+    owned: frozenset[int] = frozenset(),
 ) -> Sequence[Any]:
     # Lent gradients (.core.lent_grads), not owned copies: an owned copy is eager
     # memory that cannot take the place of the graphed targets' activations, dead in
@@ -99,6 +100,8 @@ def _core_backend(
         clone_param_grads_on_return=False,
         _buffer_sharing=sharing,
         _unreached_outputs=unreached or None,
+        # Whole model parts: their outputs reach the caller's code (see .replay).
+        _owned_outputs=owned,
     )
     return result if isinstance(result, tuple) else (result,)
 
@@ -553,6 +556,9 @@ def _capture_group(
                         sample_kwargs,
                         sharing,
                         unreached_outputs(group),
+                        frozenset(
+                            j for j, (rec, _) in enumerate(group) if rec.target.kind == MODEL_KIND
+                        ),
                     )
                 )
             else:

@@ -23,14 +23,20 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..core.graphed import GraphedCallable
 from ..diagnostics import WarnOnce
-from ..errors import ChainedInputError, CudaGraphInputError, describe_mismatches
+from ..errors import (
+    ChainedInputError,
+    CudaGraphInputError,
+    KeptOutputViewError,
+    describe_mismatches,
+)
 from ..forward_swap import ForwardSwap, swap_forward
 from .contract import FallbackCounter
 from .recording import TargetRecording, is_inference_call
 from .vocabulary import MODEL_KIND, OffReason, Target
 
-__all__ = ["PartialGraphEntry", "TargetDispatcher", "dispatch_paused"]
+__all__ = ["PartialGraphEntry", "TargetDispatcher", "dispatch_paused", "owns_outputs"]
 
 # The manager's logger: users filter partial-graph messages under one name.
 logger = logging.getLogger("cudagraphs.partial.manager")
@@ -38,6 +44,13 @@ logger = logging.getLogger("cudagraphs.partial.manager")
 
 def _copied(out: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, torch.clone, out)
+
+
+def owns_outputs(graph: Any) -> bool:
+    """Whether ``graph`` hands out outputs its caller owns (the core's
+    ``owned_outputs``: kept ones are moved out of the way of later replays), so that
+    a whole model part's outputs need no copy here."""
+    return isinstance(graph, GraphedCallable) and graph.graphs.owned_outputs
 
 
 _CONTRACT_FIX = (
@@ -157,6 +170,10 @@ class TargetDispatcher:
             # The contract matched, so only the parameters can differ: one was
             # replaced or re-allocated since capture (checked before any replay).
             failed = ("param_storage", exc)
+        except KeptOutputViewError as exc:
+            # The last replay's outputs are still referenced where this torch cannot
+            # move them (checked before the replay): the eager run leaves them intact.
+            failed = ("kept_output", exc)
         finally:
             self.passthrough = False
         if failed is not None:
@@ -164,8 +181,12 @@ class TargetDispatcher:
             return self.original_forward(*args, **kwargs)
         self.counter.replay()
         # A whole part's outputs reach the caller's code (loss, logits), which may
-        # keep them past the next call: hand back copies, not the static buffers.
-        return _copied(out) if self.target.kind == MODEL_KIND else out
+        # keep them past the next call: the core's graphs hand them out owned (moved
+        # out of the way of the next replay only if still kept); any other graph's
+        # are copied here.
+        if self.target.kind == MODEL_KIND and not owns_outputs(graph):
+            return _copied(out)
+        return out
 
     def _fall_back(self, reason: str, args: tuple, kwargs: dict, detail: Any) -> None:
         self.counter.fallback(reason)
@@ -199,6 +220,15 @@ class TargetDispatcher:
                 f"because that target ran eagerly for this call.\n{detail}\nFix: none "
                 "needed, the eager run is correct; remove the first target's own "
                 "fallback to graph both again."
+            )
+        elif reason == "kept_output":
+            body = (
+                f"{head}: an output its last replay handed out (graph memory, which this "
+                f"replay would overwrite) is still referenced by a tensor that torch "
+                f"{torch.__version__} cannot move.\n{detail}\nFixes: 1. keep a .clone() "
+                "of the output instead of a view or .detach() of it; 2. use a torch "
+                "with UntypedStorage._swap_data_ptr_ (2.13 has it). The graph replays "
+                "again once that tensor is dropped."
             )
         elif reason == "not_captured":
             body = (

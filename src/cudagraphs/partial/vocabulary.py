@@ -217,6 +217,8 @@ FALLBACK = ReasonFamily(
         "reads parameters in place)",
         "unchained_input": "an input the graph reads in place from another target's output "
         "got another tensor (that target ran eagerly for the call, say)",
+        "kept_output": "a whole model part's output that its last replay handed out is "
+        "still referenced by a tensor this torch cannot move (a view or a .detach() of it)",
     },
 )
 #: The contract's reasons, in the order :meth:`~.contract.CallContract.match` ranks them.
