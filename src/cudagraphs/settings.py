@@ -13,7 +13,8 @@
   ``defer`` (the default: the graph memory itself, copied only when something still
   holds it at the next replay that could overwrite it:
   :mod:`cudagraphs.core.deferred_grads`) or ``copy`` (a copy of each at every
-  replay, at that copy's memory and time).
+  replay, at that copy's memory and time). Owned outputs (partial graphs' ``"model"``
+  scope: its loss and logits) follow the same switch.
 * ``CUDAGRAPHS_CUDA_BINDING``: which binding makes the package's direct CUDA calls
   (:mod:`cudagraphs.cuda_binding`): ``auto`` (the default: ``cuda.bindings`` when it
   imports and reaches the driver, else ``ctypes``), ``cuda.bindings`` or ``ctypes``.
