@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cudagraphs
-from cudagraphs.core import deferred_grads
+from cudagraphs.core import deferred_grads, runtime
 from cudagraphs.core.capture_phase import check_entry_indices
 from cudagraphs.core.graphed import GraphedCallable
 from cudagraphs.core.lent_grads import LentGrads
@@ -31,9 +31,11 @@ from helpers.stand_in_graphs import OpNames, ScaleBackward, ScaleForward, positi
 @pytest.fixture(params=["exchange", "repoint"])
 def exchange(request, monkeypatch):
     """Both ways a move can go: exchanging storage memory (torch 2.13), or pointing
-    each tensor handed out at the copy (torch 2.11)."""
+    each tensor handed out at the copy (torch 2.11; these outputs of 12 bytes are
+    handed out there too, as outputs of SMALL_OUTPUT_BYTES and more are)."""
     on = request.param == "exchange"
     monkeypatch.setattr(deferred_grads, "can_move_storages", lambda: on)
+    monkeypatch.setattr(runtime, "SMALL_OUTPUT_BYTES", 0)
     return on
 
 
@@ -150,19 +152,58 @@ def test_not_owned_outputs_are_the_static_buffer_as_before():
     assert not graphs.outputs_deferred
 
 
-def test_a_view_kept_without_the_exchange_refuses_the_replay_and_then_runs(monkeypatch):
+def test_a_view_kept_without_the_exchange_refuses_the_replay_then_copies(monkeypatch):
     monkeypatch.setattr(deferred_grads, "can_move_storages", lambda: False)
+    monkeypatch.setattr(runtime, "SMALL_OUTPUT_BYTES", 0)
     fn, w = _owned()
+    static = fn.graphs.out_leaves[0]
     view = fn(_x(1))[1:]  # the output itself dies; a view of it is kept
     with pytest.raises(KeptOutputViewError, match=r"outputs of callables\[0\] \(scale\)"):
         fn(_x(2))
     assert view.tolist() == [2.0, 3.0], "the refused replay did not run"
+    assert not fn.graphs.outputs_deferred, "copied from now on"
     detached = view.detach()
     del view
     with pytest.raises(KeptOutputViewError, match=r"\.detach\(\)"):
-        fn(_x(3))
+        fn(_x(3))  # still kept: still refused
+    assert detached.tolist() == [2.0, 3.0]
     del detached
-    assert fn(_x(4)).tolist() == (w * 4).tolist(), "the next good call works"
+    y = fn(_x(4))
+    assert y.tolist() == (w * 4).tolist(), "the next good call works"
+    assert y.data_ptr() != static.data_ptr(), "a copy"
+    kept = y[1:]
+    assert fn(_x(5)).tolist() == (w * 5).tolist() and kept.tolist() == [8.0, 12.0]
+    assert not fn.graphs.lent.deferred.held
+
+
+def test_small_outputs_are_copied_without_the_exchange_and_large_ones_handed_out(monkeypatch):
+    # A loss kept as a .detach() (transformers.Trainer's way) is out of reach there:
+    # a copy of so few bytes costs nothing.
+    monkeypatch.setattr(deferred_grads, "can_move_storages", lambda: False)
+    n = runtime.SMALL_OUTPUT_BYTES // 4
+    small, _ = _owned(w=(1.0, 2.0, 3.0))
+    w = torch.ones(n)
+    x, out = torch.zeros(n), torch.zeros(n)
+    big = GraphedCallable(
+        positional_entry(
+            "big",
+            x,
+            out,
+            ScaleForward(w, x, out),
+            lent=LentGrads(),
+            defer_copies=True,
+            owned_outputs=True,
+            fwd_seq=1,
+        ),
+        eager=lambda t: w * t,
+        module=None,
+        captured_training=None,
+    )
+    kept_small = small(_x(1)).detach()
+    assert not small.graphs.outputs_deferred
+    assert small(_x(2)).tolist() == [2.0, 4.0, 6.0] and kept_small.tolist() == [1.0, 2.0, 3.0]
+    y = big(torch.full((n,), 2.0))
+    assert big.graphs.outputs_deferred and y.data_ptr() == out.data_ptr()
 
 
 def test_a_view_kept_with_the_exchange_moves_with_its_output(monkeypatch):
@@ -229,11 +270,12 @@ _CALLS = st.lists(
 def test_random_calls_keep_every_kept_output_like_copies(calls, scribble, exchange):
     """The reference is a copy per replay: every output (or view of one) kept holds
     ``w * x`` of its call forever. Without the exchange a kept view is out of reach:
-    the next replay refuses, and runs once the views are dropped."""
+    the next replay refuses, runs once the views are dropped, and copies from then on
+    (so later views are of copies)."""
     lent = LentGrads()
     later, _ = _owned(lent, fwd_seq=2, w=(4.0, 5.0, 6.0), name="later")
     fn, w = _owned(lent, fwd_seq=1, scratch=later.graphs.out_leaves[0] if scribble else None)
-    kept: list[tuple[torch.Tensor, list[float], bool]] = []  # tensor, values, is a view
+    kept: list[tuple[torch.Tensor, list[float], bool]] = []  # tensor, values, on static
     for op, k in calls:
         views = [e for e in kept if e[2]]
         if views and not exchange:
@@ -242,12 +284,13 @@ def test_random_calls_keep_every_kept_output_like_copies(calls, scribble, exchan
             kept = [e for e in kept if not e[2]]  # the fix: drop the views
         del views
         y = fn(_x(k))
+        copying = not exchange and not fn.graphs.outputs_deferred
         expect = (w * k).tolist()
         assert y.tolist() == expect
         if op == "keep":
             kept.append((y, expect, False))
         elif op == "keep_view":
-            kept.append((y[1:], expect[1:], True))
+            kept.append((y[1:], expect[1:], not copying))
         elif op == "drop_all":
             kept = []
         if scribble:

@@ -13,6 +13,7 @@ import torch
 
 from cudagraphs.errors import UncapturedGradientError
 from cudagraphs.partial import MODEL_SCOPE, SCOPES, PartialCudaGraphManager
+from cudagraphs.torch_private import can_move_storages
 from helpers.hf_models import tiny
 from helpers.partial_model_scope import batch, bf16, hf_loss, train_both
 
@@ -65,18 +66,55 @@ def test_outputs_are_the_callers_own_a_kept_loss_and_logits_survive_the_next_ste
         assert moves.moves == 0
         kw = dict(attention_mask=second[1], labels=second[2], use_cache=False)
         out = model(input_ids=second[0], **kw)
-        static = [graph.graphs.out_leaves[i] for i in graph.graphs.out_tensor_positions]
-        assert {out.loss.data_ptr(), out.logits.data_ptr()} <= {t.data_ptr() for t in static}
+        static = {graph.graphs.out_leaves[i].data_ptr() for i in graph.graphs.out_tensor_positions}
+        assert out.logits.data_ptr() in static
+        # Without the storage exchange (torch 2.11) the loss, a few bytes, is a copy.
+        exchange = can_move_storages()
+        assert (out.loss.data_ptr() in static) == exchange
         kept_loss, kept_logits = out.loss.detach().clone(), out.logits.detach().clone()
         out.loss.backward()
         hf_loss(model, *third, use_cache=False).backward()  # the next replay
-        assert mgr.stats()["replayed"] == 5
-        assert moves.moves == 2, "the kept loss and logits moved out, once"
+        assert mgr.stats()["replayed"] == 4 and mgr.stats()["fallbacks"] == 0
+        assert moves.moves == (2 if exchange else 1), "the kept outputs moved out, once"
         assert torch.equal(out.loss.detach(), kept_loss)
         assert torch.equal(out.logits.detach(), kept_logits)
         want = ref(input_ids=second[0], **kw)
         assert torch.equal(out.loss.detach(), want.loss.detach())
         assert torch.equal(out.logits.detach(), want.logits.detach())
+    finally:
+        mgr.close()
+
+
+def test_a_detached_copy_of_the_logits_kept_past_the_next_step_keeps_its_values():
+    # A .detach() (transformers' evaluation keeps logits so) is a tensor torch 2.11
+    # cannot move: that next call runs eagerly, counted, and the logits are copied
+    # from then on; torch 2.13 moves it.
+    model = bf16("llama")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    first, second = batch(gen, pad=1), batch(gen, pad=2)
+    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
+    try:
+        mgr.start_recording()
+        hf_loss(model, *first, use_cache=False).backward()
+        mgr.capture()
+        graph = mgr.recordings[0].variants[0].graph
+        out = model(input_ids=first[0], attention_mask=first[1], labels=first[2], use_cache=False)
+        kept = out.logits.detach()
+        value = kept.clone()
+        out.loss.backward()
+        del out
+        hf_loss(model, *second, use_cache=False).backward()
+        assert torch.equal(kept, value)
+        stats = mgr.stats()
+        if can_move_storages():
+            assert stats["replayed"] == 2 and stats["fallbacks"] == 0, stats
+            assert graph.graphs.outputs_deferred
+        else:
+            assert stats["replayed"] == 1 and stats["fallback_kept_output"] == 1, stats
+            assert not graph.graphs.outputs_deferred, "copied from now on"
+            del kept
+            hf_loss(model, *second, use_cache=False).backward()
+            assert mgr.stats()["replayed"] == 2
     finally:
         mgr.close()
 

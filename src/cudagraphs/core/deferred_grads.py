@@ -46,8 +46,12 @@ graphs' ``"model"`` scope, whose logits and loss reach the caller's code, which 
 keep them past the next step): a forward replay hands out its static outputs, held
 under the forward graph's capture number, and the next replay that could overwrite
 one (that graph's own next forward, or a graph captured before it) moves out what is
-still referenced. An output kept by a tensor out of reach (a view, a ``.detach()``)
-raises :class:`~cudagraphs.errors.KeptOutputViewError` there instead.
+still referenced. Without the exchange, an output kept by a tensor out of reach (a
+view, a ``.detach()``, as ``transformers.Trainer`` keeps its loss) raises
+:class:`~cudagraphs.errors.KeptOutputViewError` there instead, and that output is
+copied at every replay from then on (``HeldStorage.out_of_reach``); small outputs
+(under :data:`SMALL_OUTPUT_BYTES`: a loss) are copied from the start there, a copy
+that costs nothing.
 
 What this asks of the caller: an address. A ``.grad`` kept past the next step's first
 forward moves to memory of its own at that point, once, so code that recorded the
@@ -75,6 +79,7 @@ from ..torch_private import (
 )
 
 __all__ = [
+    "SMALL_OUTPUT_BYTES",
     "DeferredCopies",
     "DeferredCopyStats",
     "HeldStorage",
@@ -82,6 +87,12 @@ __all__ = [
     "held_storages",
     "move_out",
 ]
+
+
+#: Without the storage exchange, owned outputs smaller than this are copied at every
+#: replay rather than handed out (a loss: a kept ``.detach()`` of it is common, and out
+#: of reach there).
+SMALL_OUTPUT_BYTES = 1 << 16
 
 
 def defers_owned_copies() -> bool:
@@ -114,7 +125,9 @@ class HeldStorage:
     ``handed`` the tensors on it handed out since it was last checked (weakly);
     ``params`` the parameters whose gradients it holds (autograd makes ``.grad`` a
     tensor of its own on the storage, not the one handed out); ``label`` names it in
-    errors; ``kind`` says what it holds, ``"gradient"`` or ``"output"``."""
+    errors; ``kind`` says what it holds, ``"gradient"`` or ``"output"``;
+    ``out_of_reach``: an output storage a move could not free of every keeper once,
+    copied at every replay from then on."""
 
     storage: torch.UntypedStorage = field(repr=False)
     tensors: tuple[torch.Tensor, ...] = field(repr=False)
@@ -122,6 +135,7 @@ class HeldStorage:
     seq: int
     label: str = ""
     kind: str = "gradient"
+    out_of_reach: bool = False
     params: tuple[torch.nn.Parameter, ...] = field(default=(), repr=False)
     handed: list[weakref.ref] = field(default_factory=list, repr=False)
 
@@ -214,15 +228,17 @@ def move_out(held: Sequence[HeldStorage], exchange: bool) -> tuple[int, int]:
             h.handed.clear()
     if left:
         names = ", ".join(h.label or f"storage at {h.storage.data_ptr():#x}" for h in left)
+        for h in left:
+            h.out_of_reach = h.kind == "output"
         if all(h.kind == "output" for h in left):
             raise KeptOutputViewError(
                 f"an output that a forward replay handed out as graph memory is still "
                 f"referenced by a tensor torch {torch.__version__} gives no way to move "
                 f"({names}): a view of it or a .detach() of it. The next replay would "
-                "overwrite it, so it did not run. Fix: keep a .clone() of the output "
-                "instead, or use a torch with UntypedStorage._swap_data_ptr_ (2.13 has "
-                "it), or set CUDAGRAPHS_OWNED_GRADS=copy (outputs copied at every "
-                "replay). What could be moved was; call again once that tensor is dropped."
+                "overwrite it, so it did not run, and the output is copied at every "
+                "replay from now on. Fix: keep a .clone() of the output instead, or use "
+                "a torch with UntypedStorage._swap_data_ptr_ (2.13 has it). What could "
+                "be moved was; call again once that tensor is dropped."
             )
         raise KeptGradientViewError(
             f"a parameter gradient that a backward replay handed out as graph memory is "

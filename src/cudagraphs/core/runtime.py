@@ -27,7 +27,7 @@ from ..errors import (
     describe_mismatches,
 )
 from ..torch_private import will_engine_execute_node
-from .deferred_grads import HeldStorage, held_storages
+from .deferred_grads import SMALL_OUTPUT_BYTES, HeldStorage, held_storages
 from .grad_targets import GradTargets
 from .lent_grads import LentGrads, move_aliased_grads
 from .te_compat import ReplayKeywords
@@ -358,31 +358,39 @@ class EntryGraphs:
             return views
         if not self._held_outputs:
             return tuple(v.clone() for v in views)
-        if not self.lent.deferred.exchange:
-            # Moves re-point what was handed out (deferred_grads), so note it.
-            for h, v in zip(self._held_out_of, views):
-                if h is not None:
-                    h.hand(v)
-        self.lent.deferred.hold(self._held_outputs)
-        return views
+        repoint = not self.lent.deferred.exchange
+        out = []
+        for h, v in zip(self._held_out_of, views):
+            if h is None or h.out_of_reach:
+                out.append(v.clone())  # copied: small without the exchange, or once kept
+            else:  # handed out as the static output
+                if repoint:
+                    h.hand(v)  # moves re-point what was handed out (deferred_grads)
+                out.append(v)
+        self.lent.deferred.hold([h for h in self._held_outputs if not h.out_of_reach])
+        return tuple(out)
 
     @property
     def outputs_deferred(self) -> bool:
-        """Whether owned outputs are handed out as the static outputs (decided at the
-        first forward replay; ``False`` before it, and when they are copied)."""
-        return bool(self._held_outputs)
+        """Whether owned outputs are handed out as the static outputs, any of them
+        (decided at the first forward replay; ``False`` before it, and when all are
+        copied)."""
+        return any(not h.out_of_reach for h in self._held_outputs or ())
 
     def _output_storages(
         self,
     ) -> tuple[tuple[HeldStorage, ...], tuple[HeldStorage | None, ...]]:
         """The storages of the static tensor outputs to hand out (``()``: copy them at
         every replay: deferral is off, as for owned gradients (``defer_copies``), or
-        something else refers to one), and the storage of each tensor output
-        (``None`` for a storage of no bytes)."""
+        something else refers to one), and the storage of each tensor output (``None``:
+        copied at every replay, as are storages under
+        :data:`~.deferred_grads.SMALL_OUTPUT_BYTES` without the storage exchange)."""
         outs = [self.out_leaves[i] for i in self.out_tensor_positions]
         held = None
         if self.lent is not None and self.defer_copies:
             held = held_storages(outs, self.fwd_seq, f"outputs of {self.name}", kind="output")
+        if held and not self.lent.deferred.exchange:
+            held = tuple(h for h in held if h.nbytes >= SMALL_OUTPUT_BYTES)
         if not held:
             return (), (None,) * len(outs)
         by_ptr = {h.storage.data_ptr(): h for h in held}

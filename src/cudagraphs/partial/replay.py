@@ -227,8 +227,9 @@ class TargetDispatcher:
                 f"replay would overwrite) is still referenced by a tensor that torch "
                 f"{torch.__version__} cannot move.\n{detail}\nFixes: 1. keep a .clone() "
                 "of the output instead of a view or .detach() of it; 2. use a torch "
-                "with UntypedStorage._swap_data_ptr_ (2.13 has it). The graph replays "
-                "again once that tensor is dropped."
+                "with UntypedStorage._swap_data_ptr_ (2.13 has it). That output is "
+                "copied at every replay from now on, and the graph replays again once "
+                "that tensor is dropped."
             )
         elif reason == "not_captured":
             body = (
