@@ -52,7 +52,8 @@ def test_outputs_are_the_callers_own_a_kept_loss_and_logits_survive_the_next_ste
     model = bf16("llama")
     ref = copy.deepcopy(model)
     gen = torch.Generator(device="cuda").manual_seed(4)
-    first, second, third = batch(gen, pad=1), batch(gen, pad=2), batch(gen, pad=3)
+    # Logits of 128 KiB: at least SMALL_OUTPUT_BYTES, so handed out on any torch.
+    first, second, third = (batch(gen, seq=256, pad=p) for p in (1, 2, 3))
     mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
     try:
         mgr.start_recording()
@@ -91,7 +92,7 @@ def test_a_detached_copy_of_the_logits_kept_past_the_next_step_keeps_its_values(
     # from then on; torch 2.13 moves it.
     model = bf16("llama")
     gen = torch.Generator(device="cuda").manual_seed(5)
-    first, second = batch(gen, pad=1), batch(gen, pad=2)
+    first, second = batch(gen, seq=256, pad=1), batch(gen, seq=256, pad=2)  # as above
     mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
     try:
         mgr.start_recording()
