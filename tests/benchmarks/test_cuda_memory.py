@@ -43,11 +43,10 @@ def measured():
     return mem, results
 
 
-# Open (issue 36): after the capture's release, the eager allocator keeps segments
-# pinned by long-lived tensors among the freed activations (default scopes), and the
-# "model" scope's graph holds its static logits and their incoming gradient; measured
-# 1.131x (default scopes) and 1.360x (model scope) here, the callback 1.083x
-# (benchmarks/results/memory-*-3eef79156895-run*.json). strict: passing turns this red.
+# Open (issue 36): two pools' working sets added where eager has one (default scopes),
+# and the "model" scope's static logits held through its backward graph; measured
+# 1.131x and 1.214x here, the callback 1.083x
+# (benchmarks/results/memory-*-3c64d4a-owned*.json). strict: passing turns this red.
 _OPEN = {"partial_default", "partial_model"}
 
 
