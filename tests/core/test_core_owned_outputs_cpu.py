@@ -14,6 +14,8 @@ through the graph's own tensor objects.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -309,7 +311,7 @@ def _check_kept(kept: list, where) -> None:
 
 def test_owned_output_indices_are_checked():
     assert check_entry_indices([0, 2], 3, "_owned_outputs") == frozenset({0, 2})
-    with pytest.raises(CudaGraphsTypeError, match="collection of entry indices"):
+    with pytest.raises(CudaGraphsTypeError, match="collection of entry indices, got int$"):
         check_entry_indices(3, 3, "_owned_outputs")
     with pytest.raises(CudaGraphsTypeError, match="'a' is not an int"):
         check_entry_indices(["a"], 3, "_owned_outputs")
@@ -322,3 +324,30 @@ def test_owned_output_indices_are_checked():
 def test_the_error_is_exported_and_a_state_error():
     assert cudagraphs.KeptOutputViewError is KeptOutputViewError
     assert issubclass(KeptOutputViewError, cudagraphs.CudaGraphsStateError)
+
+
+def test_a_real_capture_owns_the_outputs_of_the_entries_asked_for(monkeypatch):
+    # The capture phase as written (graphs stood in by eager runs): only the entries
+    # named own their outputs, and their first replay holds the output storages.
+    from cudagraphs.core.canonicalize import canonicalize
+    from cudagraphs.core.capture_phase import capture_plan, eager_entry_graphs
+    from cudagraphs.core.warmup import run_warmup
+    from helpers.stand_in_capture import StandInCapture, cpu_options
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    sample = (torch.randn(4, 8, requires_grad=True),)
+    plan = canonicalize((a, b), (sample, sample))
+    run_warmup(plan, 1, allow_unused_input=False)
+    StandInCapture().install(monkeypatch)
+    first, second = capture_plan(
+        plan, cpu_options(defer_owned_copies=True, owned_outputs=frozenset({1}))
+    )
+    assert (first.owned_outputs, second.owned_outputs) == (False, True)
+    monkeypatch.setattr(runtime, "SMALL_OUTPUT_BYTES", 0)
+    second.fwd_graph = types.SimpleNamespace(replay=lambda: None, reset=lambda: None)
+    fn = GraphedCallable(second, eager=b, module=b, captured_training=True)
+    y = fn(torch.randn(4, 8, requires_grad=True))
+    assert second.outputs_deferred and y.data_ptr() == second.out_leaves[0].data_ptr()
+    for entry in (eager_entry_graphs(plan, 0), eager_entry_graphs(plan, 1)):
+        assert not entry.owned_outputs and not entry.defer_copies, "nothing to hold eagerly"
