@@ -41,8 +41,10 @@ device. ``--jobs`` searches run at once (each variant searched once).
 ``--segments`` (a diagnostic): each child also reports a census of its allocator
 segments after its steps (``info["segments"]``: per pool the segments, reserved and
 live bytes; the default pool's segments held by a few live blocks, with those blocks'
-allocation sites). It records torch's memory history, which slows allocation, so its
-peaks are not to be quoted.
+allocation sites; per graph pool the allocation sites of its live blocks), and what
+grew reserved memory during the steps (``info["steady_growth"]``: the segments
+allocated or mapped while the steps ran, by pool and allocation site). It records
+torch's memory history, which slows allocation, so its peaks are not to be quoted.
 
 Targets: ``<layer>_peak_reserved_le_1.10x_eager`` per layer and shape run (the
 larger ratio over the training shapes run), ``<layer>_largest_batch_ge_eager``
@@ -413,6 +415,31 @@ def segment_census(snapshot: dict) -> dict:
     }
 
 
+_GROWTH = ("segment_alloc", "segment_map")
+
+
+def steady_growth(entries: list[dict]) -> list[dict]:
+    """What grew reserved memory in ``entries`` (torch's memory-history trace of the
+    steps: ``segment_alloc``, and ``segment_map`` for expandable segments): bytes and
+    events per pool and allocation site, the ``CENSUS_TOP`` largest first."""
+    rows: dict[tuple[str, str], list[int]] = {}
+    for e in entries:
+        if e.get("action") not in _GROWTH:
+            continue
+        pool_id = tuple(e.get("pool_id") or (0, 0))
+        pool = "default" if pool_id == (0, 0) else f"graph{pool_id}"
+        row = rows.setdefault((pool, _where(e)), [0, 0])
+        row[0] += int(e.get("size", 0))
+        row[1] += 1
+    top = sorted(rows.items(), key=lambda kv: -kv[1][0])[:CENSUS_TOP]
+    return [{"pool": p, "where": w, "bytes": n, "events": k} for (p, w), (n, k) in top]
+
+
+def _trace() -> list[dict]:
+    traces = torch.cuda.memory._snapshot().get("device_traces") or [[]]
+    return traces[torch.cuda.current_device()]
+
+
 def _stats(stats: dict) -> dict:
     keep = ("captured", "replayed", "fallbacks")
     return {k: v for k, v in stats.items() if k.endswith("bytes") or k in keep}
@@ -429,12 +456,15 @@ def _run(step, info: dict) -> dict:
     torch.cuda.synchronize()
     setup = _peaks()
     torch.cuda.reset_peak_memory_stats()
+    census = os.environ.get(SEGMENTS_ENV) == "1"
+    mark = len(_trace()) if census else 0
     for _ in range(STEPS):
         step()
     torch.cuda.synchronize()
     steady = _peaks()
-    if os.environ.get(SEGMENTS_ENV) == "1":
+    if census:
         info["segments"] = segment_census({"segments": torch.cuda.memory_snapshot()})
+        info["steady_growth"] = steady_growth(_trace()[mark:])
     return {
         "reserved": max(setup["reserved"], steady["reserved"]),
         "allocated": max(setup["allocated"], steady["allocated"]),

@@ -221,3 +221,42 @@ def test_the_census_matches_a_plain_count_of_every_snapshot(segments):
     assert out["pinned_bytes"] == sum(pinned)
     held = [r["held_for_nothing"] for r in out["pinned"]]
     assert held == sorted(pinned, reverse=True)[: mem.CENSUS_TOP]
+
+
+def test_steady_growth_sums_new_segments_by_pool_and_site_largest_first():
+    mem = _mem()
+    mib = 1 << 20
+    loss = ("/w/benchmarks/memory.py", 200, "eager_step")
+    static = ("/w/src/cudagraphs/core/capture_phase.py", 76, "_new_static_input")
+
+    def event(action, size, where=None, pool=None):
+        e = {"action": action, "size": size, **_block(size, where=where)}
+        e.pop("state")
+        if pool is not None:
+            e["pool_id"] = pool
+        return e
+
+    entries = [
+        event("alloc", 64 * mib, loss),  # a block from a cached segment: no growth
+        event("segment_alloc", 20 * mib, loss),
+        event("segment_alloc", 20 * mib, loss),
+        event("segment_map", 2 * mib, static, pool=(0, 1)),
+        event("segment_free", 20 * mib, loss),
+        event("segment_alloc", 262 * mib),
+    ]
+    assert mem.steady_growth(entries) == [
+        {"pool": "default", "where": "?", "bytes": 262 * mib, "events": 1},
+        {
+            "pool": "default",
+            "where": "benchmarks/memory.py:200 eager_step",
+            "bytes": 40 * mib,
+            "events": 2,
+        },
+        {
+            "pool": "graph(0, 1)",
+            "where": "core/capture_phase.py:76 _new_static_input",
+            "bytes": 2 * mib,
+            "events": 1,
+        },
+    ]
+    assert mem.steady_growth([]) == []
