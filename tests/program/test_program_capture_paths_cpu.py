@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from cudagraphs.errors import CudaGraphsTypeError
+from cudagraphs.errors import CudaGraphsTypeError, SignatureMismatchError
 from cudagraphs.program import graph_capture
 from cudagraphs.program.buffer import ReusableValueBuffer
 from cudagraphs.program.graph_capture import (
@@ -29,6 +29,7 @@ from cudagraphs.program.graph_capture import (
 )
 from cudagraphs.program.signature import ValueTreeSignature
 from helpers.leaf_types import QuantizedTensor, make_leaf_types
+from helpers.staging import FakeRuntime
 
 CPU = torch.device("cpu")
 
@@ -362,3 +363,138 @@ def test_a_disabled_program_with_registered_leaves_replays_eagerly(caplog):
         got = _program(_quantize, (torch.arange(4.0),), disabled=True, leaf_types=leaf_types)
     assert isinstance(got.captured.output["q"], QuantizedTensor)
     assert "program _quantize is not captured" in caplog.text
+
+
+# ---- capture_function: in-graph staging (a fake CUDA runtime) ---------------------------
+
+
+class StagedGraph(Graph):
+    """A captured graph whose raw handles the fake runtime knows; counts instantiation."""
+
+    def __init__(self):
+        super().__init__()
+        self.instantiated = 0
+
+    def instantiate(self):
+        self.instantiated += 1
+
+    def raw_cuda_graph(self):
+        return 11
+
+    def raw_cuda_graph_exec(self):
+        return 22
+
+
+class Runtime(FakeRuntime):
+    """The fake runtime, whose memcpy nodes are the copies staged_arguments made (found
+    once the capture has run): one per staged input, unless ``nodes=False``."""
+
+    def __init__(self, buf, read, nodes=True):
+        super().__init__([])
+        self.buf, self.read, self.give = buf, read, nodes
+
+    def memcpy_nodes(self, graph):
+        assert graph == 11
+        if not self.give:
+            return []
+        return [
+            SimpleNamespace(src=home.data_ptr(), dst=inner, nbytes=home.nbytes, handle=i)
+            for i, (home, inner) in enumerate(zip(self.buf.tensors, self.read))
+        ]
+
+
+@pytest.fixture
+def staged(monkeypatch):
+    """Captures that make :class:`StagedGraph` objects, and ``runtime(buf, nodes)``
+    installing a :class:`Runtime` as the one ``runtime_for`` finds."""
+    c = Captures()
+
+    def own(run, pool, **opts):
+        c.calls.append(("own", pool, opts))
+        c.graphs.append(StagedGraph())
+        return c.graphs[-1], run()
+
+    def shared(run, like, pool, **opts):
+        c.calls.append(("shared", pool, opts))
+        c.graphs.append(StagedGraph())
+        return c.graphs[-1], [t.clone() for t in run()]
+
+    monkeypatch.setattr(graph_capture, "capture_into_graph", own)
+    monkeypatch.setattr(graph_capture, "capture_with_static_outputs", shared)
+
+    def runtime(buf, read, nodes=True):
+        rt = Runtime(buf, read, nodes)
+        monkeypatch.setattr(graph_capture, "runtime_for", lambda mode: rt)
+        return rt
+
+    c.runtime = runtime
+    return c
+
+
+def _reading(read):
+    """x + y that records the addresses of the tensors it was given."""
+
+    def f(x, y):
+        read[:] = [x.data_ptr(), y.data_ptr()]
+        return {"sum": x + y}
+
+    return f
+
+
+@pytest.mark.parametrize("shared_pool", [False, True], ids=["own", "shared"])
+def test_graph_staging_reads_copies_made_inside_the_graph_and_stages_each(staged, shared_pool):
+    x, y = torch.arange(3.0), torch.ones(3)
+    buf = _buffer(x, y)
+    read: list[int] = []
+    rt = staged.runtime(buf, read)
+    last = {"sum": x + y}
+    got = _capture(_reading(read), buf, staging="graph", shared_pool=shared_pool, last=last)
+    assert staged.calls[0][2]["keep_graph"] is True, "node updates need the cudaGraph_t"
+    homes = [t.data_ptr() for t in buf.tensors]
+    assert read and not set(read) & set(homes), "the function read copies, not the buffers"
+    assert torch.equal(got.output["sum"], x + y)
+    assert staged.graphs[0].instantiated == 1
+    assert [(s.index, s.home.data_ptr(), s.dst) for s in got.staging.inputs] == [
+        (0, homes[0], read[0]),
+        (1, homes[1], read[1]),
+    ]
+    assert rt.calls == []
+
+
+def test_graph_staging_without_a_node_to_update_is_copies(staged):
+    buf = _buffer(torch.arange(3.0), torch.ones(3))
+    read: list[int] = []
+    staged.runtime(buf, read, nodes=False)
+    got = _capture(_reading(read), buf, staging="graph")
+    assert got.staging is None, "torch copied with kernels: the inputs stay copy-fed"
+
+
+def test_copy_staging_reads_the_buffers_themselves(staged):
+    buf = _buffer(torch.arange(3.0), torch.ones(3))
+    read: list[int] = []
+    staged.runtime(buf, read)
+    got = _capture(_reading(read), buf, staging="copy")
+    assert read == [t.data_ptr() for t in buf.tensors] and got.staging is None
+    assert staged.calls[0][2]["keep_graph"] is False
+
+
+def test_a_shared_pool_capture_whose_output_changed_names_the_output_path(captures):
+    x = torch.arange(3.0)
+    buf = _buffer(x, torch.ones(3))
+    with pytest.raises(SignatureMismatchError, match=r"output\['sum'\]: shape"):
+        _capture(lambda a, b: {"sum": torch.cat([a, b])}, buf, last={"sum": x}, shared_pool=True)
+
+
+def test_graphs_disabled_runs_the_function_once_to_set_up_and_names_it_in_errors(caplog):
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return {"y": x + 1} if len(calls) < 3 else {"y": torch.cat([x, x])}
+
+    buf = _buffer(torch.ones(2))
+    got = run_function_eagerly(f, buf, None, "p")
+    assert len(calls) == 1, "one run sizes the output buffers"
+    got.graph.replay()
+    with pytest.raises(SignatureMismatchError, match=r"output\['y'\]: shape"):
+        got.graph.replay()
