@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from cudagraphs.errors import CudaGraphsTypeError, SignatureMismatchError
+from cudagraphs.errors import CudaGraphCaptureError, CudaGraphsTypeError, SignatureMismatchError
 from cudagraphs.program import graph_capture
 from cudagraphs.program.buffer import ReusableValueBuffer
 from cudagraphs.program.graph_capture import (
@@ -498,3 +498,17 @@ def test_graphs_disabled_runs_the_function_once_to_set_up_and_names_it_in_errors
     got.graph.replay()
     with pytest.raises(SignatureMismatchError, match=r"output\['y'\]: shape"):
         got.graph.replay()
+
+
+def test_a_program_whose_warmup_fails_is_named_by_its_function(monkeypatch, captures, streams):
+    monkeypatch.setattr(graph_capture, "GraphMemoryPool", Pool)
+
+    def decode_step(x):
+        raise RuntimeError("boom")
+
+    with pytest.raises(CudaGraphCaptureError) as info:
+        _program(decode_step, (torch.ones(2),), disabled=False, warmup=1)
+    assert str(info.value).startswith("warmup of program ") and str(info.value).endswith(
+        "decode_step failed: boom"
+    )
+    assert captures.calls == [], "nothing captured"
