@@ -18,7 +18,12 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from cudagraphs.errors import CudaGraphCaptureError, CudaGraphsTypeError, SignatureMismatchError
+from cudagraphs.errors import (
+    CudaGraphCaptureError,
+    CudaGraphsStateError,
+    CudaGraphsTypeError,
+    SignatureMismatchError,
+)
 from cudagraphs.program import graph_capture
 from cudagraphs.program.buffer import ReusableValueBuffer
 from cudagraphs.program.graph_capture import (
@@ -512,3 +517,10 @@ def test_a_program_whose_warmup_fails_is_named_by_its_function(monkeypatch, capt
         "decode_step failed: boom"
     )
     assert captures.calls == [], "nothing captured"
+
+
+def test_graphs_disabled_a_replay_after_reset_names_the_program():
+    got = run_function_eagerly(lambda x: x + 1, _buffer(torch.ones(2)), None, "p")
+    got.graph.reset()
+    with pytest.raises(CudaGraphsStateError, match=r"^program p: replay\(\) after reset\(\)$"):
+        got.graph.replay()
