@@ -351,3 +351,15 @@ def test_a_real_capture_owns_the_outputs_of_the_entries_asked_for(monkeypatch):
     assert second.outputs_deferred and y.data_ptr() == second.out_leaves[0].data_ptr()
     for entry in (eager_entry_graphs(plan, 0), eager_entry_graphs(plan, 1)):
         assert not entry.owned_outputs and not entry.defer_copies, "nothing to hold eagerly"
+
+
+@settings(max_examples=300, deadline=None)
+@given(entries=st.lists(st.integers(-3, 8), max_size=6), n=st.integers(0, 6))
+def test_owned_output_indices_are_the_set_given_when_every_one_is_in_range(entries, n):
+    if all(0 <= e < n for e in entries):
+        assert check_entry_indices(entries, n, "_owned_outputs") == set(entries)
+        assert check_entry_indices(tuple(entries), n, "_owned_outputs") == set(entries)
+    else:
+        first = next(e for e in entries if not 0 <= e < n)
+        with pytest.raises(CudaGraphsValueError, match=f"entry {first} is out of range"):
+            check_entry_indices(entries, n, "_owned_outputs")

@@ -7,6 +7,7 @@ checkpointing) its layers are graphed instead, said and counted."""
 
 import copy
 import logging
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -46,6 +47,20 @@ def test_whole_model_trains_bitwise_equal_to_eager_for_five_adamw_steps(kind):
         mgr.close()
 
 
+@contextmanager
+def _graphed_whole(model, recorded):
+    """A manager with the "model" scope, one step recorded on ``recorded`` and captured;
+    yields it and the whole model's graph, and closes it."""
+    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
+    try:
+        mgr.start_recording()
+        hf_loss(model, *recorded, use_cache=False).backward()
+        mgr.capture()
+        yield mgr, mgr.recordings[0].variants[0].graph
+    finally:
+        mgr.close()
+
+
 def test_outputs_are_the_callers_own_a_kept_loss_and_logits_survive_the_next_step():
     # Handed out as graph memory (no copy) and moved out of the next replay's way only
     # while still referenced: a loop that drops them copies nothing.
@@ -54,12 +69,7 @@ def test_outputs_are_the_callers_own_a_kept_loss_and_logits_survive_the_next_ste
     gen = torch.Generator(device="cuda").manual_seed(4)
     # Logits of 128 KiB: at least SMALL_OUTPUT_BYTES, so handed out on any torch.
     first, second, third = (batch(gen, seq=256, pad=p) for p in (1, 2, 3))
-    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
-    try:
-        mgr.start_recording()
-        hf_loss(model, *first, use_cache=False).backward()
-        mgr.capture()
-        graph = mgr.recordings[0].variants[0].graph
+    with _graphed_whole(model, first) as (mgr, graph):
         moves = graph.graphs.lent.deferred
         for b in (first, second):  # dropped before the next step
             hf_loss(model, *b, use_cache=False).backward()
@@ -82,8 +92,6 @@ def test_outputs_are_the_callers_own_a_kept_loss_and_logits_survive_the_next_ste
         want = ref(input_ids=second[0], **kw)
         assert torch.equal(out.loss.detach(), want.loss.detach())
         assert torch.equal(out.logits.detach(), want.logits.detach())
-    finally:
-        mgr.close()
 
 
 def test_a_detached_copy_of_the_logits_kept_past_the_next_step_keeps_its_values():
@@ -93,12 +101,7 @@ def test_a_detached_copy_of_the_logits_kept_past_the_next_step_keeps_its_values(
     model = bf16("llama")
     gen = torch.Generator(device="cuda").manual_seed(5)
     first, second = batch(gen, seq=256, pad=1), batch(gen, seq=256, pad=2)  # as above
-    mgr = PartialCudaGraphManager.from_model_parts(model, scopes=WIDEST, speed_check=False)
-    try:
-        mgr.start_recording()
-        hf_loss(model, *first, use_cache=False).backward()
-        mgr.capture()
-        graph = mgr.recordings[0].variants[0].graph
+    with _graphed_whole(model, first) as (mgr, graph):
         out = model(input_ids=first[0], attention_mask=first[1], labels=first[2], use_cache=False)
         kept = out.logits.detach()
         value = kept.clone()
@@ -116,8 +119,6 @@ def test_a_detached_copy_of_the_logits_kept_past_the_next_step_keeps_its_values(
             del kept
             hf_loss(model, *second, use_cache=False).backward()
             assert mgr.stats()["replayed"] == 2
-    finally:
-        mgr.close()
 
 
 def test_logits_no_recorded_backward_reached_get_no_buffer_and_a_later_use_is_refused():
