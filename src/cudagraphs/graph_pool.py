@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .checks import require_cuda
-from .errors import CudaGraphsStateError, CudaGraphsTypeError
+from .errors import CudaGraphsTypeError
 from .settings import expandable_pools
 from .torch_private import (
     begin_allocate_to_pool,
@@ -151,32 +151,6 @@ class GraphMemoryPool:
             with side_stream(stream):
                 yield stream
             return
-        with self.fresh_allocations(device) as stream:
-            yield stream
-
-    @contextlib.contextmanager
-    def fresh_allocations(
-        self, device: torch.device | int | None = None
-    ) -> Iterator[torch.cuda.Stream]:
-        """Route every allocation on the device (any thread) into this pool, on its
-        capture stream, which it yields; only while the pool is :attr:`fresh`.
-
-        Memory allocated here before the first capture cannot overlap the
-        temporaries of any graph, since there is none yet, and what stays allocated
-        (a fresh pool's warmup state, the static input buffers the captures read) is
-        packed into the pool's own segments instead of pinning a segment of the
-        caching allocator's general memory each.
-
-        Raises:
-            CudaGraphsStateError: the pool already holds a graph; a block allocated
-                now could sit where that graph keeps its temporaries.
-        """
-        if not self._fresh:
-            raise CudaGraphsStateError(
-                "GraphMemoryPool.fresh_allocations: the pool already holds a graph, and "
-                "memory allocated into it now could overlap that graph's temporaries; "
-                "allocate before the first capture, or outside the pool"
-            )
         stream = self.capture_stream(device)
         handle = self.prepare(stream)
         index = stream.device.index

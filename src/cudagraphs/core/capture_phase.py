@@ -76,47 +76,11 @@ def _new_static_input(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(t.requires_grad)
 
 
-def premade_static_inputs(plan: GraphPlan, opts: CaptureOptions) -> dict[Any, list[Any]]:
-    """The static input buffers made before the first capture, inside the pool while
-    it is fresh (:meth:`~cudagraphs.capture.GraphMemoryPool.fresh_allocations`): per
-    buffer slot under ``_reuse_graph_input_output_buffers`` (keys ``("slot", s)``),
-    else per entry index, one buffer per tensor input, ``None`` where the input is to
-    be chained to an earlier entry's output (:mod:`.sharing`). Empty when the pool
-    already holds a graph, or off CUDA: the buffers are then made per capture in the
-    caching allocator's general memory.
-
-    Why: made after a cache release, a buffer alone in the general memory pins a
-    whole segment (20 MiB for a 2 MiB hidden state; the census of
-    ``memory-nvidia-h200-9c7e99f-segments``); in the fresh pool it takes its own pages.
-    """
-    if not opts.pool.fresh or getattr(opts.stream.device, "type", "cpu") != "cuda":
-        return {}
-    linked = set(opts.sharing.chained_inputs) if opts.sharing is not None else set()
-    made: dict[Any, list[Any]] = {}
-    with opts.pool.fresh_allocations(opts.stream.device):
-        for index, spec in enumerate(plan.entries):
-            if plan.buffer_slots is not None:
-                key = ("slot", plan.buffer_slots[index])
-                if key not in made:
-                    made[key] = _new_static_inputs(spec)
-            else:
-                made[index] = [
-                    None if (index, p) in linked else _new_static_input(t)
-                    for p, t in enumerate(spec.tensors)
-                ]
-    return made
-
-
 def _static_inputs(
-    plan: GraphPlan,
-    index: int,
-    pending: dict[int, _Pending],
-    opts: CaptureOptions,
-    premade: Mapping[Any, list[Any]],
+    plan: GraphPlan, index: int, pending: dict[int, _Pending], opts: CaptureOptions
 ) -> tuple[list[torch.Tensor], dict[int, int]]:
     """Entry ``index``'s static inputs, chained ones included (:mod:`.sharing`), and
-    its chained positions with their source entries; ``premade``'s buffers
-    (:func:`premade_static_inputs`) where it has them."""
+    its chained positions with their source entries."""
 
     def outputs_of(source: int) -> list[torch.Tensor] | None:
         done = pending.get(source)
@@ -124,12 +88,8 @@ def _static_inputs(
 
     spec = plan.entries[index]
     chained = chained_inputs(opts.sharing, index, spec.tensors, outputs_of)
-    ready = premade.get(index) or [None] * len(spec.tensors)
     static = [
-        chained[p][0]
-        if p in chained
-        else (ready[p] if ready[p] is not None else _new_static_input(t))
-        for p, t in enumerate(spec.tensors)
+        chained[p][0] if p in chained else _new_static_input(t) for p, t in enumerate(spec.tensors)
     ]
     return static, {p: source for p, (_, source) in chained.items()}
 
@@ -509,7 +469,6 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
     slot_grad_outputs: dict[Any, list] = {}
     chains: dict[int, dict[int, int]] = {}
     share_grads = opts.sharing is not None and opts.sharing.grad_outputs
-    premade = premade_static_inputs(plan, opts)
     try:
         for step in plan.schedule:
             target = plan.callables[step.callable_index]
@@ -519,16 +478,11 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
                 if plan.buffer_slots is not None:
                     slot = plan.buffer_slots[step.entry]
                     fresh = slot not in slot_inputs
-                    if fresh:
-                        made = premade.get(("slot", slot))
-                        slot_inputs[slot] = made if made is not None else _new_static_inputs(spec)
-                    static_inputs = slot_inputs[slot]
+                    static_inputs = slot_inputs.setdefault(slot, _new_static_inputs(spec))
                     chained: dict[int, int] = {}
                 else:
                     fresh = True
-                    static_inputs, chained = _static_inputs(
-                        plan, step.entry, pending, opts, premade
-                    )
+                    static_inputs, chained = _static_inputs(plan, step.entry, pending, opts)
                 inputs = _entry_inputs(plan, step.entry, static_inputs, opts)
                 inputs["chained"] = tuple(
                     (i, pending[source].inputs["name"]) for i, source in sorted(chained.items())
