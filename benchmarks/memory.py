@@ -42,8 +42,10 @@ device. ``--jobs`` searches run at once (each variant searched once).
 segments after its steps (``info["segments"]``: per pool the segments, reserved and
 live bytes; the default pool's segments held by a few live blocks, with those blocks'
 allocation sites; per graph pool the allocation sites of its live blocks), and what
-grew reserved memory during the steps (``info["steady_growth"]``: the segments
-allocated or mapped while the steps ran, by pool and allocation site). It records
+grew reserved memory during the set-up and during the steps (``info["setup_growth"]``,
+``info["steady_growth"]``: the segments allocated or mapped, by pool, read from the
+address among the final segments, ``released`` for one given back since, and
+allocation site). It records
 torch's memory history, which slows allocation, so its peaks are not to be quoted.
 
 Targets: ``<layer>_peak_reserved_le_1.10x_eager`` per layer and shape run (the
@@ -418,16 +420,35 @@ def segment_census(snapshot: dict) -> dict:
 _GROWTH = ("segment_alloc", "segment_map")
 
 
-def steady_growth(entries: list[dict]) -> list[dict]:
-    """What grew reserved memory in ``entries`` (torch's memory-history trace of the
-    steps: ``segment_alloc``, and ``segment_map`` for expandable segments): bytes and
-    events per pool and allocation site, the ``CENSUS_TOP`` largest first."""
+def pool_of(addr: int, segments: list[dict]) -> str:
+    """The pool (``default`` or ``graph(...)``) of the segment of ``segments``
+    (``torch.cuda.memory_snapshot()``'s) that holds address ``addr``; ``released``
+    when none does (the segment went back to the driver after the event)."""
+    for seg in segments:
+        start = int(seg.get("address", -1))
+        if start <= addr < start + int(seg.get("total_size", 0)):
+            pool_id = tuple(seg.get("segment_pool_id") or (0, 0))
+            return "default" if pool_id == (0, 0) else f"graph{pool_id}"
+    return "released"
+
+
+def steady_growth(entries: list[dict], segments: list[dict] | None = None) -> list[dict]:
+    """What grew reserved memory in ``entries`` (torch's memory-history trace:
+    ``segment_alloc``, and ``segment_map`` for expandable segments): bytes and events
+    per pool and allocation site, the ``CENSUS_TOP`` largest first.
+
+    A trace entry does not say its pool; it is read from where the entry's address
+    lies among ``segments`` (the snapshot's, taken after the trace: :func:`pool_of`),
+    or from a ``pool_id`` the entry carries; without either, ``default``."""
     rows: dict[tuple[str, str], list[int]] = {}
     for e in entries:
         if e.get("action") not in _GROWTH:
             continue
-        pool_id = tuple(e.get("pool_id") or (0, 0))
-        pool = "default" if pool_id == (0, 0) else f"graph{pool_id}"
+        if e.get("pool_id") is not None or not segments:
+            pool_id = tuple(e.get("pool_id") or (0, 0))
+            pool = "default" if pool_id == (0, 0) else f"graph{pool_id}"
+        else:
+            pool = pool_of(int(e.get("addr", -1)), segments)
         row = rows.setdefault((pool, _where(e)), [0, 0])
         row[0] += int(e.get("size", 0))
         row[1] += 1
@@ -463,8 +484,13 @@ def _run(step, info: dict) -> dict:
     torch.cuda.synchronize()
     steady = _peaks()
     if census:
-        info["segments"] = segment_census({"segments": torch.cuda.memory_snapshot()})
-        info["steady_growth"] = steady_growth(_trace()[mark:])
+        segments = torch.cuda.memory_snapshot()
+        trace = _trace()
+        info["segments"] = segment_census({"segments": segments})
+        # Set-up (model, recording, warmup, capture) apart from the steps: the pools
+        # a capture grows, and the segments the first steps add after it.
+        info["setup_growth"] = steady_growth(trace[:mark], segments)
+        info["steady_growth"] = steady_growth(trace[mark:], segments)
     return {
         "reserved": max(setup["reserved"], steady["reserved"]),
         "allocated": max(setup["allocated"], steady["allocated"]),

@@ -260,3 +260,42 @@ def test_steady_growth_sums_new_segments_by_pool_and_site_largest_first():
         },
     ]
     assert mem.steady_growth([]) == []
+
+
+def test_growth_reads_each_events_pool_from_where_its_address_lies():
+    """torch's trace entries carry no pool: an event is attributed to the final
+    segment that holds its address (an expandable graph segment maps pages inside
+    its range), and to ``released`` when that segment went back to the driver."""
+    mem = _mem()
+    mib = 1 << 20
+    here = ("/w/src/cudagraphs/partial/graphing.py", 391, "forward")
+    segments = [
+        {"address": 100 * mib, "total_size": 30 * mib, "segment_pool_id": (0, 0)},
+        {"address": 1000 * mib, "total_size": 460 * mib, "segment_pool_id": (0, 1)},
+    ]
+
+    def event(action, size, addr):
+        e = {"action": action, "size": size, "addr": addr, **_block(size, where=here)}
+        e.pop("state")
+        return e
+
+    entries = [
+        event("segment_alloc", 30 * mib, 100 * mib),  # the default segment itself
+        event("segment_map", 20 * mib, 1000 * mib),  # the first pages of the pool
+        event("segment_map", 20 * mib, 1439 * mib),  # its last pages
+        event("segment_alloc", 250 * mib, 5000 * mib),  # given back since
+        event("segment_map", 2 * mib, 1460 * mib),  # one past the pool's end
+    ]
+    assert mem.pool_of(1459 * mib, segments) == "graph(0, 1)"
+    assert mem.pool_of(1460 * mib, segments) == "released"
+    assert mem.pool_of(99 * mib, segments) == "released"
+    where = "partial/graphing.py:391 forward"
+    assert mem.steady_growth(entries, segments) == [
+        {"pool": "released", "where": where, "bytes": 252 * mib, "events": 2},
+        {"pool": "graph(0, 1)", "where": where, "bytes": 40 * mib, "events": 2},
+        {"pool": "default", "where": where, "bytes": 30 * mib, "events": 1},
+    ]
+    # An entry that names its pool keeps it; without segments, the default pool.
+    named = {**entries[1], "pool_id": (0, 7)}
+    assert mem.steady_growth([named], segments)[0]["pool"] == "graph(0, 7)"
+    assert mem.steady_growth(entries[:1])[0]["pool"] == "default"
