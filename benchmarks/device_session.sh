@@ -16,6 +16,8 @@
 #   compute      train_step.py --configs compute_bound --regimes set_to_none, compiled
 #                variants (about 370 s)
 #   sdpa_probe   probes/serving_compiles.py --backends: where the batch-of-one recompile comes from
+#   sdpa_decode  probes/serving_compiles.py --decode: the compiled capture of six buckets and
+#                ms per token with and without cuDNN attention, fresh inductor caches
 #   inductor     train_step.py launch_bound, compiled variants, without and then with
 #                INDUCTOR (default "triton.enable_pdl=True"), one machine: the node gaps
 # PRE_TESTS="tests/a.py tests/b.py" runs those GPU tests (-m cuda, at most PRE_LIMIT s,
@@ -107,6 +109,8 @@ inductor)
         --run-label "lb-inductor-$label" --inductor-config ${INDUCTOR:-triton.enable_pdl=True} ;;
 sdpa_probe)
     OUT=$out bench "sdpa-probe" 560 benchmarks/probes/serving_compiles.py --backends ;;
+sdpa_decode)
+    OUT=$out bench "sdpa-decode" 580 benchmarks/probes/serving_compiles.py --decode ;;
 *)
     echo "unknown phase $phase"; exit 2 ;;
 esac

@@ -19,13 +19,25 @@ every "guard added" line that compares a size with 1, with the frame that added 
 the guard each recompile failed (``recompiles``). One compile for all four
 buckets under a set names the backend whose checks specialize a batch of one.
 Writes ``$OUT/probe-serving_compiles-backends.json``.
+
+``--decode`` asks what excluding cuDNN attention from the compiled capture costs and
+saves at the benchmark's size: the full Llama of ``serving_hf`` and its six buckets.
+For ``default`` and ``no_cudnn`` (in that order, each in a fresh child with an empty
+inductor cache, the whole child under the set's ``sdpa_kernel``) it records the
+capture's seconds (whole and per bucket), the decode's ms per token at batch 1 and 8
+(median of ``DECODE_REPEATS`` requests of ``serving_hf.NEW_TOKENS`` tokens) and the
+greedy tokens; :func:`decode_summary` puts them side by side (capture seconds against
+the 20 s target, ms per token ``no_cudnn`` over ``default``, whether the tokens are
+equal). Writes ``$OUT/probe-serving_compiles-decode.json``.
 """
 
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -125,6 +137,109 @@ def by_backends() -> None:
             json.dump(record, f, indent=1)
 
 
+DECODE_SETS = ("default", "no_cudnn")
+DECODE_REPEATS = 5
+CAPTURE_TARGET_S = 20.0
+
+
+def decode_once(backends: str) -> dict:
+    """One child of ``--decode``: the benchmark's Llama and buckets, captured compiled
+    under the named backends, then timed per token at ``serving_hf.BATCHES``."""
+    model = serving_hf.build_model("llama")
+    out: dict = {"backends": backends, "ms_per_token": {}, "tokens": {}}
+    with torch.no_grad(), backends_scope(backends):
+        t0 = time.perf_counter()
+        gen = GraphedGenerator(
+            model,
+            serving_hf.BUCKETS,
+            max_cache_len=serving_hf.MAX_CACHE_LEN,
+            require_all_buckets=True,
+            compile_options=serving_hf.COMPILE_OPTIONS,
+        )
+        gen.capture()
+        out["capture_s"] = round(time.perf_counter() - t0, 3)
+        out["warmup_s"] = {
+            k: round(v["warmup"], 3) for k, v in gen.stats()["capture_seconds"].items()
+        }
+        for batch in serving_hf.BATCHES:
+            ids = serving_hf.prompts(batch)
+            times, tokens = [], None
+            for _ in range(DECODE_REPEATS + 1):  # the first request is thrown away
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                tokens = gen.generate(ids, max_new_tokens=serving_hf.NEW_TOKENS, eos_token_id=[])
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t) * 1e3 / serving_hf.NEW_TOKENS)
+            out["ms_per_token"][str(batch)] = round(statistics.median(times[1:]), 4)
+            out["tokens"][str(batch)] = tokens[:, ids.shape[1] :].tolist()
+        stats = gen.stats()
+        # The decode replayed (a graphed result that did not replay is not one).
+        out["replays"] = stats.get("replays")
+        out["eager_runs"] = stats.get("eager_runs")
+    gen.close()
+    return out
+
+
+def decode_summary(runs: dict[str, dict]) -> dict:
+    """``--decode``'s verdicts from its children's records (by set name): per set the
+    capture seconds and whether they meet ``CAPTURE_TARGET_S``; per batch ms per token
+    of ``no_cudnn`` over ``default`` and whether the greedy tokens are equal. A set
+    whose child failed (no ``capture_s``) gives ``None`` wherever it is needed."""
+    summary: dict = {
+        "capture_s": {},
+        "capture_le_20s": {},
+        "per_token_ratio": {},
+        "tokens_equal": {},
+    }
+    for name, run in runs.items():
+        seconds = run.get("capture_s")
+        summary["capture_s"][name] = seconds
+        summary["capture_le_20s"][name] = None if seconds is None else seconds <= CAPTURE_TARGET_S
+    base, other = runs.get("default", {}), runs.get("no_cudnn", {})
+    for batch in sorted(set(base.get("ms_per_token", {})) | set(other.get("ms_per_token", {}))):
+        a = base.get("ms_per_token", {}).get(batch)
+        b = other.get("ms_per_token", {}).get(batch)
+        summary["per_token_ratio"][batch] = round(b / a, 4) if a and b is not None else None
+        ta = base.get("tokens", {}).get(batch)
+        tb = other.get("tokens", {}).get(batch)
+        summary["tokens_equal"][batch] = None if ta is None or tb is None else ta == tb
+    return summary
+
+
+def by_decode() -> None:
+    """Each of ``DECODE_SETS`` in a fresh child with an empty inductor cache."""
+    record: dict = {
+        "probe": "serving_compiles_decode",
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+        "buckets": list(serving_hf.BUCKETS),
+        "new_tokens": serving_hf.NEW_TOKENS,
+        "runs": {},
+    }
+    for name in DECODE_SETS:
+        with tempfile.TemporaryDirectory(prefix="serving_compiles_") as cache_dir:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+            child = subprocess.run(
+                [sys.executable, __file__, "--decode-child", name],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=280,
+            )
+        lines = child.stdout.strip().splitlines()
+        run = json.loads(lines[-1]) if child.returncode == 0 and lines else {}
+        run["returncode"] = child.returncode
+        if child.returncode != 0:
+            run["stderr_tail"] = child.stderr[-2000:]
+        record["runs"][name] = run
+        print(name, json.dumps({k: v for k, v in run.items() if k != "tokens"})[:1500], flush=True)
+    record["summary"] = decode_summary(record["runs"])
+    print(json.dumps(record["summary"]), flush=True)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"]) / "probe-serving_compiles-decode.json", "w") as f:
+            json.dump(record, f, indent=1)
+
+
 def recompile_reasons(log: str) -> list[str]:
     """The failed guards of each recompile in a ``TORCH_LOGS=recompiles`` log: dynamo
     writes "triggered by the following guard failure(s):" and then one "- <frame>:
@@ -147,6 +262,12 @@ def main() -> None:
         return
     if sys.argv[1:2] == ["--backends"]:
         by_backends()
+        return
+    if sys.argv[1:2] == ["--decode-child"]:
+        print(json.dumps(decode_once(sys.argv[2])), flush=True)
+        return
+    if sys.argv[1:2] == ["--decode"]:
+        by_decode()
         return
     gen, seconds = captured()
     record = {

@@ -39,3 +39,30 @@ def test_recompile_reasons_are_the_failed_guards_of_each_recompile(probe):
         "0/1: ___check_type_id(n, 1)",
     ]
     assert probe.recompile_reasons("") == []
+
+
+def _run(capture_s, ms, tokens):
+    return {"capture_s": capture_s, "ms_per_token": ms, "tokens": tokens}
+
+
+def test_decode_summary_puts_the_two_sets_side_by_side(probe):
+    runs = {
+        "default": _run(49.2, {"1": 1.5, "8": 1.6}, {"1": [[5, 6]], "8": [[1], [2]]}),
+        "no_cudnn": _run(18.0, {"1": 1.2, "8": 2.0}, {"1": [[5, 6]], "8": [[1], [3]]}),
+    }
+    assert probe.decode_summary(runs) == {
+        "capture_s": {"default": 49.2, "no_cudnn": 18.0},
+        "capture_le_20s": {"default": False, "no_cudnn": True},
+        "per_token_ratio": {"1": 0.8, "8": 1.25},
+        "tokens_equal": {"1": True, "8": False},
+    }
+
+
+def test_decode_summary_says_none_where_a_child_failed(probe):
+    runs = {"default": _run(20.0, {"1": 1.5}, {"1": [[5]]}), "no_cudnn": {"returncode": 1}}
+    assert probe.decode_summary(runs) == {
+        "capture_s": {"default": 20.0, "no_cudnn": None},
+        "capture_le_20s": {"default": True, "no_cudnn": None},
+        "per_token_ratio": {"1": None},
+        "tokens_equal": {"1": None},
+    }
