@@ -100,6 +100,20 @@ def capture_once(backends: str = "default") -> dict:
     return out
 
 
+def run_child(
+    args: list[str], env: dict, timeout: float
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """This probe in a child process with ``args``; the finished process and the JSON
+    record its last output line holds (empty when it failed), with its return code."""
+    child = subprocess.run(
+        [sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    lines = child.stdout.strip().splitlines()
+    run = json.loads(lines[-1]) if child.returncode == 0 and lines else {}
+    run["returncode"] = child.returncode
+    return child, run
+
+
 def by_backends() -> None:
     """Each backend set in a child of its own, guards logged; one JSON record."""
     record: dict = {
@@ -112,16 +126,7 @@ def by_backends() -> None:
     }
     env = dict(os.environ, TORCH_LOGS="+dynamic,recompiles")
     for name in BACKEND_SETS:
-        child = subprocess.run(
-            [sys.executable, __file__, "--child", name],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        lines = child.stdout.strip().splitlines()
-        run = json.loads(lines[-1]) if child.returncode == 0 and lines else {}
-        run["returncode"] = child.returncode
+        child, run = run_child(["--child", name], env, timeout=240)
         run["guards_on_one"] = [
             line.strip()[-400:]
             for line in child.stderr.splitlines()
@@ -219,16 +224,7 @@ def by_decode() -> None:
     for name in DECODE_SETS:
         with tempfile.TemporaryDirectory(prefix="serving_compiles_") as cache_dir:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
-            child = subprocess.run(
-                [sys.executable, __file__, "--decode-child", name],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=280,
-            )
-        lines = child.stdout.strip().splitlines()
-        run = json.loads(lines[-1]) if child.returncode == 0 and lines else {}
-        run["returncode"] = child.returncode
+            child, run = run_child(["--decode-child", name], env, timeout=280)
         if child.returncode != 0:
             run["stderr_tail"] = child.stderr[-2000:]
         record["runs"][name] = run

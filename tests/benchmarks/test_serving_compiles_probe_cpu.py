@@ -66,3 +66,27 @@ def test_decode_summary_says_none_where_a_child_failed(probe):
         "per_token_ratio": {"1": None},
         "tokens_equal": {"1": None},
     }
+
+
+@pytest.mark.parametrize(
+    "code, out, want",
+    [
+        (0, 'log line\n{"capture_s": 3.5}\n', {"capture_s": 3.5, "returncode": 0}),
+        (1, '{"capture_s": 3.5}\n', {"returncode": 1}),  # a failed child's output is not read
+        (0, "", {"returncode": 0}),
+    ],
+)
+def test_a_child_record_is_its_last_output_line_when_it_succeeded(
+    probe, monkeypatch, code, out, want
+):
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen.update(cmd=cmd, **kwargs)
+        return probe.subprocess.CompletedProcess(cmd, code, stdout=out, stderr="")
+
+    monkeypatch.setattr(probe.subprocess, "run", fake_run)
+    child, run = probe.run_child(["--decode-child", "no_cudnn"], {"A": "1"}, timeout=9)
+    assert run == want and child.returncode == code
+    assert seen["cmd"][1:] == [probe.__file__, "--decode-child", "no_cudnn"]
+    assert (seen["env"], seen["timeout"]) == ({"A": "1"}, 9)
