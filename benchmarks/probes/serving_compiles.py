@@ -71,6 +71,18 @@ def backends_scope(name: str):
     return sdpa_kernel([getattr(SDPBackend, b) for b in chosen])
 
 
+def generator_backends(name: str) -> tuple:
+    """The named set as ``GraphedGenerator(sdpa_backends=...)`` takes it: a compiled
+    generator leaves cuDNN out by default, so ``default`` (torch's choice) is every
+    backend, cuDNN's included."""
+    from torch.nn.attention import SDPBackend
+
+    chosen = BACKEND_SETS[name]
+    if chosen is None:
+        chosen = (*BACKEND_SETS["no_cudnn"], "CUDNN_ATTENTION")
+    return tuple(getattr(SDPBackend, b) for b in chosen)
+
+
 def captured(backends: str = "default") -> tuple[GraphedGenerator, float]:
     """The benchmark's Llama cut to ``LAYERS`` layers, its compiled generator captured
     under the named SDPA backends, and the seconds that took."""
@@ -84,6 +96,7 @@ def captured(backends: str = "default") -> tuple[GraphedGenerator, float]:
             max_cache_len=serving_hf.MAX_CACHE_LEN,
             require_all_buckets=True,
             compile_options=serving_hf.COMPILE_OPTIONS,
+            sdpa_backends=generator_backends(backends),
         )
         gen.capture()
     return gen, time.perf_counter() - t0
@@ -160,6 +173,7 @@ def decode_once(backends: str) -> dict:
             max_cache_len=serving_hf.MAX_CACHE_LEN,
             require_all_buckets=True,
             compile_options=serving_hf.COMPILE_OPTIONS,
+            sdpa_backends=generator_backends(backends),
         )
         gen.capture()
         out["capture_s"] = round(time.perf_counter() - t0, 3)

@@ -264,6 +264,47 @@ def test_compiled_decode_steps_are_captured_and_keep_hfs_greedy_tokens_in_fp32()
     torch._dynamo.reset()
 
 
+def test_a_compiled_capture_compiles_once_for_every_bucket_without_cudnn_attention():
+    # The default sdpa_backends of a compiled capture (every backend but cuDNN's): one
+    # compile serves every bucket, the bucket of one row too, and no replayed kernel is
+    # cuDNN's. Under torch's own choice on the H200 the one-row bucket compiles again.
+    import torch._dynamo
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    model = build("llama", torch.bfloat16)
+    sizes = (1, 2, 4, 8)
+    gen = GraphedGenerator(
+        model,
+        sizes,
+        max_cache_len=MAX_CACHE_LEN,
+        require_all_buckets=True,
+        compile_options={"fullgraph": True},
+    )
+    gen.capture()
+    frames = {b.rows: t.compiled_frames for b, t in gen.runner.capture_times.items()}
+    assert frames[8] >= 1, frames
+    assert frames[4] == frames[2] == frames[1] == 0, frames
+    assert gen.stats()["sdpa_backends"] == ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+    # The prefill is eager (torch's choice, cuDNN on the H200): kept off cuDNN here so
+    # that a cuDNN kernel seen can only be a replayed one, whose kernels the capture fixed.
+    no_cudnn = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, sdpa_kernel(no_cudnn):
+        for batch in (1, 4):
+            ids, mask = prompts(batch, seed=batch)
+            gen.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels, "the profiler saw the replays' kernels"
+    assert not [k for k in kernels if "cudnn" in k.lower()], "a cuDNN kernel was replayed"
+    stats = gen.stats()
+    assert stats["eager_runs"] == {}
+    assert stats["replays"]["bucket(bs=1)"] > 0 and stats["replays"]["bucket(bs=4)"] > 0
+    gen.close()
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_sliding_window_models_keep_hfs_greedy_tokens_past_the_window(family):
     # A window of 8 under prompts of up to 12 and 24 new tokens: HF's static cache keeps

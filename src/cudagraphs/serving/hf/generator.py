@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend
 
 from ...checks import check_instance, check_int
 from ...compile_watch import check_compile_options
@@ -41,6 +42,7 @@ from ..buckets import Bucket, BucketConfig
 from ..graphs import BucketBackend
 from ..input_specs import InputSpec
 from ..runner import GraphRunner
+from .attention import check_sdpa_backends, sdpa_scope
 from .cache import LayerShape, SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
 from .experts import DecodeExperts, decode_experts
 from .per_token import EndFlag, decode_loop
@@ -99,11 +101,21 @@ class GraphedGenerator:
             Default ``None``: the model's own kernels, captured in about a second.
             Not the modes that record CUDA graphs of their own (``reduce-overhead``,
             ``max-autotune``).
+        sdpa_backends: the attention kernels the decode graphs may record: every
+            decode step through the runner's forward (warmups, compiles, captures, and
+            a step run eagerly) runs under
+            ``torch.nn.attention.sdpa_kernel(sdpa_backends)``; the prefill does not. Default ``None``: with ``compile_options``, every backend but
+            cuDNN's (:data:`~.attention.COMPILED_SDPA_BACKENDS`), which halves the
+            compiled capture (one compile serves every bucket, the one-row bucket too)
+            at 1.01x to 1.03x the time per token (:mod:`.attention` has the numbers);
+            without, torch's own choice. Pass every backend, cuDNN's included, for
+            torch's choice in a compiled capture.
 
     Raises:
         CudaGraphsTypeError: ``model`` not an ``nn.Module`` with a ``config``.
-        CudaGraphsValueError: bad ``batch_sizes``, ``max_cache_len`` or ratio, or
-            ``compile_options`` whose mode records CUDA graphs of its own.
+        CudaGraphsValueError: bad ``batch_sizes``, ``max_cache_len`` or ratio,
+            ``compile_options`` whose mode records CUDA graphs of its own, or
+            ``sdpa_backends`` empty or holding ``SDPBackend.ERROR``.
         UnsupportedModelError: an encoder-decoder or stateful model, a model HF does not
             mark as graph-safe (``_can_compile_fullgraph``), a cache with other layers
             than full attention and sliding windows (chunked or linear attention), or
@@ -121,6 +133,7 @@ class GraphedGenerator:
         pool: Any = None,
         capture_backend: BucketBackend | None = None,
         compile_options: Mapping[str, Any] | None = None,
+        sdpa_backends: Sequence[SDPBackend] | None = None,
     ) -> None:
         check_instance("model", model, nn.Module, "a transformers causal LM (nn.Module)")
         if getattr(model, "config", None) is None:
@@ -131,6 +144,7 @@ class GraphedGenerator:
         self.max_cache_len = check_int("max_cache_len", max_cache_len, minimum=2)
         check_supported(model)
         self.compile_options = check_compile_options("GraphedGenerator", compile_options)
+        self.sdpa_backends = check_sdpa_backends(sdpa_backends, compile_options is not None)
         self.model = model
         # Only the model is compiled: the decode step's own work (looking the bucket's
         # cache up, slicing the logits) stays outside the traced code, so one traced
@@ -257,7 +271,12 @@ class GraphedGenerator:
             # rows or more shares one compiled step (the cache's views are marked alike).
             for t in (input_ids, position_ids, attention_mask):
                 mark_dynamic(t, 0)
-        return self._decode_on(self._step_model, self.kv, input_ids, position_ids, attention_mask)
+        # Warmups, compiles and captures alike, and a decode step run eagerly: a
+        # compiled step must never meet a backend set other than its trace's.
+        with sdpa_scope(self.sdpa_backends):
+            return self._decode_on(
+                self._step_model, self.kv, input_ids, position_ids, attention_mask
+            )
 
     def _decode_on(
         self,
@@ -451,6 +470,8 @@ class GraphedGenerator:
         out["cache_bytes"] = 0 if self.kv is None else self.kv.nbytes
         decode = self._experts.decode
         out["decode_experts"] = None if decode is None else dict(decode)
+        backends = self.sdpa_backends
+        out["sdpa_backends"] = None if backends is None else [b.name for b in backends]
         return out
 
     def close(self) -> None:
