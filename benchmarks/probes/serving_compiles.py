@@ -160,11 +160,61 @@ DECODE_REPEATS = 5
 CAPTURE_TARGET_S = 20.0
 
 
+class OneLayer:
+    """One layer of a static cache as the attention's ``cache.update`` sees it: the
+    layer index is not read, so a region compiled once serves every layer (HF's
+    ``cache.layers[layer_idx]`` is a guard on the index: a compile per layer)."""
+
+    def __init__(self, layer) -> None:
+        self.layer = layer
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+
+class Region(torch.nn.Module):
+    """A decoder layer whose decode steps (one position) run ``compiled`` over it with
+    its own cache layer; a prefill runs the layer eagerly."""
+
+    def __init__(self, layer: torch.nn.Module, index: int, compiled) -> None:
+        super().__init__()
+        self.inner = layer
+        self.index = index
+        self._compiled = compiled
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if hidden_states.shape[1] != 1:
+            return self.inner(hidden_states, *args, **kwargs)
+        for key in ("cache", "past_key_values"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = OneLayer(kwargs[key].layers[self.index])
+        return self._compiled(self.inner, hidden_states, *args, **kwargs)
+
+
+def _call_layer(layer, *args, **kwargs):
+    return layer(*args, **kwargs)
+
+
+def regional(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every decoder layer a :class:`Region` of one compiled function."""
+    compiled = torch.compile(_call_layer, **serving_hf.COMPILE_OPTIONS)
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = Region(layers[i], i, compiled)
+    return model
+
+
 def decode_once(backends: str) -> dict:
     """One child of ``--decode``: the benchmark's Llama and buckets, captured compiled
-    under the named backends, then timed per token at ``serving_hf.BATCHES``."""
+    under the named backends, then timed per token at ``serving_hf.BATCHES``.
+    ``regional``: the model's kernels but each decoder layer's decode step compiled
+    as one region for all layers (:func:`regional`), without cuDNN attention."""
     model = serving_hf.build_model("llama")
     out: dict = {"backends": backends, "ms_per_token": {}, "tokens": {}}
+    per_layer = backends == "regional"
+    if per_layer:
+        backends = "no_cudnn"
+        regional(model)
     with torch.no_grad(), backends_scope(backends):
         t0 = time.perf_counter()
         gen = GraphedGenerator(
@@ -172,11 +222,14 @@ def decode_once(backends: str) -> dict:
             serving_hf.BUCKETS,
             max_cache_len=serving_hf.MAX_CACHE_LEN,
             require_all_buckets=True,
-            compile_options=serving_hf.COMPILE_OPTIONS,
+            compile_options=None if per_layer else serving_hf.COMPILE_OPTIONS,
             sdpa_backends=generator_backends(backends),
         )
         gen.capture()
         out["capture_s"] = round(time.perf_counter() - t0, 3)
+        from torch._dynamo.utils import counters
+
+        out["unique_graphs"] = counters["stats"]["unique_graphs"]
         out["warmup_s"] = {
             k: round(v["warmup"], 3) for k, v in gen.stats()["capture_seconds"].items()
         }
@@ -250,6 +303,44 @@ def by_decode() -> None:
             json.dump(record, f, indent=1)
 
 
+def by_regional() -> None:
+    """``regional`` then ``no_cudnn`` (the whole model compiled), each in a fresh child
+    with an empty inductor cache: what compiling one layer for all costs and saves."""
+    record: dict = {
+        "probe": "serving_compiles_regional",
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+        "buckets": list(serving_hf.BUCKETS),
+        "new_tokens": serving_hf.NEW_TOKENS,
+        "runs": {},
+    }
+    for name in ("regional", "no_cudnn"):
+        with tempfile.TemporaryDirectory(prefix="serving_compiles_") as cache_dir:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TORCH_LOGS="recompiles")
+            child, run = run_child(["--decode-child", name], env, timeout=200)
+        run["recompiles"] = recompile_reasons(child.stderr)[:20]
+        if child.returncode != 0:
+            run["stderr_tail"] = child.stderr[-2000:]
+        record["runs"][name] = run
+        print(name, json.dumps({k: v for k, v in run.items() if k != "tokens"})[:2500], flush=True)
+    a, b = record["runs"]["regional"], record["runs"]["no_cudnn"]
+    record["summary"] = {
+        "capture_s": {"regional": a.get("capture_s"), "no_cudnn": b.get("capture_s")},
+        "regional_per_token_ratio": {
+            k: round(v / b["ms_per_token"][k], 4)
+            for k, v in a.get("ms_per_token", {}).items()
+            if b.get("ms_per_token", {}).get(k)
+        },
+        "tokens_equal": {
+            k: v == b.get("tokens", {}).get(k) for k, v in a.get("tokens", {}).items()
+        },
+    }
+    print(json.dumps(record["summary"]), flush=True)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"]) / "probe-serving_compiles-regional.json", "w") as f:
+            json.dump(record, f, indent=1)
+
+
 def recompile_reasons(log: str) -> list[str]:
     """The failed guards of each recompile in a ``TORCH_LOGS=recompiles`` log: dynamo
     writes "triggered by the following guard failure(s):" and then one "- <frame>:
@@ -275,6 +366,9 @@ def main() -> None:
         return
     if sys.argv[1:2] == ["--decode-child"]:
         print(json.dumps(decode_once(sys.argv[2])), flush=True)
+        return
+    if sys.argv[1:2] == ["--regional"]:
+        by_regional()
         return
     if sys.argv[1:2] == ["--decode"]:
         by_decode()
