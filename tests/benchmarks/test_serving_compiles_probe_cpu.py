@@ -90,3 +90,58 @@ def test_a_child_record_is_its_last_output_line_when_it_succeeded(
     assert run == want and child.returncode == code
     assert seen["cmd"][1:] == [probe.__file__, "--decode-child", "no_cudnn"]
     assert (seen["env"], seen["timeout"]) == ({"A": "1"}, 9)
+
+
+def test_regional_layers_share_one_compile_and_keep_hfs_tokens(probe, monkeypatch):
+    # --regional's model: each decoder layer's decode step runs one compiled function
+    # with its own cache layer, so the layer index is never a guard. Compiles then
+    # follow the shapes (the buckets), not the layers; the prefill stays eager.
+    pytest.importorskip("transformers")
+    import torch
+    import torch._dynamo
+    import transformers
+    from torch._dynamo.utils import counters
+
+    from helpers.hf_generate import EOS, PAD, captured, hf_generate, prompts
+    from helpers.hf_models import CONFIGS
+
+    def four_layers():
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(
+            "llama", **{**CONFIGS["llama"], "num_hidden_layers": 4}
+        )
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(
+        probe.serving_hf, "COMPILE_OPTIONS", {"backend": backend, "fullgraph": True}
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model, ref = four_layers(), four_layers()
+        ref.load_state_dict(model.state_dict())
+        probe.regional(model)
+        assert all(isinstance(layer, probe.Region) for layer in model.model.layers)
+        gen = captured(model, (1, 2, 4))
+        after_capture = len(graphs)
+        # A compile per layer would be at least 4 per shape: the shapes' compiles alone
+        # (static, dynamic batch, one row, the mask's two forms) are fewer.
+        assert 1 <= after_capture <= 4, f"{after_capture} compiles for 4 layers"
+        for batch in (1, 3):
+            ids, mask = prompts(batch, seed=batch)
+            ours = gen.generate(ids, mask, max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)
+            assert torch.equal(
+                ours, hf_generate(ref, ids, mask, 6, eos_token_id=EOS, pad_token_id=PAD)
+            )
+        assert len(graphs) == after_capture, (
+            "requests (eager prefill, bucket shapes) compiled nothing"
+        )
+        assert gen.stats()["eager_runs"] == {}
+    finally:
+        torch._dynamo.reset()
