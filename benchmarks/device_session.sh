@@ -18,6 +18,8 @@
 #   sdpa_probe   probes/serving_compiles.py --backends: where the batch-of-one recompile comes from
 #   sdpa_decode  probes/serving_compiles.py --decode: the compiled capture of six buckets and
 #                ms per token with and without cuDNN attention, fresh inductor caches
+#   sdpa_regional probes/serving_compiles.py --regional: one decoder layer compiled for every
+#                layer, against the whole model compiled (fresh inductor caches, about 200 s)
 #   inductor     train_step.py launch_bound, compiled variants, without and then with
 #                INDUCTOR (default "triton.enable_pdl=True"), one machine: the node gaps
 # PRE_TESTS="tests/a.py tests/b.py" runs those GPU tests (-m cuda, at most PRE_LIMIT s,
@@ -111,6 +113,8 @@ sdpa_probe)
     OUT=$out bench "sdpa-probe" 560 benchmarks/probes/serving_compiles.py --backends ;;
 sdpa_decode)
     OUT=$out bench "sdpa-decode" 580 benchmarks/probes/serving_compiles.py --decode ;;
+sdpa_regional)
+    OUT=$out bench "sdpa-regional" 560 benchmarks/probes/serving_compiles.py --regional ;;
 *)
     echo "unknown phase $phase"; exit 2 ;;
 esac
