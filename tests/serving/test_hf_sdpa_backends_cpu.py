@@ -118,6 +118,13 @@ def test_every_backend_given_is_torchs_choice_in_a_compiled_capture(model, dynam
     assert set(gen.stats()["sdpa_backends"]) == {b.name for b in every}
 
 
+def test_the_default_set_is_exported_beside_the_generator():
+    import cudagraphs.serving.hf as hf
+
+    assert hf.COMPILED_SDPA_BACKENDS is COMPILED_SDPA_BACKENDS
+    assert SDPBackend.CUDNN_ATTENTION not in COMPILED_SDPA_BACKENDS
+
+
 def test_the_default_follows_the_compile_and_an_explicit_set_is_kept_in_order():
     assert check_sdpa_backends(None, compiled=True) == COMPILED_SDPA_BACKENDS
     assert check_sdpa_backends(None, compiled=False) is None

@@ -14,6 +14,7 @@ except ImportError as exc:  # pragma: no cover - the hf extra brings it
         "cudagraphs.serving.hf needs transformers. Fix: pip install 'cudagraphs[hf]'"
     ) from exc
 
+from .attention import COMPILED_SDPA_BACKENDS
 from .cache import LayerShape, SharedStaticCache
 from .generator import DEFAULT_GENERATE_BATCH_SIZES, GraphedGenerator
 from .requests import Request, check_request, positions_from_mask
@@ -21,6 +22,7 @@ from .sampling import Sampling, StopTokens, stop_tokens
 from .support import check_supported
 
 __all__ = [
+    "COMPILED_SDPA_BACKENDS",
     "DEFAULT_GENERATE_BATCH_SIZES",
     "GraphedGenerator",
     "LayerShape",

@@ -37,8 +37,8 @@ COMPILED_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
 
 
 def check_sdpa_backends(value: Any, compiled: bool) -> tuple[SDPBackend, ...] | None:
-    """The backends a generator's capture runs under: ``value`` checked, or for
-    ``None`` the default (:data:`COMPILED_SDPA_BACKENDS` when ``compiled``, else
+    """The backends a generator's capture runs under: ``value`` checked (a sequence of
+    members, or one member; repeats dropped, order kept), or for ``None`` the default (:data:`COMPILED_SDPA_BACKENDS` when ``compiled``, else
     ``None``: torch's own choice).
 
     Raises:
