@@ -140,6 +140,7 @@ def test_the_default_follows_the_compile_and_an_explicit_set_is_kept_in_order():
         ("MATH", CudaGraphsTypeError, "got str"),
         (3, CudaGraphsTypeError, "got int"),
         ([SDPBackend.MATH, "flash"], CudaGraphsTypeError, "[1] str"),
+        (["flash", SDPBackend.MATH, 2], CudaGraphsTypeError, "not: [0] str, [2] int:"),
         ((), CudaGraphsValueError, "is empty"),
         ([SDPBackend.ERROR], CudaGraphsValueError, "SDPBackend.ERROR"),
     ],
@@ -149,7 +150,9 @@ def test_what_is_no_set_of_backends_is_refused_by_name_with_the_fix(model, value
         GraphedGenerator(model, (1,), max_cache_len=16, sdpa_backends=value)
     message = str(info.value)
     assert "sdpa_backends" in message and said in message
-    assert "SDPBackend.FLASH_ATTENTION" in message  # the fix names what to pass
+    # The fix names what to pass.
+    assert "pass a sequence of torch.nn.attention.SDPBackend members, e.g. " in message
+    assert "(SDPBackend.FLASH_ATTENTION, SDPBackend.MATH), or None for the default" in message
     # The next good construction works.
     gen = GraphedGenerator(model, (1,), max_cache_len=16, sdpa_backends=[SDPBackend.MATH])
     assert gen.sdpa_backends == (SDPBackend.MATH,)
