@@ -87,6 +87,20 @@ def captured(model, sizes=(1, 2, 4, 8, 16, 32)):
     return gen
 
 
+def compiled(model, sizes):
+    """A generator of ``model`` through ``torch.compile(fullgraph=True)``, every bucket
+    captured."""
+    gen = GraphedGenerator(
+        model,
+        sizes,
+        max_cache_len=MAX_CACHE_LEN,
+        require_all_buckets=True,
+        compile_options={"fullgraph": True},
+    )
+    gen.capture()
+    return gen
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_tokens_equal_hf_static_cache_at_a_bucket_in_bf16(family, batch):
@@ -242,14 +256,7 @@ def test_compiled_decode_steps_are_captured_and_keep_hfs_greedy_tokens_in_fp32()
     torch.backends.cuda.matmul.allow_tf32 = False
     model = build("llama", torch.float32)
     sizes = (1, 2, 4, 8)
-    gen = GraphedGenerator(
-        model,
-        sizes,
-        max_cache_len=MAX_CACHE_LEN,
-        require_all_buckets=True,
-        compile_options={"fullgraph": True},
-    )
-    gen.capture()
+    gen = compiled(model, sizes)
     times = gen.stats()["capture_seconds"]
     assert set(times) == {f"bucket(bs={b})" for b in sizes}
     assert all(t["warmup_runs"] == 2 for t in times.values())  # each compiles its shape
@@ -273,16 +280,7 @@ def test_a_compiled_capture_compiles_once_for_every_bucket_without_cudnn_attenti
     from torch.profiler import ProfilerActivity, profile
 
     torch._dynamo.reset()
-    model = build("llama", torch.bfloat16)
-    sizes = (1, 2, 4, 8)
-    gen = GraphedGenerator(
-        model,
-        sizes,
-        max_cache_len=MAX_CACHE_LEN,
-        require_all_buckets=True,
-        compile_options={"fullgraph": True},
-    )
-    gen.capture()
+    gen = compiled(build("llama", torch.bfloat16), (1, 2, 4, 8))
     frames = {b.rows: t.compiled_frames for b, t in gen.runner.capture_times.items()}
     assert frames[8] >= 1, frames
     assert frames[4] == frames[2] == frames[1] == 0, frames

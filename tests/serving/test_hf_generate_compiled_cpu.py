@@ -26,15 +26,6 @@ def model():
     return tiny("llama").eval()
 
 
-@pytest.fixture
-def dynamo():
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    yield torch._dynamo
-    torch._dynamo.reset()
-
-
 class CountingBackend:
     """A dynamo backend that runs the traced graph as it is and records the shape of
     every graph input it was compiled for."""
@@ -47,7 +38,7 @@ class CountingBackend:
         return gm.forward
 
 
-def test_decode_steps_run_the_compiled_model_and_tokens_stay_hfs(model, dynamo):
+def test_decode_steps_run_the_compiled_model_and_tokens_stay_hfs(model, fresh_dynamo):
     backend = CountingBackend()
     gen = captured(model, (1, 2, 4), compile_options={"backend": backend, "fullgraph": True})
     compiled = len(backend.compiles)
@@ -67,7 +58,7 @@ def test_decode_steps_run_the_compiled_model_and_tokens_stay_hfs(model, dynamo):
     assert gen.stats()["eager_runs"] == {}
 
 
-def test_a_batch_above_every_bucket_decodes_with_the_eager_model(model, dynamo):
+def test_a_batch_above_every_bucket_decodes_with_the_eager_model(model, fresh_dynamo):
     backend = CountingBackend()
     gen = captured(model, (1, 2), compile_options={"backend": backend})
     compiled = len(backend.compiles)
@@ -137,7 +128,7 @@ def test_compiled_inside_gives_every_bucket_the_full_warmup():
         GraphRunner(forward, spec, config, device="cpu", compiled_inside=1)
 
 
-def test_one_compile_serves_every_bucket_a_bucket_of_one_row_too(model, dynamo):
+def test_one_compile_serves_every_bucket_a_bucket_of_one_row_too(model, fresh_dynamo):
     # The batch dimension is marked dynamic before the first compile (inputs and the
     # cache's views), and capture reasons about sizes without specializing 1, so the
     # largest bucket's compile serves 8, 4, 2 and 1. A decode step that traced its
@@ -153,7 +144,7 @@ def test_one_compile_serves_every_bucket_a_bucket_of_one_row_too(model, dynamo):
     assert len(backend.compiles) == 1
 
 
-def test_size_oblivious_reasoning_is_on_during_a_compiled_capture_only(model, dynamo):
+def test_size_oblivious_reasoning_is_on_during_a_compiled_capture_only(model, fresh_dynamo):
     import torch.fx.experimental._config as shapes_config
 
     seen = []
@@ -166,7 +157,9 @@ def test_size_oblivious_reasoning_is_on_during_a_compiled_capture_only(model, dy
     assert seen == [True] and shapes_config.backed_size_oblivious is False
 
 
-def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_reused(model, dynamo):
+def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_reused(
+    model, fresh_dynamo
+):
     backend = CountingBackend()
     gen = captured(model, (1, 2, 4, 8, 16), compile_options={"backend": backend, "fullgraph": True})
     times = gen.runner.capture_times
@@ -183,7 +176,7 @@ def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_re
 @pytest.mark.parametrize(
     "family, compiles", [("qwen3_moe", 1), ("mistral", 1), ("gpt2", 1), ("falcon", 2)]
 )
-def test_the_compiles_of_four_buckets_across_architectures(family, compiles, dynamo):
+def test_the_compiles_of_four_buckets_across_architectures(family, compiles, fresh_dynamo):
     # The batch dimension marked dynamic holds through each architecture's decode step
     # (a specialization of a marked dimension would be an error at compile, its bucket
     # dropped). Falcon's code still specializes one size: one compile more.
@@ -201,7 +194,7 @@ def test_the_compiles_of_four_buckets_across_architectures(family, compiles, dyn
     assert torch.equal(ours, hf_generate(net, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
 
 
-def test_a_largest_bucket_of_two_rows_compiles_dynamic_and_drops_nothing(model, dynamo):
+def test_a_largest_bucket_of_two_rows_compiles_dynamic_and_drops_nothing(model, fresh_dynamo):
     # Two rows is the smallest size a marked dimension may have: its cache views must
     # be marked as the inputs are, or dynamo finds the two sizes unequal constraints.
     backend = CountingBackend()
@@ -212,7 +205,7 @@ def test_a_largest_bucket_of_two_rows_compiles_dynamic_and_drops_nothing(model, 
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_only_a_compiled_capture_marks_shapes_and_turns_size_oblivious_reasoning_on(
-    model, dynamo, monkeypatch, compiled
+    model, fresh_dynamo, monkeypatch, compiled
 ):
     from contextlib import contextmanager
 

@@ -43,15 +43,6 @@ def model():
 
 
 @pytest.fixture
-def dynamo():
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture
 def seen(monkeypatch):
     """The backend flags of every decode step (the runner's forward) and of every
     prefill (the model called with more than one position), in order."""
@@ -70,7 +61,7 @@ def _eager_compile(gm, example_inputs):
     return gm.forward
 
 
-def test_a_compiled_capture_decodes_without_cudnn_attention_by_default(model, dynamo, seen):
+def test_a_compiled_capture_decodes_without_cudnn_attention_by_default(model, fresh_dynamo, seen):
     gen = captured(model, (1, 2), compile_options={"backend": _eager_compile})
     assert seen["decode"], "the capture's warmups ran decode steps"
     assert set(seen["decode"]) == {EVERY - {"CUDNN_ATTENTION"}}
@@ -111,7 +102,7 @@ def test_given_backends_hold_for_every_decode_step_and_never_for_the_prefill(mod
     assert _flags() == EVERY
 
 
-def test_every_backend_given_is_torchs_choice_in_a_compiled_capture(model, dynamo, seen):
+def test_every_backend_given_is_torchs_choice_in_a_compiled_capture(model, fresh_dynamo, seen):
     every = (*COMPILED_SDPA_BACKENDS, SDPBackend.CUDNN_ATTENTION)
     gen = captured(model, (1,), compile_options={"backend": _eager_compile}, sdpa_backends=every)
     assert set(seen["decode"]) == {EVERY}
