@@ -358,20 +358,14 @@ def recompile_reasons(log: str) -> list[str]:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--child"]:
-        print(json.dumps(capture_once(sys.argv[2])), flush=True)
+    children = {"--child": capture_once, "--decode-child": decode_once}
+    modes = {"--backends": by_backends, "--regional": by_regional, "--decode": by_decode}
+    flag = sys.argv[1] if len(sys.argv) > 1 else None
+    if flag in children:
+        print(json.dumps(children[flag](sys.argv[2])), flush=True)
         return
-    if sys.argv[1:2] == ["--backends"]:
-        by_backends()
-        return
-    if sys.argv[1:2] == ["--decode-child"]:
-        print(json.dumps(decode_once(sys.argv[2])), flush=True)
-        return
-    if sys.argv[1:2] == ["--regional"]:
-        by_regional()
-        return
-    if sys.argv[1:2] == ["--decode"]:
-        by_decode()
+    if flag in modes:
+        modes[flag]()
         return
     gen, seconds = captured()
     record = {

@@ -6,6 +6,8 @@ what is no set of backends."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend
 
 from helpers.hf_models import tiny
@@ -147,3 +149,46 @@ def test_what_is_no_set_of_backends_is_refused_by_name_with_the_fix(model, value
     # The next good construction works.
     gen = GraphedGenerator(model, (1,), max_cache_len=16, sdpa_backends=[SDPBackend.MATH])
     assert gen.sdpa_backends == (SDPBackend.MATH,)
+
+
+_MEMBERS = [
+    SDPBackend.ERROR,
+    SDPBackend.MATH,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.CUDNN_ATTENTION,
+]
+
+
+def _reference(value, compiled):
+    """What the check must answer, written plainly: the default, a typed refusal, or
+    the members in first-seen order."""
+    if value is None:
+        return COMPILED_SDPA_BACKENDS if compiled else None
+    items = [value] if isinstance(value, SDPBackend) else list(value)
+    if any(not isinstance(b, SDPBackend) for b in items):
+        return CudaGraphsTypeError
+    if not items or SDPBackend.ERROR in items:
+        return CudaGraphsValueError
+    out = []
+    for b in items:
+        if b not in out:
+            out.append(b)
+    return tuple(out)
+
+
+@given(
+    value=st.none()
+    | st.sampled_from(_MEMBERS)
+    | st.lists(st.sampled_from(_MEMBERS) | st.sampled_from(["MATH", 1, None]), max_size=6)
+    | st.lists(st.sampled_from(_MEMBERS), max_size=6).map(tuple),
+    compiled=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_check_answers_as_the_plain_reference(value, compiled):
+    want = _reference(value, compiled)
+    if isinstance(want, type) and issubclass(want, Exception):
+        with pytest.raises(want):
+            check_sdpa_backends(value, compiled)
+    else:
+        assert check_sdpa_backends(value, compiled) == want

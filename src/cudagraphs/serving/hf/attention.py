@@ -5,11 +5,13 @@ A compiled capture (``compile_options``) runs without cuDNN attention by default
 the H200 (torch 2.11, the serving benchmark's 16-layer Llama, six buckets, each run in
 a fresh process with an empty inductor cache) torch's own choice, cuDNN attention,
 costs two compiles: the largest bucket's and a second one for the bucket of one row,
-29.2 and 28.8 s of a 60 to 65 s capture. Without cuDNN one compile serves every
-bucket, the one-row bucket's warmup included (0.02 s): 33.9 s in all, at 1.01x (batch
-1) and 1.03x (batch 8) the milliseconds per token
-(``benchmarks/results/probe-serving_compiles_decode-nvidia-h200-1b5fb7f.json``;
-docs/serving-hf.md, "With inductor's kernels", has the probes that found it).
+about 30 s each of a 63 to 65 s capture. Without cuDNN one compile serves every
+bucket, the one-row bucket's warmup included (0.01 to 0.02 s): 33 to 34 s in all. The
+price is per token: 1% to 4% at batch 1, and 3% (probe) to 11% (kernel-busy time in
+the serving benchmark) at batch 8, where flash attention is slower than cuDNN's
+(``benchmarks/results/probe-serving_compiles_decode-nvidia-h200-1b5fb7f.json``,
+``serving_hf-nvidia-h200-08fca16-nocudnn1.json``; docs/serving-hf.md, "With
+inductor's kernels", has the table and the probes that found it).
 
 A capture with the model's own kernels keeps torch's choice: it compiles nothing, and
 cuDNN attention is the fastest kernel there.
@@ -17,8 +19,8 @@ cuDNN attention is the fastest kernel there.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -38,8 +40,9 @@ COMPILED_SDPA_BACKENDS: tuple[SDPBackend, ...] = (
 
 def check_sdpa_backends(value: Any, compiled: bool) -> tuple[SDPBackend, ...] | None:
     """The backends a generator's capture runs under: ``value`` checked (a sequence of
-    members, or one member; repeats dropped, order kept), or for ``None`` the default (:data:`COMPILED_SDPA_BACKENDS` when ``compiled``, else
-    ``None``: torch's own choice).
+    members, or one member; repeats dropped, order kept), or for ``None`` the default
+    (:data:`COMPILED_SDPA_BACKENDS` when ``compiled``, else ``None``: torch's own
+    choice).
 
     Raises:
         CudaGraphsTypeError: ``value`` not a sequence of ``torch.nn.attention.SDPBackend``.
@@ -75,8 +78,6 @@ def check_sdpa_backends(value: Any, compiled: bool) -> tuple[SDPBackend, ...] | 
     return tuple(dict.fromkeys(value))
 
 
-@contextmanager
-def sdpa_scope(backends: tuple[SDPBackend, ...] | None) -> Iterator[None]:
-    """Run the body under ``sdpa_kernel(backends)`` (``None``: torch's own choice)."""
-    with nullcontext() if backends is None else sdpa_kernel(list(backends)):
-        yield
+def sdpa_scope(backends: tuple[SDPBackend, ...] | None) -> AbstractContextManager[Any]:
+    """``sdpa_kernel(backends)``, or for ``None`` (torch's own choice) no context."""
+    return nullcontext() if backends is None else sdpa_kernel(list(backends))

@@ -104,12 +104,13 @@ class GraphedGenerator:
         sdpa_backends: the attention kernels the decode graphs may record: every
             decode step through the runner's forward (warmups, compiles, captures, and
             a step run eagerly) runs under
-            ``torch.nn.attention.sdpa_kernel(sdpa_backends)``; the prefill does not. Default ``None``: with ``compile_options``, every backend but
-            cuDNN's (:data:`~.attention.COMPILED_SDPA_BACKENDS`), which halves the
-            compiled capture (one compile serves every bucket, the one-row bucket too)
-            at 1.01x to 1.03x the time per token (:mod:`.attention` has the numbers);
-            without, torch's own choice. Pass every backend, cuDNN's included, for
-            torch's choice in a compiled capture.
+            ``torch.nn.attention.sdpa_kernel(sdpa_backends)``; the prefill does not.
+            Default ``None``: with ``compile_options``, every backend but cuDNN's
+            (:data:`~.attention.COMPILED_SDPA_BACKENDS`), which halves the compiled
+            capture (one compile serves every bucket, the one-row bucket too) at up to
+            4% more time per token at batch 1 and up to 11% at batch 8
+            (:mod:`.attention` has the numbers); without, torch's own choice. Pass
+            every backend, cuDNN's included, for torch's choice in a compiled capture.
 
     Raises:
         CudaGraphsTypeError: ``model`` not an ``nn.Module`` with a ``config``.
