@@ -192,6 +192,16 @@ class SharedStaticCache:
             cache = self._caches[rows] = self._bind(rows)
         return cache
 
+    def bind_rows(self, cache: Any, rows: int) -> None:
+        """Point every layer of ``cache`` (one of :meth:`cache_for`'s) at the leading
+        ``rows`` rows of the storage again. Called inside a compiled decode step whose
+        layers share one compiled body (:mod:`.regions`): there every layer's keys and
+        values become slices of one static tensor by the step's own batch size, so
+        dynamo gives all of them the batch's symbol, where views marked dynamic would
+        each bring a symbol of their own and no two layers would trace alike."""
+        for layer, keys, values in zip(cache.layers, self.keys, self.values):
+            layer.keys, layer.values = keys[:rows], values[:rows]
+
     def _bind(self, rows: int) -> Any:
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
