@@ -279,12 +279,16 @@ def test_compiled_decode_steps_are_captured_and_keep_hfs_greedy_tokens_in_fp32(r
     traces = InductorTraces()
     gen = compiled(model, sizes, compile_options={"backend": traces}, compile_regions=regions)
     bodies = traces.layer_bodies()
-    assert len(bodies) == 1, "one compile for every bucket"
-    if regions is None:
-        assert len(bodies[0]) == LLAMA["num_hidden_layers"] and len(set(bodies[0])) == 1
-        assert gen.stats()["compile_regions"] == LLAMA["num_hidden_layers"]
-    else:
-        assert bodies == [[]] and gen.stats()["compile_regions"] == 0
+    # One compile for the buckets of two rows or more; fp32 attention (no flash kernel)
+    # may compile the one-row bucket apart.
+    assert 1 <= len(bodies) <= 2, bodies
+    for calls in bodies:
+        if regions is None:
+            assert len(calls) == LLAMA["num_hidden_layers"] and len(set(calls)) == 1, calls
+        else:
+            assert calls == []
+    layers = LLAMA["num_hidden_layers"] if regions is None else 0
+    assert gen.stats()["compile_regions"] == layers
     times = gen.stats()["capture_seconds"]
     assert set(times) == {f"bucket(bs={b})" for b in sizes}
     assert all(t["warmup_runs"] == 2 for t in times.values())  # each compiles its shape

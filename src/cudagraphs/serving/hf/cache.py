@@ -199,8 +199,11 @@ class SharedStaticCache:
         values become slices of one static tensor by the step's own batch size, so
         dynamo gives all of them the batch's symbol, where views marked dynamic would
         each bring a symbol of their own and no two layers would trace alike."""
+        # narrow, not a slice: its length is ``rows`` itself, where a slice's is
+        # min(rows, max_rows), which torch 2.11 makes a data-dependent size under
+        # backed_size_oblivious, and the attention then cannot check it against the batch.
         for layer, keys, values in zip(cache.layers, self.keys, self.values):
-            layer.keys, layer.values = keys[:rows], values[:rows]
+            layer.keys, layer.values = keys.narrow(0, 0, rows), values.narrow(0, 0, rows)
 
     def _bind(self, rows: int) -> Any:
         from transformers import StaticCache
