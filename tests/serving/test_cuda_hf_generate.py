@@ -284,7 +284,9 @@ def test_compiled_decode_steps_are_captured_and_keep_hfs_greedy_tokens_in_fp32(r
     assert 1 <= len(bodies) <= 2, bodies
     for calls in bodies:
         if regions is None:
-            assert len(calls) == LLAMA["num_hidden_layers"] and len(set(calls)) == 1, calls
+            # Every layer calls a body, the layers after the first one body (the first
+            # may trace apart: its input is the embedding's output).
+            assert len(calls) == LLAMA["num_hidden_layers"] and len(set(calls[1:])) == 1, calls
         else:
             assert calls == []
     layers = LLAMA["num_hidden_layers"] if regions is None else 0

