@@ -18,8 +18,8 @@
 #   sdpa_probe   probes/serving_compiles.py --backends: where the batch-of-one recompile comes from
 #   sdpa_decode  probes/serving_compiles.py --decode: the compiled capture of six buckets and
 #                ms per token with and without cuDNN attention, fresh inductor caches
-#   sdpa_regional probes/serving_compiles.py --regional: one decoder layer compiled for every
-#                layer, against the whole model compiled (fresh inductor caches, about 200 s)
+#   sdpa_regional probes/serving_compiles.py --regional: the generator's layers sharing one
+#                compiled body against the whole model compiled (fresh inductor caches)
 #   inductor     train_step.py launch_bound, compiled variants, without and then with
 #                INDUCTOR (default "triton.enable_pdl=True"), one machine: the node gaps
 # PRE_TESTS="tests/a.py tests/b.py" runs those GPU tests (-m cuda, at most PRE_LIMIT s,

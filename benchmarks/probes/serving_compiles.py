@@ -29,6 +29,14 @@ capture's seconds (whole and per bucket), the decode's ms per token at batch 1 a
 greedy tokens; :func:`decode_summary` puts them side by side (capture seconds against
 the 20 s target, ms per token ``no_cudnn`` over ``default``, whether the tokens are
 equal). Writes ``$OUT/probe-serving_compiles-decode.json``.
+
+``--regional`` asks what ``GraphedGenerator(compile_regions=...)`` saves and costs at
+the same size: ``layers`` (its default, one compiled body for every decoder layer) and
+``whole`` (``compile_regions=False``), each in a fresh child with an empty inductor
+cache, both without cuDNN attention; the record keeps what ``--decode`` keeps and the
+layer bodies dynamo installed (``TORCH_LOGS=hierarchical_compile``), and
+:func:`regions_summary` sets them side by side. Writes
+``$OUT/probe-serving_compiles-regions.json``.
 """
 
 import json
@@ -160,61 +168,23 @@ DECODE_REPEATS = 5
 CAPTURE_TARGET_S = 20.0
 
 
-class OneLayer:
-    """One layer of a static cache as the attention's ``cache.update`` sees it: the
-    layer index is not read, so a region compiled once serves every layer (HF's
-    ``cache.layers[layer_idx]`` is a guard on the index: a compile per layer)."""
-
-    def __init__(self, layer) -> None:
-        self.layer = layer
-
-    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        return self.layer.update(key_states, value_states, *args, **kwargs)
-
-
-class Region(torch.nn.Module):
-    """A decoder layer whose decode steps (one position) run ``compiled`` over it with
-    its own cache layer; a prefill runs the layer eagerly."""
-
-    def __init__(self, layer: torch.nn.Module, index: int, compiled) -> None:
-        super().__init__()
-        self.inner = layer
-        self.index = index
-        self._compiled = compiled
-
-    def forward(self, hidden_states, *args, **kwargs):
-        if hidden_states.shape[1] != 1:
-            return self.inner(hidden_states, *args, **kwargs)
-        for key in ("cache", "past_key_values"):
-            if kwargs.get(key) is not None:
-                kwargs[key] = OneLayer(kwargs[key].layers[self.index])
-        return self._compiled(self.inner, hidden_states, *args, **kwargs)
-
-
-def _call_layer(layer, *args, **kwargs):
-    return layer(*args, **kwargs)
-
-
-def regional(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every decoder layer a :class:`Region` of one compiled function."""
-    compiled = torch.compile(_call_layer, **serving_hf.COMPILE_OPTIONS)
-    layers = model.model.layers
-    for i in range(len(layers)):
-        layers[i] = Region(layers[i], i, compiled)
-    return model
+#: --regional's children: the generator's decoder layers sharing one compiled body (its
+#: default) and the whole model compiled as one, both without cuDNN attention.
+REGION_SETS = {"layers": True, "whole": False}
+# dynamo's line for each compiled layer body it installs (TORCH_LOGS=hierarchical_compile)
+INSTALLED = re.compile(r"Installing subgraph with identifier")
 
 
 def decode_once(backends: str) -> dict:
     """One child of ``--decode``: the benchmark's Llama and buckets, captured compiled
     under the named backends, then timed per token at ``serving_hf.BATCHES``.
-    ``regional``: the model's kernels but each decoder layer's decode step compiled
-    as one region for all layers (:func:`regional`), without cuDNN attention."""
+    A name of :data:`REGION_SETS` captures without cuDNN attention with
+    ``compile_regions`` as that set says."""
     model = serving_hf.build_model("llama")
     out: dict = {"backends": backends, "ms_per_token": {}, "tokens": {}}
-    per_layer = backends == "regional"
-    if per_layer:
+    regions = REGION_SETS.get(backends)
+    if regions is not None:
         backends = "no_cudnn"
-        regional(model)
     with torch.no_grad(), backends_scope(backends):
         t0 = time.perf_counter()
         gen = GraphedGenerator(
@@ -222,8 +192,9 @@ def decode_once(backends: str) -> dict:
             serving_hf.BUCKETS,
             max_cache_len=serving_hf.MAX_CACHE_LEN,
             require_all_buckets=True,
-            compile_options=None if per_layer else serving_hf.COMPILE_OPTIONS,
+            compile_options=serving_hf.COMPILE_OPTIONS,
             sdpa_backends=generator_backends(backends),
+            compile_regions=regions,
         )
         gen.capture()
         out["capture_s"] = round(time.perf_counter() - t0, 3)
@@ -245,6 +216,7 @@ def decode_once(backends: str) -> dict:
             out["ms_per_token"][str(batch)] = round(statistics.median(times[1:]), 4)
             out["tokens"][str(batch)] = tokens[:, ids.shape[1] :].tolist()
         stats = gen.stats()
+        out["compile_regions"] = stats.get("compile_regions")
         # The decode replayed (a graphed result that did not replay is not one).
         out["replays"] = stats.get("replays")
         out["eager_runs"] = stats.get("eager_runs")
@@ -304,41 +276,54 @@ def by_decode() -> None:
 
 
 def by_regional() -> None:
-    """``regional`` then ``no_cudnn`` (the whole model compiled), each in a fresh child
-    with an empty inductor cache: what compiling one layer for all costs and saves."""
+    """Each of :data:`REGION_SETS` in a fresh child with an empty inductor cache: what
+    one compiled body for every decoder layer saves at capture and costs per token
+    against the whole model compiled as one."""
     record: dict = {
-        "probe": "serving_compiles_regional",
+        "probe": "serving_compiles_regions",
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
         "buckets": list(serving_hf.BUCKETS),
         "new_tokens": serving_hf.NEW_TOKENS,
         "runs": {},
     }
-    for name in ("regional", "no_cudnn"):
+    for name in REGION_SETS:
         with tempfile.TemporaryDirectory(prefix="serving_compiles_") as cache_dir:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TORCH_LOGS="recompiles")
+            logs = "recompiles,hierarchical_compile"
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TORCH_LOGS=logs)
             child, run = run_child(["--decode-child", name], env, timeout=200)
         run["recompiles"] = recompile_reasons(child.stderr)[:20]
+        run["layer_bodies_installed"] = len(INSTALLED.findall(child.stderr))
         if child.returncode != 0:
             run["stderr_tail"] = child.stderr[-2000:]
         record["runs"][name] = run
         print(name, json.dumps({k: v for k, v in run.items() if k != "tokens"})[:2500], flush=True)
-    a, b = record["runs"]["regional"], record["runs"]["no_cudnn"]
-    record["summary"] = {
-        "capture_s": {"regional": a.get("capture_s"), "no_cudnn": b.get("capture_s")},
-        "regional_per_token_ratio": {
-            k: round(v / b["ms_per_token"][k], 4)
-            for k, v in a.get("ms_per_token", {}).items()
-            if b.get("ms_per_token", {}).get(k)
-        },
-        "tokens_equal": {
-            k: v == b.get("tokens", {}).get(k) for k, v in a.get("tokens", {}).items()
-        },
-    }
+    record["summary"] = regions_summary(record["runs"])
     print(json.dumps(record["summary"]), flush=True)
     if os.environ.get("OUT"):
-        with open(Path(os.environ["OUT"]) / "probe-serving_compiles-regional.json", "w") as f:
+        with open(Path(os.environ["OUT"]) / "probe-serving_compiles-regions.json", "w") as f:
             json.dump(record, f, indent=1)
+
+
+def regions_summary(runs: dict[str, dict]) -> dict:
+    """``--regional``'s verdicts: each set's capture seconds against
+    ``CAPTURE_TARGET_S``, per batch ms per token of ``layers`` over ``whole``, and
+    whether their greedy tokens are equal (``None`` where a child failed)."""
+    a, b = runs.get("layers", {}), runs.get("whole", {})
+    summary: dict = {"capture_s": {}, "capture_le_20s": {}}
+    for name, run in runs.items():
+        seconds = run.get("capture_s")
+        summary["capture_s"][name] = seconds
+        summary["capture_le_20s"][name] = None if seconds is None else seconds <= CAPTURE_TARGET_S
+    times_a, times_b = a.get("ms_per_token", {}), b.get("ms_per_token", {})
+    summary["layers_per_token_ratio"] = {
+        k: round(v / times_b[k], 4) if times_b.get(k) else None for k, v in times_a.items()
+    }
+    summary["tokens_equal"] = {
+        k: v == b["tokens"][k] if k in b.get("tokens", {}) else None
+        for k, v in a.get("tokens", {}).items()
+    }
+    return summary
 
 
 def recompile_reasons(log: str) -> list[str]:

@@ -92,56 +92,42 @@ def test_a_child_record_is_its_last_output_line_when_it_succeeded(
     assert (seen["env"], seen["timeout"]) == ({"A": "1"}, 9)
 
 
-def test_regional_layers_share_one_compile_and_keep_hfs_tokens(probe, monkeypatch):
-    # --regional's model: each decoder layer's decode step runs one compiled function
-    # with its own cache layer, so the layer index is never a guard. Compiles then
-    # follow the shapes (the buckets), not the layers; the prefill stays eager.
-    pytest.importorskip("transformers")
-    import torch
-    import torch._dynamo
-    import transformers
-    from torch._dynamo.utils import counters
+def test_regions_summary_sets_the_two_children_side_by_side(probe):
+    runs = {
+        "layers": {
+            "capture_s": 12.5,
+            "ms_per_token": {"1": 1.1, "8": 2.0},
+            "tokens": {"1": [[1]], "8": [[2]]},
+        },
+        "whole": {
+            "capture_s": 33.0,
+            "ms_per_token": {"1": 1.0, "8": 2.0},
+            "tokens": {"1": [[1]], "8": [[3]]},
+        },
+    }
+    assert probe.regions_summary(runs) == {
+        "capture_s": {"layers": 12.5, "whole": 33.0},
+        "capture_le_20s": {"layers": True, "whole": False},
+        "layers_per_token_ratio": {"1": 1.1, "8": 1.0},
+        "tokens_equal": {"1": True, "8": False},
+    }
 
-    from helpers.hf_generate import EOS, PAD, captured, hf_generate, prompts
-    from helpers.hf_models import CONFIGS
 
-    def four_layers():
-        torch.manual_seed(0)
-        config = transformers.AutoConfig.for_model(
-            "llama", **{**CONFIGS["llama"], "num_hidden_layers": 4}
-        )
-        return transformers.AutoModelForCausalLM.from_config(config).eval()
+def test_regions_summary_says_none_where_a_child_failed(probe):
+    runs = {
+        "layers": {"capture_s": 12.5, "ms_per_token": {"1": 1.1}, "tokens": {"1": [[1]]}},
+        "whole": {"returncode": 1},
+    }
+    summary = probe.regions_summary(runs)
+    assert summary["capture_le_20s"] == {"layers": True, "whole": None}
+    assert summary["layers_per_token_ratio"] == {"1": None}
+    assert summary["tokens_equal"] == {"1": None}
 
-    graphs = []
 
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    monkeypatch.setattr(
-        probe.serving_hf, "COMPILE_OPTIONS", {"backend": backend, "fullgraph": True}
+def test_installed_bodies_are_counted_from_dynamos_log_lines(probe):
+    log = (
+        "V1203 [0/0] [__hierarchical_compile] _layer_forward: Installing subgraph with "
+        "identifier 'subgraph_0', bringing total count for '_layer_forward' function to 1\n"
+        "V1203 [0/0] [__hierarchical_compile] subgraph_reuse: not eligible\n"
     )
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        model, ref = four_layers(), four_layers()
-        ref.load_state_dict(model.state_dict())
-        probe.regional(model)
-        assert all(isinstance(layer, probe.Region) for layer in model.model.layers)
-        gen = captured(model, (1, 2, 4))
-        after_capture = len(graphs)
-        # A compile per layer would be at least 4 per shape: the shapes' compiles alone
-        # (static, dynamic batch, one row, the mask's two forms) are fewer.
-        assert 1 <= after_capture <= 4, f"{after_capture} compiles for 4 layers"
-        for batch in (1, 3):
-            ids, mask = prompts(batch, seed=batch)
-            ours = gen.generate(ids, mask, max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)
-            assert torch.equal(
-                ours, hf_generate(ref, ids, mask, 6, eos_token_id=EOS, pad_token_id=PAD)
-            )
-        assert len(graphs) == after_capture, (
-            "requests (eager prefill, bucket shapes) compiled nothing"
-        )
-        assert gen.stats()["eager_runs"] == {}
-    finally:
-        torch._dynamo.reset()
+    assert len(probe.INSTALLED.findall(log)) == 1

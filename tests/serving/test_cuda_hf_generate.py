@@ -87,7 +87,7 @@ def captured(model, sizes=(1, 2, 4, 8, 16, 32)):
     return gen
 
 
-def compiled(model, sizes):
+def compiled(model, sizes, **kwargs):
     """A generator of ``model`` through ``torch.compile(fullgraph=True)``, every bucket
     captured."""
     gen = GraphedGenerator(
@@ -95,7 +95,8 @@ def compiled(model, sizes):
         sizes,
         max_cache_len=MAX_CACHE_LEN,
         require_all_buckets=True,
-        compile_options={"fullgraph": True},
+        compile_options={"fullgraph": True, **kwargs.pop("compile_options", {})},
+        **kwargs,
     )
     gen.capture()
     return gen
@@ -245,18 +246,51 @@ def test_disabled_generator_decodes_eagerly_through_the_same_path(monkeypatch):
     assert stats["eager_runs"].get("disabled", 0) == ours.shape[1] - ids.shape[1] - 1
 
 
-def test_compiled_decode_steps_are_captured_and_keep_hfs_greedy_tokens_in_fp32():
+class InductorTraces:
+    """Inductor as the backend, keeping each graph dynamo hands it."""
+
+    def __init__(self) -> None:
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    def layer_bodies(self) -> list[list[str]]:
+        hop = torch.ops.higher_order.invoke_subgraph
+        return [[n.args[0].target for n in g.graph.nodes if n.target is hop] for g in self.graphs]
+
+
+@pytest.mark.parametrize("regions", [None, False], ids=["layer_regions", "whole_model"])
+def test_compiled_decode_steps_are_captured_and_keep_hfs_greedy_tokens_in_fp32(regions):
     # compile_options: inductor's fused kernels are what the bucket graphs record.
     # Fused kernels round differently from eager ones, so the comparison is in fp32 (no
     # TF32), at a bucket (4, 1) and on a padded one (3 on 4), against HF's eager
-    # static-cache generate.
+    # static-cache generate. By default the four decoder layers share one compiled
+    # body (the step's one graph calls it once per layer); False inlines them all.
     import torch._dynamo
 
     torch._dynamo.reset()
     torch.backends.cuda.matmul.allow_tf32 = False
     model = build("llama", torch.float32)
     sizes = (1, 2, 4, 8)
-    gen = compiled(model, sizes)
+    traces = InductorTraces()
+    gen = compiled(model, sizes, compile_options={"backend": traces}, compile_regions=regions)
+    bodies = traces.layer_bodies()
+    # One compile for the buckets of two rows or more; fp32 attention (no flash kernel)
+    # may compile the one-row bucket apart.
+    assert 1 <= len(bodies) <= 2, bodies
+    for calls in bodies:
+        if regions is None:
+            # Every layer calls a body, the layers after the first one body (the first
+            # may trace apart: its input is the embedding's output).
+            assert len(calls) == LLAMA["num_hidden_layers"] and len(set(calls[1:])) == 1, calls
+        else:
+            assert calls == []
+    layers = LLAMA["num_hidden_layers"] if regions is None else 0
+    assert gen.stats()["compile_regions"] == layers
     times = gen.stats()["capture_seconds"]
     assert set(times) == {f"bucket(bs={b})" for b in sizes}
     assert all(t["warmup_runs"] == 2 for t in times.values())  # each compiles its shape

@@ -192,6 +192,19 @@ class SharedStaticCache:
             cache = self._caches[rows] = self._bind(rows)
         return cache
 
+    def bind_rows(self, cache: Any, rows: int) -> None:
+        """Point every layer of ``cache`` (one of :meth:`cache_for`'s) at the leading
+        ``rows`` rows of the storage again. Called inside a compiled decode step whose
+        layers share one compiled body (:mod:`.regions`): there every layer's keys and
+        values become slices of one static tensor by the step's own batch size, so
+        dynamo gives all of them the batch's symbol, where views marked dynamic would
+        each bring a symbol of their own and no two layers would trace alike."""
+        # A view of ``rows`` rows with the storage's strides, not a slice or narrow:
+        # their length is min(rows, max_rows) or compared with max_rows, which torch
+        # 2.11 makes a data-dependent size (slice) or a constant (narrow, on CUDA).
+        for layer, keys, values in zip(cache.layers, self.keys, self.values):
+            layer.keys, layer.values = _leading_rows(keys, rows), _leading_rows(values, rows)
+
     def _bind(self, rows: int) -> Any:
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
@@ -219,6 +232,10 @@ class SharedStaticCache:
                 mark_dynamic(values, 0)
             _bind_layer(layer, keys, values, counter)
         return cache
+
+
+def _leading_rows(storage: torch.Tensor, rows: Any) -> torch.Tensor:
+    return storage.as_strided((rows, *storage.shape[1:]), storage.stride())
 
 
 def _bind_layer(

@@ -46,6 +46,7 @@ from .attention import check_sdpa_backends, sdpa_scope
 from .cache import LayerShape, SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
 from .experts import DecodeExperts, decode_experts
 from .per_token import EndFlag, decode_loop
+from .regions import check_compile_regions
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens, vocab_size_of
 from .support import WeightAddresses, check_supported
@@ -111,12 +112,19 @@ class GraphedGenerator:
             4% more time per token at batch 1 and up to 11% at batch 8
             (:mod:`.attention` has the numbers); without, torch's own choice. Pass
             every backend, cuDNN's included, for torch's choice in a compiled capture.
+        compile_regions: with ``compile_options``, compile one decoder layer's code for
+            every layer (torch's hierarchical compilation, :mod:`.regions`): the decode
+            step stays one graph of the whole model, and its layers share one compiled
+            body. Default ``None``: on when compiling a model that declares two or more
+            decoder layers (``_no_split_modules``); ``False``: the whole model
+            compiled as one, fusing across the layers' edges at a longer compile.
 
     Raises:
         CudaGraphsTypeError: ``model`` not an ``nn.Module`` with a ``config``.
         CudaGraphsValueError: bad ``batch_sizes``, ``max_cache_len`` or ratio,
             ``compile_options`` whose mode records CUDA graphs of its own, or
-            ``sdpa_backends`` empty or holding ``SDPBackend.ERROR``.
+            ``sdpa_backends`` empty or holding ``SDPBackend.ERROR``, or
+            ``compile_regions=True`` without ``compile_options`` or decoder layers.
         UnsupportedModelError: an encoder-decoder or stateful model, a model HF does not
             mark as graph-safe (``_can_compile_fullgraph``), a cache with other layers
             than full attention and sliding windows (chunked or linear attention), or
@@ -135,6 +143,7 @@ class GraphedGenerator:
         capture_backend: BucketBackend | None = None,
         compile_options: Mapping[str, Any] | None = None,
         sdpa_backends: Sequence[SDPBackend] | None = None,
+        compile_regions: bool | None = None,
     ) -> None:
         check_instance("model", model, nn.Module, "a transformers causal LM (nn.Module)")
         if getattr(model, "config", None) is None:
@@ -146,13 +155,15 @@ class GraphedGenerator:
         check_supported(model)
         self.compile_options = check_compile_options("GraphedGenerator", compile_options)
         self.sdpa_backends = check_sdpa_backends(sdpa_backends, compile_options is not None)
+        self._regions = check_compile_regions(compile_regions, model, compile_options is not None)
         self.model = model
         # Only the model is compiled: the decode step's own work (looking the bucket's
         # cache up, slicing the logits) stays outside the traced code, so one traced
         # forward serves every bucket, with the batch size as a dynamic dimension.
-        self._step_model: Callable[..., Any] = (
-            model if compile_options is None else torch.compile(model, **compile_options)
-        )
+        self._step_model: Callable[..., Any] = model
+        if compile_options is not None:
+            traced = model if self._regions is None else self._regional_forward
+            self._step_model = torch.compile(traced, **compile_options)
         self.layers = static_layer_check(model, self.max_cache_len)
         self.device = next(model.parameters()).device
         self._cache_keyword = cache_keyword(model)
@@ -223,7 +234,8 @@ class GraphedGenerator:
                 self.config.largest.rows,
                 self.max_cache_len,
                 self.device,
-                dynamic_rows=self.compile_options is not None,
+                # Regions bind the rows inside the step (SharedStaticCache.bind_rows).
+                dynamic_rows=self.compile_options is not None and self._regions is None,
             )
             logger.info(
                 "GraphedGenerator: static cache of %d layers x %d rows x %d positions: %.1f MiB",
@@ -273,11 +285,24 @@ class GraphedGenerator:
             for t in (input_ids, position_ids, attention_mask):
                 mark_dynamic(t, 0)
         # Warmups, compiles and captures alike, and a decode step run eagerly: a
-        # compiled step must never meet a backend set other than its trace's.
-        with sdpa_scope(self.sdpa_backends):
+        # compiled step must never meet a backend set other than its trace's, nor layers
+        # marked otherwise than in its trace.
+        regions = nullcontext() if self._regions is None else self._regions.marked()
+        with sdpa_scope(self.sdpa_backends), regions:
             return self._decode_on(
                 self._step_model, self.kv, input_ids, position_ids, attention_mask
             )
+
+    def _regional_forward(self, **kwargs: Any) -> Any:
+        # Traced: the cache layers sliced from the storage by this step's batch size,
+        # so every layer's region sees the same symbols and one body serves them all.
+        rows = kwargs["input_ids"].shape[0]
+        for name in ("position_ids", "attention_mask"):
+            # The inputs' batch dimensions, each marked dynamic, are one size: learnt
+            # here, before the first layer, that layer traces as the others do.
+            torch._check(kwargs[name].shape[0] == rows)
+        self.kv.bind_rows(kwargs[self._cache_keyword], rows)
+        return self.model(**kwargs)
 
     def _decode_on(
         self,
@@ -464,7 +489,9 @@ class GraphedGenerator:
         ``requests`` (per path), ``tokens`` (new tokens returned), ``cache_bytes``
         (the shared static cache) and ``decode_experts`` (the experts implementations
         decode steps run with where they differ from the model's, as
-        ``set_experts_implementation`` takes them; ``None``: as loaded)."""
+        ``set_experts_implementation`` takes them; ``None``: as loaded), ``sdpa_backends``
+        (the decode steps' attention backends by name; ``None``: torch's choice) and
+        ``compile_regions`` (the decoder layers sharing one compiled body; 0: none)."""
         out = self.runner.stats()
         out["requests"] = dict(self.requests)
         out["tokens"] = self.tokens
@@ -473,6 +500,7 @@ class GraphedGenerator:
         out["decode_experts"] = None if decode is None else dict(decode)
         backends = self.sdpa_backends
         out["sdpa_backends"] = None if backends is None else [b.name for b in backends]
+        out["compile_regions"] = 0 if self._regions is None else len(self._regions.layers)
         return out
 
     def close(self) -> None:

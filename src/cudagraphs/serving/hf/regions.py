@@ -1,0 +1,137 @@
+"""A compiled decode step that compiles one decoder layer for every layer.
+
+``torch.compile`` of a whole HF model lowers every decoder layer on its own: inductor's
+scheduling grows faster than the graph (on the CPU, 16 Llama layers took 47 s against
+23 s for 4). Torch's hierarchical compilation
+(:func:`torch.compiler.nested_compile_region`) traces a marked function once and stamps
+its compiled code out wherever the same trace recurs. Here each decoder layer's
+``forward`` is that marked function while a decode step runs, so the step is still one
+graph of the whole model (embedding, rotary tables, mask, final norm and head compiled
+with it) whose layers share one compiled body: their weights and cache tensors are the
+body's inputs, and HF's ``cache.layers[layer_idx]`` is resolved while tracing, so the
+index leaves no trace that differs between layers. Layers whose traces differ (a dense
+layer beside MoE ones, a sliding window beside full attention) compile once per kind.
+
+The price is fusion across a layer's edge: the residual add that ends one layer no
+longer fuses with the norm that starts the next.
+
+The decoder layers are the model's own declaration: the modules whose class
+``_no_split_modules`` names (the units ``accelerate`` never splits), outermost only.
+Their ``forward`` is replaced on the instance during a decode step through the
+generator's runner and put back after it, so the prefill, a request above every bucket
+and any use of the model outside the generator run its layers as they were; outside
+``torch.compile`` the mark does nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import CudaGraphsTypeError, CudaGraphsValueError
+
+__all__ = ["LayerRegions", "check_compile_regions", "decoder_layers"]
+
+
+def decoder_layers(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The model's decoder layers in module order: the modules whose class name the
+    model's ``_no_split_modules`` lists, the outermost only (a listed class inside a
+    listed layer is part of that layer). Empty when the model declares none."""
+    names = getattr(model, "_no_split_modules", None)
+    if not isinstance(names, (list, tuple, set, frozenset)):
+        return ()
+    names = {n for n in names if isinstance(n, str)}
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if type(module).__name__ in names:
+            found.append(module)
+            inside.update(id(m) for m in module.modules())
+    return tuple(found)
+
+
+def _layer_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # The class's forward (HF's checkpointing wrapper included): the instance attribute
+    # that routes here is not read again.
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+@dataclass
+class LayerRegions:
+    """Decoder layers whose ``forward`` is one nested compile region during
+    :meth:`marked`.
+
+    Attributes:
+        layers: the layers, in module order.
+        forwards: per layer, the callable set as its ``forward`` (made once: a compiled
+            step's guards see the same objects at every call).
+    """
+
+    layers: tuple[nn.Module, ...]
+    forwards: tuple[Callable[..., Any], ...]
+
+    @classmethod
+    def of(cls, layers: tuple[nn.Module, ...]) -> LayerRegions:
+        region = torch.compiler.nested_compile_region(_layer_forward)
+        return cls(layers, tuple(partial(region, layer) for layer in layers))
+
+    @contextmanager
+    def marked(self) -> Iterator[None]:
+        """Every layer's ``forward`` the shared region inside the block, and what the
+        instance held before (usually nothing: the class's) after it, an error
+        included."""
+        before = [layer.__dict__.get("forward") for layer in self.layers]
+        for layer, forward in zip(self.layers, self.forwards):
+            layer.forward = forward
+        try:
+            yield
+        finally:
+            for layer, old in zip(self.layers, before):
+                if old is None:
+                    del layer.forward
+                else:
+                    layer.forward = old
+
+
+def check_compile_regions(value: Any, model: nn.Module, compiled: bool) -> LayerRegions | None:
+    """The regions a generator's compiled decode steps use: for ``None`` (the default)
+    the model's decoder layers when ``compiled`` and it declares two or more, else none;
+    ``True`` requires them; ``False`` compiles the whole model as one.
+
+    Raises:
+        CudaGraphsTypeError: ``value`` not a bool or ``None``.
+        CudaGraphsValueError: ``True`` without ``compile_options``, or for a model that
+            declares no decoder layers.
+    """
+    if value is not None and not isinstance(value, bool):
+        raise CudaGraphsTypeError(
+            f"compile_regions must be True, False or None, got {type(value).__name__}: "
+            "pass None (the default: one compiled body for every decoder layer when "
+            "compiling) or False (the whole model compiled as one)"
+        )
+    if value is False or (value is None and not compiled):
+        return None
+    if not compiled:
+        raise CudaGraphsValueError(
+            "compile_regions=True without compile_options: there is nothing to compile. "
+            "Fix: pass compile_options (e.g. {'fullgraph': True}) or leave compile_regions "
+            "at None"
+        )
+    layers = decoder_layers(model)
+    if len(layers) < 2 and value is None:
+        return None
+    if not layers:
+        raise CudaGraphsValueError(
+            f"compile_regions=True, but {type(model).__name__} declares no decoder layers "
+            "(its _no_split_modules names no class among its modules). Fix: leave "
+            "compile_regions at None or pass False to compile the whole model as one"
+        )
+    return LayerRegions.of(layers)

@@ -1,0 +1,233 @@
+"""GraphedGenerator(compile_regions=...) on the CPU: a compiled decode step whose
+decoder layers are one nested compile region (one subgraph called once per layer in
+dynamo's trace), marked during decode steps only, the user's model left as it was, the
+tokens HF's; ``decoder_layers`` against a plain reference; typed errors."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from helpers.hf_models import tiny
+
+transformers = pytest.importorskip("transformers")
+
+from cudagraphs.errors import (  # noqa: E402
+    CudaGraphCaptureError,
+    CudaGraphsTypeError,
+    CudaGraphsValueError,
+)
+from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
+from cudagraphs.serving.hf.regions import LayerRegions, decoder_layers  # noqa: E402
+from helpers.hf_generate import (  # noqa: E402
+    EOS,
+    PAD,
+    L,
+    captured,
+    eager_backend,
+    hf_generate,
+    prompts,
+)
+
+NEW = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny("llama").eval()
+
+
+class Traces:
+    """A dynamo backend that keeps every graph it is given and runs it as traced."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def region_calls(self) -> list[list[str]]:
+        """Per graph, the subgraph each invoke_subgraph call runs, in order."""
+        hop = torch.ops.higher_order.invoke_subgraph
+        return [[n.args[0].target for n in gm.graph.nodes if n.target is hop] for gm in self.graphs]
+
+
+def _instance_forwards(model) -> list[bool]:
+    return ["forward" in layer.__dict__ for layer in model.model.layers]
+
+
+@pytest.fixture
+def marks(monkeypatch):
+    """Whether each decoder layer's forward was replaced, seen at every decode step
+    (the runner's forward) and at every prefill (the model called on a prompt)."""
+    record = {"decode": [], "prefill": []}
+    decode_on = GraphedGenerator._decode_on
+    generate = GraphedGenerator._generate
+
+    def spy_decode(self, model, kv, input_ids, position_ids, attention_mask):
+        record["decode"].append(_instance_forwards(self.model))
+        return decode_on(self, model, kv, input_ids, position_ids, attention_mask)
+
+    def spy_generate(self, request, *args):
+        hook = self.model.model.layers[0].register_forward_pre_hook(
+            lambda m, a: (
+                record["prefill"].append(_instance_forwards(self.model))
+                if a and a[0].shape[1] > 1
+                else None
+            )
+        )
+        try:
+            return generate(self, request, *args)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(GraphedGenerator, "_decode_on", spy_decode)
+    monkeypatch.setattr(GraphedGenerator, "_generate", spy_generate)
+    return record
+
+
+def test_a_compiled_decode_step_calls_one_region_once_per_layer(model, fresh_dynamo, marks):
+    traces = Traces()
+    gen = captured(model, (1, 2), compile_options={"backend": traces})
+    calls = traces.region_calls()
+    assert calls, "the capture compiled its decode step"
+    # The compile of two rows or more: one body for every layer. Any other compile
+    # (torch 2.11 compiles one row apart on the CPU): the layers after the first share
+    # one (the first may trace apart: its input is the embedding's output).
+    assert len(set(calls[0])) == 1, f"one compiled body for every layer: {calls[0]}"
+    for graph_calls in calls:
+        assert len(graph_calls) == len(model.model.layers)
+        assert len(set(graph_calls[1:])) == 1, graph_calls
+    assert gen.stats()["compile_regions"] == len(model.model.layers)
+    assert marks["decode"] and all(all(m) for m in marks["decode"])
+    ids, mask = prompts(2, seed=3)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
+    assert marks["prefill"] and not any(any(m) for m in marks["prefill"]), (
+        "the prefill runs the layers as they were"
+    )
+    assert not any(_instance_forwards(model)), "the user's model is left as it was"
+    assert sum(gen.stats()["replays"].values()) > 0
+
+
+def test_compile_regions_false_compiles_the_whole_model_as_one(model, fresh_dynamo, marks):
+    traces = Traces()
+    gen = captured(model, (1, 2), compile_options={"backend": traces}, compile_regions=False)
+    assert traces.graphs and all(calls == [] for calls in traces.region_calls())
+    assert gen.stats()["compile_regions"] == 0
+    assert not any(any(m) for m in marks["decode"])
+
+
+def test_the_models_own_kernels_mark_nothing(model, marks):
+    gen = captured(model, (1, 2))
+    assert gen.stats()["compile_regions"] == 0
+    assert marks["decode"] and not any(any(m) for m in marks["decode"])
+
+
+def test_an_instance_forward_of_the_users_is_put_back(model):
+    layer = model.model.layers[0]
+    own = layer.forward  # a bound method, set on the instance as a user might
+    layer.forward = own
+    try:
+        regions = LayerRegions.of(tuple(model.model.layers))
+        with pytest.raises(RuntimeError, match="inside"), regions.marked():
+            assert layer.forward is regions.forwards[0]
+            raise RuntimeError("an error inside the decode step")
+        assert layer.__dict__["forward"] is own
+        assert "forward" not in model.model.layers[1].__dict__
+    finally:
+        del layer.forward
+
+
+def test_a_failed_decode_step_leaves_the_layers_unmarked_and_the_next_capture_works(
+    model, fresh_dynamo, monkeypatch
+):
+    gen = GraphedGenerator(
+        model,
+        (1, 2),
+        max_cache_len=L,
+        capture_backend=eager_backend,
+        require_all_buckets=True,
+        compile_options={"backend": Traces()},
+    )
+    decode_on = GraphedGenerator._decode_on
+    calls = {"n": 0}
+
+    def fails_once(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            assert all(_instance_forwards(model)), "marked inside the step"
+            raise RuntimeError("boom in the first decode step")
+        return decode_on(self, *args)
+
+    monkeypatch.setattr(GraphedGenerator, "_decode_on", fails_once)
+    with pytest.raises(CudaGraphCaptureError) as failed:
+        gen.capture(progress=False)
+    assert "boom in the first decode step" in str(failed.value) + str(failed.value.__cause__)
+    assert not any(_instance_forwards(model)), "put back after the error"
+    gen.close()
+    gen.capture(progress=False)
+    ids, mask = prompts(1, seed=4)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
+    assert sum(gen.stats()["replays"].values()) > 0
+
+
+@pytest.mark.parametrize("value", ["layers", 1, 0.5])
+def test_a_value_that_is_no_bool_is_refused_by_name(model, value):
+    with pytest.raises(CudaGraphsTypeError, match=r"compile_regions must be True, False or None"):
+        GraphedGenerator(model, (1,), max_cache_len=L, compile_options={}, compile_regions=value)
+    GraphedGenerator(model, (1,), max_cache_len=L, compile_options={})  # the next good one
+
+
+def test_true_without_compile_options_is_refused_with_the_fix(model):
+    with pytest.raises(CudaGraphsValueError, match=r"without compile_options.*Fix: pass"):
+        GraphedGenerator(model, (1,), max_cache_len=L, compile_regions=True)
+
+
+def test_true_for_a_model_declaring_no_layers_is_refused_with_the_fix(model, monkeypatch):
+    monkeypatch.setattr(model, "_no_split_modules", [], raising=False)
+    with pytest.raises(CudaGraphsValueError, match=r"declares no decoder layers.*Fix: leave"):
+        GraphedGenerator(model, (1,), max_cache_len=L, compile_options={}, compile_regions=True)
+    gen = GraphedGenerator(model, (1,), max_cache_len=L, compile_options={})
+    assert gen.stats()["compile_regions"] == 0, "None: the whole model when none is declared"
+
+
+# ---- decoder_layers against a plain reference ------------------------------------------
+KINDS = ("Block", "Attention", "Mlp", "Other")
+_CLASSES = {k: type(k, (nn.Module,), {}) for k in KINDS}
+
+
+def _tree(draw_spec) -> nn.Module:
+    kind, children = draw_spec
+    module = _CLASSES[kind]()
+    for i, child in enumerate(children):
+        module.add_module(f"c{i}", _tree(child))
+    return module
+
+
+_specs = st.recursive(
+    st.tuples(st.sampled_from(KINDS), st.just(())),
+    lambda inner: st.tuples(st.sampled_from(KINDS), st.lists(inner, max_size=3).map(tuple)),
+    max_leaves=12,
+)
+
+
+def _reference(module: nn.Module, names: set[str]) -> list[nn.Module]:
+    if type(module).__name__ in names:
+        return [module]
+    return [m for child in module.children() for m in _reference(child, names)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(spec=_specs, names=st.sets(st.sampled_from(KINDS + ("Absent",))))
+def test_decoder_layers_are_the_outermost_declared_modules_in_order(spec, names):
+    root = _tree(spec)
+    root._no_split_modules = sorted(names)
+    assert list(decoder_layers(root)) == _reference(root, names)
+
+
+def test_a_model_without_the_declaration_has_no_decoder_layers():
+    assert decoder_layers(nn.Sequential(nn.Linear(2, 2))) == ()
