@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from helpers.hf_models import tiny
+from helpers.hf_models import CONFIGS, tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -231,3 +231,37 @@ def test_decoder_layers_are_the_outermost_declared_modules_in_order(spec, names)
 
 def test_a_model_without_the_declaration_has_no_decoder_layers():
     assert decoder_layers(nn.Sequential(nn.Linear(2, 2))) == ()
+
+
+class InductorTraces(Traces):
+    """Inductor as the backend (its lowering is where the storage's size would be
+    compared with the batch), keeping each graph dynamo hands it."""
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+
+def test_an_inductor_capture_keeps_the_batch_dynamic_and_one_body_for_every_layer(fresh_dynamo):
+    # The largest bucket's rows are not all of the storage (a spare row): were they,
+    # functionalization's write-back would compare the view with the storage and
+    # specialize the batch to the largest bucket, failing the capture.
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "llama", **{**CONFIGS["llama"], "num_hidden_layers": 3}
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    traces = InductorTraces()
+    gen = captured(model, (2, 4), compile_options={"backend": traces}, require_all_buckets=True)
+    assert len(traces.graphs) == 1, "one compile for both buckets"
+    (calls,) = traces.region_calls()
+    assert len(calls) == 3 and len(set(calls)) == 1, calls
+    for batch in (4, 3, 2):
+        ids, mask = prompts(batch, seed=batch)
+        ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+        want = hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(ours, want), batch
+    assert gen.stats()["eager_runs"] == {}
+    assert gen.stats()["replays"]["bucket(bs=4)"] > 0

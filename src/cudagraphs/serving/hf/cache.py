@@ -139,6 +139,11 @@ class SharedStaticCache:
         dynamic_rows: mark the row dimension of every view of two rows or more as
             dynamic for ``torch.compile`` (:func:`~cudagraphs.torch_private.mark_dynamic`),
             so that a compiled decode step compiles once for all of them.
+        spare_row: allocate one row more than ``max_rows`` (counted in :attr:`nbytes`,
+            never handed out), so that no view :meth:`bind_rows` makes is the whole
+            storage: at the largest bucket a whole-storage view would let the
+            compiled write-back compare the batch with the storage's rows and
+            specialize it to the largest bucket (torch 2.11 and 2.13 alike).
     """
 
     def __init__(
@@ -149,18 +154,20 @@ class SharedStaticCache:
         max_cache_len: int,
         device: torch.device,
         dynamic_rows: bool = False,
+        spare_row: bool = False,
     ) -> None:
         if not shapes:
             raise CudaGraphsValueError("a shared static cache needs at least one layer")
         self.config = model.config
         self.max_rows = max_rows
         self.max_cache_len = max_cache_len
+        rows = max_rows + spare_row
         self.keys = [
-            torch.zeros(max_rows, s.heads, max_cache_len, s.key_dim, dtype=s.dtype, device=device)
+            torch.zeros(rows, s.heads, max_cache_len, s.key_dim, dtype=s.dtype, device=device)
             for s in shapes
         ]
         self.values = [
-            torch.zeros(max_rows, s.heads, max_cache_len, s.value_dim, dtype=s.dtype, device=device)
+            torch.zeros(rows, s.heads, max_cache_len, s.value_dim, dtype=s.dtype, device=device)
             for s in shapes
         ]
         self.counters = [torch.zeros((), dtype=torch.long, device=device) for _ in shapes]
@@ -199,9 +206,9 @@ class SharedStaticCache:
         values become slices of one static tensor by the step's own batch size, so
         dynamo gives all of them the batch's symbol, where views marked dynamic would
         each bring a symbol of their own and no two layers would trace alike."""
-        # A view of ``rows`` rows with the storage's strides, not a slice or narrow:
-        # their length is min(rows, max_rows) or compared with max_rows, which torch
-        # 2.11 makes a data-dependent size (slice) or a constant (narrow, on CUDA).
+        # A view of ``rows`` rows with the storage's strides: a slice's length,
+        # min(rows, storage rows), is a data-dependent size on torch 2.11. The storage
+        # has a spare row (spare_row) so that no view here is all of it.
         for layer, keys, values in zip(cache.layers, self.keys, self.values):
             layer.keys, layer.values = _leading_rows(keys, rows), _leading_rows(values, rows)
 

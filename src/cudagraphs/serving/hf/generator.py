@@ -118,6 +118,8 @@ class GraphedGenerator:
             body. Default ``None``: on when compiling a model that declares two or more
             decoder layers (``_no_split_modules``); ``False``: the whole model
             compiled as one, fusing across the layers' edges at a longer compile.
+            With regions the shared cache holds one spare row
+            (:class:`~.cache.SharedStaticCache`, ``spare_row``).
 
     Raises:
         CudaGraphsTypeError: ``model`` not an ``nn.Module`` with a ``config``.
@@ -236,6 +238,7 @@ class GraphedGenerator:
                 self.device,
                 # Regions bind the rows inside the step (SharedStaticCache.bind_rows).
                 dynamic_rows=self.compile_options is not None and self._regions is None,
+                spare_row=self._regions is not None,
             )
             logger.info(
                 "GraphedGenerator: static cache of %d layers x %d rows x %d positions: %.1f MiB",

@@ -12,6 +12,11 @@ body's inputs, and HF's ``cache.layers[layer_idx]`` is resolved while tracing, s
 index leaves no trace that differs between layers. Layers whose traces differ (a dense
 layer beside MoE ones, a sliding window beside full attention) compile once per kind.
 
+For that the generator's compiled step views the cache storage's leading rows itself
+(:meth:`~.cache.SharedStaticCache.bind_rows`), so every layer's cache tensors carry the
+batch's own size symbol, and the storage keeps a spare row, so that no view is all of
+it (a whole-storage view lets the compiled write-back specialize the batch).
+
 The price is fusion across a layer's edge: the residual add that ends one layer no
 longer fuses with the norm that starts the next.
 
