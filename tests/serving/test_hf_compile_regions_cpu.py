@@ -19,7 +19,11 @@ from cudagraphs.errors import (  # noqa: E402
     CudaGraphsValueError,
 )
 from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
-from cudagraphs.serving.hf.regions import LayerRegions, decoder_layers  # noqa: E402
+from cudagraphs.serving.hf.regions import (  # noqa: E402
+    LayerRegions,
+    biased_projections,
+    decoder_layers,
+)
 from helpers.hf_generate import (  # noqa: E402
     EOS,
     PAD,
@@ -265,3 +269,46 @@ def test_an_inductor_capture_keeps_the_batch_dynamic_and_one_body_for_every_laye
         assert torch.equal(ours, want), batch
     assert gen.stats()["eager_runs"] == {}
     assert gen.stats()["replays"]["bucket(bs=4)"] > 0
+
+
+def _biased_llama():
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "llama", **{**CONFIGS["llama"], "attention_bias": True}
+    )
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_biased_projections_are_named_within_the_layer():
+    layer = _biased_llama().model.layers[0]
+    assert biased_projections(layer) == [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+    ]
+    assert biased_projections(tiny("llama").model.layers[0]) == []
+    assert biased_projections(nn.LayerNorm(4)) == [], "a norm's weight is 1-D"
+
+
+def test_a_model_with_biased_projections_compiles_whole_by_default(fresh_dynamo, caplog):
+    model = _biased_llama()
+    traces = InductorTraces()
+    with caplog.at_level("INFO", logger="cudagraphs.serving.hf.regions"):
+        gen = captured(model, (2, 4), compile_options={"backend": traces}, require_all_buckets=True)
+    assert "biased projections (self_attn.q_proj" in caplog.text
+    assert gen.stats()["compile_regions"] == 0
+    assert traces.region_calls() == [[]]
+    ids, mask = prompts(3, seed=3)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
+    assert gen.stats()["replays"]["bucket(bs=4)"] > 0
+
+
+def test_true_for_biased_projections_is_refused_naming_them():
+    model = _biased_llama()
+    with pytest.raises(
+        CudaGraphsValueError, match=r"biased projections \(self_attn\.q_proj.*Fix: leave"
+    ):
+        GraphedGenerator(model, (1,), max_cache_len=L, compile_options={}, compile_regions=True)
+    GraphedGenerator(model, (1,), max_cache_len=L, compile_options={}, compile_regions=False)

@@ -30,6 +30,7 @@ and any use of the model outside the generator run its layers as they were; outs
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +42,14 @@ from torch import nn
 
 from ...errors import CudaGraphsTypeError, CudaGraphsValueError
 
-__all__ = ["LayerRegions", "check_compile_regions", "decoder_layers"]
+__all__ = [
+    "LayerRegions",
+    "biased_projections",
+    "check_compile_regions",
+    "decoder_layers",
+]
+
+logger = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> tuple[nn.Module, ...]:
@@ -106,15 +114,38 @@ class LayerRegions:
                     layer.forward = old
 
 
+def biased_projections(layer: nn.Module) -> list[str]:
+    """The modules of ``layer`` (names within it) that hold a 2-D weight and a bias: the
+    projections whose ``linear`` torch specializes the batch of inside a nested compile
+    region."""
+    found = []
+    for name, module in layer.named_modules():
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        if (
+            isinstance(weight, torch.Tensor)
+            and weight.dim() == 2
+            and isinstance(bias, torch.Tensor)
+        ):
+            found.append(name)
+    return found
+
+
 def check_compile_regions(value: Any, model: nn.Module, compiled: bool) -> LayerRegions | None:
     """The regions a generator's compiled decode steps use: for ``None`` (the default)
-    the model's decoder layers when ``compiled`` and it declares two or more, else none;
-    ``True`` requires them; ``False`` compiles the whole model as one.
+    the model's decoder layers when ``compiled``, it declares two or more, and none of
+    them holds a biased projection, else none; ``True`` requires them; ``False``
+    compiles the whole model as one.
+
+    A biased projection is refused because inside a nested compile region its
+    ``linear`` (the 3-D input's bias fold) asks the batch size as a plain int while the
+    region is functionalized, which specializes the batch to the first bucket's and
+    fails the capture (torch 2.11 and 2.13; HF Llama with ``attention_bias`` or
+    ``mlp_bias``, Qwen2's biased q/k/v projections).
 
     Raises:
         CudaGraphsTypeError: ``value`` not a bool or ``None``.
-        CudaGraphsValueError: ``True`` without ``compile_options``, or for a model that
-            declares no decoder layers.
+        CudaGraphsValueError: ``True`` without ``compile_options``, for a model that
+            declares no decoder layers, or for one whose layers hold biased projections.
     """
     if value is not None and not isinstance(value, bool):
         raise CudaGraphsTypeError(
@@ -138,5 +169,23 @@ def check_compile_regions(value: Any, model: nn.Module, compiled: bool) -> Layer
             f"compile_regions=True, but {type(model).__name__} declares no decoder layers "
             "(its _no_split_modules names no class among its modules). Fix: leave "
             "compile_regions at None or pass False to compile the whole model as one"
+        )
+    biased = biased_projections(layers[0])
+    if biased and value is None:
+        logger.info(
+            "GraphedGenerator: %s's decoder layers hold biased projections (%s); their "
+            "batch would be specialized inside a nested compile region, so the whole "
+            "model compiles as one",
+            type(model).__name__,
+            ", ".join(biased),
+        )
+        return None
+    if biased:
+        raise CudaGraphsValueError(
+            f"compile_regions=True, but {type(model).__name__}'s decoder layers hold "
+            f"biased projections ({', '.join(biased)}): inside a nested compile region "
+            "torch specializes their batch to the first bucket's and the capture fails. "
+            "Fix: leave compile_regions at None or pass False to compile the whole model "
+            "as one"
         )
     return LayerRegions.of(layers)
