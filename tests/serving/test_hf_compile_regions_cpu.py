@@ -155,6 +155,7 @@ def test_a_failed_decode_step_leaves_the_layers_unmarked_and_the_next_capture_wo
         capture_backend=eager_backend,
         require_all_buckets=True,
         compile_options={"backend": Traces()},
+        compile_regions=True,  # None would compile the whole model after the error
     )
     decode_on = GraphedGenerator._decode_on
     calls = {"n": 0}
@@ -312,3 +313,49 @@ def test_true_for_biased_projections_is_refused_naming_them():
     ):
         GraphedGenerator(model, (1,), max_cache_len=L, compile_options={}, compile_regions=True)
     GraphedGenerator(model, (1,), max_cache_len=L, compile_options={}, compile_regions=False)
+
+
+class RefusesRegions(Traces):
+    """A backend that fails any graph calling a layer body, as torch does for some
+    models and versions, and runs the others as traced."""
+
+    def __call__(self, gm, example_inputs):
+        hop = torch.ops.higher_order.invoke_subgraph
+        if any(n.target is hop for n in gm.graph.nodes):
+            raise RuntimeError("no nested regions here")
+        return super().__call__(gm, example_inputs)
+
+
+def test_a_region_compile_that_fails_falls_back_to_the_whole_model(model, fresh_dynamo, caplog):
+    backend = RefusesRegions()
+    with caplog.at_level("WARNING", logger="cudagraphs.serving.hf.generator"):
+        gen = captured(
+            model, (1, 2), compile_options={"backend": backend}, require_all_buckets=True
+        )
+    assert "did not compile as one body" in caplog.text and "no nested regions here" in caplog.text
+    stats = gen.stats()
+    assert stats["compile_regions"] == 0
+    assert "no nested regions here" in stats["compile_regions_error"]
+    assert backend.graphs and all(calls == [] for calls in backend.region_calls())
+    assert gen.kv.keys[0].shape[0] == 2, "the whole model's cache has no spare row"
+    ids, mask = prompts(2, seed=5)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
+    assert stats["replays"] is not None and sum(gen.stats()["replays"].values()) > 0
+
+
+def test_true_turns_a_failed_region_compile_into_a_capture_error(model, fresh_dynamo):
+    gen = GraphedGenerator(
+        model,
+        (1, 2),
+        max_cache_len=L,
+        capture_backend=eager_backend,
+        compile_options={"backend": RefusesRegions()},
+        compile_regions=True,
+    )
+    with pytest.raises(CudaGraphCaptureError, match=r"did not compile as one body.*Fix: leave"):
+        gen.capture(progress=False)
+    assert not any(_instance_forwards(model))
+    gen.close()
+    ok = captured(model, (1, 2), compile_options={"backend": Traces()}, compile_regions=True)
+    assert ok.stats()["compile_regions"] == len(model.model.layers)

@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend
 from ...checks import check_instance, check_int
 from ...compile_watch import check_compile_options
 from ...diagnostics import WarnOnce
-from ...errors import CudaGraphsStateError, CudaGraphsTypeError
+from ...errors import CudaGraphCaptureError, CudaGraphsStateError, CudaGraphsTypeError
 from ...settings import graphs_disabled
 from ...torch_private import mark_dynamic, size_oblivious_shapes
 from ..buckets import Bucket, BucketConfig
@@ -116,9 +116,12 @@ class GraphedGenerator:
             every layer (torch's hierarchical compilation, :mod:`.regions`): the decode
             step stays one graph of the whole model, and its layers share one compiled
             body. Default ``None``: on when compiling a model that declares two or more
-            decoder layers (``_no_split_modules``); ``False``: the whole model
-            compiled as one, fusing across the layers' edges at a longer compile.
-            With regions the shared cache holds one spare row
+            decoder layers (``_no_split_modules``) without biased projections; where
+            torch still cannot compile them as one body, :meth:`capture` compiles the
+            whole model instead (WARNING, ``stats()["compile_regions_error"]``).
+            ``True``: required (a refusal or a capture error instead); ``False``: the
+            whole model compiled as one, fusing across the layers' edges at a longer
+            compile. With regions the shared cache holds one spare row
             (:class:`~.cache.SharedStaticCache`, ``spare_row``).
 
     Raises:
@@ -158,6 +161,10 @@ class GraphedGenerator:
         self.compile_options = check_compile_options("GraphedGenerator", compile_options)
         self.sdpa_backends = check_sdpa_backends(sdpa_backends, compile_options is not None)
         self._regions = check_compile_regions(compile_regions, model, compile_options is not None)
+        self._regions_required = compile_regions is True
+        #: Why the layers could not share one compiled body at capture (None: they did,
+        #: or were not asked to).
+        self.compile_regions_error: str | None = None
         self.model = model
         # Only the model is compiled: the decode step's own work (looking the bucket's
         # cache up, slicing the logits) stays outside the traced code, so one traced
@@ -229,24 +236,7 @@ class GraphedGenerator:
         """
         self._experts = decode_experts(self.model, capturing=not graphs_disabled())
         if self.kv is None:
-            shapes = layer_shapes(self.model, self._cache_keyword)
-            self.kv = SharedStaticCache(
-                self.model,
-                shapes,
-                self.config.largest.rows,
-                self.max_cache_len,
-                self.device,
-                # Regions bind the rows inside the step (SharedStaticCache.bind_rows).
-                dynamic_rows=self.compile_options is not None and self._regions is None,
-                spare_row=self._regions is not None,
-            )
-            logger.info(
-                "GraphedGenerator: static cache of %d layers x %d rows x %d positions: %.1f MiB",
-                len(shapes),
-                self.kv.max_rows,
-                self.max_cache_len,
-                self.kv.nbytes / 2**20,
-            )
+            self._make_cache()
         # Every bucket's cache view is made here, not in its first decode step: a
         # compiled step must find them made (binding one is Python work dynamo would
         # trace, and a lazy ``from transformers import`` inside it does not trace).
@@ -257,6 +247,8 @@ class GraphedGenerator:
         # specializing 1, so one compile serves every bucket, a bucket of one row too.
         shapes = size_oblivious_shapes() if self.compile_options is not None else nullcontext()
         with torch.no_grad(), self._experts.decoding(), shapes:
+            if self._regions is not None and not graphs_disabled():
+                self._try_regions()
             self.runner.capture(
                 self._dummy_inputs,
                 warmup,
@@ -267,6 +259,59 @@ class GraphedGenerator:
             )
         self.kv.reset()
         self._weights = WeightAddresses.of(self.model)
+
+    def _make_cache(self) -> None:
+        shapes = layer_shapes(self.model, self._cache_keyword)
+        self.kv = SharedStaticCache(
+            self.model,
+            shapes,
+            self.config.largest.rows,
+            self.max_cache_len,
+            self.device,
+            # Regions bind the rows inside the step (SharedStaticCache.bind_rows).
+            dynamic_rows=self.compile_options is not None and self._regions is None,
+            spare_row=self._regions is not None,
+        )
+        logger.info(
+            "GraphedGenerator: static cache of %d layers x %d rows x %d positions: %.1f MiB",
+            len(shapes),
+            self.kv.max_rows,
+            self.max_cache_len,
+            self.kv.nbytes / 2**20,
+        )
+        # Every bucket's cache view is made here, not in its first decode step: a
+        # compiled step must find them made (binding one is Python work dynamo would
+        # trace, and a lazy ``from transformers import`` inside it does not trace).
+        for bucket in self.config.buckets():
+            self.kv.cache_for(bucket.rows)
+
+    def _try_regions(self) -> None:
+        """One decode step at the largest bucket through the regional compile, before
+        the runner's captures reuse it. Where torch cannot compile the layers as one
+        body (its errors vary by model and version: :mod:`.regions`), the whole model
+        compiles instead, said at WARNING and in ``stats()["compile_regions_error"]``;
+        with ``compile_regions=True`` that is an error instead."""
+        try:
+            self._decode(**self._dummy_inputs(self.config.largest))
+        except Exception as exc:  # torch's compile errors share no base class
+            reason = _reason(exc)
+            self.kv.reset()
+            if self._regions_required:
+                raise CudaGraphCaptureError(
+                    "compile_regions=True, but the decoder layers did not compile as one "
+                    f"body ({reason}). Fix: leave compile_regions at None (the whole model "
+                    "then compiles as one) or pass False"
+                ) from exc
+            logger.warning(
+                "GraphedGenerator: the decoder layers did not compile as one body (%s); "
+                "the whole model compiles as one instead",
+                reason,
+            )
+            self.compile_regions_error = reason
+            self._regions = None
+            self._step_model = torch.compile(self.model, **self.compile_options)
+            self._make_cache()
+        self.kv.reset()
 
     def _dummy_inputs(self, bucket: Bucket) -> dict[str, torch.Tensor]:
         rows = bucket.rows
@@ -494,7 +539,9 @@ class GraphedGenerator:
         decode steps run with where they differ from the model's, as
         ``set_experts_implementation`` takes them; ``None``: as loaded), ``sdpa_backends``
         (the decode steps' attention backends by name; ``None``: torch's choice) and
-        ``compile_regions`` (the decoder layers sharing one compiled body; 0: none)."""
+        ``compile_regions`` (the decoder layers sharing one compiled body; 0: none) and
+        ``compile_regions_error`` (why they could not, the whole model compiled instead;
+        ``None``: they could, or were not asked to)."""
         out = self.runner.stats()
         out["requests"] = dict(self.requests)
         out["tokens"] = self.tokens
@@ -504,6 +551,7 @@ class GraphedGenerator:
         backends = self.sdpa_backends
         out["sdpa_backends"] = None if backends is None else [b.name for b in backends]
         out["compile_regions"] = 0 if self._regions is None else len(self._regions.layers)
+        out["compile_regions_error"] = self.compile_regions_error
         return out
 
     def close(self) -> None:
@@ -515,3 +563,22 @@ class GraphedGenerator:
 
 def _shape_of(keys: torch.Tensor, values: torch.Tensor) -> LayerShape:
     return LayerShape(keys.shape[1], keys.shape[-1], values.shape[-1], keys.dtype)
+
+
+def _reason(exc: BaseException) -> str:
+    """``exc``'s type and the first line of its innermost cause (dynamo wraps the
+    backend's error as "backend=... raised:" with the cause below)."""
+    inner = exc
+    # BackendCompilerFailed keeps the backend's error as inner_exception.
+    for _ in range(8):  # a bounded walk: a chain could loop
+        cause = getattr(inner, "inner_exception", None) or inner.__cause__
+        if cause is None:
+            break
+        inner = cause
+    lines = [line for line in str(inner).strip().splitlines() if line.strip()]
+    text = lines[0][:300] if lines else type(inner).__name__
+    return (
+        f"{type(exc).__name__}: {text}"
+        if inner is exc
+        else f"{type(exc).__name__} ({type(inner).__name__}: {text})"
+    )
