@@ -199,6 +199,17 @@ class SharedStaticCache:
             cache = self._caches[rows] = self._bind(rows)
         return cache
 
+    def mark_rows_dynamic(self) -> None:
+        """Mark the row dimension of every view made so far (of two rows or more) as
+        dynamic, as ``dynamic_rows`` would have at their making; later views are marked
+        too."""
+        self.dynamic_rows = True
+        for rows, cache in self._caches.items():
+            if rows > 1:
+                for layer in cache.layers:
+                    mark_dynamic(layer.keys, 0)
+                    mark_dynamic(layer.values, 0)
+
     def bind_rows(self, cache: Any, rows: int) -> None:
         """Point every layer of ``cache`` (one of :meth:`cache_for`'s) at the leading
         ``rows`` rows of the storage again. Called inside a compiled decode step whose

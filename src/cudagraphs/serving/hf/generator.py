@@ -162,6 +162,7 @@ class GraphedGenerator:
         self.sdpa_backends = check_sdpa_backends(sdpa_backends, compile_options is not None)
         self._regions = check_compile_regions(compile_regions, model, compile_options is not None)
         self._regions_required = compile_regions is True
+        self._regions_compiled = False  # a decode step has compiled them
         #: Why the layers could not share one compiled body at capture (None: they did,
         #: or were not asked to).
         self.compile_regions_error: str | None = None
@@ -247,8 +248,6 @@ class GraphedGenerator:
         # specializing 1, so one compile serves every bucket, a bucket of one row too.
         shapes = size_oblivious_shapes() if self.compile_options is not None else nullcontext()
         with torch.no_grad(), self._experts.decoding(), shapes:
-            if self._regions is not None and not graphs_disabled():
-                self._try_regions()
             self.runner.capture(
                 self._dummy_inputs,
                 warmup,
@@ -285,33 +284,30 @@ class GraphedGenerator:
         for bucket in self.config.buckets():
             self.kv.cache_for(bucket.rows)
 
-    def _try_regions(self) -> None:
-        """One decode step at the largest bucket through the regional compile, before
-        the runner's captures reuse it. Where torch cannot compile the layers as one
-        body (its errors vary by model and version: :mod:`.regions`), the whole model
-        compiles instead, said at WARNING and in ``stats()["compile_regions_error"]``;
-        with ``compile_regions=True`` that is an error instead."""
-        try:
-            self._decode(**self._dummy_inputs(self.config.largest))
-        except Exception as exc:  # torch's compile errors share no base class
-            reason = _reason(exc)
-            self.kv.reset()
-            if self._regions_required:
-                raise CudaGraphCaptureError(
-                    "compile_regions=True, but the decoder layers did not compile as one "
-                    f"body ({reason}). Fix: leave compile_regions at None (the whole model "
-                    "then compiles as one) or pass False"
-                ) from exc
-            logger.warning(
-                "GraphedGenerator: the decoder layers did not compile as one body (%s); "
-                "the whole model compiles as one instead",
-                reason,
-            )
-            self.compile_regions_error = reason
-            self._regions = None
-            self._step_model = torch.compile(self.model, **self.compile_options)
-            self._make_cache()
+    def _regions_failed(self, exc: Exception) -> None:
+        """The first decode step through the regional compile raised: where torch
+        cannot compile the layers as one body (its errors vary by model and version:
+        :mod:`.regions`) the whole model compiles instead, said at WARNING and in
+        ``stats()["compile_regions_error"]``; with ``compile_regions=True`` that is an
+        error. The storage keeps its spare row; the views get the dynamic marks the
+        whole model's compile needs."""
+        reason = _reason(exc)
         self.kv.reset()
+        if self._regions_required:
+            raise CudaGraphCaptureError(
+                "compile_regions=True, but the decoder layers did not compile as one "
+                f"body ({reason}). Fix: leave compile_regions at None (the whole model "
+                "then compiles as one) or pass False"
+            ) from exc
+        logger.warning(
+            "GraphedGenerator: the decoder layers did not compile as one body (%s); "
+            "the whole model compiles as one instead",
+            reason,
+        )
+        self.compile_regions_error = reason
+        self._regions = None
+        self._step_model = torch.compile(self.model, **self.compile_options)
+        self.kv.mark_rows_dynamic()
 
     def _dummy_inputs(self, bucket: Bucket) -> dict[str, torch.Tensor]:
         rows = bucket.rows
@@ -335,6 +331,22 @@ class GraphedGenerator:
         # Warmups, compiles and captures alike, and a decode step run eagerly: a
         # compiled step must never meet a backend set other than its trace's, nor layers
         # marked otherwise than in its trace.
+        inputs = (input_ids, position_ids, attention_mask)
+        if self._regions is not None and not self._regions_compiled:
+            # The first step compiles (in the largest bucket's warmup, whose compile
+            # seconds it is): a failure falls back to the whole model, in that step.
+            try:
+                out = self._decode_step(*inputs)
+            except Exception as exc:  # torch's compile errors share no base class
+                self._regions_failed(exc)
+            else:
+                self._regions_compiled = True
+                return out
+        return self._decode_step(*inputs)
+
+    def _decode_step(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
         regions = nullcontext() if self._regions is None else self._regions.marked()
         with sdpa_scope(self.sdpa_backends), regions:
             return self._decode_on(
