@@ -278,11 +278,6 @@ class GraphedGenerator:
             self.max_cache_len,
             self.kv.nbytes / 2**20,
         )
-        # Every bucket's cache view is made here, not in its first decode step: a
-        # compiled step must find them made (binding one is Python work dynamo would
-        # trace, and a lazy ``from transformers import`` inside it does not trace).
-        for bucket in self.config.buckets():
-            self.kv.cache_for(bucket.rows)
 
     def _regions_failed(self, exc: Exception) -> None:
         """The first decode step through the regional compile raised: where torch
