@@ -364,3 +364,53 @@ def test_true_turns_a_failed_region_compile_into_a_capture_error(model, fresh_dy
     gen.close()
     ok = captured(model, (1, 2), compile_options={"backend": Traces()}, compile_regions=True)
     assert ok.stats()["compile_regions"] == len(model.model.layers)
+
+
+# ---- check_compile_regions against a plain decision table ------------------------------
+def _toy(layers: int, biased: bool) -> nn.Module:
+    root = nn.Module()
+    root.blocks = nn.ModuleList(_CLASSES["Block"]() for _ in range(layers))
+    for block in root.blocks:
+        block.proj = nn.Linear(2, 2, bias=biased)
+    root._no_split_modules = ["Block"]
+    return root
+
+
+def _table(value, compiled: bool, layers: int, biased: bool) -> str:
+    """What the check answers for None, True or False: "value" (an error), "none" or
+    "regions"."""
+    if value is False or (value is None and not compiled):
+        return "none"
+    if value is True and not compiled:
+        return "value"
+    if value is None:
+        return "regions" if layers >= 2 and not biased else "none"
+    return "value" if layers == 0 or biased else "regions"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    value=st.sampled_from([None, True, False, "yes", 1.0, 2]),
+    compiled=st.booleans(),
+    layers=st.integers(0, 3),
+    biased=st.booleans(),
+)
+def test_the_regions_check_answers_as_a_plain_table(value, compiled, layers, biased):
+    from cudagraphs.serving.hf.regions import check_compile_regions
+
+    if not isinstance(value, (bool, type(None))):
+        want = "type"
+    else:
+        want = _table(value, compiled, layers, biased)
+    model = _toy(layers, biased)
+    try:
+        got = check_compile_regions(value, model, compiled)
+    except CudaGraphsTypeError:
+        answer = "type"
+    except CudaGraphsValueError:
+        answer = "value"
+    else:
+        answer = "none" if got is None else "regions"
+        if got is not None:
+            assert got.layers == tuple(model.blocks)
+    assert answer == want, (value, compiled, layers, biased)
