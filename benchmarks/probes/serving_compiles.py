@@ -201,6 +201,7 @@ def decode_once(backends: str) -> dict:
         from torch._dynamo.utils import counters
 
         out["unique_graphs"] = counters["stats"]["unique_graphs"]
+        out["compile_phases_s"] = compile_phases()
         out["warmup_s"] = {
             k: round(v["warmup"], 3) for k, v in gen.stats()["capture_seconds"].items()
         }
@@ -222,6 +223,25 @@ def decode_once(backends: str) -> dict:
         out["eager_runs"] = stats.get("eager_runs")
     gen.close()
     return out
+
+
+def compile_phases(floor: float = 0.1) -> dict[str, float]:
+    """dynamo's seconds per compile phase so far in this process (its own names:
+    ``bytecode_tracing``, ``aot_collect_metadata``, ``GraphLowering.codegen``,
+    ``async_compile.wait``, ...), each at least ``floor`` seconds; nested phases are
+    counted in their parents too."""
+    from torch._dynamo.utils import compile_times
+
+    phases = {}
+    for line in compile_times(repr="str", aggregate=True).splitlines():
+        name, _, value = line.partition(", ")
+        try:
+            seconds = float(value)
+        except ValueError:
+            continue  # the header lines
+        if seconds >= floor:
+            phases[name.strip()] = round(seconds, 3)
+    return phases
 
 
 def decode_summary(runs: dict[str, dict]) -> dict:

@@ -19,6 +19,7 @@ from .errors import CudaGraphsTypeError
 from .settings import expandable_pools
 from .torch_private import (
     begin_allocate_to_pool,
+    clear_cublas_workspaces,
     device_index,
     end_allocate_to_pool,
     expandable_segments,
@@ -169,7 +170,13 @@ class GraphMemoryPool:
         Why a stream of its own: cuBLAS keeps a workspace per stream (32 MiB on Hopper),
         made by the first matmul on the stream. On this stream that first matmul is
         inside the pool's first capture, so the workspace is allocated in the pool and
-        every later capture here reuses it. A workspace made eagerly would live in the
+        every later capture here reuses it. torch does not make a new CUDA stream for
+        ``torch.cuda.Stream()``: it hands out its 32 per device and priority in turn, so
+        after 32 more the stream comes round again, and eager matmuls that ran on it
+        left torch holding a workspace for it. Making the stream therefore drops
+        torch's references to every workspace first (what torch.compile's CUDA-graph
+        trees do each time they record): the next matmul anywhere makes a new one, and
+        this stream's is made inside the pool. A workspace made eagerly would live in the
         caching allocator's general memory, where torch alone owns it, and torch drops
         its reference whenever it clears its workspaces: torch.compile's CUDA-graph
         trees do so each time they record (their ``clear_cublas_manager``),
@@ -181,7 +188,10 @@ class GraphMemoryPool:
         correctly and corrupts nothing. Inside the pool, a cleared workspace stays
         mapped as long as the pool's graphs live.
         """
-        return self._stream(self._streams, device)
+        index = device_index(device, optional=True)
+        if index not in self._streams:
+            clear_cublas_workspaces()
+        return self._stream(self._streams, index)
 
     def warmup_stream(self, device: torch.device | int | None = None) -> torch.cuda.Stream:
         """The stream eager warmups before captures into this pool run on (one per

@@ -53,6 +53,7 @@ __all__ = [
     "can_count_storage_uses",
     "can_move_storages",
     "check_torch",
+    "clear_cublas_workspaces",
     "compiled_module",
     "current_graph_task_id",
     "compilation_metrics",
@@ -137,6 +138,13 @@ REQUIRED_WITH_CUDA: tuple[PrivateName, ...] = (
         "_cuda_getCurrentStream",
         "the program layer's per-replay check of the current stream, without building "
         "a Stream object",
+    ),
+    PrivateName(
+        "torch._C",
+        "_cuda_clearCublasWorkspaces",
+        "making a capture stream's cuBLAS workspace inside its graph pool, even when "
+        "torch hands out a stream that eager matmuls used before (GraphMemoryPool."
+        "capture_stream)",
     ),
 )
 
@@ -290,6 +298,13 @@ def _expandable_now() -> bool:
     if _GET_ALLOCATOR_SETTINGS is not None:
         settings.append(str(_GET_ALLOCATOR_SETTINGS() or ""))
     return "expandable_segments:true" in ",".join(settings).replace(" ", "").lower()
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop torch's references to every cuBLAS workspace it keeps per (handle, stream):
+    the next matmul on any stream makes a new one, and memory a captured graph holds
+    stays its graph's (what torch.compile's CUDA-graph trees do each time they record)."""
+    torch._C._cuda_clearCublasWorkspaces()
 
 
 def release_pool(device: int, pool: Any) -> None:

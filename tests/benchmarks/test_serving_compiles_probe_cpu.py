@@ -131,3 +131,15 @@ def test_installed_bodies_are_counted_from_dynamos_log_lines(probe):
         "V1203 [0/0] [__hierarchical_compile] subgraph_reuse: not eligible\n"
     )
     assert len(probe.INSTALLED.findall(log)) == 1
+
+
+def test_compile_phases_are_dynamos_seconds_per_phase(probe):
+    import torch
+
+    compiled = torch.compile(lambda x: (x * 2).sum(), backend="eager")
+    compiled(torch.ones(3))
+    phases = probe.compile_phases(floor=0.0)
+    assert "_compile.compile_inner" in phases, phases
+    assert all(isinstance(v, float) and v >= 0 for v in phases.values())
+    assert "Function" not in phases  # the header is not a phase
+    assert probe.compile_phases(floor=1e9) == {}

@@ -121,6 +121,35 @@ def runner() -> dict:
     }
 
 
+def use_every_pooled_stream() -> None:
+    """An eager split-K matmul on each of the streams torch hands out in turn (32 per
+    device and priority): torch then holds an eager workspace for whichever stream the
+    next ``torch.cuda.Stream()`` returns."""
+    a, b = operands(seed=3)
+    for _ in range(32):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            a @ b
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
+def runner_on_a_reused_stream() -> dict:
+    """The runner, after eager matmuls ran on every stream torch hands out."""
+    use_every_pooled_stream()
+    return runner()
+
+
+def control_reused_stream_without_the_clear() -> dict:
+    """The same with the pool's clear of torch's workspaces left out: the capture
+    stream's workspace is then the eager one, which the drop frees."""
+    import cudagraphs.graph_pool as graph_pool
+
+    graph_pool.clear_cublas_workspaces = lambda: None
+    return runner_on_a_reused_stream()
+
+
 def generator_beside_torch_compile() -> dict:
     """A GraphedGenerator captured first, then torch.compile(mode="reduce-overhead")
     records its graphs (the real clear), then the generator decodes."""
@@ -186,6 +215,8 @@ SCENARIOS = {
         core,
         program,
         runner,
+        runner_on_a_reused_stream,
+        control_reused_stream_without_the_clear,
         generator_beside_torch_compile,
     )
 }
