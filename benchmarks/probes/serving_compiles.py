@@ -232,16 +232,11 @@ def compile_phases(floor: float = 0.1) -> dict[str, float]:
     counted in their parents too."""
     from torch._dynamo.utils import compile_times
 
-    phases = {}
-    for line in compile_times(repr="str", aggregate=True).splitlines():
-        name, _, value = line.partition(", ")
-        try:
-            seconds = float(value)
-        except ValueError:
-            continue  # the header lines
-        if seconds >= floor:
-            phases[name.strip()] = round(seconds, 3)
-    return phases
+    # The CSV form: the string form is a table whose layout depends on whether the
+    # tabulate package is installed.
+    names, values = compile_times(repr="csv", aggregate=True)
+    phases = {name: round(float(value), 3) for name, value in zip(names, values)}
+    return {name: seconds for name, seconds in phases.items() if seconds >= floor}
 
 
 def decode_summary(runs: dict[str, dict]) -> dict:

@@ -7,6 +7,7 @@ import torch
 
 from cudagraphs.models import DecoderConfig, TinyDecoder, greedy_decode
 from cudagraphs.serving import Bucket, BucketConfig, GraphRunner, InputSpec
+from cudagraphs.torch_private import clear_cublas_workspaces
 
 pytestmark = pytest.mark.cuda
 
@@ -162,6 +163,10 @@ def test_all_buckets_reserve_little_more_than_the_largest_alone():
     def reserved_by(config):
         runner = GraphRunner(lambda tokens, positions: model(tokens, positions), SPECS, config)
         torch.cuda.synchronize()
+        # The capture drops torch's eager cuBLAS workspaces (GraphMemoryPool.
+        # capture_stream): drop them first, so that both measurements start alike
+        # whatever earlier tests left.
+        clear_cublas_workspaces()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         runner.capture(dummy)
