@@ -173,7 +173,7 @@ class GraphMemoryPool:
         every later capture here reuses it. torch does not make a new CUDA stream for
         ``torch.cuda.Stream()``: it hands out its 32 per device and priority in turn, so
         after 32 more the stream comes round again, and eager matmuls that ran on it
-        left torch holding a workspace for it. Making the stream therefore drops
+        left torch holding a workspace for it. Making the pool's streams therefore drops
         torch's references to every workspace first (what torch.compile's CUDA-graph
         trees do each time they record): the next matmul anywhere makes a new one, and
         this stream's is made inside the pool. A workspace made eagerly would live in the
@@ -188,25 +188,24 @@ class GraphMemoryPool:
         correctly and corrupts nothing. Inside the pool, a cleared workspace stays
         mapped as long as the pool's graphs live.
         """
-        index = device_index(device, optional=True)
-        if index not in self._streams:
-            clear_cublas_workspaces()
-        return self._stream(self._streams, index)
+        return self._make_streams(device)[0]
 
     def warmup_stream(self, device: torch.device | int | None = None) -> torch.cuda.Stream:
         """The stream eager warmups before captures into this pool run on (one per
-        device). It has its own cuBLAS workspace, outside the pool, made once."""
-        return self._stream(self._warmup_streams, device)
+        device). It has its own cuBLAS workspace, made once, by the first warmup."""
+        return self._make_streams(device)[1]
 
-    @staticmethod
-    def _stream(
-        streams: dict[int, torch.cuda.Stream], device: torch.device | int | None
-    ) -> torch.cuda.Stream:
+    def _make_streams(self, device: torch.device | int | None) -> tuple[torch.cuda.Stream, ...]:
+        """The capture and warmup streams of ``device``, both made at the first ask for
+        either, after dropping torch's workspaces (:meth:`capture_stream`): made later,
+        a clear would drop the warmup stream's workspace after the first warmup, and
+        every later warmup would make another."""
         index = device_index(device, optional=True)
-        stream = streams.get(index)
-        if stream is None:
-            stream = streams[index] = torch.cuda.Stream(index)
-        return stream
+        if index not in self._streams:
+            clear_cublas_workspaces()
+            self._streams[index] = torch.cuda.Stream(index)
+            self._warmup_streams[index] = torch.cuda.Stream(index)
+        return self._streams[index], self._warmup_streams[index]
 
     def retire(self) -> None:
         """Give up the current handle after a failed capture; the next capture uses a
