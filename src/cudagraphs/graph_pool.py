@@ -192,14 +192,14 @@ class GraphMemoryPool:
 
     def warmup_stream(self, device: torch.device | int | None = None) -> torch.cuda.Stream:
         """The stream eager warmups before captures into this pool run on (one per
-        device). It has its own cuBLAS workspace, made once, by the first warmup."""
+        device). It has its own cuBLAS workspace outside the pool, made by the first warmup
+        on it (the pool's first warmup runs inside the pool, on the capture stream)."""
         return self._make_streams(device)[1]
 
     def _make_streams(self, device: torch.device | int | None) -> tuple[torch.cuda.Stream, ...]:
         """The capture and warmup streams of ``device``, both made at the first ask for
-        either, after dropping torch's workspaces (:meth:`capture_stream`): made later,
-        a clear would drop the warmup stream's workspace after the first warmup, and
-        every later warmup would make another."""
+        either, right after dropping torch's workspaces (:meth:`capture_stream`): neither
+        then carries a workspace torch made for eager work before."""
         index = device_index(device, optional=True)
         if index not in self._streams:
             clear_cublas_workspaces()

@@ -156,8 +156,8 @@ def test_piecewise_region_with_static_outputs_equals_eager():
 
 @torch.no_grad()
 def test_all_buckets_reserve_little_more_than_the_largest_alone():
-    # Every bucket warms up and captures on the pool's one stream: no cuBLAS workspace
-    # per bucket inside the pool, and smaller buckets reuse the largest one's memory.
+    # Every bucket captures on the pool's one capture stream: one cuBLAS workspace in
+    # the pool, not one per bucket, and smaller buckets reuse the largest one's memory.
     model = decoder()
 
     def reserved_by(config):
@@ -177,7 +177,13 @@ def test_all_buckets_reserve_little_more_than_the_largest_alone():
 
     alone = reserved_by(BucketConfig(batch_sizes=(64,)))
     every = reserved_by(BucketConfig())
-    assert every <= alone + 16 * 2**20, f"all buckets {every} bytes, largest alone {alone}"
+    # The largest bucket alone warms up inside the pool only; the second bucket's warmup
+    # runs on the warmup stream, outside it, and makes that stream's one cuBLAS
+    # workspace (32 MiB on Hopper). A workspace per bucket would be six more.
+    workspace = 32 * 2**20
+    assert every <= alone + workspace + 16 * 2**20, (
+        f"all buckets {every} bytes, largest alone {alone}"
+    )
 
 
 @torch.no_grad()
