@@ -193,3 +193,30 @@ def test_graph_pool_is_the_deprecated_alias_of_graph_memory_pool():
 
     assert cudagraphs.GraphPool is cudagraphs.GraphMemoryPool is capture.GraphMemoryPool
     assert "GraphPool" in cudagraphs.__all__ and "GraphMemoryPool" in cudagraphs.__all__
+
+
+def test_a_pool_drops_torchs_workspaces_once_per_device_before_making_its_streams(monkeypatch):
+    # torch hands out its streams in turn, so a new Stream may be one eager matmuls used:
+    # the pool clears torch's cuBLAS workspaces, then makes both streams, once a device.
+    import cudagraphs.graph_pool as graph_pool
+    from cudagraphs import GraphMemoryPool
+
+    events = []
+    monkeypatch.setattr(graph_pool, "clear_cublas_workspaces", lambda: events.append("clear"))
+    monkeypatch.setattr(graph_pool, "device_index", lambda device, optional=False: device or 0)
+
+    class Stream:
+        def __init__(self, index):
+            self.index = index
+            events.append(("stream", index))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    pool = GraphMemoryPool(handle=(0, 13))
+    warmup = pool.warmup_stream(0)
+    capture = pool.capture_stream(0)
+    assert events == ["clear", ("stream", 0), ("stream", 0)]
+    assert warmup is not capture
+    assert pool.warmup_stream(0) is warmup and pool.capture_stream(0) is capture
+    assert events == ["clear", ("stream", 0), ("stream", 0)]  # nothing made or cleared again
+    other = pool.capture_stream(1)
+    assert events[3:] == ["clear", ("stream", 1), ("stream", 1)] and other.index == 1
