@@ -51,19 +51,16 @@ def test_a_generator_captured_before_torch_compile_records_still_decodes_right()
     not torch.__version__.startswith("2.11"),
     reason="the hazard was measured on torch 2.11; later torch may scope workspaces",
 )
-def test_control_a_graph_warmed_on_its_capture_stream_breaks():
-    result, stderr = run_scenario("raw_graph_warmed_on_its_capture_stream")
-    broken = result is None or not (result["equal"] and result["intact"])
-    assert broken, f"the control replayed cleanly, so the scenario proves nothing: {result}"
-
-
-@pytest.mark.skipif(
-    not torch.__version__.startswith("2.11"),
-    reason="the hazard was measured on torch 2.11; later torch may scope workspaces",
+@pytest.mark.parametrize(
+    "control",
+    [
+        "raw_graph_warmed_on_its_capture_stream",
+        # torch hands out its streams in turn: a capture stream may be one eager matmuls
+        # used, whose workspace torch made outside the pool (GraphMemoryPool.capture_stream).
+        "control_reused_stream_without_the_clear",
+    ],
 )
-def test_control_a_reused_stream_without_the_clear_breaks():
-    # torch hands out its streams in turn: a capture stream may be one eager matmuls
-    # used, whose workspace torch made outside the pool (GraphMemoryPool.capture_stream).
-    result, stderr = run_scenario("control_reused_stream_without_the_clear")
+def test_control_breaks(control):
+    result, stderr = run_scenario(control)
     broken = result is None or not (result["equal"] and result["intact"])
     assert broken, f"the control replayed cleanly, so the scenario proves nothing: {result}"

@@ -145,18 +145,25 @@ def test_an_instance_forward_of_the_users_is_put_back(model):
         del layer.forward
 
 
-def test_a_failed_decode_step_leaves_the_layers_unmarked_and_the_next_capture_works(
-    model, fresh_dynamo, monkeypatch
-):
-    gen = GraphedGenerator(
+def required_regions(model, backend) -> GraphedGenerator:
+    """A generator of buckets 1 and 2 whose decode step compiles through ``backend``
+    with layer regions required, captured with the eager backend."""
+    return GraphedGenerator(
         model,
         (1, 2),
         max_cache_len=L,
         capture_backend=eager_backend,
         require_all_buckets=True,
-        compile_options={"backend": Traces()},
-        compile_regions=True,  # None would compile the whole model after the error
+        compile_options={"backend": backend},
+        compile_regions=True,
     )
+
+
+def test_a_failed_decode_step_leaves_the_layers_unmarked_and_the_next_capture_works(
+    model, fresh_dynamo, monkeypatch
+):
+    # compile_regions=True: None would compile the whole model after the error
+    gen = required_regions(model, Traces())
     decode_on = GraphedGenerator._decode_on
     calls = {"n": 0}
 
@@ -349,15 +356,7 @@ def test_a_region_compile_that_fails_falls_back_to_the_whole_model(model, fresh_
 
 
 def test_true_turns_a_failed_region_compile_into_a_capture_error(model, fresh_dynamo):
-    gen = GraphedGenerator(
-        model,
-        (1, 2),
-        max_cache_len=L,
-        capture_backend=eager_backend,
-        require_all_buckets=True,
-        compile_options={"backend": RefusesRegions()},
-        compile_regions=True,
-    )
+    gen = required_regions(model, RefusesRegions())
     with pytest.raises(CudaGraphCaptureError, match=r"did not compile as one body.*Fix: leave"):
         gen.capture(progress=False)
     assert not any(_instance_forwards(model))
