@@ -23,18 +23,21 @@ time). ``CUDAGRAPHS_KEEP_CACHE=1`` turns every release off.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .settings import env_flag
+from .settings import env_flag, expandable_recording
+from .torch_private import expandable_segments
 
 __all__ = [
     "KEEP_CACHE_ENV",
     "MemoryAccount",
     "MemoryMeter",
+    "RecordingSegments",
     "pool_usage",
     "release_unused_cache",
 ]
@@ -187,3 +190,41 @@ class MemoryMeter:
             release = unused_outside > before_outside + 2 * _MIB
         released = release_unused_cache(index, what) if release and unused_outside else 0
         return MemoryAccount(pool_reserved, pool_allocated, unused_outside, released, driver)
+
+
+@dataclass
+class RecordingSegments:
+    """The eager allocations of a recording step made in expandable segments:
+    :meth:`enter` when recording starts, :meth:`leave` when it stops (both
+    idempotent). Off under ``CUDAGRAPHS_EXPANDABLE_RECORDING=0``, without CUDA, on a
+    torch whose allocator settings cannot change at run time, and where the process
+    set ``expandable_segments:True`` itself (then every segment is expandable anyway).
+
+    Why: the recording step is an eager step, and its optimizer makes its state
+    (kept for good) in the holes the step's activations leave, scattered across the
+    step's segments. From the capture on those activations live in the graphs'
+    pools, so the segments they shared with the state hold little but the state; a
+    fixed segment goes back to the driver only when all of it is free, and the
+    release after the capture (:func:`release_unused_cache`) could not give them
+    back. An expandable segment gives back every free page, so what the recording
+    step leaves in the general memory is the state it keeps, rounded to pages.
+    Segments made inside stay expandable; the allocator makes fixed ones again after
+    :meth:`leave`. Memory made inside cannot be exported as a CUDA IPC handle
+    (``cudaIpcGetMemHandle`` refuses memory mapped this way): recording steps that
+    share tensors across processes set the variable to ``0``."""
+
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    active: bool = False
+
+    def enter(self) -> None:
+        if self.active or not expandable_recording():
+            return
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        self.stack.enter_context(expandable_segments())
+        self.active = True
+
+    def leave(self) -> None:
+        if self.active:
+            self.active = False
+            self.stack.close()

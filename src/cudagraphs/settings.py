@@ -9,6 +9,10 @@
 * ``CUDAGRAPHS_EXPANDABLE_POOLS`` (default on): graph pools grow as expandable
   segments (:func:`cudagraphs.graph_pool.pool_segments`); ``0`` makes them as the
   caching allocator's settings say.
+* ``CUDAGRAPHS_EXPANDABLE_RECORDING`` (default on): a partial-graph recording step's
+  eager allocations are made in expandable segments
+  (:class:`cudagraphs.memory.RecordingSegments`); ``0`` leaves them to the caching
+  allocator's settings.
 * ``CUDAGRAPHS_OWNED_GRADS``: how owned parameter gradients leave a backward replay:
   ``defer`` (the default: the graph memory itself, copied only when something still
   holds it at the next replay that could overwrite it:
@@ -35,11 +39,13 @@ __all__ = [
     "BINDING_ENV",
     "DISABLE_ENV",
     "EXPANDABLE_POOLS_ENV",
+    "EXPANDABLE_RECORDING_ENV",
     "OWNED_GRADS_ENV",
     "STRICT_BUCKETS_ENV",
     "env_choice",
     "env_flag",
     "expandable_pools",
+    "expandable_recording",
     "graphs_disabled",
     "owned_grads_deferred",
 ]
@@ -48,6 +54,7 @@ DISABLE_ENV = "CUDAGRAPHS_DISABLE"
 STRICT_BUCKETS_ENV = "CUDAGRAPHS_REQUIRE_ALL_BUCKETS"
 BINDING_ENV = "CUDAGRAPHS_CUDA_BINDING"
 EXPANDABLE_POOLS_ENV = "CUDAGRAPHS_EXPANDABLE_POOLS"
+EXPANDABLE_RECORDING_ENV = "CUDAGRAPHS_EXPANDABLE_RECORDING"
 OWNED_GRADS_ENV = "CUDAGRAPHS_OWNED_GRADS"
 
 _TRUE = ("1", "true", "yes", "on")
@@ -103,6 +110,11 @@ def graphs_disabled() -> bool:
 def expandable_pools() -> bool:
     """``CUDAGRAPHS_EXPANDABLE_POOLS`` now (default on)."""
     return env_flag(EXPANDABLE_POOLS_ENV, default=True)
+
+
+def expandable_recording() -> bool:
+    """``CUDAGRAPHS_EXPANDABLE_RECORDING`` now (default on)."""
+    return env_flag(EXPANDABLE_RECORDING_ENV, default=True)
 
 
 def owned_grads_deferred() -> bool:

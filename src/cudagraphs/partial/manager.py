@@ -17,6 +17,7 @@ from ..checks import check_bool, check_callable
 from ..compile_watch import check_compile_options
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError
+from ..memory import RecordingSegments
 from .arguments import RETIRED, Selector, as_model_parts, refuse_retired
 from .build import recordings_from_model_parts
 from .graphing import (
@@ -185,6 +186,8 @@ class PartialCudaGraphManager:
         self._closed = False
         self._disabled: bool | None = None  # fixed by the first capture()
         self._released_bytes = 0  # given back to the driver after captures
+        # The recording step's eager segments (see RecordingSegments: why).
+        self._recording_segments = RecordingSegments()
 
     @property
     def recordings(self) -> list[TargetRecording]:
@@ -341,6 +344,11 @@ class PartialCudaGraphManager:
         target's calls (arguments, metadata, aliasing, controls, modes) until
         :meth:`stop_recording` or :meth:`capture`.
 
+        Until then the caching allocator makes expandable segments, so that the
+        release before the capture gives back the memory the step's activations
+        leave between the state it keeps (:class:`~cudagraphs.memory.RecordingSegments`;
+        ``CUDAGRAPHS_EXPANDABLE_RECORDING=0`` turns it off).
+
         Several forwards may run while recording (the micro-batches of one step under
         gradient accumulation): a target's calls with equal contracts are recorded
         once, distinct ones as variants, up to ``max_variants``. A target called twice
@@ -352,6 +360,7 @@ class PartialCudaGraphManager:
         """
         self._check_open()
         self._recorder.start()
+        self._recording_segments.enter()
 
     def _saw_recompute(self, rec: TargetRecording) -> None:
         if not self.activation_checkpointing:
@@ -369,6 +378,7 @@ class PartialCudaGraphManager:
         calls this itself). Calls made after it are not recorded. A no-op when not
         recording, and after :meth:`close`."""
         self._recorder.stop()
+        self._recording_segments.leave()
 
     def capture(self) -> None:
         """Graph every recorded, not yet graphed call, in real forward order
