@@ -173,13 +173,19 @@ def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_re
         assert t.compile_s <= t.warmup_s, b
 
 
+# Falcon's decode step in transformers before 5.25 specializes one size: one compile
+# more. From 5.25 on it compiles once, as the others do.
+FALCON_COMPILES = 2 if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 25) else 1
+
+
 @pytest.mark.parametrize(
-    "family, compiles", [("qwen3_moe", 1), ("mistral", 1), ("gpt2", 1), ("falcon", 2)]
+    "family, compiles",
+    [("qwen3_moe", 1), ("mistral", 1), ("gpt2", 1), ("falcon", FALCON_COMPILES)],
 )
 def test_the_compiles_of_four_buckets_across_architectures(family, compiles, fresh_dynamo):
     # The batch dimension marked dynamic holds through each architecture's decode step
     # (a specialization of a marked dimension would be an error at compile, its bucket
-    # dropped). Falcon's code still specializes one size: one compile more.
+    # dropped).
     from helpers.hf_models import tiny_arch
 
     net = (tiny(family) if family == "qwen3_moe" else tiny_arch(family)).eval()
