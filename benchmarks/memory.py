@@ -550,6 +550,22 @@ def _spawn(variant: str, shape: str, batch: int, cap_gib: float | None = None) -
     return json.loads(lines[-1])
 
 
+def shape_jobs(shapes: list[str], only: list[str]) -> list[tuple[str, str]]:
+    """``(shape, variant)`` for every variant each shape runs, in order; with ``only``,
+    just those variants (a name no shape runs is an error, not an empty run)."""
+    jobs = [
+        (shape, v)
+        for shape in shapes
+        for v in (SERVING_VARIANTS if shape == "decode" else SHAPE_VARIANTS[shape])
+    ]
+    if not only:
+        return jobs
+    unknown = sorted(set(only) - {v for _, v in jobs})
+    if unknown:
+        raise SystemExit(f"{NAME}: --variants {unknown} are not run on shapes {shapes}")
+    return [j for j in jobs if j[1] in only]
+
+
 def ratios(results: dict) -> dict:
     """Per graphed variant of a shape: reserved and allocated peaks over its eager
     reference's (``None`` where either did not run)."""
@@ -658,6 +674,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--shapes", default="small,mid,6b,decode", help="comma-separated: small, mid, 6b, decode"
     )
+    p.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated: run only these variants of each shape (default: all); a "
+        "graphed variant's ratio needs its eager reference in the list",
+    )
     p.add_argument("--jobs", type=int, default=1, help="children at once (device_used only with 1)")
     p.add_argument("--search", action="store_true", help="also find the largest batches")
     p.add_argument(
@@ -692,15 +714,13 @@ def main(argv: list[str] | None = None) -> int:
         "decode": DECODE,
         "steps": STEPS,
         "jobs": args.jobs,
+        "variants": args.variants or "all",
         "cap_gib": {"train": args.cap_gib, "decode": args.decode_cap_gib} if args.search else None,
         "peak": "torch.cuda.max_memory_reserved/allocated of the child process: set-up, capture and steps",
     }
     shapes = [s for s in args.shapes.split(",") if s]
+    jobs = shape_jobs(shapes, [v for v in args.variants.split(",") if v])
     results: dict = {}
-    jobs: list[tuple[str, str]] = []
-    for shape in shapes:
-        names = SERVING_VARIANTS if shape == "decode" else SHAPE_VARIANTS[shape]
-        jobs += [(shape, v) for v in names]
     # 6b alone: two of its processes do not fit one device.
     alone = [j for j in jobs if j[0] == "6b"]
     shared = [j for j in jobs if j[0] != "6b"]

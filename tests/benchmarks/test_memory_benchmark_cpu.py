@@ -4,6 +4,7 @@ targets."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -299,3 +300,15 @@ def test_growth_reads_each_events_pool_from_where_its_address_lies():
     named = {**entries[1], "pool_id": (0, 7)}
     assert mem.steady_growth([named], segments)[0]["pool"] == "graph(0, 7)"
     assert mem.steady_growth(entries[:1])[0]["pool"] == "default"
+
+
+def test_variants_keep_each_shapes_order_and_refuse_a_name_no_shape_runs():
+    mem = _mem()
+    every = mem.shape_jobs(["small", "decode"], [])
+    assert every == [("small", v) for v in mem.SHAPE_VARIANTS["small"]] + [
+        ("decode", v) for v in mem.SERVING_VARIANTS
+    ]
+    only = mem.shape_jobs(["small", "6b"], ["partial_model", "eager"])
+    assert only == [("small", "eager"), ("small", "partial_model"), ("6b", "eager")]
+    with pytest.raises(SystemExit, match="graph_runner"):
+        mem.shape_jobs(["small"], ["eager", "graph_runner"])
