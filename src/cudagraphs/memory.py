@@ -38,6 +38,7 @@ __all__ = [
     "MemoryAccount",
     "MemoryMeter",
     "RecordingSegments",
+    "place_cublas_workspaces",
     "pool_usage",
     "release_unused_cache",
 ]
@@ -137,6 +138,28 @@ def release_unused_cache(device: torch.device | int, what: str) -> int:
             KEEP_CACHE_ENV,
         )
     return released
+
+
+def place_cublas_workspaces(device: torch.device | int | str) -> None:
+    """Make cuBLAS's workspaces for eager matmuls on the current stream of ``device``
+    now, for the calling thread and for autograd's backward thread (one tiny matmul
+    forward and backward; torch keeps one workspace per cuBLAS handle and stream, and
+    a handle per thread). Where they exist already, nothing changes.
+
+    Why: a graph pool's first streams drop torch's workspaces
+    (:meth:`~cudagraphs.graph_pool.GraphMemoryPool.capture_stream` says why), and the
+    next eager matmul makes a new one wherever the caching allocator finds room. For
+    the backward thread that is the first matmul of the next backward, when the
+    loss's large blocks have just been freed: the 32 MiB workspace (Hopper) is cut
+    out of one of them and pins its whole segment for good, so the next step's loss
+    cannot reuse it and the allocator grows by another. Made right after
+    :func:`release_unused_cache`, when only the holes between live tensors are
+    cached, a workspace fills a hole or takes a segment of its own size. Measured on
+    the benchmark's ``small`` shape, partial graphs with the default scopes:
+    ``docs/memory.md``."""
+    with torch.enable_grad():
+        a = torch.ones(2, 2, device=device, requires_grad=True)
+        torch.autograd.grad((a @ a).sum(), (a,))
 
 
 def _unused_cache(device: int) -> int:

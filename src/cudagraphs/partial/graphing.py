@@ -47,8 +47,8 @@ from ..errors import (
     CudaGraphsValueError,
     TargetSelectionError,
 )
-from ..memory import release_unused_cache
-from ..settings import DISABLE_ENV, graphs_disabled
+from ..memory import KEEP_CACHE_ENV, place_cublas_workspaces, release_unused_cache
+from ..settings import DISABLE_ENV, env_flag, graphs_disabled
 from .chaining import group_sharing
 from .contract import AutocastState, flatten_call
 from .model_scope import CHECKPOINT_REFUSAL, opaque_output_fix, opaque_outputs, refused_message
@@ -65,8 +65,10 @@ __all__ = [
     "capture_model_first",
     "capture_modes",
     "eager_backend",
+    "eager_code_remains",
     "graphed_function",
     "holds_tensors",
+    "place_workspaces",
     "read_disabled",
     "release_cached",
     "replay_from_tensors",
@@ -127,6 +129,32 @@ def release_cached(active: bool) -> int:
     if not (active and torch.cuda.is_available() and torch.cuda.is_initialized()):
         return 0
     return release_unused_cache(torch.cuda.current_device(), "partial graphs capture")
+
+
+def eager_code_remains(recordings: Sequence[TargetRecording]) -> bool:
+    """Whether model code still runs eagerly beside the graphs after a capture: false
+    only where whole model parts were recorded and every one of them holds a graph
+    (the ``"model"`` scope: the step's forward and backward are graphs, and the eager
+    code left is the optimizer's)."""
+    wholes = [r for r in recordings if r.target.kind == MODEL_KIND]
+    return not wholes or any(r.off_reason is not None or not r.graphs() for r in wholes)
+
+
+def place_workspaces(active: bool, recordings: Sequence[TargetRecording]) -> bool:
+    """After a manager's captures and the release of the unused cache (``active``,
+    on CUDA, not under ``CUDAGRAPHS_KEEP_CACHE=1``), where eager model code remains
+    (:func:`eager_code_remains`): make the eager cuBLAS workspaces now
+    (:func:`~cudagraphs.memory.place_cublas_workspaces` says why), so the next
+    backward does not cut its workspace out of the loss's blocks. Returns whether it
+    did."""
+    if not (active and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    if env_flag(KEEP_CACHE_ENV):
+        return False
+    if not eager_code_remains(recordings):
+        return False
+    place_cublas_workspaces(torch.cuda.current_device())
+    return True
 
 
 def read_disabled(fixed: bool | None) -> bool:

@@ -26,6 +26,7 @@ from .graphing import (
     calls_to_capture,
     capture_calls,
     capture_model_first,
+    place_workspaces,
     read_disabled,
     release_cached,
 )
@@ -450,6 +451,7 @@ class PartialCudaGraphManager:
             elif d.recording.graphs():
                 d.install()
         self._released_bytes += release_cached(release)
+        place_workspaces(release, recordings)
 
     def stats(self) -> dict[str, int]:
         """Totals over all targets (keys: see the class docs)."""
