@@ -120,6 +120,7 @@ def test_a_recorded_step_and_its_capture_scope_once(scopes, monkeypatch):
     monkeypatch.setattr(
         graphing, "release_unused_cache", lambda device, why: at_release.append(list(scopes)) or 0
     )
+    monkeypatch.setattr(graphing, "place_cublas_workspaces", lambda device: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     model = tiny()
     mgr = PartialCudaGraphManager.from_model_parts(
