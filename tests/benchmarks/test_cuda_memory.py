@@ -45,8 +45,8 @@ def measured():
 
 # Open (issue 36): two pools' working sets added where eager has one (default scopes),
 # and the "model" scope's static logits held through its backward graph; measured
-# 1.131x and 1.214x here, the callback 1.083x
-# (benchmarks/results/memory-*-3c64d4a-owned*.json). strict: passing turns this red.
+# 1.132x and 1.190x here, the callback 1.072x
+# (benchmarks/results/memory-*-e907443-ws*.json). strict: passing turns this red.
 _OPEN = {"partial_default", "partial_model"}
 
 
