@@ -157,7 +157,8 @@ def place_cublas_workspaces(device: torch.device | int | str) -> None:
     cached, a workspace fills a hole or takes a segment of its own size. Measured on
     the benchmark's ``small`` shape, partial graphs with the default scopes:
     ``docs/memory.md``."""
-    with torch.enable_grad():
+    # Under the caller's inference mode or no_grad (an evaluation's capture) too.
+    with torch.inference_mode(False), torch.enable_grad():
         a = torch.ones(2, 2, device=device, requires_grad=True)
         torch.autograd.grad((a @ a).sum(), (a,))
 

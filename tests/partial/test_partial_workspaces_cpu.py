@@ -33,10 +33,12 @@ class _CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_matmul_runs_forward_and_backward_under_no_grad_and_grad_mode_is_kept():
-    with torch.no_grad(), _CountMatmuls() as counted:
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_matmul_runs_forward_and_backward_and_the_callers_mode_is_kept(mode):
+    with mode(), _CountMatmuls() as counted:
         assert memory.place_cublas_workspaces("cpu") is None
         assert not torch.is_grad_enabled()
+        assert torch.is_inference_mode_enabled() is (mode is torch.inference_mode)
     # One forward matmul, and the backward's (the gradient of a @ a takes two).
     assert counted.mm == 3
 
