@@ -392,7 +392,10 @@ class PartialCudaGraphManager:
         (:func:`~cudagraphs.memory.release_unused_cache`; ``CUDAGRAPHS_KEEP_CACHE=1``
         keeps it): the eager steps before the capture
         cached the graphed targets' activations too, which now live in the graphs'
-        pools. The next step's eager allocations come from the driver once.
+        pools. The next step's eager allocations come from the driver once. Right
+        after that release, where eager model code remains beside the graphs, the
+        eager cuBLAS workspaces are made (:func:`.graphing.place_workspaces`), so the
+        next backward does not cut its workspace out of the loss's freed blocks.
 
         Reads ``CUDAGRAPHS_DISABLE`` (:func:`cudagraphs.settings.graphs_disabled`):
         when set, the eager backend stands in for the graphing one (see the class
