@@ -13,6 +13,9 @@
   eager allocations are made in expandable segments
   (:class:`cudagraphs.memory.RecordingSegments`); ``0`` leaves them to the caching
   allocator's settings.
+* ``CUDAGRAPHS_COMPACT_STATE`` (default on): after a partial-graph capture, the state
+  of the optimizers that stepped while recording is packed into one buffer per dtype
+  (:mod:`cudagraphs.optimizer_state`); ``0`` leaves it where it is.
 * ``CUDAGRAPHS_OWNED_GRADS``: how owned parameter gradients leave a backward replay:
   ``defer`` (the default: the graph memory itself, copied only when something still
   holds it at the next replay that could overwrite it:
@@ -37,11 +40,13 @@ from .errors import CudaGraphsValueError
 
 __all__ = [
     "BINDING_ENV",
+    "COMPACT_STATE_ENV",
     "DISABLE_ENV",
     "EXPANDABLE_POOLS_ENV",
     "EXPANDABLE_RECORDING_ENV",
     "OWNED_GRADS_ENV",
     "STRICT_BUCKETS_ENV",
+    "compact_state",
     "env_choice",
     "env_flag",
     "expandable_pools",
@@ -55,6 +60,7 @@ STRICT_BUCKETS_ENV = "CUDAGRAPHS_REQUIRE_ALL_BUCKETS"
 BINDING_ENV = "CUDAGRAPHS_CUDA_BINDING"
 EXPANDABLE_POOLS_ENV = "CUDAGRAPHS_EXPANDABLE_POOLS"
 EXPANDABLE_RECORDING_ENV = "CUDAGRAPHS_EXPANDABLE_RECORDING"
+COMPACT_STATE_ENV = "CUDAGRAPHS_COMPACT_STATE"
 OWNED_GRADS_ENV = "CUDAGRAPHS_OWNED_GRADS"
 
 _TRUE = ("1", "true", "yes", "on")
@@ -115,6 +121,11 @@ def expandable_pools() -> bool:
 def expandable_recording() -> bool:
     """``CUDAGRAPHS_EXPANDABLE_RECORDING`` now (default on)."""
     return env_flag(EXPANDABLE_RECORDING_ENV, default=True)
+
+
+def compact_state() -> bool:
+    """``CUDAGRAPHS_COMPACT_STATE`` now (default on)."""
+    return env_flag(COMPACT_STATE_ENV, default=True)
 
 
 def owned_grads_deferred() -> bool:

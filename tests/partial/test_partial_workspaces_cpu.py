@@ -1,8 +1,11 @@
-"""Eager cuBLAS workspaces placed after a partial capture: ``memory.place_cublas_workspaces``
-runs a matmul forward and backward (the two threads' workspaces), and the manager
-makes them right after its last release, only where eager model code remains beside
-the graphs (not under the ``"model"`` scope graphed whole), never under
-``CUDAGRAPHS_KEEP_CACHE=1`` or ``CUDAGRAPHS_DISABLE=1``. CUDA is stood in for."""
+"""What a partial capture does to memory after its captures: the optimizers that
+stepped while recording have their state packed (``optimizer_state``) and the cache
+released again, and the eager cuBLAS workspaces are placed
+(``memory.place_cublas_workspaces`` runs a matmul forward and backward: the two
+threads' workspaces) right after the last release, only where eager model code
+remains beside the graphs (not under the ``"model"`` scope graphed whole). Neither
+under ``CUDAGRAPHS_KEEP_CACHE=1`` or ``CUDAGRAPHS_DISABLE=1``; no packing under
+``CUDAGRAPHS_COMPACT_STATE=0``. CUDA is stood in for."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cudagraphs import memory
 from cudagraphs.partial import MODEL_SCOPE, PartialCudaGraphManager, graphing
 from cudagraphs.partial.vocabulary import MODEL_KIND
-from cudagraphs.settings import DISABLE_ENV
+from cudagraphs.settings import COMPACT_STATE_ENV, DISABLE_ENV
 from helpers.hf_models import tiny
 from helpers.partial_manager import NARROW, eager_backend, step
 
@@ -92,28 +95,74 @@ def placed(monkeypatch):
     monkeypatch.setattr(
         graphing, "place_cublas_workspaces", lambda device: events.append(f"place:{device}")
     )
+    monkeypatch.setattr(
+        graphing,
+        "compact_all",
+        lambda optimizers, device: events.append(f"compact:{len(list(optimizers))}") or 4096,
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.delenv(memory.KEEP_CACHE_ENV, raising=False)
     monkeypatch.delenv(DISABLE_ENV, raising=False)
+    monkeypatch.delenv(COMPACT_STATE_ENV, raising=False)
     return events
 
 
-def _captured(scopes) -> PartialCudaGraphManager:
+def _captured(scopes, optimizer_steps: tuple[str, ...] = ()) -> PartialCudaGraphManager:
+    """A manager recorded on one step and captured; ``optimizer_steps`` says when an
+    optimizer steps: ``"before"`` recording, ``"inside"`` it, ``"after"`` capture."""
     model = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    # Another model's optimizer, stepping inside the recording too: never packed.
+    other = torch.nn.Linear(2, 2)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.0)
     mgr = PartialCudaGraphManager.from_model_parts(
         [model], capture_backend=eager_backend, scopes=scopes, speed_check=False
     )
+    ids = torch.randint(0, 128, (1, 8))
+    if "before" in optimizer_steps:
+        step(model, ids)
+        opt.step()
     mgr.start_recording()
-    step(model, torch.randint(0, 128, (1, 8)))
+    step(model, ids)
+    if "inside" in optimizer_steps:
+        opt.step()
+    other(torch.ones(1, 2)).sum().backward()
+    other_opt.step()
     mgr.capture()
+    if "after" in optimizer_steps:
+        step(model, ids)
+        opt.step()
     return mgr
 
 
 def test_default_scopes_place_the_workspaces_once_after_the_last_release(placed):
     assert _captured(NARROW).stats()["captured"] == 2
     assert placed == ["release", "release", "place:0"]
+
+
+def test_an_optimizer_that_stepped_while_recording_is_packed_then_released(placed):
+    mgr = _captured(NARROW, ("before", "inside", "after"))
+    assert placed == ["release", "release", "compact:1", "release", "place:0"]
+    assert mgr.stats()["compacted_state_bytes"] == 4096
+
+
+def test_optimizers_that_stepped_only_outside_the_recording_are_not_packed(placed):
+    mgr = _captured(NARROW, ("before", "after"))
+    assert placed == ["release", "release", "place:0"]
+    assert "compacted_state_bytes" not in mgr.stats()
+
+
+def test_packing_is_off_under_its_variable(placed, monkeypatch):
+    monkeypatch.setenv(COMPACT_STATE_ENV, "0")
+    _captured(NARROW, ("inside",))
+    assert placed == ["release", "release", "place:0"]
+
+
+def test_the_model_scope_packs_the_state_too(placed):
+    _captured((MODEL_SCOPE,), ("inside",))
+    assert placed == ["release", "release", "compact:1", "release"]
 
 
 def test_the_model_scope_graphed_whole_places_none(placed):
@@ -125,8 +174,8 @@ def test_the_model_scope_graphed_whole_places_none(placed):
 @pytest.mark.parametrize("env", [memory.KEEP_CACHE_ENV, DISABLE_ENV])
 def test_nothing_is_placed_when_the_cache_is_kept_or_graphs_are_off(placed, monkeypatch, env):
     monkeypatch.setenv(env, "1")
-    _captured(NARROW)
-    assert not [e for e in placed if e.startswith("place")]
+    _captured(NARROW, ("inside",))
+    assert not [e for e in placed if e.startswith(("place", "compact"))]
 
 
 def test_no_cuda_places_nothing(monkeypatch):
@@ -134,3 +183,11 @@ def test_no_cuda_places_nothing(monkeypatch):
     calls = []
     monkeypatch.setattr(graphing, "place_cublas_workspaces", lambda device: calls.append(device))
     assert graphing.place_workspaces(True, []) is False and calls == []
+
+
+def test_no_cuda_packs_nothing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = []
+    monkeypatch.setattr(graphing, "compact_all", lambda o, d: calls.append(d) or 1)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    assert graphing.compact_stepped(True, [opt], []) == 0 and calls == []

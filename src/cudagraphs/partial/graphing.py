@@ -48,7 +48,8 @@ from ..errors import (
     TargetSelectionError,
 )
 from ..memory import KEEP_CACHE_ENV, place_cublas_workspaces, release_unused_cache
-from ..settings import DISABLE_ENV, env_flag, graphs_disabled
+from ..optimizer_state import compact_all, optimizers_of
+from ..settings import DISABLE_ENV, compact_state, env_flag, graphs_disabled
 from .chaining import group_sharing
 from .contract import AutocastState, flatten_call
 from .model_scope import CHECKPOINT_REFUSAL, opaque_output_fix, opaque_outputs, refused_message
@@ -155,6 +156,27 @@ def place_workspaces(active: bool, recordings: Sequence[TargetRecording]) -> boo
         return False
     place_cublas_workspaces(torch.cuda.current_device())
     return True
+
+
+def compact_stepped(
+    active: bool,
+    optimizers: Sequence[torch.optim.Optimizer],
+    recordings: Sequence[TargetRecording],
+) -> int:
+    """After a manager's captures and the release of the unused cache (``active``,
+    on CUDA, not under ``CUDAGRAPHS_KEEP_CACHE=1`` nor ``CUDAGRAPHS_COMPACT_STATE=0``):
+    pack the state of ``optimizers`` (those that stepped while recording) that update
+    a parameter of one of the targets of ``recordings``, on the current device, into
+    one buffer per dtype
+    (:mod:`cudagraphs.optimizer_state` says why and what moves); returns the bytes
+    moved, whose old segments the caller's next release gives back."""
+    if not (active and optimizers and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0
+    if env_flag(KEEP_CACHE_ENV) or not compact_state():
+        return 0
+    params = [p for r in recordings for p in r.target.module.parameters()]
+    owned = optimizers_of(optimizers, params)
+    return compact_all(owned, torch.cuda.current_device()) if owned else 0
 
 
 def read_disabled(fixed: bool | None) -> bool:

@@ -18,6 +18,7 @@ from ..compile_watch import check_compile_options
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphsStateError, CudaGraphsTypeError
 from ..memory import RecordingSegments
+from ..optimizer_state import SteppedOptimizers
 from .arguments import RETIRED, Selector, as_model_parts, refuse_retired
 from .build import recordings_from_model_parts
 from .graphing import (
@@ -26,6 +27,7 @@ from .graphing import (
     calls_to_capture,
     capture_calls,
     capture_model_first,
+    compact_stepped,
     place_workspaces,
     read_disabled,
     release_cached,
@@ -97,7 +99,7 @@ class PartialCudaGraphManager:
     (:class:`~cudagraphs.memory.MemoryAccount`) summed over the captures:
     ``pool_reserved_bytes``, ``pool_allocated_bytes``, ``unused_cache_bytes``,
     ``driver_bytes`` and ``released_bytes`` (with what :meth:`capture` itself gave
-    back).
+    back); ``compacted_state_bytes`` where a capture packed optimizer state.
 
     Args:
         dispatchers: one per target, in module order, each around the target's
@@ -189,6 +191,9 @@ class PartialCudaGraphManager:
         self._released_bytes = 0  # given back to the driver after captures
         # The recording step's eager segments (see RecordingSegments: why).
         self._recording_segments = RecordingSegments()
+        # The optimizers that step while recording, whose state a capture packs.
+        self._stepped = SteppedOptimizers()
+        self._compacted_bytes = 0
 
     @property
     def recordings(self) -> list[TargetRecording]:
@@ -362,6 +367,7 @@ class PartialCudaGraphManager:
         self._check_open()
         self._recorder.start()
         self._recording_segments.enter()
+        self._stepped.enter()
 
     def _saw_recompute(self, rec: TargetRecording) -> None:
         if not self.activation_checkpointing:
@@ -380,6 +386,7 @@ class PartialCudaGraphManager:
         recording, and after :meth:`close`."""
         self._recorder.stop()
         self._recording_segments.leave()
+        self._stepped.leave()
 
     def capture(self) -> None:
         """Graph every recorded, not yet graphed call, in real forward order
@@ -396,6 +403,10 @@ class PartialCudaGraphManager:
         after that release, where eager model code remains beside the graphs, the
         eager cuBLAS workspaces are made (:func:`.graphing.place_workspaces`), so the
         next backward does not cut its workspace out of the loss's freed blocks.
+        Before that, the state of the optimizers that stepped while recording is
+        packed into one buffer per dtype (:mod:`cudagraphs.optimizer_state`;
+        ``CUDAGRAPHS_COMPACT_STATE=0`` turns it off) and released again, so the
+        segments it shared with the recording step's activations go back too.
 
         Reads ``CUDAGRAPHS_DISABLE`` (:func:`cudagraphs.settings.graphs_disabled`):
         when set, the eager backend stands in for the graphing one (see the class
@@ -454,6 +465,10 @@ class PartialCudaGraphManager:
             elif d.recording.graphs():
                 d.install()
         self._released_bytes += release_cached(release)
+        moved = compact_stepped(release, self._stepped.optimizers(), recordings)
+        if moved:
+            self._compacted_bytes += moved
+            self._released_bytes += release_cached(release)
         place_workspaces(release, recordings)
 
     def stats(self) -> dict[str, int]:
@@ -465,6 +480,7 @@ class PartialCudaGraphManager:
             self._disabled,
             self.model_off,
             self._released_bytes,
+            self._compacted_bytes,
         )
 
     def log_stats(self, phase: str) -> None:

@@ -34,6 +34,7 @@ def stats_of(
     disabled: bool | None,
     model_off: Sequence[ModelScopeOff] = (),
     released_bytes: int = 0,
+    compacted_bytes: int = 0,
 ) -> dict[str, int]:
     """Totals over the targets of ``dispatchers``, the blocks and the parts not graphed
     whole (keys: see the manager's class docs); ``disabled`` is what the manager's
@@ -57,6 +58,8 @@ def stats_of(
         out[key] = out.get(key, 0) + 1
     _add_memory(out, recordings)
     _add_accounts(out, recordings, released_bytes)
+    if compacted_bytes:
+        out["compacted_state_bytes"] = compacted_bytes
     return out
 
 

@@ -1,0 +1,184 @@
+"""An optimizer's state packed into one buffer per dtype, after a partial capture.
+
+Why: an optimizer makes its state lazily, at its first step, in the holes that the
+step's activations left in the caching allocator's segments. Once the activations of
+the graphed layers live in the graphs' pools, those segments hold little but the
+state, and a segment (or, in an expandable one, a 20 MiB page) goes back to the driver
+only when all of it is free: the release after a capture
+(:func:`~cudagraphs.memory.release_unused_cache`) cannot give back the holes between
+state tensors, and the eager steps that follow grow new segments beside them. Packing
+the state into one new buffer per device and dtype frees every block it held, so the
+next release gives those segments back.
+
+What moves: a state tensor of a plain ``torch.Tensor`` type on the device, contiguous,
+not requiring grad, alone on a storage it fills whole, which nothing but the optimizer
+refers to (its storage's use count says so). Each keeps its identity: it is pointed at
+its place in the new buffer with ``Tensor.set_``, so the optimizer's ``state``, its
+``state_dict()`` and its next steps read the same values at the new address. Places
+are 512-byte aligned, as the caching allocator's blocks are, so fused and ``foreach``
+kernels keep their vectorized paths. An optimizer whose parameter groups say
+``capturable=True`` is left alone: its step may sit inside a graph that holds the old
+addresses. ``CUDAGRAPHS_COMPACT_STATE=0`` turns packing off.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .torch_private import can_count_storage_uses, storage_use_count
+
+__all__ = [
+    "SteppedOptimizers",
+    "compact_all",
+    "compact_optimizer_state",
+    "movable_state",
+    "optimizers_of",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The caching allocator's block granularity: each packed tensor starts on it.
+ALIGN_BYTES = 512
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for entry in optimizer.state.values():
+        if isinstance(entry, dict):
+            out.extend(v for v in entry.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def _capturable(optimizer: torch.optim.Optimizer) -> bool:
+    return any(bool(g.get("capturable", False)) for g in optimizer.param_groups)
+
+
+def movable_state(
+    optimizer: torch.optim.Optimizer, device: torch.device | str | int
+) -> list[torch.Tensor]:
+    """The state tensors of ``optimizer`` on ``device`` that :func:`compact_optimizer_state`
+    may move (module docs: which), each once, in the optimizer's state order."""
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if _capturable(optimizer) or not can_count_storage_uses():
+        return []
+    tensors = _state_tensors(optimizer)
+    per_storage: dict[int, int] = {}
+    for t in tensors:
+        if t.untyped_storage().nbytes():
+            key = t.untyped_storage().data_ptr()
+            per_storage[key] = per_storage.get(key, 0) + 1
+    # A storage object counts itself once (its Python object holds the C++ storage).
+    probe = torch.empty(1)
+    own = storage_use_count(probe.untyped_storage()) - 1
+    out, seen = [], set()
+    for t in tensors:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        storage = t.untyped_storage()
+        if not (
+            type(t) is torch.Tensor
+            and t.device == device
+            and not t.requires_grad
+            and t.is_contiguous()
+            and t.storage_offset() == 0
+            and storage.nbytes() > 0
+            and storage.nbytes() == t.numel() * t.element_size()
+            and per_storage.get(storage.data_ptr()) == 1
+            # Only this tensor holds the storage: no view or alias kept elsewhere.
+            and storage_use_count(storage) == 1 + own
+        ):
+            continue
+        out.append(t)
+    return out
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def compact_optimizer_state(
+    optimizer: torch.optim.Optimizer, device: torch.device | str | int
+) -> int:
+    """Move the movable state of ``optimizer`` on ``device`` (:func:`movable_state`)
+    into one new buffer per dtype, each tensor keeping its identity and values; return
+    the bytes moved. The old blocks are freed when this returns (the caller's release
+    gives their segments back). Values are copied exactly, on the current stream."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in movable_state(optimizer, device):
+        groups.setdefault(t.dtype, []).append(t)
+    moved = 0
+    with torch.no_grad():
+        for dtype, tensors in groups.items():
+            size = torch.empty((), dtype=dtype).element_size()
+            if ALIGN_BYTES % size:
+                continue
+            offsets, total = [], 0
+            for t in tensors:
+                offsets.append(total // size)
+                total += _aligned(t.numel() * size)
+            flat = torch.empty(total // size, dtype=dtype, device=tensors[0].device)
+            for t, offset in zip(tensors, offsets):
+                flat.narrow(0, offset, t.numel()).copy_(t.reshape(-1))
+            storage = flat.untyped_storage()
+            for t, offset in zip(tensors, offsets):
+                t.set_(storage, offset, t.size(), t.stride())
+                moved += t.numel() * size
+    return moved
+
+
+@dataclass
+class SteppedOptimizers:
+    """The optimizers whose ``step()`` ran between :meth:`enter` and :meth:`leave`
+    (both idempotent), seen through torch's global optimizer step hook and held
+    weakly: the optimizers of a recording step, whose state a capture packs."""
+
+    seen: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    handle: torch.utils.hooks.RemovableHandle | None = None
+
+    def enter(self) -> None:
+        if self.handle is None:
+            self.handle = register_optimizer_step_post_hook(self._saw)
+
+    def _saw(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self.seen.add(optimizer)
+
+    def leave(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return list(self.seen)
+
+
+def optimizers_of(
+    optimizers: Iterable[torch.optim.Optimizer], params: Iterable[torch.Tensor]
+) -> list[torch.optim.Optimizer]:
+    """Those of ``optimizers`` that update at least one of ``params``: a manager packs
+    the state of its own model's optimizers only."""
+    wanted = {id(p) for p in params}
+    return [
+        o for o in optimizers if any(id(p) in wanted for g in o.param_groups for p in g["params"])
+    ]
+
+
+def compact_all(
+    optimizers: Iterable[torch.optim.Optimizer], device: torch.device | str | int
+) -> int:
+    """:func:`compact_optimizer_state` for each of ``optimizers`` on ``device``;
+    the total bytes moved, logged at INFO."""
+    moved = sum(compact_optimizer_state(o, device) for o in optimizers)
+    if moved:
+        logger.info(
+            "partial graphs capture: packed %.0f MiB of optimizer state into one buffer "
+            "per dtype (CUDAGRAPHS_COMPACT_STATE=0 leaves it in place)",
+            moved / (1 << 20),
+        )
+    return moved

@@ -1,0 +1,231 @@
+"""Optimizer state packed into one buffer per dtype (``cudagraphs.optimizer_state``):
+which tensors move (a property test against a plain rule), that moved tensors keep
+their identity, values and 512-byte alignment, that the optimizer's next steps are
+bitwise those of an unpacked twin, and which optimizers a recording sees step. The
+packing is device-generic, so CPU tensors stand in for CUDA ones."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cudagraphs import optimizer_state
+from cudagraphs.optimizer_state import (
+    ALIGN_BYTES,
+    SteppedOptimizers,
+    compact_optimizer_state,
+    movable_state,
+)
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+_SHAPES = st.lists(st.integers(1, 5), min_size=0, max_size=3).map(tuple)
+
+
+def _trained(shapes, dtypes, *, foreach=True, steps=2, seed=0):
+    torch.manual_seed(seed)
+    params = [torch.randn(s, dtype=d, requires_grad=True) for s, d in zip(shapes, dtypes)]
+    opt = torch.optim.AdamW(params, lr=0.1, foreach=foreach)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return params, opt
+
+
+def _step(params, opt, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    opt.step()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(_SHAPES, st.sampled_from(_DTYPES)), min_size=1, max_size=6),
+    st.booleans(),
+)
+def test_packed_state_keeps_identity_values_and_steps_bitwise(layout, foreach):
+    shapes, dtypes = zip(*layout)
+    params, opt = _trained(shapes, dtypes, foreach=foreach)
+    twin_params = [p.detach().clone().requires_grad_() for p in params]
+    twin = torch.optim.AdamW(twin_params, lr=0.1, foreach=foreach)
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+    before = {id(t): (t, t.clone()) for t in optimizer_state.movable_state(opt, "cpu")}
+    moved = compact_optimizer_state(opt, "cpu")
+    assert moved == sum(t.numel() * t.element_size() for t, _ in before.values())
+    for t, old in before.values():
+        assert torch.equal(t, old) and t.dtype == old.dtype and t.shape == old.shape
+    # Identity: the optimizer's own entries are the very tensors that moved.
+    state_ids = {id(v) for s in opt.state.values() for v in s.values()}
+    assert set(before) <= state_ids
+    # One storage per dtype, each tensor on a 512-byte boundary, none overlapping.
+    per_dtype: dict[torch.dtype, set[int]] = {}
+    spans = []
+    for t, _ in before.values():
+        per_dtype.setdefault(t.dtype, set()).add(t.untyped_storage().data_ptr())
+        start = t.data_ptr()
+        assert (start - t.untyped_storage().data_ptr()) % ALIGN_BYTES == 0
+        spans.append((start, start + t.numel() * t.element_size()))
+    assert all(len(ptrs) == 1 for ptrs in per_dtype.values())
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+    for seed in (1, 2):
+        _step(params, opt, seed)
+        _step(twin_params, twin, seed)
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+    for (_, s), (_, u) in zip(opt.state.items(), twin.state.items()):
+        for key in s:
+            assert torch.equal(s[key], u[key])
+
+
+# Each state tensor is made with a set of traits; the rule, as a plain predicate.
+_TRAITS = st.fixed_dictionaries(
+    {
+        "kept_view": st.booleans(),
+        "shared": st.booleans(),
+        "strided": st.booleans(),
+        "offset": st.booleans(),
+        "grad": st.booleans(),
+        "meta": st.booleans(),
+        "subclass": st.booleans(),
+        "empty": st.booleans(),
+    }
+)
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_TRAITS, min_size=1, max_size=6), st.booleans())
+def test_which_state_moves_follows_the_rule(traits, capturable):
+    params = [torch.zeros(2, requires_grad=True) for _ in traits]
+    opt = torch.optim.SGD(params, lr=0.1)
+    opt.param_groups[0]["capturable"] = capturable
+    keep, expected = [], set()
+    shared = torch.zeros(8)
+    for p, tr in zip(params, traits):
+        if tr["meta"]:
+            t = torch.zeros(4, device="meta")
+        elif tr["empty"]:
+            t = torch.zeros(0)
+        elif tr["shared"]:
+            t = shared[:4] if not tr["offset"] else shared[4:]
+        elif tr["strided"]:
+            t = torch.zeros(4, 2)[:, 0]
+        elif tr["offset"]:
+            t = torch.zeros(6)[2:]
+        else:
+            t = torch.zeros(4)
+        if tr["grad"] and t.is_floating_point():
+            t = t.requires_grad_() if t._base is None else t.detach().requires_grad_()
+        if tr["subclass"]:
+            t = t.as_subclass(_Sub)
+        if tr["kept_view"]:
+            keep.append(t.view(-1))
+        opt.state[p] = {"buf": t}
+    # The rule: a plain CPU tensor, contiguous, no grad, filling a storage of bytes
+    # only it holds, of an optimizer that is not capturable.
+    for p in params:
+        t = opt.state[p]["buf"]
+        alone = (
+            sum(
+                opt.state[q]["buf"].untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                for q in params
+                if opt.state[q]["buf"].device.type == "cpu"
+            )
+            == 1
+        )
+        if (
+            not capturable
+            and type(t) is torch.Tensor
+            and t.device.type == "cpu"
+            and not t.requires_grad
+            and t.is_contiguous()
+            and t.storage_offset() == 0
+            and t.numel() > 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            and alone
+            and not any(
+                k.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for k in keep
+            )
+        ):
+            expected.add(id(t))
+    assert {id(t) for t in movable_state(opt, "cpu")} == expected
+    # What does not move keeps its storage.
+    others = [(t, t.untyped_storage().data_ptr()) for s in opt.state.values() for t in s.values()]
+    compact_optimizer_state(opt, "cpu")
+    for t, ptr in others:
+        if id(t) not in expected:
+            assert t.untyped_storage().data_ptr() == ptr
+
+
+def test_packing_twice_moves_nothing_the_second_time():
+    _, opt = _trained([(3, 4), (5,)], [torch.float32, torch.float32])
+    assert compact_optimizer_state(opt, "cpu") > 0
+    # Now all share one storage: nothing is alone on its storage any more.
+    assert compact_optimizer_state(opt, "cpu") == 0
+
+
+def test_state_on_another_device_is_left_alone():
+    _, opt = _trained([(3,)], [torch.float32])
+    assert movable_state(opt, "meta") == []
+    assert compact_optimizer_state(opt, "meta") == 0
+
+
+def test_the_recording_sees_only_the_optimizers_that_stepped_inside():
+    params_a, opt_a = _trained([(2,)], [torch.float32], steps=0)
+    params_b, opt_b = _trained([(2,)], [torch.float32], steps=0)
+    seen = SteppedOptimizers()
+    _step(params_a, opt_a, 0)  # before: not seen
+    seen.enter()
+    seen.enter()  # idempotent: one hook
+    _step(params_b, opt_b, 0)
+    seen.leave()
+    seen.leave()
+    _step(params_a, opt_a, 1)  # after: not seen
+    assert seen.optimizers() == [opt_b]
+    assert seen.handle is None
+
+
+def test_an_optimizer_dropped_by_its_owner_is_not_kept_alive():
+    seen = SteppedOptimizers()
+    seen.enter()
+    params, opt = _trained([(2,)], [torch.float32], steps=1)
+    seen.leave()
+    assert len(seen.optimizers()) == 1
+    del opt, params
+    import gc
+
+    gc.collect()
+    assert seen.optimizers() == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compact_all_sums_the_bytes(dtype):
+    _, a = _trained([(3, 4)], [dtype])
+    _, b = _trained([(5,)], [dtype])
+    moved = optimizer_state.compact_all([a, b], "cpu")
+    # AdamW's exp_avg and exp_avg_sq of each parameter; step stays on the CPU as a
+    # float32 scalar tensor and moves too.
+    size = torch.empty((), dtype=dtype).element_size()
+    assert moved == 2 * (12 + 5) * size + 2 * 4
+
+
+def test_a_manager_packs_only_the_optimizers_of_its_parameters():
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD([{"params": [b.weight]}, {"params": [a.bias]}], lr=0.1)
+    opt_c = torch.optim.SGD(b.parameters(), lr=0.1)
+    assert optimizer_state.optimizers_of([opt_a, opt_b, opt_c], a.parameters()) == [
+        opt_a,
+        opt_b,
+    ]
