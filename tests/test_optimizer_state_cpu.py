@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from cudagraphs import optimizer_state
 from cudagraphs.optimizer_state import (
     ALIGN_BYTES,
+    MIN_GAIN_BYTES,
     SteppedOptimizers,
     compact_optimizer_state,
+    freeable_segments,
     movable_state,
 )
 
@@ -210,10 +212,10 @@ def test_an_optimizer_dropped_by_its_owner_is_not_kept_alive():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compact_all_sums_the_bytes(dtype):
+def test_packing_two_optimizers_sums_the_bytes(dtype):
     _, a = _trained([(3, 4)], [dtype])
     _, b = _trained([(5,)], [dtype])
-    moved = optimizer_state.compact_all([a, b], "cpu")
+    moved = optimizer_state.pack(movable_state(a, "cpu") + movable_state(b, "cpu"))
     # AdamW's exp_avg and exp_avg_sq of each parameter; step stays on the CPU as a
     # float32 scalar tensor and moves too.
     size = torch.empty((), dtype=dtype).element_size()
@@ -229,3 +231,64 @@ def test_a_manager_packs_only_the_optimizers_of_its_parameters():
         opt_a,
         opt_b,
     ]
+
+
+# A segment as a list of blocks, each (owner, size): "state" (a movable state tensor),
+# "other" (a live tensor of anyone else) or "free"; and its pool.
+_BLOCK = st.tuples(
+    st.sampled_from(["state", "other", "free"]),
+    st.integers(1, 12).map(lambda k: k * (1 << 19)),
+)
+_SEGMENT = st.tuples(st.lists(_BLOCK, min_size=1, max_size=6), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_SEGMENT, max_size=6), st.integers(0, 4 << 20))
+def test_freeable_segments_match_a_plain_reading_of_the_layout(layout, min_gain):
+    segments, movable, expected = [], {}, []
+    base = 1 << 30
+    for blocks, graph_pool in layout:
+        addresses, addr = [], base
+        for _, size in blocks:
+            addresses.append(addr)
+            addr += size
+        total = addr - base
+        segments.append(
+            {
+                "address": base,
+                "total_size": total,
+                "segment_pool_id": (1, 0) if graph_pool else (0, 0),
+                "blocks": [
+                    {"size": size, "state": "inactive" if owner == "free" else "active_allocated"}
+                    for owner, size in blocks
+                ],
+            }
+        )
+        states = [a for a, (owner, _) in zip(addresses, blocks) if owner == "state"]
+        for a, (owner, size) in zip(addresses, blocks):
+            if owner == "state":
+                movable[a] = size
+        free = sum(size for owner, size in blocks if owner == "free")
+        others = any(owner == "other" for owner, _ in blocks)
+        if not graph_pool and states and not others and free >= min_gain:
+            expected.append((free, states))
+        base = addr + (64 << 20)
+    got = freeable_segments(segments, movable, min_gain)
+    assert sorted(got) == sorted(expected)
+    assert [gain for gain, _ in got] == sorted((gain for gain, _ in got), reverse=True)
+
+
+def test_the_default_gain_leaves_exact_size_segments_alone():
+    # A 22.5 MiB tensor in its own 24 MiB segment: 1.5 MiB of rounding, not worth it.
+    seg = {
+        "address": 0,
+        "total_size": 24 << 20,
+        "segment_pool_id": (0, 0),
+        "blocks": [
+            {"size": 45 << 19, "state": "active_allocated"},
+            {"size": 3 << 19, "state": "inactive"},
+        ],
+    }
+    assert freeable_segments([seg], {0: 45 << 19}) == []
+    assert freeable_segments([seg], {0: 45 << 19}, min_gain=1 << 20) == [(3 << 19, [0])]
+    assert MIN_GAIN_BYTES == 2 << 20

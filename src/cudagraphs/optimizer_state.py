@@ -6,9 +6,11 @@ the graphed layers live in the graphs' pools, those segments hold little but the
 state, and a segment (or, in an expandable one, a 20 MiB page) goes back to the driver
 only when all of it is free: the release after a capture
 (:func:`~cudagraphs.memory.release_unused_cache`) cannot give back the holes between
-state tensors, and the eager steps that follow grow new segments beside them. Packing
-the state into one new buffer per device and dtype frees every block it held, so the
-next release gives those segments back.
+state tensors, and the eager steps that follow grow new segments beside them.
+:func:`compact_fragmented` packs the state held in such segments (and nothing else
+pins) into new buffers, one per dtype, and gives the segments back, in batches that
+never raise the process's peak of reserved memory. State in segments it fills (large
+tensors, each in a segment of its own size) stays where it is.
 
 What moves: a state tensor of a plain ``torch.Tensor`` type on the device, contiguous,
 not requiring grad, alone on a storage it fills whole, which nothing but the optimizer
@@ -25,26 +27,32 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .memory import release_unused_cache
 from .torch_private import can_count_storage_uses, storage_use_count
 
 __all__ = [
     "SteppedOptimizers",
-    "compact_all",
+    "compact_fragmented",
     "compact_optimizer_state",
+    "freeable_segments",
     "movable_state",
     "optimizers_of",
+    "pack",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: The caching allocator's block granularity: each packed tensor starts on it.
 ALIGN_BYTES = 512
+#: The least unused memory a segment must hold to be worth packing: the caching
+#: allocator rounds large blocks to 2 MiB, so an exact-size segment never does.
+MIN_GAIN_BYTES = 2 << 20
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -103,34 +111,71 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def compact_optimizer_state(
-    optimizer: torch.optim.Optimizer, device: torch.device | str | int
-) -> int:
-    """Move the movable state of ``optimizer`` on ``device`` (:func:`movable_state`)
-    into one new buffer per dtype, each tensor keeping its identity and values; return
-    the bytes moved. The old blocks are freed when this returns (the caller's release
-    gives their segments back). Values are copied exactly, on the current stream."""
+def pack(tensors: Sequence[torch.Tensor]) -> int:
+    """Move ``tensors`` (each alone on a storage it fills, as :func:`movable_state`
+    gives them) into one new buffer per dtype, each keeping its identity and values;
+    return the bytes moved. Their old blocks are freed when this returns. Values are
+    copied exactly, on the current stream."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in movable_state(optimizer, device):
+    for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
     moved = 0
     with torch.no_grad():
-        for dtype, tensors in groups.items():
+        for dtype, group in groups.items():
             size = torch.empty((), dtype=dtype).element_size()
             if ALIGN_BYTES % size:
                 continue
             offsets, total = [], 0
-            for t in tensors:
+            for t in group:
                 offsets.append(total // size)
                 total += _aligned(t.numel() * size)
-            flat = torch.empty(total // size, dtype=dtype, device=tensors[0].device)
-            for t, offset in zip(tensors, offsets):
+            flat = torch.empty(total // size, dtype=dtype, device=group[0].device)
+            for t, offset in zip(group, offsets):
                 flat.narrow(0, offset, t.numel()).copy_(t.reshape(-1))
             storage = flat.untyped_storage()
-            for t, offset in zip(tensors, offsets):
+            for t, offset in zip(group, offsets):
                 t.set_(storage, offset, t.size(), t.stride())
                 moved += t.numel() * size
     return moved
+
+
+def compact_optimizer_state(
+    optimizer: torch.optim.Optimizer, device: torch.device | str | int
+) -> int:
+    """:func:`pack` all of the movable state of ``optimizer`` on ``device``
+    (:func:`movable_state`), wherever it lies; return the bytes moved."""
+    return pack(movable_state(optimizer, device))
+
+
+def freeable_segments(
+    segments: Sequence[dict], movable: Mapping[int, int], min_gain: int = MIN_GAIN_BYTES
+) -> list[tuple[int, list[int]]]:
+    """Which segments packing frees, from ``torch.cuda.memory_snapshot()``'s
+    ``segments`` of the general pool and ``movable`` (data pointer -> bytes of each
+    movable state tensor): those whose live blocks all start at a movable tensor
+    (nothing else pins them) and that hold at least ``min_gain`` bytes unused (packing
+    a full segment gains nothing; an exact-size segment's rounding is under 2 MiB).
+    Each as ``(unused bytes, [data pointers])``, the largest gain first. A block's
+    address is its segment's plus the sizes of the blocks before it."""
+    out = []
+    for seg in segments:
+        if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0):
+            continue
+        addr, ptrs, pinned, live = int(seg["address"]), [], False, 0
+        for block in seg.get("blocks", ()):
+            size = int(block["size"])
+            if block.get("state") == "active_allocated":
+                live += size
+                if addr in movable:
+                    ptrs.append(addr)
+                else:
+                    pinned = True
+            addr += size
+        unused = int(seg["total_size"]) - live
+        if ptrs and not pinned and unused >= min_gain:
+            out.append((unused, ptrs))
+    out.sort(key=lambda row: -row[0])
+    return out
 
 
 @dataclass
@@ -169,16 +214,50 @@ def optimizers_of(
     ]
 
 
-def compact_all(
-    optimizers: Iterable[torch.optim.Optimizer], device: torch.device | str | int
-) -> int:
-    """:func:`compact_optimizer_state` for each of ``optimizers`` on ``device``;
-    the total bytes moved, logged at INFO."""
-    moved = sum(compact_optimizer_state(o, device) for o in optimizers)
+def compact_fragmented(
+    optimizers: Iterable[torch.optim.Optimizer], device: int, what: str
+) -> tuple[int, int]:
+    """Pack the movable state of ``optimizers`` on CUDA ``device`` that lies in
+    segments packing frees (:func:`freeable_segments`), and give those segments back
+    (:func:`~cudagraphs.memory.release_unused_cache`, logged with ``what``); return the
+    bytes moved (logged at INFO) and the bytes given back.
+
+    Packing never raises the process's peak of reserved memory: the new buffers are
+    made in batches of segments whose state fits under that peak
+    (``max_memory_reserved() - memory_reserved()``), each batch's old segments given
+    back before the next; a segment whose state does not fit is left as it is."""
+    seen: dict[int, torch.Tensor] = {}
+    for o in optimizers:
+        for t in movable_state(o, device):
+            seen[t.data_ptr()] = t
+    if not seen:
+        return 0, 0
+    torch.cuda.synchronize(device)
+    segments = [s for s in torch.cuda.memory_snapshot() if s.get("device") == device]
+    movable = {ptr: t.untyped_storage().nbytes() for ptr, t in seen.items()}
+    plan = freeable_segments(segments, movable)
+    moved = released = 0
+    batch: list[torch.Tensor] = []
+    for _, ptrs in plan:
+        tensors = [seen[p] for p in ptrs]
+        need = sum(movable[p] for p in ptrs)
+        room = torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)
+        if batch and sum(t.untyped_storage().nbytes() for t in batch) + need > room:
+            moved += pack(batch)
+            released += release_unused_cache(device, what)
+            batch = []
+            room = torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)
+        if need <= room:
+            batch.extend(tensors)
+    if batch:
+        moved += pack(batch)
+        released += release_unused_cache(device, what)
     if moved:
         logger.info(
-            "partial graphs capture: packed %.0f MiB of optimizer state into one buffer "
-            "per dtype (CUDAGRAPHS_COMPACT_STATE=0 leaves it in place)",
+            "%s: packed %.0f MiB of optimizer state out of %d fragmented segments "
+            "(CUDAGRAPHS_COMPACT_STATE=0 leaves it in place)",
+            what,
             moved / (1 << 20),
+            len(plan),
         )
-    return moved
+    return moved, released

@@ -43,11 +43,10 @@ def measured():
     return mem, results
 
 
-# Open (issue 36): two pools' working sets added where eager has one (default scopes),
-# and the "model" scope's static logits held through its backward graph; measured
-# 1.132x and 1.190x here, the callback 1.072x
-# (benchmarks/results/memory-*-e907443-ws*.json). strict: passing turns this red.
-_OPEN = {"partial_default", "partial_model"}
+# Open (issue 36): the "model" scope's static logits held through its backward graph;
+# measured 1.190x here (benchmarks/results/memory-*-e907443-ws*.json). strict: passing
+# turns this red.
+_OPEN = {"partial_model"}
 
 
 @pytest.mark.parametrize(
@@ -56,7 +55,7 @@ _OPEN = {"partial_default", "partial_model"}
         pytest.param(
             layer,
             marks=pytest.mark.xfail(
-                strict=True, reason="eager segments pinned after the capture (issue 36)"
+                strict=True, reason="static logits held through the backward graph (issue 36)"
             ),
         )
         if layer in _OPEN

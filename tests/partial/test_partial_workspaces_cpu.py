@@ -1,6 +1,7 @@
-"""What a partial capture does to memory after its captures: the optimizers that
-stepped while recording have their state packed (``optimizer_state``) and the cache
-released again, and the eager cuBLAS workspaces are placed
+"""What a partial capture does to memory around its captures: after the first release
+the optimizers that stepped while recording have their state packed
+(``optimizer_state``), and after the captures and the second release the eager cuBLAS
+workspaces are placed
 (``memory.place_cublas_workspaces`` runs a matmul forward and backward: the two
 threads' workspaces) right after the last release, only where eager model code
 remains beside the graphs (not under the ``"model"`` scope graphed whole). Neither
@@ -97,8 +98,10 @@ def placed(monkeypatch):
     )
     monkeypatch.setattr(
         graphing,
-        "compact_all",
-        lambda optimizers, device: events.append(f"compact:{len(list(optimizers))}") or 4096,
+        "compact_fragmented",
+        lambda optimizers, device, what: (
+            events.append(f"compact:{len(list(optimizers))}") or (4096, 1024)
+        ),
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
@@ -144,8 +147,9 @@ def test_default_scopes_place_the_workspaces_once_after_the_last_release(placed)
 
 def test_an_optimizer_that_stepped_while_recording_is_packed_then_released(placed):
     mgr = _captured(NARROW, ("before", "inside", "after"))
-    assert placed == ["release", "release", "compact:1", "release", "place:0"]
-    assert mgr.stats()["compacted_state_bytes"] == 4096
+    assert placed == ["release", "compact:1", "release", "place:0"]
+    stats = mgr.stats()
+    assert stats["compacted_state_bytes"] == 4096 and stats["released_bytes"] == 1024
 
 
 def test_optimizers_that_stepped_only_outside_the_recording_are_not_packed(placed):
@@ -162,7 +166,7 @@ def test_packing_is_off_under_its_variable(placed, monkeypatch):
 
 def test_the_model_scope_packs_the_state_too(placed):
     _captured((MODEL_SCOPE,), ("inside",))
-    assert placed == ["release", "release", "compact:1", "release"]
+    assert placed == ["release", "compact:1", "release"]
 
 
 def test_the_model_scope_graphed_whole_places_none(placed):
@@ -188,6 +192,6 @@ def test_no_cuda_places_nothing(monkeypatch):
 def test_no_cuda_packs_nothing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     calls = []
-    monkeypatch.setattr(graphing, "compact_all", lambda o, d: calls.append(d) or 1)
+    monkeypatch.setattr(graphing, "compact_fragmented", lambda o, d, w: calls.append(d) or (1, 1))
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    assert graphing.compact_stepped(True, [opt], []) == 0 and calls == []
+    assert graphing.compact_stepped(True, [opt], []) == (0, 0) and calls == []

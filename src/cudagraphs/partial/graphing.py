@@ -48,7 +48,7 @@ from ..errors import (
     TargetSelectionError,
 )
 from ..memory import KEEP_CACHE_ENV, place_cublas_workspaces, release_unused_cache
-from ..optimizer_state import compact_all, optimizers_of
+from ..optimizer_state import compact_fragmented, optimizers_of
 from ..settings import DISABLE_ENV, compact_state, env_flag, graphs_disabled
 from .chaining import group_sharing
 from .contract import AutocastState, flatten_call
@@ -162,21 +162,23 @@ def compact_stepped(
     active: bool,
     optimizers: Sequence[torch.optim.Optimizer],
     recordings: Sequence[TargetRecording],
-) -> int:
-    """After a manager's captures and the release of the unused cache (``active``,
+) -> tuple[int, int]:
+    """Before a manager's captures, after the release of the unused cache (``active``,
     on CUDA, not under ``CUDAGRAPHS_KEEP_CACHE=1`` nor ``CUDAGRAPHS_COMPACT_STATE=0``):
-    pack the state of ``optimizers`` (those that stepped while recording) that update
-    a parameter of one of the targets of ``recordings``, on the current device, into
-    one buffer per dtype
-    (:mod:`cudagraphs.optimizer_state` says why and what moves); returns the bytes
-    moved, whose old segments the caller's next release gives back."""
+    pack the fragmented state of ``optimizers`` (those that stepped while recording)
+    that update a parameter of one of the targets of ``recordings``, on the current
+    device, and give its old segments back
+    (:func:`~cudagraphs.optimizer_state.compact_fragmented`: why and what moves);
+    returns the bytes moved and the bytes given back."""
     if not (active and optimizers and torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return 0
+        return 0, 0
     if env_flag(KEEP_CACHE_ENV) or not compact_state():
-        return 0
+        return 0, 0
     params = [p for r in recordings for p in r.target.module.parameters()]
     owned = optimizers_of(optimizers, params)
-    return compact_all(owned, torch.cuda.current_device()) if owned else 0
+    if not owned:
+        return 0, 0
+    return compact_fragmented(owned, torch.cuda.current_device(), "partial graphs capture")
 
 
 def read_disabled(fixed: bool | None) -> bool:

@@ -403,10 +403,11 @@ class PartialCudaGraphManager:
         after that release, where eager model code remains beside the graphs, the
         eager cuBLAS workspaces are made (:func:`.graphing.place_workspaces`), so the
         next backward does not cut its workspace out of the loss's freed blocks.
-        Before that, the state of the optimizers that stepped while recording is
-        packed into one buffer per dtype (:mod:`cudagraphs.optimizer_state`;
-        ``CUDAGRAPHS_COMPACT_STATE=0`` turns it off) and released again, so the
-        segments it shared with the recording step's activations go back too.
+        Right after the first release, before the pools grow, the state of the
+        optimizers that stepped while recording that lies scattered in segments of
+        its own is packed and those segments are given back
+        (:mod:`cudagraphs.optimizer_state`; ``CUDAGRAPHS_COMPACT_STATE=0`` turns it
+        off), never above the peak reserved so far.
 
         Reads ``CUDAGRAPHS_DISABLE`` (:func:`cudagraphs.settings.graphs_disabled`):
         when set, the eager backend stands in for the graphing one (see the class
@@ -448,6 +449,11 @@ class PartialCudaGraphManager:
         # (release_cached): the pools take its place instead of adding to it.
         release = bool(todo) and not disabled
         self._released_bytes += release_cached(release)
+        # Before the pools grow: the recording step's state, packed, gives its
+        # segments back under the peak that step set (compact_stepped).
+        moved, freed = compact_stepped(release, self._stepped.optimizers(), recordings)
+        self._compacted_bytes += moved
+        self._released_bytes += freed
         # The captures and speed checks run the targets' own forwards.
         with dispatch_paused(self.dispatchers):
             # Whole parts first: the layers inside one graphed whole are not captured.
@@ -465,10 +471,6 @@ class PartialCudaGraphManager:
             elif d.recording.graphs():
                 d.install()
         self._released_bytes += release_cached(release)
-        moved = compact_stepped(release, self._stepped.optimizers(), recordings)
-        if moved:
-            self._compacted_bytes += moved
-            self._released_bytes += release_cached(release)
         place_workspaces(release, recordings)
 
     def stats(self) -> dict[str, int]:
