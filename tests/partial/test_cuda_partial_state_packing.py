@@ -47,13 +47,13 @@ def test_state_made_between_other_tensors_is_packed_and_steps_bitwise():
     model, twin = _linears(0), _linears(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3, fused=True)
+    _step(twin, twin_opt, 1)
     # Holes of the state's size between live spacers, then the first step: the state
     # lands in the holes; with the spacers gone its segments hold state and holes.
     spacers = [torch.empty(768 * 768, device="cuda") for _ in range(48)]
     del spacers[::2]
     _step(model, opt, 1)
     del spacers
-    _step(twin, twin_opt, 1)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = {id(t): (t, t.clone()) for s in opt.state.values() for t in s.values()}

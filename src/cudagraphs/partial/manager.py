@@ -403,9 +403,10 @@ class PartialCudaGraphManager:
         after that release, where eager model code remains beside the graphs, the
         eager cuBLAS workspaces are made (:func:`.graphing.place_workspaces`), so the
         next backward does not cut its workspace out of the loss's freed blocks.
-        Right after the first release, before the pools grow, the state of the
-        optimizers that stepped while recording that lies scattered in segments of
-        its own is packed and those segments are given back
+        Right after the first release, before the pools grow, and again after the
+        captures (once the recorded calls' tensors that shared its segments are
+        gone), the state of the optimizers that stepped while recording that lies
+        scattered in segments of its own is packed and those segments are given back
         (:mod:`cudagraphs.optimizer_state`; ``CUDAGRAPHS_COMPACT_STATE=0`` turns it
         off), never above the peak reserved so far.
 
@@ -451,9 +452,7 @@ class PartialCudaGraphManager:
         self._released_bytes += release_cached(release)
         # Before the pools grow: the recording step's state, packed, gives its
         # segments back under the peak that step set (compact_stepped).
-        moved, freed = compact_stepped(release, self._stepped.optimizers(), recordings)
-        self._compacted_bytes += moved
-        self._released_bytes += freed
+        self._compact(release, recordings)
         # The captures and speed checks run the targets' own forwards.
         with dispatch_paused(self.dispatchers):
             # Whole parts first: the layers inside one graphed whole are not captured.
@@ -471,7 +470,15 @@ class PartialCudaGraphManager:
             elif d.recording.graphs():
                 d.install()
         self._released_bytes += release_cached(release)
+        # Again: the segments the recorded calls' tensors shared with the state are
+        # held by the state alone once the captures are done with those tensors.
+        self._compact(release, recordings)
         place_workspaces(release, recordings)
+
+    def _compact(self, release: bool, recordings: Sequence[TargetRecording]) -> None:
+        moved, freed = compact_stepped(release, self._stepped.optimizers(), recordings)
+        self._compacted_bytes += moved
+        self._released_bytes += freed
 
     def stats(self) -> dict[str, int]:
         """Totals over all targets (keys: see the class docs)."""
