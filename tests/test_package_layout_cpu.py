@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     "cudagraphs.cuda_binding": 1,
     "cudagraphs.graph_pool": 1,
     "cudagraphs.memory": 1,
+    "cudagraphs.optimizer_state": 1,
     "cudagraphs.capture": 1,
     "cudagraphs.introspect": 1,
     "cudagraphs.compile_watch": 1,

@@ -44,8 +44,8 @@ def measured():
 
 
 # Open (issue 36): the "model" scope's static logits held through its backward graph;
-# measured 1.190x here (benchmarks/results/memory-*-e907443-ws*.json). strict: passing
-# turns this red.
+# measured 1.146x here (benchmarks/results/memory-nvidia-h200-9cf60a7-twice*.json).
+# strict: passing turns this red.
 _OPEN = {"partial_model"}
 
 
