@@ -31,13 +31,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .settings import env_flag, expandable_recording
-from .torch_private import clear_cublas_workspaces, expandable_segments
+from .torch_private import expandable_segments
 
 __all__ = [
     "KEEP_CACHE_ENV",
     "MemoryAccount",
     "MemoryMeter",
-    "drop_cublas_workspaces",
     "RecordingSegments",
     "place_cublas_workspaces",
     "pool_usage",
@@ -162,21 +161,6 @@ def place_cublas_workspaces(device: torch.device | int | str) -> None:
     with torch.inference_mode(False), torch.enable_grad():
         a = torch.ones(2, 2, device=device, requires_grad=True)
         torch.autograd.grad((a @ a).sum(), (a,))
-
-
-def drop_cublas_workspaces() -> None:
-    """Drop torch's references to its cuBLAS workspaces (every handle and stream), so
-    that the next :func:`release_unused_cache` gives the eager ones back; the next
-    eager matmul on a stream makes its workspace again.
-
-    Why, before a capture: a graph pool's first streams drop them anyway
-    (:meth:`~cudagraphs.graph_pool.GraphMemoryPool.capture_stream` says why), but
-    that happens after the release that precedes the captures, so the recording
-    step's two workspaces (32 MiB each on Hopper) stayed cached through the captures,
-    when the pools reach their size: the process's peak. Dropped before that release
-    they go back first. Workspaces made inside a graph pool stay mapped as long as the
-    pool's graphs live."""
-    clear_cublas_workspaces()
 
 
 def _unused_cache(device: int) -> int:

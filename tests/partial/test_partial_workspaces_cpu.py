@@ -1,5 +1,5 @@
-"""What a partial capture does to memory around its captures: the eager cuBLAS
-workspaces are dropped before the first release; after it the optimizers that stepped while recording have their state packed
+"""What a partial capture does to memory around its captures: after the first release
+the optimizers that stepped while recording have their state packed
 (``optimizer_state``), again after the captures and the second release, and then the
 eager cuBLAS workspaces are placed
 (``memory.place_cublas_workspaces`` runs a matmul forward and backward: the two
@@ -96,7 +96,6 @@ def placed(monkeypatch):
     monkeypatch.setattr(
         graphing, "place_cublas_workspaces", lambda device: events.append(f"place:{device}")
     )
-    monkeypatch.setattr(graphing, "drop_cublas_workspaces", lambda: events.append("drop"))
     monkeypatch.setattr(
         graphing,
         "compact_fragmented",
@@ -143,44 +142,44 @@ def _captured(scopes, optimizer_steps: tuple[str, ...] = ()) -> PartialCudaGraph
 
 def test_default_scopes_place_the_workspaces_once_after_the_last_release(placed):
     assert _captured(NARROW).stats()["captured"] == 2
-    assert placed == ["drop", "release", "release", "place:0"]
+    assert placed == ["release", "release", "place:0"]
 
 
 def test_an_optimizer_that_stepped_while_recording_is_packed_then_released(placed):
     mgr = _captured(NARROW, ("before", "inside", "after"))
-    assert placed == ["drop", "release", "compact:1", "release", "compact:1", "place:0"]
+    assert placed == ["release", "compact:1", "release", "compact:1", "place:0"]
     stats = mgr.stats()
     assert stats["compacted_state_bytes"] == 2 * 4096 and stats["released_bytes"] == 2 * 1024
 
 
 def test_optimizers_that_stepped_only_outside_the_recording_are_not_packed(placed):
     mgr = _captured(NARROW, ("before", "after"))
-    assert placed == ["drop", "release", "release", "place:0"]
+    assert placed == ["release", "release", "place:0"]
     assert "compacted_state_bytes" not in mgr.stats()
 
 
 def test_packing_is_off_under_its_variable(placed, monkeypatch):
     monkeypatch.setenv(COMPACT_STATE_ENV, "0")
     _captured(NARROW, ("inside",))
-    assert placed == ["drop", "release", "release", "place:0"]
+    assert placed == ["release", "release", "place:0"]
 
 
 def test_the_model_scope_packs_the_state_too(placed):
     _captured((MODEL_SCOPE,), ("inside",))
-    assert placed == ["drop", "release", "compact:1", "release", "compact:1"]
+    assert placed == ["release", "compact:1", "release", "compact:1"]
 
 
 def test_the_model_scope_graphed_whole_places_none(placed):
     # One graph, the whole model's: the eager code left is the optimizer's.
     assert _captured((MODEL_SCOPE,)).stats()["captured"] == 1
-    assert placed == ["drop", "release", "release"]
+    assert placed == ["release", "release"]
 
 
 @pytest.mark.parametrize("env", [memory.KEEP_CACHE_ENV, DISABLE_ENV])
 def test_nothing_is_placed_when_the_cache_is_kept_or_graphs_are_off(placed, monkeypatch, env):
     monkeypatch.setenv(env, "1")
     _captured(NARROW, ("inside",))
-    assert not [e for e in placed if e.startswith(("place", "compact", "drop"))]
+    assert not [e for e in placed if e.startswith(("place", "compact"))]
 
 
 def test_no_cuda_places_nothing(monkeypatch):

@@ -47,12 +47,7 @@ from ..errors import (
     CudaGraphsValueError,
     TargetSelectionError,
 )
-from ..memory import (
-    KEEP_CACHE_ENV,
-    drop_cublas_workspaces,
-    place_cublas_workspaces,
-    release_unused_cache,
-)
+from ..memory import KEEP_CACHE_ENV, place_cublas_workspaces, release_unused_cache
 from ..optimizer_state import compact_fragmented, optimizers_of
 from ..settings import DISABLE_ENV, compact_state, env_flag, graphs_disabled
 from .chaining import group_sharing
@@ -122,13 +117,10 @@ def eager_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) -> 
     return list(callables)
 
 
-def release_cached(active: bool, drop_workspaces: bool = False) -> int:
+def release_cached(active: bool) -> int:
     """Before and after a manager's captures on CUDA (``active``): give the memory the
     caching allocator keeps cached and no tensor uses back to the driver
     (:func:`~cudagraphs.memory.release_unused_cache`); returns the bytes.
-    ``drop_workspaces`` (the release before the captures): drop torch's eager cuBLAS
-    workspaces first (:func:`~cudagraphs.memory.drop_cublas_workspaces`), so they go
-    back too instead of staying cached through the captures, at their peak.
 
     Why: the eager steps before a capture cached a working set that held the graphed
     targets' activations too; from the capture on those live in the graphs' pools,
@@ -137,8 +129,6 @@ def release_cached(active: bool, drop_workspaces: bool = False) -> int:
     (``docs/memory.md`` has the measured cost)."""
     if not (active and torch.cuda.is_available() and torch.cuda.is_initialized()):
         return 0
-    if drop_workspaces and not env_flag(KEEP_CACHE_ENV):
-        drop_cublas_workspaces()
     return release_unused_cache(torch.cuda.current_device(), "partial graphs capture")
 
 
