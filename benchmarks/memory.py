@@ -18,7 +18,10 @@ Work (HF Llama from config, bf16, SDPA, random weights):
   ``AdamW`` and ``zero_grad(set_to_none=True)``. Variants: ``eager``;
   ``graph_train_step``; ``graph_stack`` and ``make_graphed_callables`` (the decoder
   layers, each taking and returning the hidden states, as one graph / one graph per
-  layer, with the embedding, norm, head and loss eager); ``partial_default`` and
+  layer, with the embedding, norm, head and loss eager; ``_lent``: lent gradients;
+  ``_late``: captured after two eager steps of the whole model, as in mid-training,
+  so the optimizer's state and the eager cuBLAS workspaces exist before the capture);
+  ``partial_default`` and
   ``partial_model`` (``PartialCudaGraphManager`` with its default scopes / the
   ``"model"`` scope; one recorded eager step, then captured); ``trainer_eager`` and
   ``trainer_callback`` (HF ``Trainer`` without and with ``PartialGraphsCallback``,
@@ -88,9 +91,12 @@ TRAIN_LAYERS = (
 # The core's opt-in lent gradients (clone_param_grads_on_return=False), beside its
 # owned default: partial graphs lend, the core owns unless asked.
 LENT_LAYERS = ("graph_stack_lent", "make_graphed_callables_lent")
+# The core's layers captured in mid-training, after two eager steps of the whole model
+# (the optimizer's state and the eager cuBLAS workspaces exist before the capture).
+LATE_LAYERS = ("graph_stack_late", "make_graphed_callables_late")
 # Each graphed variant and the eager run of the same work.
 REFERENCE = {
-    **dict.fromkeys((*TRAIN_LAYERS, *LENT_LAYERS), "eager"),
+    **dict.fromkeys((*TRAIN_LAYERS, *LENT_LAYERS, *LATE_LAYERS), "eager"),
     "trainer_callback": "trainer_eager",
     "graphed_generator": "hf_static",
     "graph_runner": "runner_eager",
@@ -122,8 +128,22 @@ SHAPES = {
 }
 # 6b runs the layers that fit its time and memory: the step and partial default.
 SHAPE_VARIANTS = {
-    "small": ("eager", *TRAIN_LAYERS[:5], *LENT_LAYERS, "trainer_eager", "trainer_callback"),
-    "mid": ("eager", *TRAIN_LAYERS[:5], *LENT_LAYERS, "trainer_eager", "trainer_callback"),
+    "small": (
+        "eager",
+        *TRAIN_LAYERS[:5],
+        *LENT_LAYERS,
+        *LATE_LAYERS,
+        "trainer_eager",
+        "trainer_callback",
+    ),
+    "mid": (
+        "eager",
+        *TRAIN_LAYERS[:5],
+        *LENT_LAYERS,
+        *LATE_LAYERS,
+        "trainer_eager",
+        "trainer_callback",
+    ),
     "6b": ("eager", "graph_train_step", "partial_default"),
 }
 SERVING_VARIANTS = ("hf_static", "graphed_generator", "runner_eager", "graph_runner")
@@ -192,6 +212,17 @@ def _layers_step(net, layers, ids):
     return net.loss_function(logits=logits, labels=ids, vocab_size=net.config.vocab_size)
 
 
+def layer_kind(variant: str) -> tuple[str, bool, bool] | None:
+    """``(layer, lent, late)`` of a per-layer variant (``graph_stack`` or
+    ``make_graphed_callables``, ``_lent`` gradients, ``_late``: captured after two eager
+    steps), ``None`` for any other."""
+    for kind in ("graph_stack", "make_graphed_callables"):
+        rest = variant.removeprefix(kind)
+        if rest != variant and rest in ("", "_lent", "_late"):
+            return kind, rest == "_lent", rest == "_late"
+    return None
+
+
 def _train_child(variant: str, shape: Shape, batch: int) -> dict:
     import cudagraphs
 
@@ -218,12 +249,15 @@ def _train_child(variant: str, shape: Shape, batch: int) -> dict:
         graphed = cudagraphs.graph_train_step(step_fn, ids, optimizer=opt)
         info["account"] = graphed.stats.memory.as_dict()
         step = lambda: graphed(ids)  # noqa: E731
-    elif variant.removesuffix("_lent") in ("graph_stack", "make_graphed_callables"):
-        options = {"clone_param_grads_on_return": not variant.endswith("_lent")}
+    elif layer_kind(variant) is not None:
+        kind, lent, late = layer_kind(variant)
+        for _ in range(2 if late else 0):
+            eager_step(lambda: _loss(net, ids))
+        options = {"clone_param_grads_on_return": not lent}
         layers = [_Layer(layer, net.model.rotary_emb, shape.seq) for layer in net.model.layers]
         hidden = torch.randn(batch, shape.seq, shape.hidden, device="cuda", dtype=DTYPE)
         sample = (hidden.requires_grad_(),)
-        if variant.startswith("graph_stack"):
+        if kind == "graph_stack":
             stack = cudagraphs.graph_stack(layers, sample, **options)
             run_layers, graphed = [stack], stack.cuda_graph
         else:
@@ -650,7 +684,7 @@ def search_all(cap_gib: float, decode_cap_gib: float, jobs: int) -> dict:
 
 def targets(shape_ratios: dict, searched: dict) -> dict:
     out = {}
-    layers = (*TRAIN_LAYERS, *LENT_LAYERS, "graphed_generator", "graph_runner")
+    layers = (*TRAIN_LAYERS, *LENT_LAYERS, *LATE_LAYERS, "graphed_generator", "graph_runner")
     for layer in layers:
         values = [r[layer]["reserved"] for r in shape_ratios.values() if layer in r]
         if values:

@@ -312,3 +312,33 @@ def test_variants_keep_each_shapes_order_and_refuse_a_name_no_shape_runs():
     assert only == [("small", "eager"), ("small", "partial_model"), ("6b", "eager")]
     with pytest.raises(SystemExit, match="graph_runner"):
         mem.shape_jobs(["small"], ["eager", "graph_runner"])
+
+
+@pytest.mark.parametrize(
+    "variant, expected",
+    [
+        ("graph_stack", ("graph_stack", False, False)),
+        ("graph_stack_lent", ("graph_stack", True, False)),
+        ("graph_stack_late", ("graph_stack", False, True)),
+        ("make_graphed_callables", ("make_graphed_callables", False, False)),
+        ("make_graphed_callables_lent", ("make_graphed_callables", True, False)),
+        ("make_graphed_callables_late", ("make_graphed_callables", False, True)),
+        ("graph_stack_late_lent", None),
+        ("graph_train_step", None),
+        ("partial_default", None),
+        ("eager", None),
+    ],
+)
+def test_per_layer_variants_are_read_from_their_names(variant, expected):
+    mem = script("memory")
+    assert mem.layer_kind(variant) == expected
+
+
+def test_late_variants_run_on_small_and_mid_against_eager_with_a_target_each():
+    mem = script("memory")
+    for late in mem.LATE_LAYERS:
+        assert mem.REFERENCE[late] == "eager"
+        assert late in mem.SHAPE_VARIANTS["small"] and late in mem.SHAPE_VARIANTS["mid"]
+    shape_ratios = {"small": {late: {"reserved": 1.2} for late in mem.LATE_LAYERS}}
+    got = mem.targets(shape_ratios, {})
+    assert got == {f"{late}_peak_reserved_le_1.10x_eager": False for late in mem.LATE_LAYERS}
