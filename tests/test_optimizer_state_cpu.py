@@ -292,3 +292,17 @@ def test_the_default_gain_leaves_exact_size_segments_alone():
     assert freeable_segments([seg], {0: 45 << 19}) == []
     assert freeable_segments([seg], {0: 45 << 19}, min_gain=1 << 20) == [(3 << 19, [0])]
     assert MIN_GAIN_BYTES == 2 << 20
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3 << 20), st.sampled_from(_DTYPES)), max_size=6))
+def test_buffer_bytes_bounds_what_packing_allocates(layout):
+    tensors = [torch.empty(n // 8 + 1, dtype=d) for n, d in layout]
+    bound = optimizer_state.buffer_bytes(tensors)
+    # Per dtype: the 512-byte aligned sizes, summed, rounded up to 2 MiB.
+    want = 0
+    for dtype in {t.dtype for t in tensors}:
+        total = sum(-(-t.nbytes // 512) * 512 for t in tensors if t.dtype == dtype)
+        want += -(-total // (2 << 20)) * (2 << 20)
+    assert bound == want
+    assert bound >= sum(t.nbytes for t in tensors)

@@ -38,6 +38,7 @@ from .torch_private import can_count_storage_uses, storage_use_count
 
 __all__ = [
     "SteppedOptimizers",
+    "buffer_bytes",
     "compact_fragmented",
     "compact_optimizer_state",
     "freeable_segments",
@@ -109,6 +110,16 @@ def movable_state(
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def buffer_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """What :func:`pack` of ``tensors`` may grow the caching allocator by at most: per
+    dtype, the aligned sizes summed, rounded up to the allocator's 2 MiB for large
+    blocks."""
+    per_dtype: dict[torch.dtype, int] = {}
+    for t in tensors:
+        per_dtype[t.dtype] = per_dtype.get(t.dtype, 0) + _aligned(t.numel() * t.element_size())
+    return sum(-(-n // MIN_GAIN_BYTES) * MIN_GAIN_BYTES for n in per_dtype.values())
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> int:
@@ -240,14 +251,13 @@ def compact_fragmented(
     batch: list[torch.Tensor] = []
     for _, ptrs in plan:
         tensors = [seen[p] for p in ptrs]
-        need = sum(movable[p] for p in ptrs)
         room = torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)
-        if batch and sum(t.untyped_storage().nbytes() for t in batch) + need > room:
+        if batch and buffer_bytes([*batch, *tensors]) > room:
             moved += pack(batch)
             released += release_unused_cache(device, what)
             batch = []
             room = torch.cuda.max_memory_reserved(device) - torch.cuda.memory_reserved(device)
-        if need <= room:
+        if buffer_bytes(tensors) <= room:
             batch.extend(tensors)
     if batch:
         moved += pack(batch)
