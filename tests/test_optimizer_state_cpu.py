@@ -306,3 +306,100 @@ def test_buffer_bytes_bounds_what_packing_allocates(layout):
         want += -(-total // (2 << 20)) * (2 << 20)
     assert bound == want
     assert bound >= sum(t.nbytes for t in tensors)
+
+
+class _Allocator:
+    """A stand-in for the CUDA allocator's counters around ``compact_fragmented``: the
+    plan's segments are reserved; each packing grows reserved by the buffers it makes
+    (``buffer_bytes``); a release gives back every planned segment whose tensors all
+    moved. Records reserved after every change."""
+
+    def __init__(self, plan, tensors, peak, base):
+        self.plan, self.tensors = plan, tensors
+        self.reserved = base + sum(size for size, _ in plan)
+        self.peak = max(peak, self.reserved)
+        self.moved: set[int] = set()
+        self.given_back: set[int] = set()
+        self.history = [self.reserved]
+
+    def pack(self, tensors):
+        self.reserved += optimizer_state.buffer_bytes(tensors)
+        self.moved |= {id(t) for t in tensors}
+        self.history.append(self.reserved)
+        return sum(t.nbytes for t in tensors)
+
+    def release(self, device, what):
+        freed = 0
+        for i, (size, ptrs) in enumerate(self.plan):
+            if i not in self.given_back and all(id(self.tensors[p]) in self.moved for p in ptrs):
+                self.given_back.add(i)
+                freed += size
+        self.reserved -= freed
+        self.history.append(self.reserved)
+        return freed
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 6), st.integers(0, 4)).map(
+            lambda r: (r[0] * (1 << 20), r[1])  # state bytes per tensor, holes in MiB
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(0, 24),
+)
+def test_packing_never_rises_above_the_peak_and_packs_what_fits(layout, headroom_mib):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _check_packing_under_the_peak(layout, headroom_mib, monkeypatch)
+
+
+def _check_packing_under_the_peak(layout, headroom_mib, monkeypatch):
+    # One segment per row: two state tensors of the row's size and its holes.
+    tensors, plan, opt_state = {}, [], {}
+    params = []
+    for nbytes, holes in layout:
+        ptrs = []
+        for _ in range(2):
+            t = torch.zeros(nbytes // 4)
+            tensors[t.data_ptr()] = t
+            ptrs.append(t.data_ptr())
+            p = torch.zeros(1, requires_grad=True)
+            params.append(p)
+            opt_state[p] = {"exp_avg": t}
+        plan.append((2 * nbytes + holes * (1 << 20), ptrs))
+    opt = torch.optim.SGD(params, lr=0.1)
+    for p, s in opt_state.items():
+        opt.state[p] = s
+    base = 100 << 20
+    alloc = _Allocator(plan, tensors, 0, base)
+    alloc.peak = alloc.reserved + headroom_mib * (1 << 20)
+    real_pack = optimizer_state.pack
+
+    def pack(batch):
+        alloc.pack(batch)
+        return real_pack(batch)
+
+    monkeypatch.setattr(optimizer_state, "pack", pack)
+    monkeypatch.setattr(optimizer_state, "release_unused_cache", alloc.release)
+    monkeypatch.setattr(
+        optimizer_state,
+        "movable_state",
+        lambda o, d: [tensors[p] for _, ptrs in plan for p in ptrs],
+    )
+    monkeypatch.setattr(optimizer_state, "freeable_segments", lambda segs, movable: list(plan))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: alloc.reserved)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: alloc.peak)
+
+    moved, released = optimizer_state.compact_fragmented([opt], 0, "test")
+
+    assert max(alloc.history) <= alloc.peak
+    assert released == sum(plan[i][0] for i in alloc.given_back)
+    assert moved == sum(tensors[p].nbytes for i in alloc.given_back for p in plan[i][1])
+    # A segment left alone is one whose own buffer did not fit the room at its turn;
+    # the largest gain first, so the first segment is packed whenever it fits at all.
+    first = optimizer_state.buffer_bytes([tensors[p] for p in plan[0][1]])
+    assert (0 in alloc.given_back) == (first <= alloc.peak - (base + sum(s for s, _ in plan)))
