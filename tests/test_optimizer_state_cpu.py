@@ -403,3 +403,21 @@ def _check_packing_under_the_peak(layout, headroom_mib, monkeypatch):
     # the largest gain first, so the first segment is packed whenever it fits at all.
     first = optimizer_state.buffer_bytes([tensors[p] for p in plan[0][1]])
     assert (0 in alloc.given_back) == (first <= alloc.peak - (base + sum(s for s, _ in plan)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 5), max_size=4), min_size=1, max_size=4),
+    st.sets(st.integers(0, 5)),
+)
+def test_optimizers_of_keeps_those_updating_any_wanted_parameter(groups_of, wanted):
+    params = [torch.zeros(1, requires_grad=True) for _ in range(6)]
+    # One optimizer per entry, each parameter group a distinct set of indices.
+    optimizers, owners = [], []
+    for indices in groups_of:
+        unique = sorted(set(indices))
+        groups = [{"params": [params[i]]} for i in unique] or [{"params": []}]
+        optimizers.append(torch.optim.SGD(groups, lr=0.1))
+        owners.append(set(unique))
+    got = optimizer_state.optimizers_of(optimizers, [params[i] for i in wanted])
+    assert got == [o for o, own in zip(optimizers, owners) if own & wanted]

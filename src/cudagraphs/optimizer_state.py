@@ -1,4 +1,4 @@
-"""An optimizer's state packed into one buffer per dtype, after a partial capture.
+"""An optimizer's state packed into one buffer per dtype, around a partial capture.
 
 Why: an optimizer makes its state lazily, at its first step, in the holes that the
 step's activations left in the caching allocator's segments. Once the activations of

@@ -13,9 +13,9 @@
   eager allocations are made in expandable segments
   (:class:`cudagraphs.memory.RecordingSegments`); ``0`` leaves them to the caching
   allocator's settings.
-* ``CUDAGRAPHS_COMPACT_STATE`` (default on): after a partial-graph capture, the state
-  of the optimizers that stepped while recording is packed into one buffer per dtype
-  (:mod:`cudagraphs.optimizer_state`); ``0`` leaves it where it is.
+* ``CUDAGRAPHS_COMPACT_STATE`` (default on): around a partial-graph capture, the
+  scattered state of the optimizers that stepped while recording is packed into one
+  buffer per dtype (:mod:`cudagraphs.optimizer_state`); ``0`` leaves it where it is.
 * ``CUDAGRAPHS_OWNED_GRADS``: how owned parameter gradients leave a backward replay:
   ``defer`` (the default: the graph memory itself, copied only when something still
   holds it at the next replay that could overwrite it:

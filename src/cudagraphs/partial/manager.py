@@ -399,16 +399,16 @@ class PartialCudaGraphManager:
         (:func:`~cudagraphs.memory.release_unused_cache`; ``CUDAGRAPHS_KEEP_CACHE=1``
         keeps it): the eager steps before the capture
         cached the graphed targets' activations too, which now live in the graphs'
-        pools. The next step's eager allocations come from the driver once. Right
-        after that release, where eager model code remains beside the graphs, the
-        eager cuBLAS workspaces are made (:func:`.graphing.place_workspaces`), so the
-        next backward does not cut its workspace out of the loss's freed blocks.
-        Right after the first release, before the pools grow, and again after the
-        captures (once the recorded calls' tensors that shared its segments are
-        gone), the state of the optimizers that stepped while recording that lies
-        scattered in segments of its own is packed and those segments are given back
-        (:mod:`cudagraphs.optimizer_state`; ``CUDAGRAPHS_COMPACT_STATE=0`` turns it
-        off), never above the peak reserved so far.
+        pools. The next step's eager allocations come from the driver once.
+
+        In order, on CUDA: release; pack the scattered state of the optimizers that
+        stepped while recording and give its segments back, never above the peak
+        reserved so far (:mod:`cudagraphs.optimizer_state`;
+        ``CUDAGRAPHS_COMPACT_STATE=0`` turns it off); the captures; release; pack
+        again (the recorded calls' tensors that shared segments with the state are
+        gone now); and, where eager model code remains beside the graphs, make the
+        eager cuBLAS workspaces (:func:`.graphing.place_workspaces`), so the next
+        backward does not cut its workspace out of the loss's freed blocks.
 
         Reads ``CUDAGRAPHS_DISABLE`` (:func:`cudagraphs.settings.graphs_disabled`):
         when set, the eager backend stands in for the graphing one (see the class
