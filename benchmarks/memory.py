@@ -93,7 +93,7 @@ TRAIN_LAYERS = (
 LENT_LAYERS = ("graph_stack_lent", "make_graphed_callables_lent")
 # The core's layers captured in mid-training, after two eager steps of the whole model
 # (the optimizer's state and the eager cuBLAS workspaces exist before the capture).
-LATE_LAYERS = ("graph_stack_late", "make_graphed_callables_late")
+LATE_LAYERS = ("graph_stack_late", "make_graphed_callables_late", "graph_train_step_late")
 # Each graphed variant and the eager run of the same work.
 REFERENCE = {
     **dict.fromkeys((*TRAIN_LAYERS, *LENT_LAYERS, *LATE_LAYERS), "eager"),
@@ -239,7 +239,11 @@ def _train_child(variant: str, shape: Shape, batch: int) -> dict:
 
     if variant == "eager":
         step = lambda: eager_step(lambda: _loss(net, ids))  # noqa: E731
-    elif variant == "graph_train_step":
+    elif variant in ("graph_train_step", "graph_train_step_late"):
+        # _late: captured after two eager steps (their working set cached, the
+        # optimizer state made).
+        for _ in range(2 if variant.endswith("_late") else 0):
+            eager_step(lambda: _loss(net, ids))
 
         def step_fn(batch_ids):
             loss = _loss(net, batch_ids)

@@ -215,6 +215,46 @@ def test_the_meter_leaves_cache_that_was_there_before_unless_asked(monkeypatch):
     assert meter.finish([], what="test", release=True).released_bytes == 200 << 20
 
 
+def test_a_meter_started_with_release_gives_the_cache_back_first_and_remakes_workspaces(
+    monkeypatch,
+):
+    from cudagraphs import memory
+
+    dev = FakeDevice(monkeypatch)
+    placed = []
+    monkeypatch.setattr(memory, "place_cublas_workspaces", placed.append)
+    dev.reserved, dev.allocated = 300 << 20, 100 << 20  # eager steps' 200 MiB cached
+    meter = MemoryMeter.start(0, release="make_graphed_callables")
+    assert dev.emptied == 1 and dev.reserved == 100 << 20 and placed == [0]
+    # The phase leaves nothing cached: the account counts the release before it.
+    assert meter.finish([], what="test") == MemoryAccount(0, 0, 0, 200 << 20, 0)
+    assert dev.emptied == 1
+
+
+@pytest.mark.parametrize("cached_mib", [0, 1, 2])
+def test_a_meter_started_with_release_leaves_two_mib_or_less(monkeypatch, cached_mib):
+    from cudagraphs import memory
+
+    dev = FakeDevice(monkeypatch)
+    placed = []
+    monkeypatch.setattr(memory, "place_cublas_workspaces", placed.append)
+    dev.reserved, dev.allocated = (100 + cached_mib) << 20, 100 << 20
+    meter = MemoryMeter.start(0, release="test")
+    assert (dev.emptied, placed, meter.released_before) == (0, [], 0)
+
+
+def test_a_meter_started_with_release_under_keep_cache_releases_nothing(monkeypatch):
+    from cudagraphs import memory
+
+    dev = FakeDevice(monkeypatch)
+    placed = []
+    monkeypatch.setattr(memory, "place_cublas_workspaces", placed.append)
+    monkeypatch.setenv(KEEP_CACHE_ENV, "1")
+    dev.reserved, dev.allocated = 300 << 20, 100 << 20
+    meter = MemoryMeter.start(0, release="test")
+    assert (dev.emptied, placed, meter.released_before, dev.reserved) == (0, [], 0, 300 << 20)
+
+
 def test_keep_cache_turns_every_release_off(monkeypatch):
     dev = FakeDevice(monkeypatch)
     dev.reserved = 64 << 20

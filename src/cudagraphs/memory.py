@@ -61,7 +61,8 @@ class MemoryAccount:
         unused_cache_bytes: reserved outside the pools and used by no tensor, after
             the phase and before any release.
         released_bytes: given back to the driver by :func:`release_unused_cache`
-            at the end of the phase (0 when nothing was released).
+            before the warmup and at the end of the phase (0 when nothing was
+            released).
         driver_bytes: device memory taken during the phase outside torch's
             allocator: graph executables, library handles. Measured as the drop in
             the device's free memory minus the growth of torch's reserved memory, so
@@ -176,17 +177,38 @@ class MemoryMeter:
     reserved: int
     free: int
     unused_cache: int
+    released_before: int = 0
 
     @classmethod
-    def start(cls, device: torch.device | int) -> MemoryMeter:
+    def start(cls, device: torch.device | int, *, release: str | None = None) -> MemoryMeter:
+        """Start measuring on ``device``. ``release`` (the caller's name, for the log):
+        first give back the unused cache when there is more than 2 MiB of it
+        (:func:`release_unused_cache`), then make the eager cuBLAS workspaces again
+        (:func:`place_cublas_workspaces`).
+
+        Why before the warmup: eager steps run before a capture cached their whole
+        working set, the graphed work's activations included. From the capture on those
+        live in the graph's pool, so the cached copy of them is held for nothing, and
+        the pool grows beside it (measured: layers captured after two eager steps of
+        the model held 1.24-1.28x the eager peak, ``docs/memory.md``). The workspaces
+        go back with the cache when the pool's streams drop them; made again right
+        after the release, they take a hole or a segment of their own size instead of
+        a piece of the next step's large blocks. The next eager step asks the driver
+        once for what it needs beyond the graphs."""
         index = torch.device("cuda", device).index if isinstance(device, int) else device.index
         index = torch.cuda.current_device() if index is None else index
         torch.cuda.synchronize(index)
+        released = 0
+        if release is not None and _unused_cache(index) > 2 * _MIB:
+            released = release_unused_cache(index, release)
+            if released:
+                place_cublas_workspaces(index)
         return cls(
             index,
             torch.cuda.memory_reserved(index),
             torch.cuda.mem_get_info(index)[0],
             _unused_cache(index),
+            released,
         )
 
     def finish(
@@ -213,7 +235,9 @@ class MemoryMeter:
         if release is None:
             release = unused_outside > before_outside + 2 * _MIB
         released = release_unused_cache(index, what) if release and unused_outside else 0
-        return MemoryAccount(pool_reserved, pool_allocated, unused_outside, released, driver)
+        return MemoryAccount(
+            pool_reserved, pool_allocated, unused_outside, self.released_before + released, driver
+        )
 
 
 @dataclass

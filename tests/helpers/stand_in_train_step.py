@@ -50,15 +50,17 @@ class CpuPool(GraphMemoryPool):
 class CpuMeter:
     """The memory meter: its account says which device, handles and caller it got."""
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, release=None):
+        self.device, self.release = device, release
 
     @classmethod
-    def start(cls, device):
-        return cls(device)
+    def start(cls, device, *, release=None):
+        return cls(device, release)
 
     def finish(self, handles, what=""):
-        return SimpleNamespace(device=self.device, handles=handles, what=what)
+        return SimpleNamespace(
+            device=self.device, handles=handles, what=what, released_before=self.release
+        )
 
 
 class ReplayingGraph:

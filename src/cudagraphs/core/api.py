@@ -344,7 +344,7 @@ def make_graphed_callables(
         # (GraphMemoryPool.warmup_scope). Either way the cuBLAS workspace the graphs use is
         # inside the pool (GraphMemoryPool.capture_stream).
         stream = graph_pool.capture_stream(device)
-        meter = MemoryMeter.start(device)
+        meter = MemoryMeter.start(device, release="make_graphed_callables")
         t0 = time.perf_counter()
         with graph_pool.warmup_scope(device):
             compiled, last = run_warmup(

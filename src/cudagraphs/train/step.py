@@ -225,8 +225,10 @@ class GraphedTrainStep:
         device = self._device()
         check_step_experts(self.step_fn, self.params)
         pool = as_graph_pool(pool)
-        meter = MemoryMeter.start(device)
+        # The pool's streams first: they drop the eager cuBLAS workspaces, which the
+        # release at the meter's start then gives back with the rest of the cache.
         stream = pool.capture_stream(device)
+        meter = MemoryMeter.start(device, release="graph_train_step")
         self._buffer = ReusableValueBuffer(self.signature, device)
         self._buffer.copy_from(self.sample_batch, path="sample_batch")
         snapshot = OptimizerSnapshot.take(self.optimizer)
