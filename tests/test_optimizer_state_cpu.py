@@ -107,8 +107,8 @@ class _Sub(torch.Tensor):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(_TRAITS, min_size=1, max_size=6), st.booleans())
-def test_which_state_moves_follows_the_rule(traits, capturable):
+@given(st.lists(_TRAITS, min_size=1, max_size=6), st.booleans(), st.booleans())
+def test_which_state_moves_follows_the_rule(traits, capturable, in_no_graph):
     params = [torch.zeros(2, requires_grad=True) for _ in traits]
     opt = torch.optim.SGD(params, lr=0.1)
     opt.param_groups[0]["capturable"] = capturable
@@ -135,7 +135,8 @@ def test_which_state_moves_follows_the_rule(traits, capturable):
             keep.append(t.view(-1))
         opt.state[p] = {"buf": t}
     # The rule: a plain CPU tensor, contiguous, no grad, filling a storage of bytes
-    # only it holds, of an optimizer that is not capturable.
+    # only it holds, of an optimizer that is not capturable (or that no graph holds,
+    # the caller says).
     for p in params:
         t = opt.state[p]["buf"]
         alone = (
@@ -147,7 +148,7 @@ def test_which_state_moves_follows_the_rule(traits, capturable):
             == 1
         )
         if (
-            not capturable
+            (not capturable or in_no_graph)
             and type(t) is torch.Tensor
             and t.device.type == "cpu"
             and not t.requires_grad
@@ -161,7 +162,10 @@ def test_which_state_moves_follows_the_rule(traits, capturable):
             )
         ):
             expected.add(id(t))
-    assert {id(t) for t in movable_state(opt, "cpu")} == expected
+    moving = {id(t) for t in movable_state(opt, "cpu", in_no_graph=in_no_graph)}
+    assert moving == expected
+    if in_no_graph:
+        expected = {id(t) for t in movable_state(opt, "cpu")}
     # What does not move keeps its storage.
     others = [(t, t.untyped_storage().data_ptr()) for s in opt.state.values() for t in s.values()]
     compact_optimizer_state(opt, "cpu")
@@ -386,7 +390,7 @@ def _check_packing_under_the_peak(layout, headroom_mib, monkeypatch):
     monkeypatch.setattr(
         optimizer_state,
         "movable_state",
-        lambda o, d: [tensors[p] for _, ptrs in plan for p in ptrs],
+        lambda o, d, in_no_graph=False: [tensors[p] for _, ptrs in plan for p in ptrs],
     )
     monkeypatch.setattr(optimizer_state, "freeable_segments", lambda segs, movable: list(plan))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)

@@ -69,12 +69,17 @@ def _capturable(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def movable_state(
-    optimizer: torch.optim.Optimizer, device: torch.device | str | int
+    optimizer: torch.optim.Optimizer,
+    device: torch.device | str | int,
+    *,
+    in_no_graph: bool = False,
 ) -> list[torch.Tensor]:
     """The state tensors of ``optimizer`` on ``device`` that :func:`compact_optimizer_state`
-    may move (module docs: which), each once, in the optimizer's state order."""
+    may move (module docs: which), each once, in the optimizer's state order.
+    ``in_no_graph``: the caller knows no graph holds the state's addresses, so a
+    ``capturable=True`` optimizer's state may move too."""
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    if _capturable(optimizer) or not can_count_storage_uses():
+    if (_capturable(optimizer) and not in_no_graph) or not can_count_storage_uses():
         return []
     tensors = _state_tensors(optimizer)
     per_storage: dict[int, int] = {}
@@ -226,7 +231,11 @@ def optimizers_of(
 
 
 def compact_fragmented(
-    optimizers: Iterable[torch.optim.Optimizer], device: int, what: str
+    optimizers: Iterable[torch.optim.Optimizer],
+    device: int,
+    what: str,
+    *,
+    in_no_graph: bool = False,
 ) -> tuple[int, int]:
     """Pack the movable state of ``optimizers`` on CUDA ``device`` that lies in
     segments packing frees (:func:`freeable_segments`), and give those segments back
@@ -236,10 +245,11 @@ def compact_fragmented(
     Packing never raises the process's peak of reserved memory: the new buffers are
     made in batches of segments whose state fits under that peak
     (``max_memory_reserved() - memory_reserved()``), each batch's old segments given
-    back before the next; a segment whose state does not fit is left as it is."""
+    back before the next; a segment whose state does not fit is left as it is.
+    ``in_no_graph``: as :func:`movable_state` takes it."""
     seen: dict[int, torch.Tensor] = {}
     for o in optimizers:
-        for t in movable_state(o, device):
+        for t in movable_state(o, device, in_no_graph=in_no_graph):
             seen[t.data_ptr()] = t
     if not seen:
         return 0, 0

@@ -608,3 +608,47 @@ def test_a_compiled_explicit_parameter_function_warms_up_and_captures_on_one_com
     fresh(params, x)
     fresh(tuple(nn.Parameter(p.detach()) for p in params), x)
     assert counter.frame_count == 2
+
+
+class _Reached(torch.autograd.Function):
+    """The identity, logging ``name`` when a gradient comes back through it."""
+
+    @staticmethod
+    def forward(ctx, x, name, log):
+        ctx.name, ctx.log = name, log
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(ctx.name)
+        return grad, None, None
+
+
+class _Outputs(nn.Module):
+    """Tensor outputs at positions 0 and 2 (a plain value between), both differentiable."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.log = log
+
+    def forward(self, x):
+        y = self.lin(x)
+        return {
+            "a": _Reached.apply(y, "a", self.log),
+            "n": 3,
+            "b": _Reached.apply(y, "b", self.log),
+        }
+
+
+@pytest.mark.parametrize(
+    ("unreached", "reached"),
+    [(None, ["a", "b"]), ({0: frozenset({1})}, ["a"]), ({0: frozenset({0})}, ["b"])],
+)
+def test_the_warmup_backward_gives_no_gradient_to_unreached_outputs(unreached, reached):
+    # The captured backward gets no incoming gradient for an unreached output; the
+    # warmup's backward must do that same work, not more (its peak sizes a fresh pool).
+    log: list = []
+    plan = canonicalize((_Outputs(log),), ((torch.randn(2, 4, requires_grad=True),),))
+    run_warmup(plan, 2, allow_unused_input=False, unreached=unreached)
+    assert sorted(log) == sorted(reached * 2)

@@ -50,6 +50,8 @@ class CpuPool(GraphMemoryPool):
 class CpuMeter:
     """The memory meter: its account says which device, handles and caller it got."""
 
+    released_before = 0
+
     def __init__(self, device, release=None):
         self.device, self.release = device, release
 

@@ -354,6 +354,7 @@ def make_graphed_callables(
                 pre_warmup_hook=pre_warmup_hook,
                 post_warmup_hook=post_warmup_hook,
                 device_index=device.index,
+                unreached=unreached,
             )
         t1 = time.perf_counter()
         # Compiled callables: the captures must run code compiled before them

@@ -18,7 +18,7 @@ module's own parameters, in the same way, which a compiled function's guards che
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,15 +89,30 @@ def differentiable_inputs(
     return positions, [tensors[i] for i in positions] + list(params)
 
 
-def differentiable_outputs(output: Any) -> list[torch.Tensor]:
-    leaves = pytree.tree_leaves(output)
-    return [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+def differentiable_outputs(
+    output: Any, unreached: frozenset[int] = frozenset()
+) -> list[torch.Tensor]:
+    """The tensor outputs that require grad, less those at ``unreached`` positions
+    (among the tensor outputs, as ``make_graphed_callables``'s ``_unreached_outputs``
+    counts them)."""
+    tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor)]
+    return [t for i, t in enumerate(tensors) if t.requires_grad and i not in unreached]
 
 
 def _warmup_backward(
-    plan: GraphPlan, entry_index: int, call: WarmupCall, output: Any, allow_unused: bool
+    plan: GraphPlan,
+    entry_index: int,
+    call: WarmupCall,
+    output: Any,
+    allow_unused: bool,
+    unreached: frozenset[int],
 ) -> None:
-    outs = differentiable_outputs(output)
+    # The outputs the captured backward gets no gradient for get none here either: the
+    # warmup then does the captured backward's work and no more. A ones-like gradient
+    # for a model's logits would be one more logits-sized tensor, plus their sum with
+    # the loss's gradient, at the backward's peak; in a fresh pool the warmup's peak
+    # sets the pool's size (measured on the memory benchmark's partial "model" scope).
+    outs = differentiable_outputs(output, unreached)
     _, inputs = differentiable_inputs(call.tensors, plan.callable_of(entry_index).params)
     if not outs or not inputs:
         return
@@ -127,11 +142,15 @@ def run_warmup(
     pre_warmup_hook: Callable[[], Any] | None = None,
     post_warmup_hook: Callable[[], Any] | None = None,
     device_index: int | None = None,
+    unreached: Mapping[int, frozenset[int]] | None = None,
 ) -> tuple[CompileReport, CompileReport]:
     """Run ``num_iters`` eager iterations of ``plan.schedule`` on the current stream.
 
     ``pre_warmup_hook`` / ``post_warmup_hook`` run once around the whole phase, also
     when ``num_iters`` is 0. Capture-time hooks run around every forward and backward.
+    ``unreached``: per entry index, the positions among its tensor outputs that no
+    backward reaches (:func:`~cudagraphs.core.capture_phase.check_unreached_outputs`);
+    each backward passes a gradient for every other differentiable output.
 
     Returns:
         What ``torch.compile`` compiled over the whole warmup and in its last
@@ -147,7 +166,7 @@ def run_warmup(
         outputs: dict[int, Any] = {}
         watch = CompileWatch.start(device_index)
         try:
-            _warmup_iteration(plan, calls, outputs, grad_mode, allow_unused_input)
+            _warmup_iteration(plan, calls, outputs, grad_mode, allow_unused_input, unreached or {})
         finally:
             # On failure too: live outputs would keep autograd graphs (and the
             # parameters' AccumulateGrad nodes, bound to the warmup stream) alive.
@@ -165,6 +184,7 @@ def _warmup_iteration(
     outputs: dict[int, Any],
     grad_mode: Callable,
     allow_unused_input: bool,
+    unreached: Mapping[int, frozenset[int]],
 ) -> None:
     for step in plan.schedule:
         call = calls[step.entry]
@@ -177,5 +197,12 @@ def _warmup_iteration(
             hooks.run("forward_hooks", target.fn)
         else:
             hooks.run("backward_pre_hooks", target.fn)
-            _warmup_backward(plan, step.entry, call, outputs.pop(step.entry), allow_unused_input)
+            _warmup_backward(
+                plan,
+                step.entry,
+                call,
+                outputs.pop(step.entry),
+                allow_unused_input,
+                unreached.get(step.entry, frozenset()),
+            )
             hooks.run("backward_hooks", target.fn)

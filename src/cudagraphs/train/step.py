@@ -31,9 +31,10 @@ from ..errors import (
 from ..graph_pool import GraphMemoryPool, as_graph_pool
 from ..hf_masks import eager_mask_choice, unread_masks_warning
 from ..memory import MemoryMeter
+from ..optimizer_state import compact_fragmented
 from ..program.buffer import ReusableValueBuffer
 from ..program.signature import ValueTreeSignature
-from ..settings import graphs_disabled
+from ..settings import compact_state, graphs_disabled
 from .gradients import DEFAULT_BUCKET_MB, GradientReducer
 from .optimizers import (
     HyperparameterGuard,
@@ -99,6 +100,9 @@ class GraphedTrainStep:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         if not self.params:
             raise CudaGraphsValueError("the optimizer holds no parameters")
+        # Before prepare_optimizer sets capturable=True: a step that was not capturable
+        # sits in no graph, so its state may be packed at capture (optimizer_state).
+        self._state_in_no_graph = not any(g.get("capturable") for g in optimizer.param_groups)
         self.plans = prepare_optimizer(optimizer, options.optimizer_impl)
         # Compiled lazily: the warmup's first step compiles it, never the capture.
         self._compiled_step = (
@@ -229,6 +233,15 @@ class GraphedTrainStep:
         # release at the meter's start then gives back with the rest of the cache.
         stream = pool.capture_stream(device)
         meter = MemoryMeter.start(device, release="graph_train_step")
+        if device.type == "cuda" and compact_state() and self._state_in_no_graph:
+            # Eager steps before the capture made the optimizer's state in the holes
+            # their activations left; from the capture on the activations live in the
+            # pool and those segments would hold the state and holes for good. Packed
+            # now, they go back before the pool grows (cudagraphs.optimizer_state).
+            compact_fragmented([self.optimizer], meter.device, "graph_train_step", in_no_graph=True)
+            # A second capture of this step (or another step over this optimizer) finds
+            # the state in this one's graph.
+            self._state_in_no_graph = False
         self._buffer = ReusableValueBuffer(self.signature, device)
         self._buffer.copy_from(self.sample_batch, path="sample_batch")
         snapshot = OptimizerSnapshot.take(self.optimizer)
