@@ -5,7 +5,7 @@
   graphed against eager results while debugging.
 * ``CUDAGRAPHS_REQUIRE_ALL_BUCKETS``: a serving bucket dropped at startup is an error.
 * ``CUDAGRAPHS_KEEP_CACHE``: never give unused cached device memory back to the driver
-  after a capture (:func:`cudagraphs.memory.release_unused_cache`).
+  around a capture (:func:`cudagraphs.memory.release_unused_cache`).
 * ``CUDAGRAPHS_EXPANDABLE_POOLS`` (default on): graph pools grow as expandable
   segments (:func:`cudagraphs.graph_pool.pool_segments`); ``0`` makes them as the
   caching allocator's settings say.
@@ -15,7 +15,8 @@
   allocator's settings.
 * ``CUDAGRAPHS_COMPACT_STATE`` (default on): around a partial-graph capture, the
   scattered state of the optimizers that stepped while recording is packed into one
-  buffer per dtype (:mod:`cudagraphs.optimizer_state`); ``0`` leaves it where it is.
+  buffer per dtype (:mod:`cudagraphs.optimizer_state`), and before a
+  ``graph_train_step`` capture its optimizer's; ``0`` leaves it where it is.
 * ``CUDAGRAPHS_OWNED_GRADS``: how owned parameter gradients leave a backward replay:
   ``defer`` (the default: the graph memory itself, copied only when something still
   holds it at the next replay that could overwrite it:
