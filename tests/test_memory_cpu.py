@@ -231,6 +231,17 @@ def test_a_meter_started_with_release_gives_the_cache_back_first_and_remakes_wor
     assert dev.emptied == 1
 
 
+def test_a_meter_started_without_eager_workspaces_releases_but_places_none(monkeypatch):
+    from cudagraphs import memory
+
+    dev = FakeDevice(monkeypatch)
+    placed = []
+    monkeypatch.setattr(memory, "place_cublas_workspaces", placed.append)
+    dev.reserved, dev.allocated = 300 << 20, 100 << 20
+    meter = MemoryMeter.start(0, release="graph_train_step", eager_workspaces=False)
+    assert (dev.emptied, placed, meter.released_before) == (1, [], 200 << 20)
+
+
 @pytest.mark.parametrize("cached_mib", [0, 1, 2])
 def test_a_meter_started_with_release_leaves_two_mib_or_less(monkeypatch, cached_mib):
     from cudagraphs import memory

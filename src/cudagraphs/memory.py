@@ -180,11 +180,19 @@ class MemoryMeter:
     released_before: int = 0
 
     @classmethod
-    def start(cls, device: torch.device | int, *, release: str | None = None) -> MemoryMeter:
+    def start(
+        cls,
+        device: torch.device | int,
+        *,
+        release: str | None = None,
+        eager_workspaces: bool = True,
+    ) -> MemoryMeter:
         """Start measuring on ``device``. ``release`` (the caller's name, for the log):
         first give back the unused cache when there is more than 2 MiB of it
-        (:func:`release_unused_cache`), then make the eager cuBLAS workspaces again
-        (:func:`place_cublas_workspaces`).
+        (:func:`release_unused_cache`), then, with ``eager_workspaces``, make the
+        eager cuBLAS workspaces again (:func:`place_cublas_workspaces`; ``False``
+        where the graphs leave no eager matmul, as a whole graphed training step does:
+        the two would be 64 MiB that nothing uses).
 
         Why before the warmup: eager steps run before a capture cached their whole
         working set, the graphed work's activations included. From the capture on those
@@ -201,7 +209,7 @@ class MemoryMeter:
         released = 0
         if release is not None and _unused_cache(index) > 2 * _MIB:
             released = release_unused_cache(index, release)
-            if released:
+            if released and eager_workspaces:
                 place_cublas_workspaces(index)
         return cls(
             index,

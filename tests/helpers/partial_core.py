@@ -9,6 +9,7 @@ class FakeCore:
     def __init__(self, bare=False):
         self.calls, self.replays, self.bare, self.sharing = [], 0, bare, []
         self.owned, self.unreached, self.owned_outputs = [], [], []
+        self.release_cache = []
 
     def __call__(
         self,
@@ -19,8 +20,10 @@ class FakeCore:
         _buffer_sharing=None,
         _unreached_outputs=None,
         _owned_outputs=(),
+        _release_cache=True,
     ):
         self.calls.append((modules, sample_args, sample_kwargs))
+        self.release_cache.append(_release_cache)
         self.sharing.append(_buffer_sharing)
         self.unreached.append(_unreached_outputs)
         self.owned_outputs.append(frozenset(_owned_outputs))

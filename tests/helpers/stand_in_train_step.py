@@ -56,7 +56,7 @@ class CpuMeter:
         self.device, self.release = device, release
 
     @classmethod
-    def start(cls, device, *, release=None):
+    def start(cls, device, *, release=None, eager_workspaces=True):
         return cls(device, release)
 
     def finish(self, handles, what=""):

@@ -149,6 +149,7 @@ def make_graphed_callables(
     _buffer_sharing: BufferSharing | None = None,
     _unreached_outputs: Mapping[int, Iterable[int]] | None = None,
     _owned_outputs: Iterable[int] = (),
+    _release_cache: bool = True,
 ) -> Any:
     """Graph modules or functions: forward (and in training backward) CUDA graphs,
     replayed behind an autograd node.
@@ -252,6 +253,11 @@ def make_graphed_callables(
             a pool of this call's own they are handed out as the static outputs and
             moved out only when still referenced at a replay that could overwrite
             them (:mod:`~cudagraphs.core.deferred_grads`); otherwise copied per replay.
+        _release_cache: give the unused cache back before the warmup and make the
+            eager cuBLAS workspaces again (:meth:`~cudagraphs.memory.MemoryMeter.start`).
+            ``False`` for a caller that releases around its captures itself and
+            decides whether eager workspaces are worth making (partial graphs: none
+            under the ``"model"`` scope, where no eager matmul is left).
 
     Returns:
         One result per entry (a single one when one callable was passed). A module
@@ -344,7 +350,9 @@ def make_graphed_callables(
         # (GraphMemoryPool.warmup_scope). Either way the cuBLAS workspace the graphs use is
         # inside the pool (GraphMemoryPool.capture_stream).
         stream = graph_pool.capture_stream(device)
-        meter = MemoryMeter.start(device, release="make_graphed_callables")
+        meter = MemoryMeter.start(
+            device, release="make_graphed_callables" if _release_cache else None
+        )
         t0 = time.perf_counter()
         with graph_pool.warmup_scope(device):
             compiled, last = run_warmup(

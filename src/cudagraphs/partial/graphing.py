@@ -105,6 +105,9 @@ def _core_backend(
         _unreached_outputs=unreached or None,
         # Whole model parts: their outputs reach the caller's code (see .replay).
         _owned_outputs=owned,
+        # The manager gives the cache back around all of its captures and places the
+        # eager workspaces only where eager model code remains (place_workspaces).
+        _release_cache=False,
     )
     return result if isinstance(result, tuple) else (result,)
 

@@ -232,7 +232,8 @@ class GraphedTrainStep:
         # The pool's streams first: they drop the eager cuBLAS workspaces, which the
         # release at the meter's start then gives back with the rest of the cache.
         stream = pool.capture_stream(device)
-        meter = MemoryMeter.start(device, release="graph_train_step")
+        # No eager workspaces: the step's matmuls are all in its graphs.
+        meter = MemoryMeter.start(device, release="graph_train_step", eager_workspaces=False)
         if device.type == "cuda" and compact_state() and self._state_in_no_graph:
             # Eager steps before the capture made the optimizer's state in the holes
             # their activations left; from the capture on the activations live in the
