@@ -215,3 +215,15 @@ def test_size_oblivious_shapes_turns_the_setting_on_only_inside_and_says_where_a
         )
         with torch_private.size_oblivious_shapes() as on:
             assert on is False and config.backed_size_oblivious is False
+
+
+def test_a_storage_count_is_its_tensors_plus_the_storage_objects_own_uses():
+    from cudagraphs.torch_private import storage_object_uses, storage_use_count
+
+    own = storage_object_uses()
+    t = torch.zeros(4)
+    assert storage_use_count(t.untyped_storage()) == 1 + own
+    views = [t[:2], t.view(2, 2)]
+    assert storage_use_count(t.untyped_storage()) == 1 + len(views) + own
+    del views
+    assert storage_use_count(t.untyped_storage()) == 1 + own

@@ -34,7 +34,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .memory import release_unused_cache
-from .torch_private import can_count_storage_uses, storage_use_count
+from .torch_private import can_count_storage_uses, storage_object_uses, storage_use_count
 
 __all__ = [
     "SteppedOptimizers",
@@ -88,8 +88,7 @@ def movable_state(
             key = t.untyped_storage().data_ptr()
             per_storage[key] = per_storage.get(key, 0) + 1
     # A storage object counts itself once (its Python object holds the C++ storage).
-    probe = torch.empty(1)
-    own = storage_use_count(probe.untyped_storage()) - 1
+    own = storage_object_uses()
     out, seen = [], set()
     for t in tensors:
         if id(t) in seen:

@@ -68,6 +68,7 @@ __all__ = [
     "release_pool",
     "set_grad_enabled",
     "size_oblivious_shapes",
+    "storage_object_uses",
     "storage_use_count",
     "swap_storage_data",
     "view_base",
@@ -326,6 +327,14 @@ def storage_use_count(storage: torch.UntypedStorage) -> int:
     """How many references the C++ storage behind ``storage`` has: one per tensor on
     it, one per Python storage object (``storage`` itself included)."""
     return torch._C._storage_Use_Count(storage._cdata)
+
+
+def storage_object_uses() -> int:
+    """The references one Python storage object adds to its C++ storage's use count
+    (:func:`storage_use_count`), measured on a fresh tensor: what a count taken
+    through ``tensor.untyped_storage()`` includes beside the tensors on it."""
+    probe = torch.empty(1)  # kept alive: its one reference is the count's baseline
+    return storage_use_count(probe.untyped_storage()) - 1
 
 
 def swap_storage_data(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:

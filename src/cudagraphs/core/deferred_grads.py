@@ -73,6 +73,7 @@ from ..settings import owned_grads_deferred
 from ..torch_private import (
     can_count_storage_uses,
     can_move_storages,
+    storage_object_uses,
     storage_use_count,
     swap_storage_data,
     view_base,
@@ -165,8 +166,7 @@ def held_storages(
         if t is not None and t.untyped_storage().nbytes() > 0:
             groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     # A storage object counts itself once (its Python object holds the C++ storage).
-    probe = torch.empty(1)
-    own = storage_use_count(probe.untyped_storage()) - 1
+    own = storage_object_uses()
     held = []
     for group in groups.values():
         # A view holds its base tensor (autograd's view record): one more tensor of
