@@ -494,6 +494,63 @@ def steady_growth(entries: list[dict], segments: list[dict] | None = None) -> li
     return [{"pool": p, "where": w, "bytes": n, "events": k} for (p, w), (n, k) in top]
 
 
+_SHRINK = ("segment_free", "segment_unmap")
+BIG_BLOCK = 8 << 20  # a block this large is named by its size among its site's blocks
+
+
+def peak_census(entries: list[dict], segments: list[dict]) -> dict:
+    """What was live at the trace's highest reserved memory, by pool and allocation
+    site: the census that tells which tensors make a peak (the partial ``"model"``
+    scope's warmup gradient for the logits was found with it).
+
+    Reserved memory is followed through ``entries`` alone: ``segment_alloc`` and
+    ``segment_map`` add their size, ``segment_free`` and ``segment_unmap`` take it away
+    (an expandable segment maps and unmaps pieces of itself), from the trace's start
+    (the child records memory history from its start). A block is live from its
+    ``alloc`` to the ``free_completed`` of its address. At the first entry where
+    reserved memory is highest: ``index`` (of ``of`` entries), ``reserved`` and
+    ``allocated`` there, and per pool (:func:`pool_of` on ``segments``, the snapshot
+    taken after the trace) the ``live`` bytes and the ``CENSUS_TOP`` sites by bytes
+    (``where``, with a block's size in MiB where it is ``BIG_BLOCK`` or more)."""
+    reserved = allocated = 0
+    best, at = -1, -1
+    for i, e in enumerate(entries):
+        action, size = e.get("action"), int(e.get("size", 0))
+        if action in _GROWTH:
+            reserved += size
+        elif action in _SHRINK:
+            reserved -= size
+        if reserved > best:
+            best, at = reserved, i
+    live: dict[int, dict] = {}
+    for e in entries[: at + 1]:
+        action, addr = e.get("action"), int(e.get("addr", -1))
+        if action == "alloc":
+            live[addr] = e
+        elif action == "free_completed":
+            live.pop(addr, None)
+    pools: dict[str, dict] = {}
+    for addr, e in live.items():
+        size = int(e.get("size", 0))
+        allocated += size
+        row = pools.setdefault(pool_of(addr, segments), {"live": 0, "sites": {}})
+        row["live"] += size
+        where = _where(e) + (f" [{size >> 20} MiB]" if size >= BIG_BLOCK else "")
+        site = row["sites"].setdefault(where, [0, 0])
+        site[0] += size
+        site[1] += 1
+    for row in pools.values():
+        top = sorted(row["sites"].items(), key=lambda kv: (-kv[1][0], kv[0]))[:CENSUS_TOP]
+        row["sites"] = [{"where": w, "bytes": n, "blocks": k} for w, (n, k) in top]
+    return {
+        "index": at,
+        "of": len(entries),
+        "reserved": max(best, 0),
+        "allocated": allocated,
+        "pools": pools,
+    }
+
+
 def _trace() -> list[dict]:
     traces = torch.cuda.memory._snapshot().get("device_traces") or [[]]
     return traces[torch.cuda.current_device()]
@@ -529,6 +586,7 @@ def _run(step, info: dict) -> dict:
         # a capture grows, and the segments the first steps add after it.
         info["setup_growth"] = steady_growth(trace[:mark], segments)
         info["steady_growth"] = steady_growth(trace[mark:], segments)
+        info["peak"] = peak_census(trace, segments)
     return {
         "reserved": max(setup["reserved"], steady["reserved"]),
         "allocated": max(setup["allocated"], steady["allocated"]),

@@ -342,3 +342,122 @@ def test_late_variants_run_on_small_and_mid_against_eager_with_a_target_each():
     shape_ratios = {"small": {late: {"reserved": 1.2} for late in mem.LATE_LAYERS}}
     got = mem.targets(shape_ratios, {})
     assert got == {f"{late}_peak_reserved_le_1.10x_eager": False for late in mem.LATE_LAYERS}
+
+
+# --- the peak census: what was live at the trace's highest reserved memory -------------
+MIB = 1 << 20
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "free", "grow", "shrink", "other"]),
+        st.integers(0, 7),  # which block or segment slot
+        st.sampled_from([1, 3, 8, 20]),  # MiB
+        st.sampled_from(["a.py", "b.py"]),
+    ),
+    max_size=40,
+)
+
+
+def _trace_of(ops):
+    """A consistent trace from random operations: blocks at addresses 0..7 MiB * 100
+    (an alloc of a live address, a free of a dead one are skipped), segments at
+    10_000 MiB + slot, grown and given back whole."""
+    entries, live, segs = [], {}, {}
+    for op, slot, mib, where in ops:
+        frames = [{"filename": f"/x/{where}", "line": slot, "name": "f"}]
+        if op == "alloc" and slot not in live:
+            live[slot] = mib
+            entries.append(
+                {"action": "alloc", "addr": slot * 100 * MIB, "size": mib * MIB, "frames": frames}
+            )
+        elif op == "free" and slot in live:
+            entries.append(
+                {"action": "free_requested", "addr": slot * 100 * MIB, "size": live[slot] * MIB}
+            )
+            entries.append(
+                {"action": "free_completed", "addr": slot * 100 * MIB, "size": live.pop(slot) * MIB}
+            )
+        elif op == "grow" and slot not in segs:
+            segs[slot] = mib
+            entries.append(
+                {
+                    "action": "segment_map" if mib == 3 else "segment_alloc",
+                    "addr": (10_000 + slot) * MIB,
+                    "size": mib * MIB,
+                }
+            )
+        elif op == "shrink" and slot in segs:
+            action = "segment_unmap" if segs[slot] == 3 else "segment_free"
+            entries.append(
+                {"action": action, "addr": (10_000 + slot) * MIB, "size": segs.pop(slot) * MIB}
+            )
+        elif op == "other":
+            entries.append({"action": "snapshot", "addr": 0, "size": 0})
+    return entries
+
+
+@settings(max_examples=300, deadline=None)
+@given(_OPS)
+def test_the_peak_census_matches_a_recount_at_every_entry(ops):
+    mem = _mem()
+    entries = _trace_of(ops)
+    # Blocks 0..3 lie in a graph pool's final segment, the rest in none (released).
+    segments = [{"address": 0, "total_size": 400 * MIB, "segment_pool_id": (1, 2)}]
+    out = mem.peak_census(entries, segments)
+
+    def reserved_after(i):
+        sign = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+        return sum(sign.get(e["action"], 0) * e["size"] for e in entries[: i + 1])
+
+    def live_after(i):
+        live = {}
+        for e in entries[: i + 1]:
+            if e["action"] == "alloc":
+                live[e["addr"]] = e
+            elif e["action"] == "free_completed":
+                del live[e["addr"]]
+        return live
+
+    levels = [reserved_after(i) for i in range(len(entries))]
+    best = max(levels, default=-1)
+    at = levels.index(best) if levels else -1
+    assert (out["index"], out["of"]) == (at, len(entries))
+    assert out["reserved"] == max(best, 0)
+    live = live_after(at) if at >= 0 else {}
+    assert out["allocated"] == sum(e["size"] for e in live.values())
+    for pool, addrs in (("graph(1, 2)", range(0, 4)), ("released", range(4, 8))):
+        blocks = [e for a, e in live.items() if a // (100 * MIB) in addrs]
+        if not blocks:
+            assert pool not in out["pools"]
+            continue
+        row = out["pools"][pool]
+        assert row["live"] == sum(e["size"] for e in blocks)
+        assert sum(s["bytes"] for s in row["sites"]) == row["live"]
+        assert sum(s["blocks"] for s in row["sites"]) == len(blocks)
+        # A big block is named with its size; sites are by bytes, largest first.
+        for s in row["sites"]:
+            assert s["where"].startswith("x/a.py:") or s["where"].startswith("x/b.py:")
+            assert (" [" in s["where"]) == s["where"].endswith(" MiB]")
+        assert [s["bytes"] for s in row["sites"]] == sorted(
+            (s["bytes"] for s in row["sites"]), reverse=True
+        )
+
+
+def test_the_peak_census_names_what_made_the_peak():
+    mem = _mem()
+    f = [{"filename": "/m/warmup.py", "line": 108, "name": "_warmup_backward"}]
+    entries = [
+        {"action": "segment_alloc", "addr": 0, "size": 300 * MIB},
+        {"action": "alloc", "addr": 0, "size": 125 * MIB, "frames": f},
+        {"action": "alloc", "addr": 200 * MIB, "size": 2 * MIB, "frames": f},
+        {"action": "segment_alloc", "addr": 1000 * MIB, "size": 40 * MIB},
+        {"action": "free_completed", "addr": 0, "size": 125 * MIB},
+        {"action": "segment_free", "addr": 1000 * MIB, "size": 40 * MIB},
+    ]
+    out = mem.peak_census(
+        entries, [{"address": 0, "total_size": 300 * MIB, "segment_pool_id": (0, 0)}]
+    )
+    assert (out["index"], out["reserved"], out["allocated"]) == (3, 340 * MIB, 127 * MIB)
+    assert out["pools"]["default"]["sites"] == [
+        {"where": "m/warmup.py:108 _warmup_backward [125 MiB]", "bytes": 125 * MIB, "blocks": 1},
+        {"where": "m/warmup.py:108 _warmup_backward", "bytes": 2 * MIB, "blocks": 1},
+    ]
