@@ -5,6 +5,12 @@ gradient, bitwise (on the CPU with the eager backend, or on a GPU with real grap
 import torch
 
 
+def token_batches(seed, n, shape=(2, 16), vocab=128):
+    """``n`` batches of token ids on the GPU, drawn from a generator seeded ``seed``."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randint(0, vocab, shape, device="cuda", generator=gen) for _ in range(n)]
+
+
 def backend(callables, sample_args, sample_kwargs):
     """A capture backend that graphs nothing: the callables run eagerly."""
     return list(callables)

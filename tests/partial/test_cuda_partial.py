@@ -9,7 +9,7 @@ import torch
 from cudagraphs.moe_kernels import GroupedMMProbe
 from cudagraphs.partial import PartialCudaGraphManager
 from helpers.hf_models import tiny
-from helpers.partial_training import loss_of, step_both_and_compare, train_both
+from helpers.partial_training import loss_of, step_both_and_compare, token_batches, train_both
 
 ATTN_ROUTER = ("attention", "moe_router")
 
@@ -26,8 +26,7 @@ def test_training_steps_equal_eager(kind):
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(5)]
+    batches = token_batches(1, 5)
     mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False)
     try:
         train_both(model, ref, mgr, batches, (opt, ref_opt))
@@ -49,8 +48,7 @@ def test_with_activation_checkpointing_losses_and_grads_equal_eager():
     for m in (model, ref):
         m.train()
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(3)]
+    batches = token_batches(2, 3)
     mgr = PartialCudaGraphManager.from_model_parts(
         [model], activation_checkpointing=True, speed_check=False, scopes=ATTN_ROUTER
     )
@@ -114,8 +112,7 @@ def test_fsdp2_world_size_1_training_equals_eager(tmp_path):
             fully_shard(model)
             models.append(model)
         model, ref = models
-        gen = torch.Generator(device="cuda").manual_seed(4)
-        batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(4)]
+        batches = token_batches(4, 4)
         mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False)
         assert all(e.fsdp for e in mgr.recordings)
         mgr.start_recording()
@@ -156,8 +153,7 @@ def test_the_default_speed_check_runs_on_the_gpu_and_training_stays_equal(kind, 
     monkeypatch.setattr(SpeedCheck, "measure", spy)
     model = tiny_cuda(kind)
     ref = copy.deepcopy(model)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(4)]
+    batches = token_batches(5, 4)
     mgr = PartialCudaGraphManager.from_model_parts([model])  # speed_check=True
     try:
         train_both(model, ref, mgr, batches)
@@ -195,8 +191,7 @@ def test_wider_scopes_train_equal_to_eager_for_five_adamw_steps(kind, scopes):
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(6)]
+    batches = token_batches(7, 6)
     mgr = PartialCudaGraphManager.from_model_parts([model], scopes=scopes, speed_check=False)
     assert not mgr.narrowed and not mgr.skipped, (mgr.narrowed, mgr.skipped)
     try:
@@ -213,8 +208,7 @@ def test_whole_layers_with_activation_checkpointing_equal_eager():
     ref = copy.deepcopy(model)
     for m in (model, ref):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(3)]
+    batches = token_batches(8, 3)
     mgr = PartialCudaGraphManager.from_model_parts([model], scopes=("layer",), speed_check=False)
     try:
         train_both(model, ref, mgr, batches)
@@ -232,8 +226,7 @@ def test_float32_grouped_mm_experts_narrow_where_torch_runs_them_on_the_host():
     model = model.cuda()
     on_device = GroupedMMProbe().on_device(model.model.layers[0].mlp.experts.gate_up_proj)
     ref = copy.deepcopy(model)
-    gen = torch.Generator(device="cuda").manual_seed(9)
-    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(3)]
+    batches = token_batches(9, 3)
     mgr = PartialCudaGraphManager.from_model_parts(
         [model], scopes=("layer",) + ATTN_ROUTER, speed_check=False
     )

@@ -10,7 +10,7 @@ import torch
 from cudagraphs.compile_watch import CompileWatch
 from cudagraphs.partial import PartialCudaGraphManager
 from helpers.hf_models import tiny
-from helpers.partial_training import train_both
+from helpers.partial_training import token_batches, train_both
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -28,8 +28,7 @@ def test_compiled_targets_replay_and_train_like_their_compiled_eager_forwards():
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(5)]
+    batches = token_batches(4, 5)
     mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False, compile_options={})
 
     def capture():

@@ -10,7 +10,7 @@ import torch
 
 from cudagraphs.partial import PartialCudaGraphManager
 from helpers.hf_models import tiny
-from helpers.partial_training import train_both
+from helpers.partial_training import token_batches, train_both
 
 pytestmark = pytest.mark.cuda
 
@@ -34,8 +34,7 @@ def test_float8_layers_graph_and_train_like_torchaos_eager_float8_model(recipe):
     assert any(type(m).__name__ == "Float8Linear" for m in model.modules())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(5)]
+    batches = token_batches(6, 5)
     mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False)
     try:
         train_both(model, ref, mgr, batches, (opt, ref_opt))

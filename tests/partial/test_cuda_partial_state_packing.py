@@ -16,7 +16,7 @@ import torch
 from cudagraphs.optimizer_state import compact_fragmented, freeable_segments, movable_state
 from cudagraphs.partial import PartialCudaGraphManager
 from helpers.hf_models import tiny
-from helpers.partial_training import train_both
+from helpers.partial_training import token_batches, train_both
 
 pytestmark = pytest.mark.cuda
 
@@ -92,8 +92,7 @@ def test_a_manager_packs_its_own_optimizer_only_and_trains_equal_to_eager(fused)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=fused)
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    batches = [torch.randint(0, 128, (2, 16), device="cuda", generator=gen) for _ in range(5)]
+    batches = token_batches(3, 5)
     mgr = PartialCudaGraphManager.from_model_parts([model], speed_check=False)
     try:
         train_both(model, ref, mgr, batches, (opt, ref_opt))
