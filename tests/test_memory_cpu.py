@@ -4,7 +4,7 @@ release decision (the CUDA calls replaced by a fake device)."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cudagraphs.core.grad_staging import GradStaging
@@ -275,3 +275,38 @@ def test_keep_cache_turns_every_release_off(monkeypatch):
     monkeypatch.setenv(KEEP_CACHE_ENV, "maybe")
     with pytest.raises(CudaGraphsValueError, match=KEEP_CACHE_ENV):
         release_unused_cache(0, "test")
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    # Each example patches inside its own monkeypatch.context().
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    cached=st.integers(0, 8 << 20),
+    release=st.sampled_from([None, "layer"]),
+    workspaces=st.booleans(),
+    keep=st.booleans(),
+)
+def test_the_meter_start_releases_and_places_as_its_rule_says(
+    monkeypatch, cached, release, workspaces, keep
+):
+    from cudagraphs import memory
+
+    with monkeypatch.context() as mp:
+        dev = FakeDevice(mp)
+        placed = []
+        mp.setattr(memory, "place_cublas_workspaces", placed.append)
+        if keep:
+            mp.setenv(KEEP_CACHE_ENV, "1")
+        else:
+            mp.delenv(KEEP_CACHE_ENV, raising=False)
+        dev.reserved, dev.allocated = (100 << 20) + cached, 100 << 20
+        meter = MemoryMeter.start(0, release=release, eager_workspaces=workspaces)
+        # The rule, written plainly: asked, more than 2 MiB cached, not kept.
+        releases = release is not None and cached > 2 << 20 and not keep
+        assert dev.emptied == int(releases)
+        assert meter.released_before == (cached if releases else 0)
+        assert placed == ([0] if releases and workspaces else [])
+        assert meter.unused_cache == (0 if releases else cached)

@@ -652,3 +652,27 @@ def test_the_warmup_backward_gives_no_gradient_to_unreached_outputs(unreached, r
     plan = canonicalize((_Outputs(log),), ((torch.randn(2, 4, requires_grad=True),),))
     run_warmup(plan, 2, allow_unused_input=False, unreached=unreached)
     assert sorted(log) == sorted(reached * 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from(["grad", "nograd", "value"]), max_size=8),
+    st.frozensets(st.integers(0, 9), max_size=5),
+)
+def test_differentiable_outputs_are_the_tensors_that_need_grad_less_the_unreached(kinds, unreached):
+    from cudagraphs.core.warmup import differentiable_outputs
+
+    leaves = [
+        torch.zeros(1, requires_grad=True)
+        if k == "grad"
+        else torch.zeros(1)
+        if k == "nograd"
+        else 3
+        for k in kinds
+    ]
+    output = {"out": leaves}
+    # Reference: number the tensor leaves, keep those that need grad and are reached.
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    want = [t for i, t in enumerate(tensors) if t.requires_grad and i not in unreached]
+    got = differentiable_outputs(output, unreached)
+    assert [id(t) for t in got] == [id(t) for t in want]
