@@ -10,7 +10,13 @@ from hypothesis import strategies as st
 from cudagraphs.core.grad_staging import GradStaging
 from cudagraphs.errors import CudaGraphsValueError
 from cudagraphs.graph_pool import GraphMemoryPool
-from cudagraphs.memory import KEEP_CACHE_ENV, MemoryAccount, MemoryMeter, release_unused_cache
+from cudagraphs.memory import (
+    KEEP_CACHE_ENV,
+    MemoryAccount,
+    MemoryMeter,
+    release_unused_cache,
+    tensor_bytes,
+)
 
 
 # ---- GraphMemoryPool.fresh ------------------------------------------------------------------
@@ -135,18 +141,27 @@ def test_two_entries_stage_into_the_same_memory():
 
 # ---- MemoryAccount --------------------------------------------------------------------
 def test_accounts_add_field_by_field_and_summarize_in_mib():
-    a = MemoryAccount(1 << 20, 1 << 19, 2 << 20, 0, 3 << 20)
-    total = a + MemoryAccount(1 << 20, 0, 0, 5 << 20, 0)
+    a = MemoryAccount(1 << 20, 1 << 19, 2 << 20, 0, 3 << 20, 4 << 20)
+    total = a + MemoryAccount(1 << 20, 0, 0, 5 << 20, 0, 1 << 20)
     assert total.as_dict() == {
         "pool_reserved_bytes": 2 << 20,
         "pool_allocated_bytes": 1 << 19,
         "unused_cache_bytes": 2 << 20,
         "released_bytes": 5 << 20,
         "driver_bytes": 3 << 20,
+        "static_bytes": 5 << 20,
     }
     assert total.summary() == (
-        "pool 2 MiB (0 in use), unused cache 2 MiB (released 5), driver 3 MiB"
+        "pool 2 MiB (0 in use), unused cache 2 MiB (released 5), driver 3 MiB, static buffers 5 MiB"
     )
+
+
+def test_tensor_bytes_counts_each_storage_once():
+    base = torch.zeros(1024)  # 4096 bytes
+    other = torch.zeros(10, dtype=torch.float16)  # 20 bytes
+    assert tensor_bytes([]) == 0
+    assert tensor_bytes([base, base[:10], base.view(32, 32), None, other]) == 4096 + 20
+    assert tensor_bytes(iter([other])) == 20
 
 
 # ---- MemoryMeter and release ---------------------------------------------------------------

@@ -22,6 +22,7 @@ __all__ = [
     "check_instance",
     "check_int",
     "check_number",
+    "check_optimizers",
     "require_cuda",
 ]
 
@@ -102,6 +103,31 @@ def check_instance(name: str, value: Any, types: type | tuple[type, ...], what: 
     if not isinstance(value, types):
         raise CudaGraphsTypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
     return value
+
+
+def check_optimizers(name: str, value: Any) -> tuple[torch.optim.Optimizer, ...]:
+    """``value`` as a tuple of optimizers: one ``torch.optim.Optimizer`` or an iterable
+    of them (a list, a tuple; empty for none).
+
+    Raises:
+        CudaGraphsTypeError: naming ``name``, and the position and type of the first
+            entry that is not an optimizer.
+    """
+    if isinstance(value, torch.optim.Optimizer):
+        return (value,)
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise CudaGraphsTypeError(
+            f"{name} must be a torch.optim.Optimizer or a tuple of them, got "
+            f"{type(value).__name__} {value!r}; pass for example {name}=(optimizer,)"
+        )
+    out = tuple(value)
+    for i, o in enumerate(out):
+        if not isinstance(o, torch.optim.Optimizer):
+            raise CudaGraphsTypeError(
+                f"{name}[{i}] must be a torch.optim.Optimizer, got {type(o).__name__} "
+                f"{o!r}; pass the optimizers that update the graphed parameters"
+            )
+    return out
 
 
 def check_device(name: str, device: Any) -> torch.device:

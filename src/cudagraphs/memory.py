@@ -41,6 +41,7 @@ __all__ = [
     "place_cublas_workspaces",
     "pool_usage",
     "release_unused_cache",
+    "tensor_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,10 @@ class MemoryAccount:
             allocator: graph executables, library handles. Measured as the drop in
             the device's free memory minus the growth of torch's reserved memory, so
             another process allocating at the same time would show here too.
+        static_bytes: the static input and output buffers the graphs own for good
+            (forward inputs and outputs, incoming gradients, input gradients; each
+            storage once): memory an eager run of the same work holds only while a
+            step uses it. Parameter gradients are not counted: eager holds them too.
     """
 
     pool_reserved_bytes: int = 0
@@ -74,6 +79,7 @@ class MemoryAccount:
     unused_cache_bytes: int = 0
     released_bytes: int = 0
     driver_bytes: int = 0
+    static_bytes: int = 0
 
     def __add__(self, other: MemoryAccount) -> MemoryAccount:
         return MemoryAccount(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple())))
@@ -85,6 +91,7 @@ class MemoryAccount:
             self.unused_cache_bytes,
             self.released_bytes,
             self.driver_bytes,
+            self.static_bytes,
         )
 
     def as_dict(self) -> dict[str, int]:
@@ -97,7 +104,8 @@ class MemoryAccount:
             f"({self.pool_allocated_bytes / _MIB:.0f} in use), "
             f"unused cache {self.unused_cache_bytes / _MIB:.0f} MiB "
             f"(released {self.released_bytes / _MIB:.0f}), "
-            f"driver {self.driver_bytes / _MIB:.0f} MiB"
+            f"driver {self.driver_bytes / _MIB:.0f} MiB, "
+            f"static buffers {self.static_bytes / _MIB:.0f} MiB"
         )
 
 
@@ -117,6 +125,18 @@ def pool_usage(handles: Iterable[tuple[int, int]], device: int) -> tuple[int, in
         reserved += int(segment["total_size"])
         allocated += int(segment["allocated_size"])
     return reserved, allocated
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (``None`` skipped): a buffer
+    that several tensors view, or that two graphs share, counts once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 def release_unused_cache(device: torch.device | int, what: str) -> int:
@@ -225,11 +245,13 @@ class MemoryMeter:
         *,
         what: str,
         release: bool | None = None,
+        static_bytes: int = 0,
     ) -> MemoryAccount:
         """The account of the phase. ``release``: give unused cached memory back to
         the driver (:func:`release_unused_cache`) always (``True``), never
         (``False``), or when the phase left more of it than there was before
-        (``None``: a warmup that ran outside its pool)."""
+        (``None``: a warmup that ran outside its pool). ``static_bytes``: the graphs'
+        static buffers (:func:`tensor_bytes` of them), as the account's."""
         index = self.device
         torch.cuda.synchronize(index)
         reserved = torch.cuda.memory_reserved(index)
@@ -244,7 +266,12 @@ class MemoryMeter:
             release = unused_outside > before_outside + 2 * _MIB
         released = release_unused_cache(index, what) if release and unused_outside else 0
         return MemoryAccount(
-            pool_reserved, pool_allocated, unused_outside, self.released_before + released, driver
+            pool_reserved,
+            pool_allocated,
+            unused_outside,
+            self.released_before + released,
+            driver,
+            static_bytes,
         )
 
 

@@ -33,13 +33,15 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .memory import release_unused_cache
+from .memory import KEEP_CACHE_ENV, release_unused_cache
+from .settings import compact_state, env_flag
 from .torch_private import can_count_storage_uses, storage_object_uses, storage_use_count
 
 __all__ = [
     "SteppedOptimizers",
     "buffer_bytes",
     "compact_fragmented",
+    "compact_before_capture",
     "compact_optimizer_state",
     "freeable_segments",
     "movable_state",
@@ -280,3 +282,15 @@ def compact_fragmented(
             len(plan),
         )
     return moved, released
+
+
+def compact_before_capture(
+    optimizers: Sequence[torch.optim.Optimizer], device: int, what: str
+) -> tuple[int, int]:
+    """:func:`compact_fragmented` for a capture that is about to start, right after the
+    release of the unused cache, unless ``CUDAGRAPHS_KEEP_CACHE=1`` or
+    ``CUDAGRAPHS_COMPACT_STATE=0``; returns the bytes moved and given back. Only state
+    no graph holds moves (:func:`movable_state`)."""
+    if not optimizers or env_flag(KEEP_CACHE_ENV) or not compact_state():
+        return 0, 0
+    return compact_fragmented(optimizers, device, what)

@@ -53,6 +53,21 @@ def test_ratios_are_to_each_variants_own_eager_reference():
     assert got["graph_train_step"]["allocated"] == 1.2
     assert got["trainer_callback"]["reserved"] == 1.15
     assert "partial_model" not in got  # it did not run: no ratio, no target
+    # No static buffers recorded: the allocated peak as it is.
+    assert got["graph_train_step"]["allocated_less_static"] == 1.2
+
+
+def test_the_allocated_allowance_is_the_static_buffers_of_the_account_or_the_stats():
+    mem = _mem()
+    with_account = {**_run(100, 20), "info": {"account": {"static_bytes": 4}}}
+    with_stats = {**_run(100, 20), "info": {"stats": {"static_bytes": 9, "captured": 2}}}
+    got = mem.ratios(
+        {"eager": _run(100, 10), "graph_train_step": with_account, "partial_model": with_stats}
+    )
+    assert got["graph_train_step"]["allocated_less_static"] == 1.6
+    assert got["partial_model"]["allocated_less_static"] == 1.1
+    assert mem.static_bytes({"info": {"account": None}}) == 0
+    assert mem.static_bytes({}) == 0
 
 
 def test_targets_take_the_worst_shape_and_need_an_eager_batch():
@@ -66,10 +81,14 @@ def test_targets_take_the_worst_shape_and_need_an_eager_batch():
         "partial_default": {"eager": {"largest_batch": 9}, "graphed": {"largest_batch": 8}},
         "graphed_generator": {"hf_static": {"largest_batch": 0}, "graphed": {"largest_batch": 0}},
     }
+    shape_ratios["small"]["graph_stack"]["allocated_less_static"] = 1.04
+    shape_ratios["mid"]["graph_train_step"]["allocated_less_static"] = 1.06
     got = mem.targets(shape_ratios, searched)
     assert got == {
         "graph_train_step_peak_reserved_le_1.10x_eager": False,
+        "graph_train_step_peak_allocated_le_1.05x_eager_plus_static": False,
         "graph_stack_peak_reserved_le_1.10x_eager": False,
+        "graph_stack_peak_allocated_le_1.05x_eager_plus_static": True,
         "graph_train_step_largest_batch_ge_eager": True,
         "partial_default_largest_batch_ge_eager": False,
         "graphed_generator_largest_batch_ge_eager": False,

@@ -71,6 +71,9 @@ def test_a_pool_holding_a_graph_warms_up_outside_it_and_gives_the_cache_back():
     account = graphed.cuda_graph.memory
     # The second warmup ran on the warmup stream; what it cached there went back.
     assert account.unused_cache_bytes > 0 and account.released_bytes > 0, account
+    # Static buffers the graphs own: the input, the output, the output's incoming
+    # gradient and the input's gradient, 2 MiB each.
+    assert account.static_bytes == 4 * 512 * 1024 * 4, account
     y = graphed(first(x))
     y.sum().backward()
 

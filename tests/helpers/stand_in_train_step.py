@@ -59,9 +59,13 @@ class CpuMeter:
     def start(cls, device, *, release=None, eager_workspaces=True):
         return cls(device, release)
 
-    def finish(self, handles, what=""):
+    def finish(self, handles, what="", static_bytes=0):
         return SimpleNamespace(
-            device=self.device, handles=handles, what=what, released_before=self.release
+            device=self.device,
+            handles=handles,
+            what=what,
+            released_before=self.release,
+            static_bytes=static_bytes,
         )
 
 

@@ -42,3 +42,22 @@ def test_the_cache_is_released_only_when_asked_on_an_initialized_cuda(
     got = graphing.release_cached(active)
     assert released == ([(3, "partial graphs capture")] if releases else [])
     assert got == (4096 if releases else 0)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_workspaces_are_dropped_before_the_release_unless_the_cache_is_kept(
+    released, monkeypatch, keep
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    if keep:
+        monkeypatch.setenv(graphing.KEEP_CACHE_ENV, "1")
+    else:
+        monkeypatch.delenv(graphing.KEEP_CACHE_ENV, raising=False)
+    monkeypatch.setattr(graphing, "clear_cublas_workspaces", lambda: released.append("drop"))
+    graphing.release_cached(True, drop_workspaces=True)
+    # The release itself is stood in for, so it runs under either setting here.
+    assert released == ([] if keep else ["drop"]) + [(3, "partial graphs capture")]
+    released.clear()
+    graphing.release_cached(True)
+    assert released == [(3, "partial graphs capture")]

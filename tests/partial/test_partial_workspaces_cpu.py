@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cudagraphs import memory
+from cudagraphs import memory, optimizer_state
 from cudagraphs.partial import MODEL_SCOPE, PartialCudaGraphManager, graphing
 from cudagraphs.partial.vocabulary import MODEL_KIND
 from cudagraphs.settings import COMPACT_STATE_ENV, DISABLE_ENV
@@ -87,8 +87,8 @@ def test_eager_code_remains_unless_every_whole_part_is_graphed_and_on(recs):
 
 @pytest.fixture
 def placed(monkeypatch):
-    """The release and the placement stood in for: each placement records what the
-    releases were at that moment."""
+    """The release, the packing, the workspaces' drop and their placement stood in
+    for, each recorded in order."""
     events: list[str] = []
     monkeypatch.setattr(
         graphing, "release_unused_cache", lambda device, why: events.append("release") or 0
@@ -96,8 +96,9 @@ def placed(monkeypatch):
     monkeypatch.setattr(
         graphing, "place_cublas_workspaces", lambda device: events.append(f"place:{device}")
     )
+    monkeypatch.setattr(graphing, "clear_cublas_workspaces", lambda: events.append("drop"))
     monkeypatch.setattr(
-        graphing,
+        optimizer_state,
         "compact_fragmented",
         lambda optimizers, device, what: (
             events.append(f"compact:{len(list(optimizers))}") or (4096, 1024)
@@ -142,44 +143,44 @@ def _captured(scopes, optimizer_steps: tuple[str, ...] = ()) -> PartialCudaGraph
 
 def test_default_scopes_place_the_workspaces_once_after_the_last_release(placed):
     assert _captured(NARROW).stats()["captured"] == 2
-    assert placed == ["release", "release", "place:0"]
+    assert placed == ["drop", "release", "release", "place:0"]
 
 
 def test_an_optimizer_that_stepped_while_recording_is_packed_then_released(placed):
     mgr = _captured(NARROW, ("before", "inside", "after"))
-    assert placed == ["release", "compact:1", "release", "compact:1", "place:0"]
+    assert placed == ["drop", "release", "compact:1", "release", "compact:1", "place:0"]
     stats = mgr.stats()
     assert stats["compacted_state_bytes"] == 2 * 4096 and stats["released_bytes"] == 2 * 1024
 
 
 def test_optimizers_that_stepped_only_outside_the_recording_are_not_packed(placed):
     mgr = _captured(NARROW, ("before", "after"))
-    assert placed == ["release", "release", "place:0"]
+    assert placed == ["drop", "release", "release", "place:0"]
     assert "compacted_state_bytes" not in mgr.stats()
 
 
 def test_packing_is_off_under_its_variable(placed, monkeypatch):
     monkeypatch.setenv(COMPACT_STATE_ENV, "0")
     _captured(NARROW, ("inside",))
-    assert placed == ["release", "release", "place:0"]
+    assert placed == ["drop", "release", "release", "place:0"]
 
 
 def test_the_model_scope_packs_the_state_too(placed):
     _captured((MODEL_SCOPE,), ("inside",))
-    assert placed == ["release", "compact:1", "release", "compact:1"]
+    assert placed == ["drop", "release", "compact:1", "release", "compact:1"]
 
 
 def test_the_model_scope_graphed_whole_places_none(placed):
     # One graph, the whole model's: the eager code left is the optimizer's.
     assert _captured((MODEL_SCOPE,)).stats()["captured"] == 1
-    assert placed == ["release", "release"]
+    assert placed == ["drop", "release", "release"]
 
 
 @pytest.mark.parametrize("env", [memory.KEEP_CACHE_ENV, DISABLE_ENV])
 def test_nothing_is_placed_when_the_cache_is_kept_or_graphs_are_off(placed, monkeypatch, env):
     monkeypatch.setenv(env, "1")
     _captured(NARROW, ("inside",))
-    assert not [e for e in placed if e.startswith(("place", "compact"))]
+    assert not [e for e in placed if e.startswith(("place", "compact", "drop"))]
 
 
 def test_no_cuda_places_nothing(monkeypatch):
@@ -192,6 +193,8 @@ def test_no_cuda_places_nothing(monkeypatch):
 def test_no_cuda_packs_nothing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     calls = []
-    monkeypatch.setattr(graphing, "compact_fragmented", lambda o, d, w: calls.append(d) or (1, 1))
+    monkeypatch.setattr(
+        optimizer_state, "compact_fragmented", lambda o, d, w: calls.append(d) or (1, 1)
+    )
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     assert graphing.compact_stepped(True, [opt], []) == (0, 0) and calls == []

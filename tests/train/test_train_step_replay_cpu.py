@@ -237,6 +237,10 @@ def test_the_capture_runs_on_the_pools_stream_and_device_and_accounts_for_it(
     stats = step.stats
     assert stats.memory.device == cpu and stats.memory.what == "graph_train_step"
     assert stats.memory.handles == pool.handles()
+    # Static: the batch buffer and the loss the graph writes (the storage it views).
+    batch_bytes = sum(t.numel() * t.element_size() for t in batches[0])
+    loss_bytes = step(batches[0]).untyped_storage().nbytes()
+    assert stats.memory.static_bytes == batch_bytes + loss_bytes > batch_bytes
     assert (stats.graphs, stats.accumulation_steps, stats.all_reduce) == (1, 1, False)
     assert 0 <= stats.warmup_seconds < 60 and 0 <= stats.capture_seconds < 60
     assert (stats.compile_seconds, stats.compiled_frames, stats.graph_breaks) == (0.0, 0, 0)

@@ -11,12 +11,13 @@ import torch
 
 from ..capture import as_graph_pool
 from ..capture_state import capture_scope
-from ..checks import check_callable, require_cuda
+from ..checks import check_callable, check_optimizers, require_cuda
 from ..compile_watch import CompileWatch, check_warmup, require_no_compile
 from ..errors import CudaGraphCaptureError, CudaGraphsValueError
 from ..forward_swap import swap_forward
-from ..memory import MemoryMeter
+from ..memory import MemoryMeter, tensor_bytes
 from ..moe_kernels import check_grouped_mm_experts
+from ..optimizer_state import compact_before_capture
 from ..settings import DISABLE_ENV, graphs_disabled
 from .canonicalize import GraphPlan, canonicalize, check_devices
 from .capture_phase import (
@@ -146,6 +147,7 @@ def make_graphed_callables(
     capture_time_hooks: Sequence[HookMap | None] | None = None,
     accumulate_grads_in_graph: bool = False,
     main_grad_attr: str | None = None,
+    optimizers: Any = (),
     _buffer_sharing: BufferSharing | None = None,
     _unreached_outputs: Mapping[int, Iterable[int]] | None = None,
     _owned_outputs: Iterable[int] = (),
@@ -236,6 +238,16 @@ def make_graphed_callables(
             reducer) do not fire for the graphed part of their gradients.
         main_grad_attr: with ``accumulate_grads_in_graph``, the parameter attribute
             to accumulate into instead of ``.grad``.
+        optimizers: an optimizer, or a tuple of them, that has stepped eagerly over
+            the graphed parameters before this call (graphing after eager steps).
+            After the release of the unused cache and before the warmup, the state
+            they made in the holes the eager steps' activations left is packed into
+            one buffer per dtype and its old segments go back to the driver
+            (:mod:`cudagraphs.optimizer_state`; the state keeps its identity and
+            values). Without it those segments stay pinned by the state beside the
+            pool (``docs/memory.md``). State of a ``capturable=True`` optimizer is
+            left alone, and ``CUDAGRAPHS_COMPACT_STATE=0`` or
+            ``CUDAGRAPHS_KEEP_CACHE=1`` turns packing off.
         _buffer_sharing: static buffers the entries share beyond the pool
             (:class:`~cudagraphs.core.sharing.BufferSharing`: incoming-gradient
             buffers of equal shapes, inputs that are an earlier entry's output); for
@@ -336,6 +348,7 @@ def make_graphed_callables(
             "_buffer_sharing and _reuse_graph_input_output_buffers both decide which "
             "entries share buffers; pass one of them"
         )
+    packed = check_optimizers("optimizers", optimizers)
     require_cuda("make_graphed_callables")
     device = check_devices(plan)
     if graphs_disabled():
@@ -353,6 +366,11 @@ def make_graphed_callables(
         meter = MemoryMeter.start(
             device, release="make_graphed_callables" if _release_cache else None
         )
+        if _release_cache:
+            # Before the pool grows: the eager steps' state, packed, gives its
+            # fragmented segments back under the peak those steps set.
+            _, freed = compact_before_capture(packed, device.index, "make_graphed_callables")
+            meter.released_before += freed
         t0 = time.perf_counter()
         with graph_pool.warmup_scope(device):
             compiled, last = run_warmup(
@@ -394,7 +412,10 @@ def make_graphed_callables(
             for graphs in entry_graphs:
                 graphs.release()
             require_no_compile(during, "the captures", "make_graphed_callables")
-        memory = meter.finish(graph_pool.handles(), what="make_graphed_callables")
+        static = tensor_bytes(t for graphs in entry_graphs for t in graphs.static_tensors())
+        memory = meter.finish(
+            graph_pool.handles(), what="make_graphed_callables", static_bytes=static
+        )
         for graphs in entry_graphs:
             graphs.memory = memory
         logger.info(

@@ -601,6 +601,17 @@ class EntryGraphs:
         for pos, g in zip(self._param_grad_slots, views):
             result[pos] = g
 
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The static buffers this entry's graphs read and write across replays: inputs,
+        tensor outputs, incoming gradients and the gradients of differentiable inputs
+        (parameter gradients excluded: eager holds those too). Views of shared
+        buffers appear once per entry; :func:`~cudagraphs.memory.tensor_bytes` counts
+        each storage once."""
+        outs = [self.out_leaves[i] for i in self.out_tensor_positions]
+        inputs = self.static_grad_inputs[: len(self.diff_input_positions)]
+        found = [*self.static_inputs, *outs, *self.static_grad_outputs, *inputs]
+        return [t for t in found if isinstance(t, torch.Tensor)]
+
     def release(self) -> None:
         """Drop the graphs and static buffers (idempotent)."""
         if self.released:

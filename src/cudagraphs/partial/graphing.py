@@ -48,8 +48,9 @@ from ..errors import (
     TargetSelectionError,
 )
 from ..memory import KEEP_CACHE_ENV, place_cublas_workspaces, release_unused_cache
-from ..optimizer_state import compact_fragmented, optimizers_of
-from ..settings import DISABLE_ENV, compact_state, env_flag, graphs_disabled
+from ..optimizer_state import compact_before_capture, optimizers_of
+from ..settings import DISABLE_ENV, env_flag, graphs_disabled
+from ..torch_private import clear_cublas_workspaces
 from .chaining import group_sharing
 from .contract import AutocastState, flatten_call
 from .model_scope import CHECKPOINT_REFUSAL, opaque_output_fix, opaque_outputs, refused_message
@@ -120,18 +121,28 @@ def eager_backend(callables: tuple, sample_args: tuple, sample_kwargs: list) -> 
     return list(callables)
 
 
-def release_cached(active: bool) -> int:
+def release_cached(active: bool, *, drop_workspaces: bool = False) -> int:
     """Before and after a manager's captures on CUDA (``active``): give the memory the
     caching allocator keeps cached and no tensor uses back to the driver
     (:func:`~cudagraphs.memory.release_unused_cache`); returns the bytes.
+    ``drop_workspaces`` (before the captures): first drop torch's cuBLAS workspaces
+    (:func:`~cudagraphs.torch_private.clear_cublas_workspaces`), so that their
+    blocks go back too.
 
     Why: the eager steps before a capture cached a working set that held the graphed
     targets' activations too; from the capture on those live in the graphs' pools,
     so the cache is larger than eager code needs, and kept it would sit beside the
-    pools. The next step's eager allocations come from the driver once
-    (``docs/memory.md`` has the measured cost)."""
+    pools. The eager workspaces (one per thread: the step's and autograd's backward
+    thread) were cut out of that working set's large blocks, and each pins its whole
+    segment through the captures, the peak of reserved memory, when the graphs'
+    streams no longer use them; :func:`place_workspaces` makes them again after the
+    captures, where eager matmuls remain. The next step's eager allocations come
+    from the driver once (``docs/memory.md`` has the measured cost)."""
     if not (active and torch.cuda.is_available() and torch.cuda.is_initialized()):
         return 0
+    if drop_workspaces and not env_flag(KEEP_CACHE_ENV):
+        # Freed on their streams: the release's synchronize orders them.
+        clear_cublas_workspaces()
     return release_unused_cache(torch.cuda.current_device(), "partial graphs capture")
 
 
@@ -175,13 +186,9 @@ def compact_stepped(
     returns the bytes moved and the bytes given back."""
     if not (active and optimizers and torch.cuda.is_available() and torch.cuda.is_initialized()):
         return 0, 0
-    if env_flag(KEEP_CACHE_ENV) or not compact_state():
-        return 0, 0
     params = [p for r in recordings for p in r.target.module.parameters()]
     owned = optimizers_of(optimizers, params)
-    if not owned:
-        return 0, 0
-    return compact_fragmented(owned, torch.cuda.current_device(), "partial graphs capture")
+    return compact_before_capture(owned, torch.cuda.current_device(), "partial graphs capture")
 
 
 def read_disabled(fixed: bool | None) -> bool:

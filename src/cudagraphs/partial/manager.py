@@ -449,7 +449,7 @@ class PartialCudaGraphManager:
         # Around the captures, the eager steps' unused cache goes back to the driver
         # (release_cached): the pools take its place instead of adding to it.
         release = bool(todo) and not disabled
-        self._released_bytes += release_cached(release)
+        self._released_bytes += release_cached(release, drop_workspaces=True)
         # Before the pools grow: the recording step's state, packed, gives its
         # segments back under the peak that step set (compact_stepped).
         self._compact(release, recordings)

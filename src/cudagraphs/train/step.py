@@ -30,7 +30,7 @@ from ..errors import (
 )
 from ..graph_pool import GraphMemoryPool, as_graph_pool
 from ..hf_masks import eager_mask_choice, unread_masks_warning
-from ..memory import MemoryMeter
+from ..memory import MemoryMeter, tensor_bytes
 from ..optimizer_state import compact_fragmented
 from ..program.buffer import ReusableValueBuffer
 from ..program.signature import ValueTreeSignature
@@ -297,7 +297,17 @@ class GraphedTrainStep:
             snapshot.restore(drop_created=True)
             raise
         del snapshot
-        memory = meter.finish(pool.handles(), what="graph_train_step")
+        # The batch buffer and the losses the graphs write: the step's static bytes.
+        captured = self._captured
+        static = tensor_bytes(
+            [
+                *self._buffer.tensors,
+                captured.first_loss,
+                captured.accumulate_loss,
+                captured.grad_norm,
+            ]
+        )
+        memory = meter.finish(pool.handles(), what="graph_train_step", static_bytes=static)
         self._grads = [p.grad for p in self.params]
         # One parameter with a gradient tells whether zero_grad() ran since the last step.
         self._sentinel = next((p, g) for p, g in zip(self.params, self._grads) if g is not None)
