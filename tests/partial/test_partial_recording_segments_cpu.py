@@ -121,6 +121,7 @@ def test_a_recorded_step_and_its_capture_scope_once(scopes, monkeypatch):
         graphing, "release_unused_cache", lambda device, why: at_release.append(list(scopes)) or 0
     )
     monkeypatch.setattr(graphing, "place_cublas_workspaces", lambda device: None)
+    monkeypatch.setattr(graphing, "clear_cublas_workspaces", lambda: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     model = tiny()
     mgr = PartialCudaGraphManager.from_model_parts(
