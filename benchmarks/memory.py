@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -601,6 +602,20 @@ def _run(step, info: dict) -> dict:
     }
 
 
+LOG_LINES = 30
+
+
+class _LogLines(logging.Handler):
+    """Keeps the messages of the records it handles, at INFO and above."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage()[:300])
+
+
 def child(variant: str, shape_name: str, batch: int, cap_gib: float | None) -> dict:
     torch.cuda.init()
     if os.environ.get(SEGMENTS_ENV) == "1":
@@ -614,6 +629,10 @@ def child(variant: str, shape_name: str, batch: int, cap_gib: float | None) -> d
     free0 = torch.cuda.mem_get_info()[0]
     reserved0 = torch.cuda.memory_reserved()
     shape = SHAPES.get(shape_name, SHAPES["mid"])
+    # What the library said at INFO (its releases, packing and capture accounts).
+    said = _LogLines()
+    logging.getLogger("cudagraphs").addHandler(said)
+    logging.getLogger("cudagraphs").setLevel(logging.INFO)
     t0 = time.perf_counter()
     try:
         if variant in SERVING_VARIANTS:
@@ -626,6 +645,7 @@ def child(variant: str, shape_name: str, batch: int, cap_gib: float | None) -> d
     except torch.OutOfMemoryError as exc:
         out = {"ok": False, "oom": True, "error": str(exc).splitlines()[0][:300]}
     out["seconds"] = round(time.perf_counter() - t0, 2)
+    out["log"] = said.lines[-LOG_LINES:]
     torch.cuda.synchronize()
     out["device_used"] = free0 - torch.cuda.mem_get_info()[0] + reserved0
     return out

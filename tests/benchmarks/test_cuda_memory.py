@@ -49,26 +49,7 @@ def measured():
     return mem, results
 
 
-# Open (issue 36): the "model" scope's static logits held through its backward graph;
-# measured 1.146x here (benchmarks/results/memory-nvidia-h200-9cf60a7-twice*.json).
-# strict: passing turns this red.
-_OPEN = {"partial_model"}
-
-
-@pytest.mark.parametrize(
-    "layer",
-    [
-        pytest.param(
-            layer,
-            marks=pytest.mark.xfail(
-                strict=True, reason="static logits held through the backward graph (issue 36)"
-            ),
-        )
-        if layer in _OPEN
-        else layer
-        for layer in LAYERS
-    ],
-)
+@pytest.mark.parametrize("layer", LAYERS)
 def test_graphed_peak_reserved_is_within_1_10x_of_eager(measured, layer):
     mem, results = measured
     got, base = results[layer], results[mem.REFERENCE[layer]]

@@ -151,3 +151,24 @@ def test_a_pinned_parameter_must_be_the_same_object_with_the_same_storage():
     weight.data = torch.randn(3)  # re-allocated storage, same object
     with pytest.raises(CudaGraphInputError, match="re-allocated"):
         entry.user_tensors((weight, x), {})
+
+
+def test_static_tensors_are_inputs_outputs_and_gradients_but_no_parameter():
+    from cudagraphs.memory import tensor_bytes
+
+    x = torch.zeros(4, requires_grad=True)  # 16 bytes
+    w = torch.nn.Parameter(torch.zeros(8))  # read in place: not static
+    entry = _entry([x, w], pinned=((1, w.data_ptr(), w),))
+    out = torch.zeros(3)  # 12 bytes
+    grad_out, grad_x, grad_w = torch.zeros(3), torch.zeros(4), torch.zeros(8)
+    entry.out_leaves, entry.out_tensor_positions = [out, "constant"], (0,)
+    entry.static_grad_outputs = [grad_out, None]
+    entry.diff_input_positions = (0, 1)
+    # The differentiable inputs' gradients, then the module's own parameters'.
+    entry.static_grad_inputs = (grad_x, grad_w, torch.zeros(100))
+    got = entry.static_tensors()
+    assert [id(t) for t in got] == [id(x), id(out), id(grad_out), id(grad_x)]
+    assert tensor_bytes(got) == 16 + 12 + 12 + 16
+    # A buffer shared as output and input counts once.
+    entry.out_leaves = [x, "constant"]
+    assert tensor_bytes(entry.static_tensors()) == 16 + 12 + 16

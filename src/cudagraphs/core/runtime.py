@@ -604,12 +604,16 @@ class EntryGraphs:
     def static_tensors(self) -> list[torch.Tensor]:
         """The static buffers this entry's graphs read and write across replays: inputs,
         tensor outputs, incoming gradients and the gradients of differentiable inputs
-        (parameter gradients excluded: eager holds those too). Views of shared
-        buffers appear once per entry; :func:`~cudagraphs.memory.tensor_bytes` counts
-        each storage once."""
+        (parameters passed as inputs, read in place, and all parameter gradients
+        excluded: eager holds those too). Views of shared buffers appear once per
+        entry; :func:`~cudagraphs.memory.tensor_bytes` counts each storage once."""
+        params = {i for i, _, _ in self.pinned}
+        inputs = [t for i, t in enumerate(self.static_inputs) if i not in params]
         outs = [self.out_leaves[i] for i in self.out_tensor_positions]
-        inputs = self.static_grad_inputs[: len(self.diff_input_positions)]
-        found = [*self.static_inputs, *outs, *self.static_grad_outputs, *inputs]
+        grads = [
+            g for i, g in zip(self.diff_input_positions, self.static_grad_inputs) if i not in params
+        ]
+        found = [*inputs, *outs, *self.static_grad_outputs, *grads]
         return [t for t in found if isinstance(t, torch.Tensor)]
 
     def release(self) -> None:
