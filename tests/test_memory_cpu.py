@@ -281,6 +281,26 @@ def test_a_meter_started_with_release_under_keep_cache_releases_nothing(monkeypa
     assert (dev.emptied, placed, meter.released_before, dev.reserved) == (0, [], 0, 300 << 20)
 
 
+def test_what_packing_gave_back_is_counted_and_the_finish_compares_with_the_cache_after_it(
+    monkeypatch,
+):
+    dev = FakeDevice(monkeypatch)
+    # Started with 80 MiB of holes between state tensors cached and unused.
+    dev.reserved, dev.allocated = 180 << 20, 100 << 20
+    meter = MemoryMeter.start(0)
+    assert meter.unused_cache == 80 << 20
+    # Packing closed the holes and gave 80 MiB back.
+    dev.reserved = 100 << 20
+    meter.gave_back(80 << 20)
+    assert (meter.unused_cache, meter.released_before) == (0, 80 << 20)
+    # The capture then left 30 MiB cached outside any pool: given back at the finish,
+    # where the start's baseline (80 MiB) would have kept it.
+    dev.reserved = 130 << 20
+    account = meter.finish((), what="test")
+    assert dev.emptied == 1 and dev.reserved == 100 << 20
+    assert account.released_bytes == (80 + 30) << 20
+
+
 def test_keep_cache_turns_every_release_off(monkeypatch):
     dev = FakeDevice(monkeypatch)
     dev.reserved = 64 << 20

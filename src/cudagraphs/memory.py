@@ -239,6 +239,16 @@ class MemoryMeter:
             released,
         )
 
+    def gave_back(self, freed: int) -> None:
+        """Count ``freed`` bytes given back after :meth:`start` and before the warmup
+        (packing an optimizer's state), and read the unused cache again: the baseline
+        that :meth:`finish`'s release rule compares with. Read at :meth:`start`, it
+        would count the holes packing closed, and a capture that left less cache than
+        that would keep what it left."""
+        torch.cuda.synchronize(self.device)
+        self.released_before += freed
+        self.unused_cache = _unused_cache(self.device)
+
     def finish(
         self,
         handles: Iterable[tuple[int, int]],

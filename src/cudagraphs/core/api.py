@@ -370,7 +370,8 @@ def make_graphed_callables(
             # Before the pool grows: the eager steps' state, packed, gives its
             # fragmented segments back under the peak those steps set.
             _, freed = compact_before_capture(packed, device.index, "make_graphed_callables")
-            meter.released_before += freed
+            if freed:
+                meter.gave_back(freed)
         t0 = time.perf_counter()
         with graph_pool.warmup_scope(device):
             compiled, last = run_warmup(

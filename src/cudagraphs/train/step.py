@@ -239,7 +239,11 @@ class GraphedTrainStep:
             # their activations left; from the capture on the activations live in the
             # pool and those segments would hold the state and holes for good. Packed
             # now, they go back before the pool grows (cudagraphs.optimizer_state).
-            compact_fragmented([self.optimizer], meter.device, "graph_train_step", in_no_graph=True)
+            _, freed = compact_fragmented(
+                [self.optimizer], meter.device, "graph_train_step", in_no_graph=True
+            )
+            if freed:
+                meter.gave_back(freed)
             # A second capture of this step (or another step over this optimizer) finds
             # the state in this one's graph.
             self._state_in_no_graph = False
