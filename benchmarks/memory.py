@@ -52,8 +52,12 @@ allocation site). It records
 torch's memory history, which slows allocation, so its peaks are not to be quoted.
 
 Targets: ``<layer>_peak_reserved_le_1.10x_eager`` per layer and shape run (the
-larger ratio over the training shapes run), ``<layer>_largest_batch_ge_eager``
-with ``--search``.
+larger ratio over the training shapes run);
+``<layer>_peak_allocated_le_1.05x_eager_plus_static``: the allocated peak less the
+static buffers the graphs own (their memory account's ``static_bytes``) within 1.05x
+of eager's (``ratios[...]["allocated_less_static"]``);
+``<layer>_largest_batch_ge_eager`` with ``--search``. Each child also returns the
+library's INFO log (``log``: its releases, packing and capture accounts).
 
 Prints one JSON object; ``--out`` also writes it. Without a CUDA device it says so and
 exits 0 (2 with ``--require-gpu``).
