@@ -10,6 +10,7 @@ import torch
 
 import cudagraphs
 from cudagraphs.graph_pool import GraphMemoryPool
+from cudagraphs.torch_private import clear_cublas_workspaces
 from helpers.core_cuda import count_backward_replays
 
 pytestmark = pytest.mark.cuda
@@ -38,6 +39,10 @@ def test_a_warmup_in_a_fresh_pool_leaves_no_cache_beside_the_graphs():
     left = {}
     for fresh in (True, False):
         torch.cuda.synchronize()
+        # Earlier tests' eager cuBLAS workspaces go too: a pool's first streams drop
+        # them (GraphMemoryPool.capture_stream), and freed inside the phase they would
+        # count as the phase's cache.
+        clear_cublas_workspaces()
         torch.cuda.empty_cache()
         model = _mlp(width=2048)
         x = torch.randn(2048, 2048, device="cuda", requires_grad=True)
