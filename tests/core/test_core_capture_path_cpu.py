@@ -676,3 +676,25 @@ def test_differentiable_outputs_are_the_tensors_that_need_grad_less_the_unreache
     want = [t for i, t in enumerate(tensors) if t.requires_grad and i not in unreached]
     got = differentiable_outputs(output, unreached)
     assert [id(t) for t in got] == [id(t) for t in want]
+
+
+def test_the_static_buffers_of_captured_entries_are_inputs_outputs_and_their_gradients(
+    monkeypatch,
+):
+    from cudagraphs.memory import tensor_bytes
+
+    # Two layers 4 -> 4 on a (3, 4) float32 input that requires grad: per entry a
+    # static input, an output, its incoming gradient and the input's gradient, 48
+    # bytes each; the layers' weights and their gradients are not static buffers.
+    layers = (nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    plan = canonicalize(layers, ((x,), (x,)))
+    run_warmup(plan, 1, allow_unused_input=False)
+    StandInCapture().install(monkeypatch)
+    graphs = capture_plan(plan, cpu_options())
+    for g in graphs:
+        got = g.static_tensors()
+        assert len(got) == 4 and tensor_bytes(got) == 4 * 48
+        params = {p.untyped_storage().data_ptr() for p in g.params}
+        assert not params & {t.untyped_storage().data_ptr() for t in got}
+    assert tensor_bytes(t for g in graphs for t in g.static_tensors()) == 2 * 4 * 48
