@@ -15,8 +15,10 @@
   allocator's settings.
 * ``CUDAGRAPHS_COMPACT_STATE`` (default on): around a partial-graph capture, the
   scattered state of the optimizers that stepped while recording is packed into one
-  buffer per dtype (:mod:`cudagraphs.optimizer_state`), and before a
-  ``graph_train_step`` capture its optimizer's; ``0`` leaves it where it is.
+  buffer per dtype (:mod:`cudagraphs.optimizer_state`), before a
+  ``graph_train_step`` capture its optimizer's, and before a
+  ``make_graphed_callables`` / ``graph_stack`` capture that of the optimizers passed
+  as ``optimizers=``; ``0`` leaves it where it is.
 * ``CUDAGRAPHS_OWNED_GRADS``: how owned parameter gradients leave a backward replay:
   ``defer`` (the default: the graph memory itself, copied only when something still
   holds it at the next replay that could overwrite it:
