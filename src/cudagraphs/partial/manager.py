@@ -401,7 +401,9 @@ class PartialCudaGraphManager:
         cached the graphed targets' activations too, which now live in the graphs'
         pools. The next step's eager allocations come from the driver once.
 
-        In order, on CUDA: release; pack the scattered state of the optimizers that
+        In order, on CUDA: drop the eager cuBLAS workspaces, whose blocks each pin a
+        segment of the eager working set, and release (:func:`.graphing.release_cached`);
+        pack the scattered state of the optimizers that
         stepped while recording and give its segments back, never above the peak
         reserved so far (:mod:`cudagraphs.optimizer_state`;
         ``CUDAGRAPHS_COMPACT_STATE=0`` turns it off); the captures; release; pack
