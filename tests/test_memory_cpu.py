@@ -345,3 +345,47 @@ def test_the_meter_start_releases_and_places_as_its_rule_says(
         assert meter.released_before == (cached if releases else 0)
         assert placed == ([0] if releases and workspaces else [])
         assert meter.unused_cache == (0 if releases else cached)
+
+
+# ---- tensor_bytes and the gate of packing before a capture, against plain references -----
+_VIEWS = st.lists(
+    st.one_of(st.none(), st.tuples(st.integers(0, 3), st.integers(0, 7))), max_size=12
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 64), min_size=4, max_size=4), _VIEWS)
+def test_tensor_bytes_is_the_sum_over_the_distinct_bases_viewed(sizes, picks):
+    bases = [torch.zeros(n, dtype=torch.float16) for n in sizes]
+    tensors = [None if p is None else bases[p[0]][: 1 + p[1] % sizes[p[0]]] for p in picks]
+    used = {p[0] for p in picks if p is not None}
+    assert tensor_bytes(tensors) == sum(2 * sizes[i] for i in used)
+
+
+@pytest.mark.parametrize("env", [None, "keep", "no_compact"])
+@pytest.mark.parametrize("in_no_graph", [False, True])
+def test_packing_before_a_capture_is_gated_by_both_variables_and_passes_in_no_graph(
+    monkeypatch, env, in_no_graph
+):
+    from cudagraphs import optimizer_state
+    from cudagraphs.settings import COMPACT_STATE_ENV
+
+    calls = []
+    monkeypatch.setattr(
+        optimizer_state,
+        "compact_fragmented",
+        lambda o, d, w, in_no_graph=False: calls.append((len(o), d, w, in_no_graph)) or (8, 4),
+    )
+    monkeypatch.delenv(KEEP_CACHE_ENV, raising=False)
+    monkeypatch.delenv(COMPACT_STATE_ENV, raising=False)
+    if env == "keep":
+        monkeypatch.setenv(KEEP_CACHE_ENV, "1")
+    elif env == "no_compact":
+        monkeypatch.setenv(COMPACT_STATE_ENV, "0")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    got = optimizer_state.compact_before_capture([opt], 2, "test", in_no_graph=in_no_graph)
+    if env is None:
+        assert got == (8, 4) and calls == [(1, 2, "test", in_no_graph)]
+    else:
+        assert got == (0, 0) and calls == []
+    assert optimizer_state.compact_before_capture([], 2, "test") == (0, 0)

@@ -285,12 +285,16 @@ def compact_fragmented(
 
 
 def compact_before_capture(
-    optimizers: Sequence[torch.optim.Optimizer], device: int, what: str
+    optimizers: Sequence[torch.optim.Optimizer],
+    device: int,
+    what: str,
+    *,
+    in_no_graph: bool = False,
 ) -> tuple[int, int]:
     """:func:`compact_fragmented` for a capture that is about to start, right after the
     release of the unused cache, unless ``CUDAGRAPHS_KEEP_CACHE=1`` or
     ``CUDAGRAPHS_COMPACT_STATE=0``; returns the bytes moved and given back. Only state
-    no graph holds moves (:func:`movable_state`)."""
+    no graph holds moves (:func:`movable_state`; ``in_no_graph`` as it takes it)."""
     if not optimizers or env_flag(KEEP_CACHE_ENV) or not compact_state():
         return 0, 0
-    return compact_fragmented(optimizers, device, what)
+    return compact_fragmented(optimizers, device, what, in_no_graph=in_no_graph)

@@ -1,6 +1,8 @@
 """The replay path's copy helper (CPU tensors behave the same here)."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cudagraphs.core.runtime import copy_into, stage_grad_outputs
@@ -172,3 +174,29 @@ def test_static_tensors_are_inputs_outputs_and_gradients_but_no_parameter():
     # A buffer shared as output and input counts once.
     entry.out_leaves = [x, "constant"]
     assert tensor_bytes(entry.static_tensors()) == 16 + 12 + 16
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_static_tensors_against_a_plain_reading_of_the_entry(data):
+    n = data.draw(st.integers(1, 5))
+    inputs = [torch.zeros(1 + i) for i in range(n)]
+    pinned_at = data.draw(st.sets(st.integers(0, n - 1)))
+    diff = tuple(sorted(data.draw(st.sets(st.integers(0, n - 1)))))
+    entry = _entry(inputs, pinned=tuple((i, inputs[i].data_ptr(), inputs[i]) for i in pinned_at))
+    outs = [torch.zeros(1) for _ in range(data.draw(st.integers(0, 3)))]
+    tensor_at = tuple(sorted(data.draw(st.sets(st.integers(0, max(0, len(outs) - 1))))))
+    entry.out_leaves, entry.out_tensor_positions = outs, tensor_at if outs else ()
+    grad_outs = [data.draw(st.sampled_from([None, torch.zeros(2)])) for _ in range(3)]
+    entry.static_grad_outputs = grad_outs
+    input_grads = [torch.zeros(3) for _ in diff]
+    param_grads = [torch.zeros(4) for _ in range(data.draw(st.integers(0, 2)))]
+    entry.diff_input_positions = diff
+    entry.static_grad_inputs = (*input_grads, *param_grads)
+    expected = (
+        [inputs[i] for i in range(n) if i not in pinned_at]
+        + [outs[i] for i in entry.out_tensor_positions]
+        + [g for g in grad_outs if g is not None]
+        + [g for i, g in zip(diff, input_grads) if i not in pinned_at]
+    )
+    assert [id(t) for t in entry.static_tensors()] == [id(t) for t in expected]

@@ -100,7 +100,7 @@ def placed(monkeypatch):
     monkeypatch.setattr(
         optimizer_state,
         "compact_fragmented",
-        lambda optimizers, device, what: (
+        lambda optimizers, device, what, in_no_graph=False: (
             events.append(f"compact:{len(list(optimizers))}") or (4096, 1024)
         ),
     )
@@ -194,7 +194,9 @@ def test_no_cuda_packs_nothing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     calls = []
     monkeypatch.setattr(
-        optimizer_state, "compact_fragmented", lambda o, d, w: calls.append(d) or (1, 1)
+        optimizer_state,
+        "compact_fragmented",
+        lambda o, d, w, in_no_graph=False: calls.append(d) or (1, 1),
     )
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     assert graphing.compact_stepped(True, [opt], []) == (0, 0) and calls == []

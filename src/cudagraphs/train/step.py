@@ -31,10 +31,10 @@ from ..errors import (
 from ..graph_pool import GraphMemoryPool, as_graph_pool
 from ..hf_masks import eager_mask_choice, unread_masks_warning
 from ..memory import MemoryMeter, tensor_bytes
-from ..optimizer_state import compact_fragmented
+from ..optimizer_state import compact_before_capture
 from ..program.buffer import ReusableValueBuffer
 from ..program.signature import ValueTreeSignature
-from ..settings import compact_state, graphs_disabled
+from ..settings import graphs_disabled
 from .gradients import DEFAULT_BUCKET_MB, GradientReducer
 from .optimizers import (
     HyperparameterGuard,
@@ -234,12 +234,12 @@ class GraphedTrainStep:
         stream = pool.capture_stream(device)
         # No eager workspaces: the step's matmuls are all in its graphs.
         meter = MemoryMeter.start(device, release="graph_train_step", eager_workspaces=False)
-        if device.type == "cuda" and compact_state() and self._state_in_no_graph:
+        if device.type == "cuda" and self._state_in_no_graph:
             # Eager steps before the capture made the optimizer's state in the holes
             # their activations left; from the capture on the activations live in the
             # pool and those segments would hold the state and holes for good. Packed
             # now, they go back before the pool grows (cudagraphs.optimizer_state).
-            _, freed = compact_fragmented(
+            _, freed = compact_before_capture(
                 [self.optimizer], meter.device, "graph_train_step", in_no_graph=True
             )
             if freed:
