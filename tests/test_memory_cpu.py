@@ -285,20 +285,39 @@ def test_what_packing_gave_back_is_counted_and_the_finish_compares_with_the_cach
     monkeypatch,
 ):
     dev = FakeDevice(monkeypatch)
-    # Started with 80 MiB of holes between state tensors cached and unused.
+    # Started with 80 MiB of holes between state tensors cached and unused, 2 MiB of
+    # them the release can take; packing closes the other 78 and gives them back.
     dev.reserved, dev.allocated = 180 << 20, 100 << 20
-    meter = MemoryMeter.start(0)
-    assert meter.unused_cache == 80 << 20
-    # Packing closed the holes and gave 80 MiB back.
-    dev.reserved = 100 << 20
-    meter.gave_back(80 << 20)
+    dev.segments = []
+
+    def pack():
+        dev.reserved = 100 << 20
+        return 78 << 20
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: setattr(dev, "reserved", 178 << 20))
+    meter = MemoryMeter.start(0, release="test", eager_workspaces=False, pack=pack)
     assert (meter.unused_cache, meter.released_before) == (0, 80 << 20)
     # The capture then left 30 MiB cached outside any pool: given back at the finish,
-    # where the start's baseline (80 MiB) would have kept it.
+    # where the cache before packing (80 MiB) would have kept it.
+    monkeypatch.setattr(torch.cuda, "empty_cache", dev.empty)
     dev.reserved = 130 << 20
     account = meter.finish((), what="test")
-    assert dev.emptied == 1 and dev.reserved == 100 << 20
+    assert dev.reserved == 100 << 20
     assert account.released_bytes == (80 + 30) << 20
+
+
+def test_the_workspaces_are_made_after_packing(monkeypatch):
+    # A workspace made before packing would fill a hole between state tensors and pin
+    # that segment: packing could no longer give it back.
+    from cudagraphs import memory
+
+    dev = FakeDevice(monkeypatch)
+    order = []
+    monkeypatch.setattr(memory, "place_cublas_workspaces", lambda d: order.append("workspaces"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: order.append("release"))
+    dev.reserved, dev.allocated = 300 << 20, 100 << 20
+    MemoryMeter.start(0, release="test", pack=lambda: order.append("pack") or (1 << 20))
+    assert order == ["release", "pack", "workspaces"]
 
 
 def test_keep_cache_turns_every_release_off(monkeypatch):
@@ -323,9 +342,10 @@ def test_keep_cache_turns_every_release_off(monkeypatch):
     release=st.sampled_from([None, "layer"]),
     workspaces=st.booleans(),
     keep=st.booleans(),
+    packed=st.one_of(st.none(), st.integers(0, 4 << 20)),
 )
 def test_the_meter_start_releases_and_places_as_its_rule_says(
-    monkeypatch, cached, release, workspaces, keep
+    monkeypatch, cached, release, workspaces, keep, packed
 ):
     from cudagraphs import memory
 
@@ -338,12 +358,18 @@ def test_the_meter_start_releases_and_places_as_its_rule_says(
         else:
             mp.delenv(KEEP_CACHE_ENV, raising=False)
         dev.reserved, dev.allocated = (100 << 20) + cached, 100 << 20
-        meter = MemoryMeter.start(0, release=release, eager_workspaces=workspaces)
-        # The rule, written plainly: asked, more than 2 MiB cached, not kept.
+        calls = []
+        pack = None if packed is None else (lambda: calls.append(1) or packed)
+        meter = MemoryMeter.start(0, release=release, eager_workspaces=workspaces, pack=pack)
+        # The rule, written plainly: asked, more than 2 MiB cached, not kept; packing
+        # whenever asked to release; workspaces where either gave anything back.
         releases = release is not None and cached > 2 << 20 and not keep
+        packs = release is not None and packed is not None
+        gave = (cached if releases else 0) + (packed if packs else 0)
         assert dev.emptied == int(releases)
-        assert meter.released_before == (cached if releases else 0)
-        assert placed == ([0] if releases and workspaces else [])
+        assert calls == ([1] if packs else [])
+        assert meter.released_before == gave
+        assert placed == ([0] if gave and workspaces else [])
         assert meter.unused_cache == (0 if releases else cached)
 
 

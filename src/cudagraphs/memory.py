@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -206,13 +206,18 @@ class MemoryMeter:
         *,
         release: str | None = None,
         eager_workspaces: bool = True,
+        pack: Callable[[], int] | None = None,
     ) -> MemoryMeter:
         """Start measuring on ``device``. ``release`` (the caller's name, for the log):
         first give back the unused cache when there is more than 2 MiB of it
-        (:func:`release_unused_cache`), then, with ``eager_workspaces``, make the
-        eager cuBLAS workspaces again (:func:`place_cublas_workspaces`; ``False``
-        where the graphs leave no eager matmul, as a whole graphed training step does:
-        the two would be 64 MiB that nothing uses).
+        (:func:`release_unused_cache`); then call ``pack``, which packs what is left
+        and returns the bytes it gave back
+        (:func:`~cudagraphs.optimizer_state.compact_before_capture` of the optimizers
+        a caller names), counted as released too; then, where either gave anything
+        back and with ``eager_workspaces``, make the eager cuBLAS workspaces again
+        (:func:`place_cublas_workspaces`; ``False`` where the graphs leave no eager
+        matmul, as a whole graphed training step does: the two would be 64 MiB that
+        nothing uses). The unused cache :meth:`finish` compares with is read last.
 
         Why before the warmup: eager steps run before a capture cached their whole
         working set, the graphed work's activations included. From the capture on those
@@ -222,13 +227,22 @@ class MemoryMeter:
         go back with the cache when the pool's streams drop them; made again right
         after the release, they take a hole or a segment of their own size instead of
         a piece of the next step's large blocks. The next eager step asks the driver
-        once for what it needs beyond the graphs."""
+        once for what it needs beyond the graphs.
+
+        Why packing comes before the workspaces: after the release the cached holes
+        lie between the optimizer's state tensors, and a workspace made then fills one
+        of them; its segment then holds a live block that is not state, so packing
+        cannot give it back (measured: ``docs/memory.md``, item 12)."""
         index = torch.device("cuda", device).index if isinstance(device, int) else device.index
         index = torch.cuda.current_device() if index is None else index
         torch.cuda.synchronize(index)
         released = 0
-        if release is not None and _unused_cache(index) > 2 * _MIB:
-            released = release_unused_cache(index, release)
+        if release is not None:
+            if _unused_cache(index) > 2 * _MIB:
+                released = release_unused_cache(index, release)
+            if pack is not None:
+                released += pack()
+                torch.cuda.synchronize(index)
             if released and eager_workspaces:
                 place_cublas_workspaces(index)
         return cls(
@@ -238,16 +252,6 @@ class MemoryMeter:
             _unused_cache(index),
             released,
         )
-
-    def gave_back(self, freed: int) -> None:
-        """Count ``freed`` bytes given back after :meth:`start` and before the warmup
-        (packing an optimizer's state), and read the unused cache again: the baseline
-        that :meth:`finish`'s release rule compares with. Read at :meth:`start`, it
-        would count the holes packing closed, and a capture that left less cache than
-        that would keep what it left."""
-        torch.cuda.synchronize(self.device)
-        self.released_before += freed
-        self.unused_cache = _unused_cache(self.device)
 
     def finish(
         self,

@@ -283,3 +283,26 @@ def test_parameters_off_cuda_or_on_several_devices_are_refused_naming_them(devic
     for d in set(devices):
         assert f"'{d}'" in str(info.value)
     assert "model.cuda()" in str(info.value)
+
+
+def test_the_capture_hands_the_meter_a_packing_of_the_state_no_graph_holds(replaying, monkeypatch):
+    # The optimizer was not capturable at construction: its state lies in no graph, and
+    # the meter packs it after its release (before the warmup), counting what it gave
+    # back.
+    from cudagraphs.train import step as step_module
+    from helpers.stand_in_train_step import CpuMeter
+
+    monkeypatch.setattr(CpuMeter, "packs", [])
+    model, opt, *_ = _pair("adamw")
+    replaying(opt)
+    graph_train_step(_step_fn(model), _batches(1, seed=7)[0], optimizer=opt, pool=CpuPool())
+    (pack,) = CpuMeter.packs
+    asked = []
+
+    def compact(optimizers, device, what, *, in_no_graph=False):
+        asked.append((optimizers, device, what, in_no_graph))
+        return 5, 7
+
+    monkeypatch.setattr(step_module, "compact_before_capture", compact)
+    assert pack() == 7
+    assert asked == [([opt], None, "graph_train_step", True)]

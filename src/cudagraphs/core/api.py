@@ -363,15 +363,14 @@ def make_graphed_callables(
         # (GraphMemoryPool.warmup_scope). Either way the cuBLAS workspace the graphs use is
         # inside the pool (GraphMemoryPool.capture_stream).
         stream = graph_pool.capture_stream(device)
+        # Before the pool grows: the eager steps' state, packed, gives its fragmented
+        # segments back under the peak those steps set (after the release, before the
+        # eager workspaces are made again).
         meter = MemoryMeter.start(
-            device, release="make_graphed_callables" if _release_cache else None
+            device,
+            release="make_graphed_callables" if _release_cache else None,
+            pack=lambda: compact_before_capture(packed, device.index, "make_graphed_callables")[1],
         )
-        if _release_cache:
-            # Before the pool grows: the eager steps' state, packed, gives its
-            # fragmented segments back under the peak those steps set.
-            _, freed = compact_before_capture(packed, device.index, "make_graphed_callables")
-            if freed:
-                meter.gave_back(freed)
         t0 = time.perf_counter()
         with graph_pool.warmup_scope(device):
             compiled, last = run_warmup(

@@ -232,21 +232,26 @@ class GraphedTrainStep:
         # The pool's streams first: they drop the eager cuBLAS workspaces, which the
         # release at the meter's start then gives back with the rest of the cache.
         stream = pool.capture_stream(device)
+        # Eager steps before the capture made the optimizer's state in the holes their
+        # activations left; from the capture on the activations live in the pool and
+        # those segments would hold the state and holes for good. Packed after the
+        # release, they go back before the pool grows (cudagraphs.optimizer_state).
+        pack = None
+        if self._state_in_no_graph:
+            optimizers = [self.optimizer]
+
+            def pack() -> int:
+                return compact_before_capture(
+                    optimizers, device.index, "graph_train_step", in_no_graph=True
+                )[1]
+
         # No eager workspaces: the step's matmuls are all in its graphs.
-        meter = MemoryMeter.start(device, release="graph_train_step", eager_workspaces=False)
-        if device.type == "cuda" and self._state_in_no_graph:
-            # Eager steps before the capture made the optimizer's state in the holes
-            # their activations left; from the capture on the activations live in the
-            # pool and those segments would hold the state and holes for good. Packed
-            # now, they go back before the pool grows (cudagraphs.optimizer_state).
-            _, freed = compact_before_capture(
-                [self.optimizer], meter.device, "graph_train_step", in_no_graph=True
-            )
-            if freed:
-                meter.gave_back(freed)
-            # A second capture of this step (or another step over this optimizer) finds
-            # the state in this one's graph.
-            self._state_in_no_graph = False
+        meter = MemoryMeter.start(
+            device, release="graph_train_step", eager_workspaces=False, pack=pack
+        )
+        # A second capture of this step (or another step over this optimizer) finds the
+        # state in this one's graph.
+        self._state_in_no_graph = False
         self._buffer = ReusableValueBuffer(self.signature, device)
         self._buffer.copy_from(self.sample_batch, path="sample_batch")
         snapshot = OptimizerSnapshot.take(self.optimizer)
