@@ -49,27 +49,7 @@ def measured():
     return mem, results
 
 
-# Open (issue 36): per-layer graphs captured after eager steps, on this shape: the
-# optimizer state that live blocks made after those steps pin cannot be packed;
-# measured 1.110x (benchmarks/results/memory-nvidia-h100-80gb-hbm3-dc1bb8c-opt*.json).
-# strict: passing turns this red.
-_OPEN = {"graph_stack_late", "make_graphed_callables_late"}
-
-
-@pytest.mark.parametrize(
-    "layer",
-    [
-        pytest.param(
-            layer,
-            marks=pytest.mark.xfail(
-                strict=True, reason="state pinned beside a late per-layer capture (issue 36)"
-            ),
-        )
-        if layer in _OPEN
-        else layer
-        for layer in LAYERS
-    ],
-)
+@pytest.mark.parametrize("layer", LAYERS)
 def test_graphed_peak_reserved_is_within_1_10x_of_eager(measured, layer):
     mem, results = measured
     got, base = results[layer], results[mem.REFERENCE[layer]]
