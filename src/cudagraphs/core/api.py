@@ -265,8 +265,9 @@ def make_graphed_callables(
             a pool of this call's own they are handed out as the static outputs and
             moved out only when still referenced at a replay that could overwrite
             them (:mod:`~cudagraphs.core.deferred_grads`); otherwise copied per replay.
-        _release_cache: give the unused cache back before the warmup and make the
-            eager cuBLAS workspaces again (:meth:`~cudagraphs.memory.MemoryMeter.start`).
+        _release_cache: give the unused cache back before the warmup, pack the state
+            of ``optimizers``, and make the eager cuBLAS workspaces again
+            (:meth:`~cudagraphs.memory.MemoryMeter.start`).
             ``False`` for a caller that releases around its captures itself and
             decides whether eager workspaces are worth making (partial graphs: none
             under the ``"model"`` scope, where no eager matmul is left).
