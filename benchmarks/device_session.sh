@@ -7,7 +7,8 @@
 #                with CUDAGRAPHS_OWNED_GRADS=defer exported (deferred owned gradients), name
 #                the runs apart (MEMORY_RUNS="defer1 defer2 defer3"): the JSONs record it
 #                under cudagraphs_env
-#   fp8          train_fp8.py once (about 230 s on an H200)
+#   fp8          train_fp8.py once (about 230 s on an H200 at batch 1); FP8_BATCH sets --batch,
+#                FP8_RECIPES --recipes (default: both)
 #   serving      serving_hf.py on Llama without the startup children (about 300 s);
 #                INDUCTOR set: with --inductor-config $INDUCTOR (HF's compile and ours alike)
 #   hf_compiled  train_step_hf.py: eager, ours, ours compiled (fused and compiled optimizer
@@ -80,7 +81,9 @@ memory)
     done
     [ "${MEMORY_SEARCH:-1}" = 0 ] || bench memory-search 200 benchmarks/memory.py "${common[@]}" --shapes "" --search --jobs 6 --run-label search1 ;;
 fp8)
-    bench "fp8-$label" 560 benchmarks/train_fp8.py "${common[@]}" --run-label "$label" ;;
+    # shellcheck disable=SC2086  # FP8_RECIPES is a list
+    bench "fp8-$label" 560 benchmarks/train_fp8.py "${common[@]}" --run-label "$label" \
+        --batch "${FP8_BATCH:-1}" --recipes ${FP8_RECIPES:-tensorwise rowwise} ;;
 serving)
     extra=()
     # shellcheck disable=SC2206  # INDUCTOR is a list of KEY=VALUE pairs

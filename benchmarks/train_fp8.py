@@ -170,12 +170,14 @@ def make_model(recipe: str | None, seed: int = 0) -> nn.Module:
     return model
 
 
-def make_data(n: int = DATA_BATCHES) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed batches and their targets: each target the input rolled by one feature, a
-    mapping the stack can learn."""
-    gen = torch.Generator(device=DEVICE).manual_seed(1)
-    shape = (BATCH, SEQ, BLOCK.hidden)
-    xs = [torch.randn(shape, generator=gen, device=DEVICE, dtype=DTYPE) for _ in range(n)]
+def make_data(
+    n: int = DATA_BATCHES, batch: int = BATCH, device: str = DEVICE
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` fixed batches of ``batch`` sequences and their targets: each target the
+    input rolled by one feature, a mapping the stack can learn."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    shape = (batch, SEQ, BLOCK.hidden)
+    xs = [torch.randn(shape, generator=gen, device=device, dtype=DTYPE) for _ in range(n)]
     return [(x, x.roll(1, dims=-1)) for x in xs]
 
 
@@ -247,7 +249,7 @@ def loss_curve(
 
 
 def run(names: Sequence[Variant], args: argparse.Namespace, report: dict) -> None:
-    data = make_data()
+    data = make_data(batch=args.batch)
     results: dict[str, dict] = {}
     built: dict[str, Built] = {}
     for v in names:
@@ -329,9 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
     p.add_argument("--loss-lr", type=float, default=LOSS_LR, help="the loss check's learning rate")
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=BATCH,
+        help="sequences per step (tokens per step: batch x 2048); the optimizer step's "
+        "share of the step shrinks as it grows",
+    )
     add_round_arguments(p)
     add_common_arguments(p)
     args = p.parse_args(argv)
+    if args.batch < 1:
+        p.error(f"--batch takes a positive number of sequences; got {args.batch}")
     code = exit_code_without_gpu(NAME, args.require_gpu)
     if code is not None:
         return code
@@ -347,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     report = environment(NAME, args.commit, args.run_label)
     report["settings"] = {
         "model": f"{LAYERS} PreNormBlocks, hidden {BLOCK.hidden}, heads {BLOCK.heads}, "
-        f"ffn {BLOCK.ffn}, batch {BATCH}, seq {SEQ}, bf16 weights",
+        f"ffn {BLOCK.ffn}, batch {args.batch}, seq {SEQ}, bf16 weights",
         "loss": "mean squared error against the input rolled by one feature",
         "optimizer": f"AdamW(lr={LR}), fused (graph_train_step's; the eager ones alike)",
         "step_time": step_time_method(SHUFFLE_SEED),

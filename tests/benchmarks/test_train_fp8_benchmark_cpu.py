@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -129,3 +130,12 @@ def test_the_loss_curve_trains_at_the_loss_check_rate_not_the_timed_one(fp8, mon
     fp8.loss_curve(v, [(None, None)], 3e-6)
     assert seen == [fp8.LOSS_LR, 3e-6]
     assert fp8.LOSS_LR < fp8.LR
+
+
+def test_the_batch_sets_the_data_shape_and_a_bad_one_is_refused(fp8, capsys):
+    ((x, y),) = fp8.make_data(1, batch=3, device="cpu")
+    assert x.shape == y.shape == (3, fp8.SEQ, fp8.BLOCK.hidden)
+    assert torch.equal(y, x.roll(1, dims=-1))
+    with pytest.raises(SystemExit):
+        fp8.main(["--batch", "0"])
+    assert "--batch takes a positive number" in capsys.readouterr().err
