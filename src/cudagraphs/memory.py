@@ -225,14 +225,14 @@ class MemoryMeter:
         the pool grows beside it (measured: layers captured after two eager steps of
         the model held 1.24-1.28x the eager peak, ``docs/memory.md``). The workspaces
         go back with the cache when the pool's streams drop them; made again right
-        after the release, they take a hole or a segment of their own size instead of
-        a piece of the next step's large blocks. The next eager step asks the driver
-        once for what it needs beyond the graphs.
+        after the release (and packing), they take a hole or a segment of their own
+        size instead of a piece of the next step's large blocks. The next eager step
+        asks the driver once for what it needs beyond the graphs.
 
         Why packing comes before the workspaces: after the release the cached holes
         lie between the optimizer's state tensors, and a workspace made then fills one
         of them; its segment then holds a live block that is not state, so packing
-        cannot give it back (measured: ``docs/memory.md``, item 12)."""
+        cannot give it back (measured: ``docs/memory.md``, item 10)."""
         index = torch.device("cuda", device).index if isinstance(device, int) else device.index
         index = torch.cuda.current_device() if index is None else index
         torch.cuda.synchronize(index)
