@@ -1,4 +1,9 @@
-"""An optimizer's state packed into one buffer per dtype, around a partial capture.
+"""An optimizer's state packed into one buffer per dtype before a capture: by partial
+graphs (the optimizers that stepped while recording), ``graph_train_step`` (its own)
+and ``make_graphed_callables`` / ``graph_stack`` (``optimizers=``). The core and
+``graph_train_step`` pack inside :meth:`~cudagraphs.memory.MemoryMeter.start`, after
+its release and before the eager cuBLAS workspaces are made again: a workspace made
+first would fill a hole between state tensors and pin that segment.
 
 Why: an optimizer makes its state lazily, at its first step, in the holes that the
 step's activations left in the caching allocator's segments. Once the activations of
