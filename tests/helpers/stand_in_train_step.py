@@ -51,15 +51,17 @@ class CpuMeter:
     """The memory meter: its account says which device, handles and caller it got."""
 
     released_before = 0
-    #: The packing hook each start was given (``None`` where none), in start order.
-    packs: list = []
+    #: Set to a list, it records the packing hook each start was given (``None``
+    #: where none), in start order.
+    packs: list | None = None
 
     def __init__(self, device, release=None):
         self.device, self.release = device, release
 
     @classmethod
     def start(cls, device, *, release=None, eager_workspaces=True, pack=None):
-        cls.packs.append(pack)
+        if cls.packs is not None:
+            cls.packs.append(pack)
         return cls(device, release)
 
     def finish(self, handles, what="", static_bytes=0):
