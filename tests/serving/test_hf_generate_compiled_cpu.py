@@ -171,6 +171,18 @@ def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_re
     for b, t in times.items():
         assert (t.compile_s > 0) == (t.compiled_frames > 0), b
         assert t.compile_s <= t.warmup_s, b
+    # stats() carries the same per-bucket figures, beside the warmup and capture seconds.
+    reported = gen.stats()["capture_seconds"]
+    assert reported == {
+        str(b): {
+            "warmup_runs": t.warmup_runs,
+            "warmup": t.warmup_s,
+            "capture": t.capture_s,
+            "compile": t.compile_s,
+            "compiled_frames": t.compiled_frames,
+        }
+        for b, t in times.items()
+    }
 
 
 # Falcon's decode step in transformers before 5.25 specializes one size: one compile

@@ -398,7 +398,10 @@ class GraphRunner:
             and ``disabled`` for stand-in runs) and ``ignored_arguments`` (per
             argument ``run()`` ignored: ``num_tokens``), ``capture_seconds`` (per
             captured bucket: warmup runs, warmup and capture seconds, host wall time;
-            a capture's seconds include its instantiation), and ``memory`` (where
+            a capture's seconds include its instantiation; ``compile``: of the
+            warmup's seconds, what ``torch.compile`` spent compiling for this bucket,
+            and ``compiled_frames``, the frames it compiled, both 0 for eager code and
+            for a bucket that reused a compile), and ``memory`` (where
             the capture's device memory went, in bytes:
             :class:`~cudagraphs.memory.MemoryAccount` as a dict; ``None`` off CUDA
             or when disabled).
@@ -415,7 +418,13 @@ class GraphRunner:
             "eager_runs": eager,
             "ignored_arguments": dict(self.ignored_arguments),
             "capture_seconds": {
-                str(b): {"warmup_runs": t.warmup_runs, "warmup": t.warmup_s, "capture": t.capture_s}
+                str(b): {
+                    "warmup_runs": t.warmup_runs,
+                    "warmup": t.warmup_s,
+                    "capture": t.capture_s,
+                    "compile": t.compile_s,
+                    "compiled_frames": t.compiled_frames,
+                }
                 for b, t in self.capture_times.items()
             },
             "memory": None if self.memory_account is None else self.memory_account.as_dict(),
