@@ -187,7 +187,9 @@ def test_compile_seconds_are_reported_per_bucket_and_zero_where_a_compile_was_re
 
 # Falcon's decode step in transformers before 5.25 specializes one size: one compile
 # more. From 5.25 on it compiles once, as the others do.
-FALCON_COMPILES = 2 if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 25) else 1
+FALCON_COMPILES = (
+    2 if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 25) else 1
+)
 
 
 @pytest.mark.parametrize(
