@@ -73,6 +73,14 @@ def test_ratios_name_their_floor(hf):
     assert r[f"{hf.RAW}/kernel_busy_own"] is None
 
 
+def test_ratios_give_the_kernel_busy_floor_against_torchs_recipes(hf):
+    compiled = hf.OURS_COMPILED_VARIANTS[0]
+    ms = {compiled: 1.3, hf.TORCH_RO: 3.0}
+    r = hf.model_ratios(ms, {compiled: 1.2})
+    assert r[f"kernel_busy({compiled})/{hf.TORCH_RO}"] == 0.4
+    assert r[f"kernel_busy({compiled})/{hf.TORCH_MA}"] is None
+
+
 def test_a_finished_model_reports_launches_and_the_gap_per_launch(hf):
     def entry(ms, busy=None, launches=None):
         out = {"ms": {"median": ms}}
