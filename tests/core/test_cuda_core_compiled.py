@@ -61,6 +61,24 @@ def test_a_compiled_module_replays_like_its_eager_compiled_self():
     assert counted.calls == calls, "a graphed call ran the forward's Python: it did not replay"
 
 
+def test_the_set_up_seconds_give_the_compile_apart_from_the_capture():
+    compiled = Counted(torch.compile(Block()))
+    eager = Counted(Block())
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    graphed = cudagraphs.make_graphed_callables(compiled, (x,))
+    plain = cudagraphs.make_graphed_callables(eager, (x,))
+    setup, eager_setup = graphed.cuda_graph.setup_seconds, plain.cuda_graph.setup_seconds
+    # The warmup compiled the forward and, at its first backward, the backward.
+    assert setup.compiled_frames >= 1
+    assert 0 < setup.compile <= setup.warmup
+    assert setup.capture > 0
+    assert eager_setup.compile == 0 and eager_setup.compiled_frames == 0
+    assert eager_setup.warmup > 0 and eager_setup.capture > 0
+    calls = compiled.calls
+    graphed(x).float().sum().backward()
+    assert compiled.calls == calls, "the graphed call ran the forward's Python: no replay"
+
+
 def test_a_callable_that_recompiles_every_iteration_is_refused_and_the_next_graphs():
     counter = {"n": 0}
 

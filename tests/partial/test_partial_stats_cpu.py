@@ -1,8 +1,11 @@
 """The totals of a partial manager's stats() (partial/stats.py), from the targets'
 dispatchers and recordings and the blocks."""
 
+from types import SimpleNamespace
+
 from torch import nn
 
+from cudagraphs.core.runtime import SetupSeconds
 from cudagraphs.partial.contract import ContractSet
 from cudagraphs.partial.recording import RecordedVariant, TargetRecording
 from cudagraphs.partial.replay import TargetDispatcher
@@ -65,3 +68,28 @@ def test_every_block_and_target_of_one_reason_is_counted():
 def test_disabled_graphs_count_as_none_captured():
     stats = stats_of([_entry("a", graphs=2)], [], [], True)
     assert stats == {"captured": 0, "disabled": 1, "replayed": 0, "fallbacks": 0}
+
+
+def _graphed(setup):
+    # What a core graphed callable exposes to the stats: its graphs' shared set-up.
+    return SimpleNamespace(graphs=SimpleNamespace(setup=setup, eager_only=True))
+
+
+def test_set_up_seconds_are_summed_once_per_capture_call_in_milliseconds():
+    first = SetupSeconds(warmup=2.5, compile=2.0, capture=0.25, compiled_frames=2)
+    second = SetupSeconds(warmup=0.5, compile=0.0, capture=0.125)
+    a, b = _entry("a", graphs=2), _entry("b")
+    # Target a's two variants came from one call (one shared record), b's from another.
+    a.recording.variants[0].graph = _graphed(first)
+    a.recording.variants[1].graph = _graphed(first)
+    b.recording.variants[0].graph = _graphed(second)
+    stats = stats_of([a, b], [], [], False)
+    assert stats["warmup_ms"] == 3000
+    assert stats["compile_ms"] == 2000
+    assert stats["capture_ms"] == 375
+    assert stats["compiled_frames"] == 2
+
+
+def test_no_set_up_keys_without_core_graphs():
+    stats = stats_of([_entry("a")], [], [], False)
+    assert not {"warmup_ms", "compile_ms", "capture_ms", "compiled_frames"} & set(stats)

@@ -30,7 +30,7 @@ from .capture_phase import (
 from .deferred_grads import defers_owned_copies
 from .grad_targets import GradTargets, prepare_grad_targets
 from .graphed import GraphedCallable
-from .runtime import EntryGraphs
+from .runtime import EntryGraphs, SetupSeconds
 from .sharing import BufferSharing, check_sharing
 from .te_compat import check_fifth_argument, check_quantization_off
 from .warmup import run_warmup
@@ -417,16 +417,23 @@ def make_graphed_callables(
         memory = meter.finish(
             graph_pool.handles(), what="make_graphed_callables", static_bytes=static
         )
+        setup = SetupSeconds(
+            warmup=t1 - t0,
+            compile=compiled.seconds,
+            capture=time.perf_counter() - t1,
+            compiled_frames=len(compiled.frames),
+        )
         for graphs in entry_graphs:
             graphs.memory = memory
+            graphs.setup = setup
         logger.info(
             "graphed %d entries (%d steps): warmup %.3fs (compiling %.3fs), capture %.3fs; "
             "memory: %s",
             len(entry_graphs),
             len(plan.schedule),
-            t1 - t0,
-            compiled.seconds,
-            time.perf_counter() - t1,
+            setup.warmup,
+            setup.compile,
+            setup.capture,
             memory.summary(),
         )
     results = _wrap(plan, entry_graphs)

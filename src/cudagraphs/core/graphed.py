@@ -13,7 +13,7 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import CudaGraphsStateError, UncapturedGradientError, describe_mismatches
 from .deferred_grads import DeferredCopyStats
-from .runtime import EntryGraphs
+from .runtime import EntryGraphs, SetupSeconds
 
 __all__ = ["GraphedCallable"]
 
@@ -118,6 +118,14 @@ class GraphedCallable:
         this went (:class:`~cudagraphs.memory.MemoryAccount`, shared by all its
         results); ``None`` under ``CUDAGRAPHS_DISABLE``."""
         return self.graphs.memory
+
+    @property
+    def setup_seconds(self) -> SetupSeconds | None:
+        """Where the set-up time of the ``make_graphed_callables`` call that made this
+        went: warmup, of it ``torch.compile``'s compiling, and capture
+        (:class:`~cudagraphs.core.runtime.SetupSeconds`, shared by all its results);
+        ``None`` under ``CUDAGRAPHS_DISABLE``."""
+        return self.graphs.setup
 
     @property
     def deferred_copies(self) -> DeferredCopyStats:

@@ -33,7 +33,7 @@ from .lent_grads import LentGrads, move_aliased_grads
 from .te_compat import ReplayKeywords
 from .tree_diff import structure_mismatches
 
-__all__ = ["EntryGraphs"]
+__all__ = ["EntryGraphs", "SetupSeconds"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,20 @@ def stage_grad_outputs(dsts: list[torch.Tensor], grads: list[torch.Tensor | None
     unreached = [d for d, g in zip(dsts, grads) if g is None]
     if unreached:
         torch._foreach_zero_(unreached)
+
+
+@dataclass(frozen=True)
+class SetupSeconds:
+    """Where one ``make_graphed_callables`` call's set-up time went, shared by every
+    result of the call (one account for all its entries: their warmups and captures
+    interleave). ``compile`` is the part of ``warmup`` that ``torch.compile`` spent
+    compiling (dynamo's records, backward compiles included; 0.0 for eager code),
+    and ``compiled_frames`` the frames it compiled then."""
+
+    warmup: float = 0.0
+    compile: float = 0.0
+    capture: float = 0.0
+    compiled_frames: int = 0
 
 
 @dataclass
@@ -140,6 +154,7 @@ class EntryGraphs:
     pool_bytes: int = 0  # reserved memory the captures grew by (the shared pool's)
     buffer_bytes: int = 0  # static input / incoming-gradient buffers made for it
     memory: Any = field(default=None, repr=False, compare=False)  # the call's MemoryAccount
+    setup: SetupSeconds | None = field(default=None, repr=False, compare=False)  # the call's
     released: bool = field(default=False, init=False)
     # Derived by _derive() from the fields above, once: what replays hand out.
     autograd_params: tuple[torch.nn.Parameter, ...] = field(init=False, repr=False)

@@ -99,7 +99,10 @@ class PartialCudaGraphManager:
     (:class:`~cudagraphs.memory.MemoryAccount`) summed over the captures:
     ``pool_reserved_bytes``, ``pool_allocated_bytes``, ``unused_cache_bytes``,
     ``driver_bytes`` and ``released_bytes`` (with what :meth:`capture` itself gave
-    back); ``compacted_state_bytes`` where a capture packed optimizer state.
+    back); ``compacted_state_bytes`` where a capture packed optimizer state; and the
+    set-up time of the captures, summed in whole milliseconds: ``warmup_ms``,
+    ``compile_ms`` (the part of the warmup ``torch.compile`` spent compiling, with
+    ``compile_options``), ``capture_ms``, with ``compiled_frames``.
 
     Args:
         dispatchers: one per target, in module order, each around the target's

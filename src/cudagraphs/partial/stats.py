@@ -3,7 +3,7 @@ pure function of its targets (their dispatchers' counters and their recordings'
 graphs) and of the blocks and parts planning reported. Graphs held, replays and
 fallbacks per reason, the blocks skipped or narrowed, the parts not graphed whole, the
 targets turned off (each reason keyed as :data:`~.vocabulary.REASON_FAMILIES` say),
-and the memory the graphs account for.
+and the memory and set-up time the graphs account for.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def stats_of(
         out[key] = out.get(key, 0) + 1
     _add_memory(out, recordings)
     _add_accounts(out, recordings, released_bytes)
+    _add_setup(out, recordings)
     if compacted_bytes:
         out["compacted_state_bytes"] = compacted_bytes
     return out
@@ -96,3 +97,23 @@ def _add_accounts(
     for key, value in total.as_dict().items():
         out[key] = out.get(key, 0) + value
     out["released_bytes"] = out.get("released_bytes", 0) + released_bytes
+
+
+def _add_setup(out: dict[str, int], recordings: Sequence[TargetRecording]) -> None:
+    # One cudagraphs.core.runtime.SetupSeconds per make_graphed_callables call, shared
+    # by the graphs it made: each counted once, summed in whole milliseconds (the stats
+    # are integers). compile_ms is the part of warmup_ms that torch.compile spent
+    # compiling, so a compiled target's set-up reads apart from its capture.
+    setups = {}
+    for rec in recordings:
+        for graph in rec.graphs():
+            setup = getattr(getattr(graph, "graphs", None), "setup", None)
+            if setup is not None:
+                setups[id(setup)] = setup
+    if not setups:
+        return
+    kept = setups.values()
+    out["warmup_ms"] = round(1000 * sum(s.warmup for s in kept))
+    out["compile_ms"] = round(1000 * sum(s.compile for s in kept))
+    out["capture_ms"] = round(1000 * sum(s.capture for s in kept))
+    out["compiled_frames"] = sum(s.compiled_frames for s in kept)
