@@ -46,5 +46,9 @@ def test_compiled_targets_replay_and_train_like_their_compiled_eager_forwards():
         stats = mgr.stats()
         assert stats["captured"] == 2 and stats["fallbacks"] == 0, stats
         assert stats["replayed"] == 4 * 2, stats
+        # The captures' set-up, with the compile apart from the rest of the warmup.
+        assert stats["compiled_frames"] >= 1, stats
+        assert 0 < stats["compile_ms"] <= stats["warmup_ms"], stats
+        assert stats["capture_ms"] > 0, stats
     finally:
         mgr.close()
