@@ -21,6 +21,9 @@
 #                ms per token with and without cuDNN attention, fresh inductor caches
 #   sdpa_regional probes/serving_compiles.py --regional: the generator's layers sharing one
 #                compiled body against the whole model compiled (fresh inductor caches)
+#   confirm      one call for two confirmations (about 480 s on an H200): train_fp8.py at
+#                FP8_BATCH (default 4: 8192 tokens a step), tensorwise, without the
+#                kernel-busy pass, then serving_hf.py on Llama as in serving
 #   inductor     train_step.py launch_bound, compiled variants, without and then with
 #                INDUCTOR (default "triton.enable_pdl=True"), one machine: the node gaps
 # PRE_TESTS="tests/a.py tests/b.py" runs those GPU tests (-m cuda, at most PRE_LIMIT s,
@@ -90,6 +93,11 @@ serving)
     if [ -n "${INDUCTOR:-}" ]; then extra=(--inductor-config $INDUCTOR); fi
     bench "serving-$label" 560 benchmarks/serving_hf.py "${common[@]}" --models llama --skip-startup \
         --run-label "$label" "${extra[@]}" ;;
+confirm)
+    bench "fp8-$label" 210 benchmarks/train_fp8.py "${common[@]}" --run-label "b${FP8_BATCH:-4}$label" \
+        --batch "${FP8_BATCH:-4}" --recipes tensorwise --skip-kernel-busy
+    bench "serving-$label" 330 benchmarks/serving_hf.py "${common[@]}" --models llama --skip-startup \
+        --run-label "$label" ;;
 hf_compiled)
     # shellcheck disable=SC2086  # HF_MODELS is a list
     bench "hf-$label" 560 benchmarks/train_step_hf.py "${common[@]}" --run-label "$label" \
