@@ -3,6 +3,8 @@ dispatchers and recordings and the blocks."""
 
 from types import SimpleNamespace
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from cudagraphs.core.runtime import SetupSeconds
@@ -93,3 +95,32 @@ def test_set_up_seconds_are_summed_once_per_capture_call_in_milliseconds():
 def test_no_set_up_keys_without_core_graphs():
     stats = stats_of([_entry("a")], [], [], False)
     assert not {"warmup_ms", "compile_ms", "capture_ms", "compiled_frames"} & set(stats)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    calls=st.lists(
+        st.tuples(
+            st.integers(0, 5000), st.integers(0, 5000), st.integers(0, 5000), st.integers(0, 9)
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    owners=st.lists(st.integers(0, 3), min_size=1, max_size=8),
+)
+def test_set_up_sums_match_a_sum_over_the_distinct_calls(calls, owners):
+    # Each graph belongs to one capture call (owner index); graphs of one call share its
+    # record. Reference: each call that made a graph counted once.
+    setups = [SetupSeconds(w / 1000, c / 1000, p / 1000, f) for w, c, p, f in calls]
+    owners = [o % len(setups) for o in owners]
+    entries = []
+    for i, owner in enumerate(owners):
+        entry = _entry(f"t{i}")
+        entry.recording.variants[0].graph = _graphed(setups[owner])
+        entries.append(entry)
+    used = [setups[o] for o in sorted(set(owners))]
+    stats = stats_of(entries, [], [], False)
+    assert stats["warmup_ms"] == round(1000 * sum(s.warmup for s in used))
+    assert stats["compile_ms"] == round(1000 * sum(s.compile for s in used))
+    assert stats["capture_ms"] == round(1000 * sum(s.capture for s in used))
+    assert stats["compiled_frames"] == sum(s.compiled_frames for s in used)

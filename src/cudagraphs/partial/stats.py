@@ -79,40 +79,40 @@ def _add_memory(out: dict[str, int], recordings: Sequence[TargetRecording]) -> N
                     out[key] = out.get(key, 0) + getattr(graphs, what, 0)
 
 
+def _per_capture_call(recordings: Sequence[TargetRecording], attr: str) -> list:
+    # What a core make_graphed_callables call shares among the graphs it made (their
+    # EntryGraphs' ``attr``), each object once; other backends' graphs have none.
+    found = {}
+    for rec in recordings:
+        for graph in rec.graphs():
+            value = getattr(getattr(graph, "graphs", None), attr, None)
+            if value is not None:
+                found[id(value)] = value
+    return list(found.values())
+
+
 def _add_accounts(
     out: dict[str, int], recordings: Sequence[TargetRecording], released_bytes: int
 ) -> None:
-    # One cudagraphs.memory.MemoryAccount per make_graphed_callables call, shared by
-    # the graphs it made: each counted once. released_bytes: what the manager's own
-    # releases after its captures gave back.
-    accounts = {}
-    for rec in recordings:
-        for graph in rec.graphs():
-            account = getattr(getattr(graph, "graphs", None), "memory", None)
-            if account is not None:
-                accounts[id(account)] = account
+    # One cudagraphs.memory.MemoryAccount per make_graphed_callables call.
+    # released_bytes: what the manager's own releases after its captures gave back.
+    accounts = _per_capture_call(recordings, "memory")
     if not accounts and not released_bytes:
         return
-    total = sum(accounts.values(), MemoryAccount())
+    total = sum(accounts, MemoryAccount())
     for key, value in total.as_dict().items():
         out[key] = out.get(key, 0) + value
     out["released_bytes"] = out.get("released_bytes", 0) + released_bytes
 
 
 def _add_setup(out: dict[str, int], recordings: Sequence[TargetRecording]) -> None:
-    # One cudagraphs.core.runtime.SetupSeconds per make_graphed_callables call, shared
-    # by the graphs it made: each counted once, summed in whole milliseconds (the stats
-    # are integers). compile_ms is the part of warmup_ms that torch.compile spent
-    # compiling, so a compiled target's set-up reads apart from its capture.
-    setups = {}
-    for rec in recordings:
-        for graph in rec.graphs():
-            setup = getattr(getattr(graph, "graphs", None), "setup", None)
-            if setup is not None:
-                setups[id(setup)] = setup
-    if not setups:
+    # One cudagraphs.core.runtime.SetupSeconds per make_graphed_callables call, summed
+    # in whole milliseconds (the stats are integers). compile_ms is the part of
+    # warmup_ms that torch.compile spent compiling, so a compiled target's set-up reads
+    # apart from its capture.
+    kept = _per_capture_call(recordings, "setup")
+    if not kept:
         return
-    kept = setups.values()
     out["warmup_ms"] = round(1000 * sum(s.warmup for s in kept))
     out["compile_ms"] = round(1000 * sum(s.compile for s in kept))
     out["capture_ms"] = round(1000 * sum(s.capture for s in kept))
