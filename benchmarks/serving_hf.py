@@ -342,9 +342,18 @@ torch.cuda.synchronize()
 t3 = time.perf_counter()
 if prof:
     prof.disable(); pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(60)
+phases = {{}}
+if "torch._dynamo" in sys.modules:
+    # Where a compile's seconds go (dynamo's own phase timers; nested phases overlap).
+    try:
+        names, secs = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+        top = sorted(zip(names, map(float, secs)), key=lambda p: -p[1])[:16]
+        phases = {{n: round(s, 3) for n, s in top if s >= 0.05}}
+    except Exception as e:  # a diagnostic only: never fail the startup for it
+        phases = {{"error": repr(e)}}
 print(json.dumps({{"startup_s": t3 - t0, "capture_s": t2 - t1, "first_token_s": t3 - t2,
     "dynamo_loaded": "torch._dynamo" in sys.modules,
-    "capture_seconds": gen.stats()["capture_seconds"],
+    "capture_seconds": gen.stats()["capture_seconds"], "compile_phases_s": phases,
     "compile_s_per_bucket": {{str(b.rows): round(t.compile_s, 3)
                               for b, t in gen.runner.capture_times.items()}}}}))
 """
