@@ -257,6 +257,7 @@ def run_model(family: str) -> dict:
                 )
             steps, out, outputs = first_calls(steps, batch)
             result["batches"][str(batch)] = time_batch(steps, out, outputs)
+            result["batches"][str(batch)].update(prefill_split(model, ids, gen, compiled, out))
     result["stats"] = gen.stats()
     gen.close()
     if compiled is not None:
@@ -284,6 +285,37 @@ def first_calls(steps: dict[str, Callable], batch: int) -> tuple[dict, dict, dic
         out["first_call_s"][name] = round(time.perf_counter() - t0, 3)
         log(f"batch {batch}: {name} first call {out['first_call_s'][name]} s")
     return {k: v for k, v in steps.items() if k in outputs}, out, outputs
+
+
+def prefill_split(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    gen: object,
+    compiled: object | None,
+    batch_out: dict,
+) -> dict:
+    """Where a request's time goes: the prefill alone (a request of one new token,
+    timed like the requests), and the decode steps' ms per token, the rest of the
+    request over its ``NEW_TOKENS - 1`` decode steps. For ours, ours compiled and HF's
+    compiled ``generate``, whose prefills all run the model's eager kernels."""
+    one = {
+        OURS: partial(gen.generate, ids, max_new_tokens=1, eos_token_id=[]),
+        HF_COMPILED: partial(
+            model.generate, ids, max_new_tokens=1, do_sample=False, cache_implementation="static"
+        ),
+    }
+    if compiled is not None:
+        one[OURS_COMPILED] = partial(compiled.generate, ids, max_new_tokens=1, eos_token_id=[])
+    one = {k: v for k, v in one.items() if k in batch_out.get("request_ms", {})}
+    samples = interleaved_samples_ms(
+        one, iters=3, warmup=1, repeats=REPEATS, shuffle_seed=SHUFFLE_SEED
+    )
+    prefill = {k: summarize(v, 3)["median"] for k, v in samples.items()}
+    decode = {
+        k: round((batch_out["request_ms"][k]["median"] - ms) / (NEW_TOKENS - 1), 4)
+        for k, ms in prefill.items()
+    }
+    return {"prefill_ms": prefill, "decode_ms_per_token": decode}
 
 
 def equal_prefix(a: torch.Tensor, b: torch.Tensor | None) -> int | None:

@@ -194,3 +194,44 @@ def test_per_token_activity_spreads_a_request_over_its_new_tokens(bench):
         "kernels_per_token",
         "heaviest_kernels_per_token",
     }
+
+
+class _Generates:
+    """A stand-in with ``generate``: records the ``max_new_tokens`` it was asked for."""
+
+    def __init__(self):
+        self.asked = []
+
+    def generate(self, ids, **kwargs):
+        self.asked.append(kwargs["max_new_tokens"])
+        return ids
+
+
+def test_the_prefill_split_times_one_token_requests_and_spreads_the_rest(bench, monkeypatch):
+    n = bench.NEW_TOKENS
+    prefill = {bench.OURS: 10.0, bench.OURS_COMPILED: 8.0, bench.HF_COMPILED: 12.0}
+
+    def fake_samples(steps, **kwargs):
+        for step in steps.values():
+            step()
+        return {k: [prefill[k]] * 3 for k in steps}
+
+    monkeypatch.setattr(bench, "interleaved_samples_ms", fake_samples)
+    ours, compiled, model = _Generates(), _Generates(), _Generates()
+    request = {k: {"median": v + 2.0 * (n - 1)} for k, v in prefill.items()}
+    got = bench.prefill_split(model, torch.zeros(1, 4), ours, compiled, {"request_ms": request})
+    assert got["prefill_ms"] == prefill
+    assert got["decode_ms_per_token"] == {k: 2.0 for k in prefill}
+    # Every prefill is a request of one new token, HF's compiled generate's too.
+    assert ours.asked == compiled.asked == model.asked == [1]
+
+
+def test_the_prefill_split_leaves_out_a_variant_that_was_not_timed(bench, monkeypatch):
+    monkeypatch.setattr(
+        bench, "interleaved_samples_ms", lambda steps, **kw: {k: [1.0] for k in steps}
+    )
+    request = {bench.OURS: {"median": 64.0}}
+    got = bench.prefill_split(
+        _Generates(), torch.zeros(1, 4), _Generates(), None, {"request_ms": request}
+    )
+    assert set(got["prefill_ms"]) == set(got["decode_ms_per_token"]) == {bench.OURS}
