@@ -41,6 +41,12 @@ runs beside it. Then the compiled generator's startup, once with an empty induct
 cache (``TORCHINDUCTOR_CACHE_DIR`` a new directory: a first start) and once more with
 the cache that run left (a restart).
 
+Each batch then splits a request in two for ours, ours compiled and HF's compiled
+``generate``: ``prefill_ms`` (a request of one new token: the prefill, eager kernels in
+all three) and ``decode_ms_per_token`` (the rest of the request over its decode steps).
+The compiled startup children record dynamo's compile phase seconds
+(``compile_phases_s``).
+
 After all timing, ``cudagraphs``' own kernel-busy time per request (the profiler, last).
 
 Targets (``None`` when not measured):
