@@ -389,9 +389,15 @@ if "torch._dynamo" in sys.modules:
         phases = {{n: round(s, 3) for n, s in top if s >= 0.05}}
     except Exception as e:  # a diagnostic only: never fail the startup for it
         phases = {{"error": repr(e)}}
+from cudagraphs.torch_private import compilation_metrics
+# Each frame dynamo compiled: which, how long, and why a recompile or a failure.
+frames = [{{k: str(getattr(m, a, None)) for k, a in (("name", "co_name"),
+    ("id", "compile_id"), ("s", "entire_frame_compile_time_s"), ("fail", "fail_type"),
+    ("recompile", "recompile_reason"))}} for m in (compilation_metrics() if phases else [])]
 print(json.dumps({{"startup_s": t3 - t0, "capture_s": t2 - t1, "first_token_s": t3 - t2,
     "dynamo_loaded": "torch._dynamo" in sys.modules,
     "capture_seconds": gen.stats()["capture_seconds"], "compile_phases_s": phases,
+    "compiled_frames": frames,
     "compile_s_per_bucket": {{str(b.rows): round(t.compile_s, 3)
                               for b, t in gen.runner.capture_times.items()}}}}))
 """
