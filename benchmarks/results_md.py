@@ -151,6 +151,11 @@ HEADLINES: dict[str, tuple[Grid, ...]] = {
         Grid(
             "ms per token (median)", ("models", COL, "batches", COL, "ms_per_token", ROW, "median")
         ),
+        Grid("Prefill alone, ms (median)", ("models", COL, "batches", COL, "prefill_ms", ROW)),
+        Grid(
+            "Decode steps, ms per token (a request less its prefill)",
+            ("models", COL, "batches", COL, "decode_ms_per_token", ROW),
+        ),
         Grid(
             "Kernel-busy ms per token", ("models", COL, "batches", COL, "kernel_busy_ms_per_token")
         ),
