@@ -263,7 +263,10 @@ def run_model(family: str) -> dict:
                 )
             steps, out, outputs = first_calls(steps, batch)
             result["batches"][str(batch)] = time_batch(steps, out, outputs)
-            result["batches"][str(batch)].update(prefill_split(model, ids, gen, compiled, out))
+            try:  # a diagnostic: its failure must not cost the run its timings
+                result["batches"][str(batch)].update(prefill_split(model, ids, gen, compiled, out))
+            except Exception as exc:
+                result["errors"][f"prefill_split_batch_{batch}"] = describe_error(exc)
     result["stats"] = gen.stats()
     gen.close()
     if compiled is not None:
