@@ -371,6 +371,8 @@ torch.cuda.synchronize()
 import cProfile, os, pstats
 prof = cProfile.Profile() if os.environ.get("SERVING_HF_PROFILE") else None
 if prof: prof.enable()
+from cudagraphs.compile_watch import CompileWatch
+watch = CompileWatch.start()
 t0 = time.perf_counter()
 from cudagraphs.serving.hf import GraphedGenerator
 gen = GraphedGenerator(model, {buckets}, max_cache_len=MAX_CACHE_LEN, **{extra})
@@ -392,11 +394,9 @@ if "torch._dynamo" in sys.modules:
         phases = {{n: round(s, 3) for n, s in top if s >= 0.05}}
     except Exception as e:  # a diagnostic only: never fail the startup for it
         phases = {{"error": repr(e)}}
-from cudagraphs.torch_private import compilation_metrics
+import dataclasses
 # Each frame dynamo compiled: which, how long, and why a recompile or a failure.
-frames = [{{k: str(getattr(m, a, None)) for k, a in (("name", "co_name"),
-    ("id", "compile_id"), ("s", "entire_frame_compile_time_s"), ("fail", "fail_type"),
-    ("recompile", "recompile_reason"))}} for m in (compilation_metrics() if phases else [])]
+frames = [dataclasses.asdict(f) for f in watch.finish().frames]
 print(json.dumps({{"startup_s": t3 - t0, "capture_s": t2 - t1, "first_token_s": t3 - t2,
     "dynamo_loaded": "torch._dynamo" in sys.modules,
     "capture_seconds": gen.stats()["capture_seconds"], "compile_phases_s": phases,
