@@ -319,8 +319,9 @@ def test_a_compiled_capture_compiles_once_for_every_bucket_without_cudnn_attenti
     assert frames[8] >= 1, frames
     assert frames[4] == frames[2] == frames[1] == 0, frames
     assert gen.stats()["sdpa_backends"] == ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
-    # The prefill is eager (torch's choice, cuDNN on the H200): kept off cuDNN here so
-    # that a cuDNN kernel seen can only be a replayed one, whose kernels the capture fixed.
+    # An eager prefill is torch's choice (cuDNN on the H200): kept off cuDNN here so
+    # that a cuDNN kernel seen can only be a replayed one (decode steps and, for these
+    # prompts, prefill graphs), whose kernels the capture fixed.
     no_cudnn = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     with profile(activities=[ProfilerActivity.CUDA]) as prof, sdpa_kernel(no_cudnn):
         for batch in (1, 4):
@@ -333,6 +334,7 @@ def test_a_compiled_capture_compiles_once_for_every_bucket_without_cudnn_attenti
     stats = gen.stats()
     assert stats["eager_runs"] == {}
     assert stats["replays"]["bucket(bs=1)"] > 0 and stats["replays"]["bucket(bs=4)"] > 0
+    assert stats["prefills"] == {"graphs": 2}
     gen.close()
     torch._dynamo.reset()
 

@@ -180,8 +180,8 @@ class SharedStaticCache:
 
     def reset(self) -> None:
         """Start a new request: every layer writes from position 0 again."""
-        for counter in self.counters:
-            counter.zero_()
+        # One kernel for every layer's counter (a prefill graph records it).
+        torch._foreach_zero_(self.counters)
 
     def cache_for(self, rows: int) -> Any:
         """A ``StaticCache`` over the leading ``rows`` rows (the same object for every

@@ -1,7 +1,10 @@
 """GraphedGenerator: a Hugging Face causal LM generating through the bucketed runner.
 
-A request runs in two parts. The prefill (prompts of any length) runs eagerly through
-the model into the shared static cache (:mod:`.cache`). Then each decode step feeds the
+A request runs in two parts. The prefill writes the prompts into the shared static
+cache (:mod:`.cache`): eagerly through the model, or, for prompts that fit a length
+bucket, by replaying that bucket's graph of the model's kernels over the prompts
+left-padded to it (:mod:`.prefill`; by default only when decoding through compiled
+kernels, since padding changes the rounding). Then each decode step feeds the
 batch's last tokens through :class:`~cudagraphs.serving.GraphRunner`: the tightest
 bucket's graph replays over static ``input_ids [B, 1]``, ``position_ids [B, 1]`` and a
 boolean ``attention_mask [B, max_cache_len]``; the cache is fixed-address state the
@@ -46,6 +49,12 @@ from .attention import check_sdpa_backends, sdpa_scope
 from .cache import LayerShape, SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
 from .experts import DecodeExperts, decode_experts
 from .per_token import EndFlag, decode_loop
+from .prefill import (
+    DEFAULT_PREFILL_TOKENS,
+    PrefillGraphs,
+    check_prefill_lengths,
+    default_prefill_lengths,
+)
 from .regions import check_compile_regions
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens, vocab_size_of
@@ -104,8 +113,8 @@ class GraphedGenerator:
             ``max-autotune``).
         sdpa_backends: the attention kernels the decode graphs may record: every
             decode step through the runner's forward (warmups, compiles, captures, and
-            a step run eagerly) runs under
-            ``torch.nn.attention.sdpa_kernel(sdpa_backends)``; the prefill does not.
+            a step run eagerly) and every prefill graph runs under
+            ``torch.nn.attention.sdpa_kernel(sdpa_backends)``; an eager prefill does not.
             Default ``None``: with ``compile_options``, every backend but cuDNN's
             (:data:`~.attention.COMPILED_SDPA_BACKENDS`), which halves the compiled
             capture (one compile serves every bucket, the one-row bucket too) at up to
@@ -123,13 +132,29 @@ class GraphedGenerator:
             whole model compiled as one, fusing across the layers' edges at a longer
             compile. With regions the shared cache holds one spare row
             (:class:`~.cache.SharedStaticCache`, ``spare_row``).
+        prefill_lengths: prompt length buckets whose prefills replay graphs
+            (:mod:`.prefill`): a request's prompts are left-padded to the shortest
+            bucket that holds them, and its prefill replays that bucket's graph at the
+            request's rows bucket, captured in :meth:`capture` with the model's
+            kernels. Padding changes the kernels' rounding, not the attention, so the
+            greedy tokens agree with an eager prefill's to rounding. Default ``None``:
+            with ``compile_options``, powers of two from 16 to 512 that fit
+            ``max_cache_len`` (:func:`~.prefill.default_prefill_lengths`); without,
+            none (every prefill eager, the tokens HF's). ``()``: none. Prompts longer
+            than every bucket, or that would not fit the cache once padded, prefill
+            eagerly (``stats()["prefills"]`` counts both paths by cause).
+        prefill_tokens: the most rows x length a prefill graph holds: a rows bucket
+            above it has no prefill graph at that length (its activations' memory;
+            a prefill that long is compute-bound anyway). Default 2048.
 
     Raises:
         CudaGraphsTypeError: ``model`` not an ``nn.Module`` with a ``config``.
         CudaGraphsValueError: bad ``batch_sizes``, ``max_cache_len`` or ratio,
             ``compile_options`` whose mode records CUDA graphs of its own, or
             ``sdpa_backends`` empty or holding ``SDPBackend.ERROR``, or
-            ``compile_regions=True`` without ``compile_options`` or decoder layers.
+            ``compile_regions=True`` without ``compile_options`` or decoder layers,
+            ``prefill_lengths`` repeated or longer than ``max_cache_len``, or
+            ``prefill_tokens`` below 1.
         UnsupportedModelError: an encoder-decoder or stateful model, a model HF does not
             mark as graph-safe (``_can_compile_fullgraph``), a cache with other layers
             than full attention and sliding windows (chunked or linear attention), or
@@ -149,6 +174,8 @@ class GraphedGenerator:
         compile_options: Mapping[str, Any] | None = None,
         sdpa_backends: Sequence[SDPBackend] | None = None,
         compile_regions: bool | None = None,
+        prefill_lengths: Sequence[int] | None = None,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     ) -> None:
         check_instance("model", model, nn.Module, "a transformers causal LM (nn.Module)")
         if getattr(model, "config", None) is None:
@@ -180,6 +207,17 @@ class GraphedGenerator:
         params = inspect.signature(model.forward).parameters
         self._logits_to_keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.config = BucketConfig(batch_sizes, max_pad_ratio=max_pad_ratio)
+        if prefill_lengths is None:
+            prefill_lengths = (
+                default_prefill_lengths(self.max_cache_len) if compile_options is not None else ()
+            )
+        #: The prompt length buckets whose prefills replay graphs (sorted; () for none).
+        self.prefill_lengths = check_prefill_lengths(prefill_lengths, self.max_cache_len)
+        self.prefill_tokens = check_int("prefill_tokens", prefill_tokens, minimum=1)
+        self._require_all_buckets = require_all_buckets
+        self._capture_backend = capture_backend
+        #: The prefill graphs of the last capture (None before capture and after close).
+        self.prefill: PrefillGraphs | None = None
         rows = self.config.largest.rows
         specs = [
             InputSpec("input_ids", (rows, 1), torch.long),
@@ -200,6 +238,8 @@ class GraphedGenerator:
         self.kv: SharedStaticCache | None = None
         #: Requests per path: "graphs" (decode through the runner) and "too_large".
         self.requests: Counter[str] = Counter()
+        #: Prefills per path: "graphs" (replayed), or the cause of an eager one.
+        self.prefills: Counter[str] = Counter()
         self.tokens = 0
         self._ended: EndFlag | None = None
         self._weights = WeightAddresses((), ())  # taken at capture
@@ -247,17 +287,45 @@ class GraphedGenerator:
         # _decode and on the cache views), and sizes are reasoned about without
         # specializing 1, so one compile serves every bucket, a bucket of one row too.
         shapes = size_oblivious_shapes() if self.compile_options is not None else nullcontext()
+        plan = {"plan_memory": plan_memory, "headroom_bytes": headroom_bytes}
         with torch.no_grad(), self._experts.decoding(), shapes:
             self.runner.capture(
                 self._dummy_inputs,
                 warmup,
-                plan_memory=plan_memory,
                 free_bytes=free_bytes,
-                headroom_bytes=headroom_bytes,
                 progress=progress,
+                **plan,
             )
-        self.kv.reset()
+        try:
+            self._capture_prefills(plan)
+        except BaseException:
+            self.runner.close()  # a capture is all or nothing
+            raise
+        finally:
+            self.kv.reset()
         self._weights = WeightAddresses.of(self.model)
+
+    def _capture_prefills(self, plan: dict[str, Any]) -> None:
+        """The prefill graphs, into the decode graphs' pool (replays never overlap),
+        with the experts the decode steps run (a prefill graph must not sync the host
+        either). A memory plan sees the memory the decode graphs left."""
+        self.prefill = PrefillGraphs(
+            self._prefill_step,
+            self.prefill_lengths,
+            self.config,
+            self.prefill_tokens,
+            device=self.device,
+            pool=self.runner.captured.pool,
+            require_all_buckets=self._require_all_buckets,
+            capture_backend=self._capture_backend,
+        )
+        try:
+            with torch.no_grad(), self._experts.decoding():
+                self.prefill.capture(self._prefill_inputs, **plan)
+        except BaseException:
+            self.prefill.close()
+            self.prefill = None
+            raise
 
     def _make_cache(self) -> None:
         shapes = layer_shapes(self.model, self._cache_keyword)
@@ -313,6 +381,35 @@ class GraphedGenerator:
                 rows, self.max_cache_len, dtype=torch.bool, device=self.device
             ),
         }
+
+    def _prefill_inputs(self, length: int) -> Callable[[Bucket], dict[str, torch.Tensor]]:
+        def make(bucket: Bucket) -> dict[str, torch.Tensor]:
+            shape = (bucket.rows, length)
+            positions = torch.arange(length, device=self.device).expand(shape)
+            return {
+                "input_ids": torch.zeros(shape, dtype=torch.long, device=self.device),
+                "position_ids": positions.contiguous(),
+                "attention_mask": torch.ones(shape, dtype=torch.long, device=self.device),
+            }
+
+        return make
+
+    def _prefill_step(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """A prefill graph's forward: every replay writes from position 0 (the counters
+        are zeroed inside the graph), with the arguments the eager prefill passes."""
+        self.kv.reset()
+        with sdpa_scope(self.sdpa_backends):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                **{self._cache_keyword: self.kv.cache_for(input_ids.shape[0])},
+                **self._logits_to_keep,
+            )
+        return out.logits[:, -1, :].float()
 
     def _decode(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -504,31 +601,41 @@ class GraphedGenerator:
         kv: SharedStaticCache,
         step: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
     ) -> torch.Tensor:
-        batch = request.batch
         kv.reset()
-        positions = positions_from_mask(request.attention_mask)
-        out = self.model(
-            input_ids=request.input_ids,
-            attention_mask=request.attention_mask.long(),
-            position_ids=positions,
-            use_cache=True,
-            **{self._cache_keyword: kv.cache_for(batch)},
-            **self._logits_to_keep,
-        )
-        logits = out.logits[:, -1, :].float()
-        del out
+        replayed = None
+        if kv is self.kv and self.prefill is not None:
+            replayed = self.prefill.run(request, self.max_cache_len)
+            self.prefills["graphs" if replayed.logits is not None else replayed.eager_cause] += 1
+        else:
+            self.prefills["too_large"] += 1
+        if replayed is not None and replayed.logits is not None:
+            logits, prefix = replayed.logits, replayed.mask
+        else:
+            logits, prefix = self._eager_prefill(request, kv), request.attention_mask
         with self._experts.decoding():
             return decode_loop(
                 request,
                 logits,
-                positions,
+                positions_from_mask(prefix),
                 step,
                 sampling=sampling,
                 stops=stops,
                 generator=generator,
                 ended=self._end_flag() if stops.active else None,
                 max_cache_len=self.max_cache_len,
+                cache_prefix=prefix,
             )
+
+    def _eager_prefill(self, request: Request, kv: SharedStaticCache) -> torch.Tensor:
+        out = self.model(
+            input_ids=request.input_ids,
+            attention_mask=request.attention_mask.long(),
+            position_ids=positions_from_mask(request.attention_mask),
+            use_cache=True,
+            **{self._cache_keyword: kv.cache_for(request.batch)},
+            **self._logits_to_keep,
+        )
+        return out.logits[:, -1, :].float()
 
     def _end_flag(self) -> EndFlag:
         # One per generator: pinned memory is slow to allocate, and requests run one
@@ -548,7 +655,11 @@ class GraphedGenerator:
         (the decode steps' attention backends by name; ``None``: torch's choice) and
         ``compile_regions`` (the decoder layers sharing one compiled body; 0: none) and
         ``compile_regions_error`` (why they could not, the whole model compiled instead;
-        ``None``: they could, or were not asked to)."""
+        ``None``: they could, or were not asked to), ``prefills`` (requests per prefill
+        path: ``graphs``, or why one ran eagerly: ``off`` without length buckets,
+        ``longer``, ``no_room``, ``too_large``, ``pad_ratio``, ``no_graphs``) and
+        ``prefill_graphs`` (per length bucket: captured, dropped, replays and capture
+        seconds; ``None`` before capture and after close)."""
         out = self.runner.stats()
         out["requests"] = dict(self.requests)
         out["tokens"] = self.tokens
@@ -559,12 +670,17 @@ class GraphedGenerator:
         out["sdpa_backends"] = None if backends is None else [b.name for b in backends]
         out["compile_regions"] = 0 if self._regions is None else len(self._regions.layers)
         out["compile_regions_error"] = self.compile_regions_error
+        out["prefills"] = dict(self.prefills)
+        out["prefill_graphs"] = None if self.prefill is None else self.prefill.stats()
         return out
 
     def close(self) -> None:
         """Release the graphs and the static cache (idempotent); ``capture()`` may run
         again."""
         self.runner.close()
+        if self.prefill is not None:
+            self.prefill.close()
+            self.prefill = None
         self.kv = None
 
 

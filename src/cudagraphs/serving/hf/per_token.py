@@ -75,11 +75,15 @@ def decode_loop(
     generator: torch.Generator | None,
     ended: EndFlag | None,
     max_cache_len: int,
+    cache_prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Choose ``request.max_new_tokens`` tokens, the first from the prefill's last
     ``logits`` (float, ``[batch, vocab]``), each later one from ``step`` (a decode step
     of the last tokens, their positions and the boolean ``[batch, max_cache_len]``
-    mask); ``positions`` are the prompt's. With stop tokens, finished sequences get the
+    mask); ``positions`` are the prompt's. ``cache_prefix`` is the boolean mask of the
+    cache positions the prefill wrote (default: the prompt's own; a prefill padded to a
+    length bucket wrote more), which the decode mask starts with and writes after. With
+    stop tokens, finished sequences get the
     pad token, and ``ended`` (the generator's :class:`EndFlag`) ends the loop one step
     after every sequence finished.
 
@@ -92,8 +96,10 @@ def decode_loop(
     padding = request.attention_mask.int().argmax(dim=1)
     processors = sampling.processors(prompt_len, stops.eos, padding)
     tokens = torch.empty(batch, new, dtype=torch.long, device=device)
+    prefix = request.attention_mask if cache_prefix is None else cache_prefix
+    written = prefix.shape[1]
     mask = torch.zeros(batch, max_cache_len, dtype=torch.bool, device=device)
-    mask[:, :prompt_len] = request.attention_mask
+    mask[:, :written] = prefix
     position = positions[:, -1:].clone()
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
     made = new
@@ -101,7 +107,7 @@ def decode_loop(
     for t in range(new):
         if t:
             position += 1
-            mask[:, prompt_len + t - 1] = True
+            mask[:, written + t - 1] = True
             logits = step({"input_ids": last, "position_ids": position, "attention_mask": mask})
             # Read whether every sequence had ended after step t - 1 only now, with
             # step t queued behind it: the GPU runs step t while the host waits and
