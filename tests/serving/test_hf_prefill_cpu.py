@@ -1,0 +1,209 @@
+"""Prefill graphs on the CPU (serving/hf/prefill.py), with the eager stand-in for CUDA
+capture: the length-bucket policy against a plain reference (hypothesis), the checks
+of ``prefill_lengths``, and the generator's prefill path: padded prompts keep HF's
+tokens, every request is counted by path, and the graphs capture into the decode
+graphs' pool."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from helpers.hf_models import tiny
+
+transformers = pytest.importorskip("transformers")
+
+from cudagraphs.errors import CudaGraphsTypeError, CudaGraphsValueError  # noqa: E402
+from cudagraphs.serving.graphs import eager_backend  # noqa: E402
+from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
+from cudagraphs.serving.hf.prefill import (  # noqa: E402
+    check_prefill_lengths,
+    choose_length,
+    default_prefill_lengths,
+)
+from helpers.hf_generate import EOS, PAD, hf_keyword, prompts  # noqa: E402
+
+NEW = 6
+CACHE = 40  # max_cache_len of the generators here
+
+
+def hf_generate(model, ids, mask, new):
+    """HF's static-cache greedy generate over a cache as long as ours."""
+    keyword = hf_keyword(model)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        disable_compile=True,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        **{keyword: cache},
+    )
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny("llama").eval()
+
+
+def reference_length(lengths, prompt_len, new, cache):
+    """Every bucket that holds the prompt and fits the cache once padded; the shortest."""
+    holding = [n for n in lengths if n >= prompt_len]
+    if not holding:
+        return None, "longer"
+    fitting = [n for n in holding if n + new - 1 <= cache]
+    return (min(fitting), None) if fitting else (None, "no_room")
+
+
+@given(
+    lengths=st.sets(st.integers(1, 64), max_size=6),
+    prompt_len=st.integers(1, 70),
+    new=st.integers(1, 40),
+    cache=st.integers(2, 100),
+)
+def test_the_length_choice_is_the_shortest_bucket_that_holds_the_prompt_and_fits(
+    lengths, prompt_len, new, cache
+):
+    choice = choose_length(sorted(lengths), prompt_len, new, cache)
+    assert (choice.length, choice.eager_cause) == reference_length(lengths, prompt_len, new, cache)
+
+
+@pytest.mark.parametrize(
+    "cache, lengths",
+    [
+        (96, (16, 32, 64)),
+        (512, (16, 32, 64, 128, 256, 512)),
+        (4096, (16, 32, 64, 128, 256, 512)),
+        (16, (16,)),
+        (10, (10,)),
+    ],
+)
+def test_default_lengths_are_powers_of_two_from_16_to_512_that_fit_the_cache(cache, lengths):
+    assert default_prefill_lengths(cache) == lengths
+
+
+def test_lengths_are_checked_naming_the_problem_and_the_fix():
+    assert check_prefill_lengths([32, 8], 40) == (8, 32)
+    assert check_prefill_lengths((), 40) == ()
+    with pytest.raises(CudaGraphsTypeError, match="prefill_lengths must be a sequence"):
+        check_prefill_lengths(16, 40)
+    with pytest.raises(CudaGraphsTypeError, match=r"prefill_lengths\[1\]"):
+        check_prefill_lengths([8, 16.0], 40)
+    with pytest.raises(CudaGraphsValueError, match=r"repeats \[8\]"):
+        check_prefill_lengths([8, 16, 8], 40)
+    with pytest.raises(CudaGraphsValueError, match=r"\[64\] exceed max_cache_len=40"):
+        check_prefill_lengths([8, 64], 40)
+    with pytest.raises(CudaGraphsValueError, match=r"prefill_lengths\[0\]"):
+        check_prefill_lengths([0], 40)
+
+
+def make(model, sizes=(1, 2, 4), **kw):
+    gen = GraphedGenerator(model, sizes, max_cache_len=CACHE, capture_backend=eager_backend, **kw)
+    gen.capture(progress=False)
+    return gen
+
+
+def test_padded_prefills_keep_hfs_tokens_and_each_request_is_counted_by_path(model):
+    gen = make(model, prefill_lengths=(8, 16))
+    cases = [(1, 5, NEW), (3, 8, NEW), (4, 12, NEW), (2, 17, NEW), (2, 12, 29), (8, 6, NEW)]
+    for batch, prompt_len, new in cases:
+        ids, mask = prompts(batch, prompt_len=prompt_len, seed=batch + prompt_len)
+        ours = gen.generate(ids, mask, max_new_tokens=new, eos_token_id=EOS, pad_token_id=PAD)
+        ref = hf_generate(model, ids, mask, new)
+        assert torch.equal(ours, ref), (batch, prompt_len, new)
+    stats = gen.stats()
+    # 17 is longer than every bucket; 12 padded to 16 with 29 new tokens needs 44 > 40
+    # positions; 8 rows are above every bucket (their own cache, eager throughout).
+    assert stats["prefills"] == {"graphs": 3, "longer": 1, "no_room": 1, "too_large": 1}
+    replays = stats["prefill_graphs"]
+    assert replays["8"]["replays"] == {"bucket(bs=4)": 1, "bucket(bs=2)": 0, "bucket(bs=1)": 1}
+    assert replays["16"]["replays"] == {"bucket(bs=4)": 1, "bucket(bs=2)": 0, "bucket(bs=1)": 0}
+    assert stats["eager_runs"] == {}
+
+
+def test_without_lengths_every_prefill_is_eager_and_said_so(model):
+    gen = make(model)  # eager kernels: no prefill graphs by default
+    assert gen.prefill_lengths == ()
+    ids, mask = prompts(2, prompt_len=5, seed=1)
+    gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    stats = gen.stats()
+    assert stats["prefills"] == {"off": 1}
+    assert stats["prefill_graphs"] == {}
+
+
+def test_compiled_generators_take_the_default_lengths(model):
+    gen = GraphedGenerator(
+        model,
+        (1, 2),
+        max_cache_len=CACHE,
+        compile_options={"backend": "eager"},
+        capture_backend=eager_backend,
+    )
+    assert gen.prefill_lengths == (16, 32)
+    gen = GraphedGenerator(
+        model,
+        (1, 2),
+        max_cache_len=CACHE,
+        compile_options={"backend": "eager"},
+        capture_backend=eager_backend,
+        prefill_lengths=(),
+    )
+    assert gen.prefill_lengths == ()
+
+
+def test_the_token_cap_leaves_out_the_rows_buckets_above_it(model):
+    gen = make(model, prefill_lengths=(8, 16), prefill_tokens=32)
+    graphs = gen.stats()["prefill_graphs"]
+    assert graphs["8"]["captured"] == ["bucket(bs=4)", "bucket(bs=2)", "bucket(bs=1)"]
+    assert graphs["16"]["captured"] == ["bucket(bs=2)", "bucket(bs=1)"]
+    ids, mask = prompts(3, prompt_len=12, seed=3)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW))
+    assert gen.stats()["prefills"] == {"too_large": 1}
+    with pytest.raises(CudaGraphsValueError, match="prefill_tokens"):
+        GraphedGenerator(model, (1,), max_cache_len=CACHE, prefill_tokens=0)
+
+
+def test_prefill_graphs_capture_into_the_decode_graphs_pool_and_close_with_them(model):
+    gen = make(model, prefill_lengths=(8,))
+    pool = gen.runner.captured.pool
+    assert all(r.captured.pool is pool for r in gen.prefill.runners.values())
+    gen.close()
+    assert gen.prefill is None and gen.stats()["prefill_graphs"] is None
+    gen.capture(progress=False)  # and again
+    ids, mask = prompts(2, prompt_len=5, seed=2)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW))
+    assert gen.stats()["prefills"] == {"graphs": 1}
+
+
+def test_a_failed_prefill_capture_releases_the_decode_graphs_and_the_next_capture_works(
+    model, monkeypatch
+):
+    gen = GraphedGenerator(
+        model,
+        (1, 2),
+        max_cache_len=CACHE,
+        capture_backend=eager_backend,
+        prefill_lengths=(8,),
+        require_all_buckets=True,
+    )
+    calls = []
+
+    def failing(run, pool, what):
+        calls.append(what)
+        if len(calls) == 1:  # the first prefill bucket (the decode runner has its own)
+            raise RuntimeError("capture failed")
+        return eager_backend(run, pool, what)
+
+    gen._capture_backend = failing
+    with pytest.raises(Exception, match="capture failed|dropped"):
+        gen.capture(progress=False)
+    assert gen.runner.captured is None and gen.prefill is None
+    gen._capture_backend = eager_backend
+    gen.capture(progress=False)
+    ids, mask = prompts(2, prompt_len=5, seed=4)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW))
