@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cuda
 transformers = pytest.importorskip("transformers")
 
 from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
-from test_cuda_hf_generate import EOS, MAX_CACHE_LEN, NEW, PAD, build, hf_static, prompts  # noqa: E402
+from helpers.hf_gpu import EOS, MAX_CACHE_LEN, NEW, PAD, build, hf_static, prompts  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
