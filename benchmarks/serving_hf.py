@@ -42,8 +42,8 @@ cache (``TORCHINDUCTOR_CACHE_DIR`` a new directory: a first start) and once more
 the cache that run left (a restart).
 
 Each batch then splits a request in two for ours, ours compiled and HF's compiled
-``generate``: ``prefill_ms`` (a request of one new token: the prefill, eager kernels in
-all three) and ``decode_ms_per_token`` (the rest of the request over its decode steps).
+``generate``: ``prefill_ms`` (a request of one new token: the prefill, the model's
+eager kernels in all three, ours compiled replaying them from its prefill graphs) and ``decode_ms_per_token`` (the rest of the request over its decode steps).
 The compiled startup children record dynamo's compile phase seconds
 (``compile_phases_s``).
 
@@ -306,7 +306,8 @@ def prefill_split(
     """Where a request's time goes: the prefill alone (a request of one new token,
     timed like the requests), and the decode steps' ms per token, the rest of the
     request over its ``NEW_TOKENS - 1`` decode steps. For ours, ours compiled and HF's
-    compiled ``generate``, whose prefills all run the model's eager kernels."""
+    compiled ``generate``, whose prefills all run the model's eager kernels (ours
+    compiled from its prefill graphs, the other two eagerly)."""
     one = {
         OURS: partial(gen.generate, ids, max_new_tokens=1, eos_token_id=[]),
         HF_COMPILED: partial(
