@@ -207,3 +207,13 @@ def test_a_failed_prefill_capture_releases_the_decode_graphs_and_the_next_captur
     ids, mask = prompts(2, prompt_len=5, seed=4)
     ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
     assert torch.equal(ours, hf_generate(model, ids, mask, NEW))
+
+
+def test_disabled_graphs_run_the_padded_prefill_on_the_same_path_and_say_so(model, monkeypatch):
+    monkeypatch.setenv("CUDAGRAPHS_DISABLE", "1")
+    gen = make(model, prefill_lengths=(8,))
+    ids, mask = prompts(2, prompt_len=5, seed=6)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW))
+    assert gen.stats()["prefills"] == {"disabled": 1}
+    assert gen.stats()["prefill_graphs"]["8"]["replays"]["bucket(bs=2)"] == 1

@@ -297,7 +297,7 @@ class GraphedGenerator:
                 **plan,
             )
         try:
-            self._capture_prefills(plan)
+            self._capture_prefills(plan, progress)
         except BaseException:
             self.runner.close()  # a capture is all or nothing
             raise
@@ -305,7 +305,7 @@ class GraphedGenerator:
             self.kv.reset()
         self._weights = WeightAddresses.of(self.model)
 
-    def _capture_prefills(self, plan: dict[str, Any]) -> None:
+    def _capture_prefills(self, plan: dict[str, Any], progress: bool | None) -> None:
         """The prefill graphs, into the decode graphs' pool (replays never overlap),
         with the experts the decode steps run (a prefill graph must not sync the host
         either). A memory plan sees the memory the decode graphs left."""
@@ -321,7 +321,7 @@ class GraphedGenerator:
         )
         try:
             with torch.no_grad(), self._experts.decoding():
-                self.prefill.capture(self._prefill_inputs, **plan)
+                self.prefill.capture(self._prefill_inputs, progress=progress, **plan)
         except BaseException:
             self.prefill.close()
             self.prefill = None
@@ -605,7 +605,10 @@ class GraphedGenerator:
         replayed = None
         if kv is self.kv and self.prefill is not None:
             replayed = self.prefill.run(request, self.max_cache_len)
-            self.prefills["graphs" if replayed.logits is not None else replayed.eager_cause] += 1
+            path = replayed.eager_cause
+            if replayed.logits is not None:
+                path = "disabled" if self.prefill.disabled else "graphs"
+            self.prefills[path] += 1
         else:
             self.prefills["too_large"] += 1
         if replayed is not None and replayed.logits is not None:
@@ -656,7 +659,9 @@ class GraphedGenerator:
         ``compile_regions`` (the decoder layers sharing one compiled body; 0: none) and
         ``compile_regions_error`` (why they could not, the whole model compiled instead;
         ``None``: they could, or were not asked to), ``prefills`` (requests per prefill
-        path: ``graphs``, or why one ran eagerly: ``off`` without length buckets,
+        path: ``graphs``, ``disabled`` (``CUDAGRAPHS_DISABLE``: the padded prefill
+        run eagerly on the graphs' path), or why one ran eagerly: ``off`` without
+        length buckets,
         ``longer``, ``no_room``, ``too_large``, ``pad_ratio``, ``no_graphs``) and
         ``prefill_graphs`` (per length bucket: captured, dropped, replays and capture
         seconds; ``None`` before capture and after close)."""

@@ -215,6 +215,12 @@ class PrefillGraphs:
         }
         return PrefillRun(runner.run(inputs, copy_output=True), mask)
 
+    @property
+    def disabled(self) -> bool:
+        """``CUDAGRAPHS_DISABLE`` was set at capture: the runners' stand-ins run the
+        padded prefill eagerly on the same path."""
+        return any(runner.disabled for runner in self.runners.values())
+
     def stats(self) -> dict[str, Any]:
         """Per length bucket, the runner's ``captured``, ``dropped``, ``replays`` and
         ``capture_seconds``."""
