@@ -395,3 +395,41 @@ def test_check_warmup_refuses_trees_and_a_last_compile_and_says_what_dynamo_gave
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         "here: dynamo gave up compiling g"
     ]
+
+
+def test_a_nameless_record_of_a_named_frames_compile_is_that_frame_not_another(records):
+    # On the H100 a compile with an empty inductor cache logs a second record under the
+    # frame's compile id, without a code name and of 0 s (serving_hf's cold starts).
+    held, _, _ = records
+    held += [
+        _record(
+            co_name="step",
+            compile_id="0/0",
+            entire_frame_compile_time_s=14.5,
+            backward_cumulative_compile_time_us=None,
+            num_graph_breaks=0,
+        ),
+        _record(
+            co_name=None,
+            co_filename=None,
+            co_firstlineno=None,
+            compile_id="0/0",
+            entire_frame_compile_time_s=0.5,
+            backward_cumulative_compile_time_us=None,
+            recompile_reason=None,
+            num_graph_breaks=1,
+        ),
+        _record(
+            co_name=None,
+            compile_id="1/0",
+            entire_frame_compile_time_s=2.0,
+            backward_cumulative_compile_time_us=None,
+        ),  # no named frame of its id
+        _record(co_name=None, compile_id="?", entire_frame_compile_time_s=None),
+    ]
+    frames = CompileWatch.start().finish().frames
+    assert [(f.name, f.compile_id, f.seconds, f.graph_breaks) for f in frames] == [
+        ("step", "0/0", 15.0, 1),
+        ("?", "1/0", 2.0, 2),
+        ("?", "?", 0.25, 2),
+    ]

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .checks import check_instance
@@ -124,11 +124,11 @@ class CompileWatch:
     def finish(self) -> CompileReport:
         if not dynamo_loaded():
             return CompileReport()
-        frames = [
+        frames = _merged(
             _frame(m)
             for m in compilation_metrics()
             if (getattr(m, "start_time_us", None) or 0) >= self._since_us
-        ]
+        )
         trees = 0
         if self._device_index is not None:
             trees = cudagraph_tree_functions(self._device_index) - self._trees
@@ -152,6 +152,29 @@ def _frame(record: Any) -> CompiledFrame:
         graph_breaks=int(number("num_graph_breaks")),
         failure=_failure(record),
     )
+
+
+def _merged(frames: Iterable[CompiledFrame]) -> list[CompiledFrame]:
+    """One frame per compile: a record without a code name whose compile id a named
+    frame of the watch has is a later record of that compile, not a frame of its own
+    (on the H100, a compile with an empty inductor cache logs a second, nameless record
+    of 0 s under the frame's id; a warm one does not). Its seconds and graph breaks go
+    to the named frame."""
+    frames = list(frames)
+    named = {f.compile_id: i for i, f in enumerate(frames) if f.name != "?"}
+    out: list[CompiledFrame | None] = list(frames)
+    for i, frame in enumerate(frames):
+        owner = named.get(frame.compile_id)
+        if frame.name != "?" or frame.compile_id == "?" or owner is None or frame.failure:
+            continue
+        kept = out[owner]
+        out[owner] = replace(
+            kept,
+            seconds=kept.seconds + frame.seconds,
+            graph_breaks=kept.graph_breaks + frame.graph_breaks,
+        )
+        out[i] = None
+    return [f for f in out if f is not None]
 
 
 def _failure(record: Any) -> str | None:
