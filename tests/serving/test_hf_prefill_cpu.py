@@ -217,3 +217,36 @@ def test_disabled_graphs_run_the_padded_prefill_on_the_same_path_and_say_so(mode
     assert torch.equal(ours, hf_generate(model, ids, mask, NEW))
     assert gen.stats()["prefills"] == {"disabled": 1}
     assert gen.stats()["prefill_graphs"]["8"]["replays"]["bucket(bs=2)"] == 1
+
+
+SLIDING = {
+    "mistral": {},
+    "qwen2": dict(use_sliding_window=True, max_window_layers=1),
+    "gemma2": dict(head_dim=16),
+    "gemma3_text": dict(head_dim=16),
+}
+
+
+def architecture(family):
+    if family not in SLIDING:
+        return tiny(family).eval()
+    from helpers.hf_models import CONFIGS
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        family, **CONFIGS["llama"], **SLIDING[family], sliding_window=4
+    )
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", *SLIDING])
+def test_padded_prefills_keep_hfs_tokens_across_architectures(family):
+    # MoE experts and sliding windows (a window of 4, shorter than the padding plus the
+    # prompt): the padding hides keys the window or the mask would hide anyway.
+    model = architecture(family)
+    gen = make(model, prefill_lengths=(8, 16))
+    for batch, prompt_len in ((1, 5), (3, 8), (2, 11)):
+        ids, mask = prompts(batch, prompt_len=prompt_len, seed=batch)
+        ours = gen.generate(ids, mask, max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(ours, hf_generate(model, ids, mask, 10)), (family, batch)
+    assert gen.stats()["prefills"] == {"graphs": 3}
