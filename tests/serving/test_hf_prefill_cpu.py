@@ -27,18 +27,18 @@ NEW = 6
 CACHE = 40  # max_cache_len of the generators here
 
 
-def hf_generate(model, ids, mask, new):
-    """HF's static-cache greedy generate over a cache as long as ours."""
+def hf_generate(model, ids, mask, new, **kw):
+    """HF's static-cache generate (greedy unless ``kw`` says) over a cache as long as
+    ours."""
     keyword = hf_keyword(model)
     cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
+    kw.setdefault("do_sample", False)
     return model.generate(
         ids,
         attention_mask=mask,
         max_new_tokens=new,
         disable_compile=True,
-        do_sample=False,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
+        **{"eos_token_id": EOS, "pad_token_id": PAD, **kw},
         **{keyword: cache},
     )
 
@@ -250,3 +250,27 @@ def test_padded_prefills_keep_hfs_tokens_across_architectures(family):
         ours = gen.generate(ids, mask, max_new_tokens=10, eos_token_id=EOS, pad_token_id=PAD)
         assert torch.equal(ours, hf_generate(model, ids, mask, 10)), (family, batch)
     assert gen.stats()["prefills"] == {"graphs": 3}
+
+
+def test_the_penalty_min_lengths_and_seeded_sampling_read_the_prompt_not_its_padding(model):
+    # The bucket's extra padding (id 0) is the cache's, not the request's: the
+    # repetition penalty, the minimum lengths and sampling see the prompt as given.
+    gen = make(model, prefill_lengths=(16,))
+    ids, mask = prompts(3, prompt_len=7, seed=11)
+    free = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=PAD)
+    # The token row 0 makes third ends it there under min_new_tokens=2 (two new tokens
+    # before it, counted from the prompt as given) and is held back under 3.
+    eos = int(free[0, 7 + 2])
+    kw = dict(eos_token_id=eos, pad_token_id=PAD)
+    for least, ends in ((2, True), (3, False)):
+        ours = gen.generate(ids, mask, max_new_tokens=NEW, min_new_tokens=least, **kw)
+        assert torch.equal(ours, hf_generate(model, ids, mask, NEW, min_new_tokens=least, **kw))
+        assert (int(ours[0, 7 + 2]) == eos) is ends, least
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, repetition_penalty=3.0, **kw)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, repetition_penalty=3.0, **kw))
+    seeded = dict(do_sample=True, top_k=8, temperature=0.9, eos_token_id=EOS, pad_token_id=PAD)
+    torch.manual_seed(5)
+    sampled = gen.generate(ids, mask, max_new_tokens=NEW, **seeded)
+    torch.manual_seed(5)
+    assert torch.equal(sampled, hf_generate(model, ids, mask, NEW, **seeded))
+    assert gen.stats()["prefills"] == {"graphs": 5}
