@@ -274,3 +274,25 @@ def test_the_penalty_min_lengths_and_seeded_sampling_read_the_prompt_not_its_pad
     torch.manual_seed(5)
     assert torch.equal(sampled, hf_generate(model, ids, mask, NEW, **seeded))
     assert gen.stats()["prefills"] == {"graphs": 5}
+
+
+def test_the_prefill_graphs_plan_against_what_the_decode_graphs_left(model, monkeypatch):
+    from types import SimpleNamespace
+
+    from cudagraphs.serving.hf.prefill import PrefillGraphs
+
+    gen = make(model, prefill_lengths=(8,))
+    gen.close()
+    handed = []
+    monkeypatch.setattr(PrefillGraphs, "capture", lambda self, make, **kw: handed.append(kw))
+    measure = SimpleNamespace(device_bytes=300)
+    monkeypatch.setattr(type(gen.runner), "memory_used", property(lambda self: measure))
+    gen.capture(progress=False, free_bytes=1000, headroom_bytes=7)
+    assert handed[-1] == dict(plan_memory=False, headroom_bytes=7, free_bytes=700, progress=False)
+    gen.close()
+    measure.device_bytes = 5000  # more than was given: nothing left, not a negative budget
+    gen.capture(progress=False, free_bytes=1000)
+    assert handed[-1]["free_bytes"] == 0
+    gen.close()
+    gen.capture(progress=False)  # no budget given: the device's free memory then
+    assert handed[-1]["free_bytes"] is None

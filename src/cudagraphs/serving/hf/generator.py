@@ -264,7 +264,8 @@ class GraphedGenerator:
                 bucket runs ``warmup``, its shape compiling in the first).
             plan_memory, free_bytes, headroom_bytes: capture only the buckets that fit
                 (:meth:`GraphRunner.capture`); the cache is allocated first, so the plan
-                sees the memory left beside it.
+                sees the memory left beside it. The prefill graphs are planned after the
+                decode graphs, against what they left (of ``free_bytes`` when given).
             progress: a tqdm bar over the buckets when tqdm is installed (``None``: when
                 stderr is a terminal; ``False``: never). An INFO line per bucket is
                 logged either way.
@@ -297,6 +298,7 @@ class GraphedGenerator:
                 **plan,
             )
         try:
+            plan["free_bytes"] = self._left_of(free_bytes)
             self._capture_prefills(plan, progress)
         except BaseException:
             self.runner.close()  # a capture is all or nothing
@@ -304,6 +306,14 @@ class GraphedGenerator:
         finally:
             self.kv.reset()
         self._weights = WeightAddresses.of(self.model)
+
+    def _left_of(self, free_bytes: int | None) -> int | None:
+        """What a given free-memory budget has left after the decode graphs' captures
+        (``None``: the prefill plan reads the device's free memory itself)."""
+        used = self.runner.memory_used
+        if free_bytes is None or used is None:
+            return free_bytes
+        return max(0, free_bytes - used.device_bytes)
 
     def _capture_prefills(self, plan: dict[str, Any], progress: bool | None) -> None:
         """The prefill graphs, into the decode graphs' pool (replays never overlap),
