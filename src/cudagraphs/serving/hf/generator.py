@@ -411,15 +411,7 @@ class GraphedGenerator:
         are zeroed inside the graph), with the arguments the eager prefill passes."""
         self.kv.reset()
         with sdpa_scope(self.sdpa_backends):
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=True,
-                **{self._cache_keyword: self.kv.cache_for(input_ids.shape[0])},
-                **self._logits_to_keep,
-            )
-        return out.logits[:, -1, :].float()
+            return self._prefill(self.kv, input_ids, attention_mask, position_ids)
 
     def _decode(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -624,7 +616,10 @@ class GraphedGenerator:
         if replayed is not None and replayed.logits is not None:
             logits, prefix = replayed.logits, replayed.mask
         else:
-            logits, prefix = self._eager_prefill(request, kv), request.attention_mask
+            prefix = request.attention_mask
+            logits = self._prefill(
+                kv, request.input_ids, prefix.long(), positions_from_mask(prefix)
+            )
         with self._experts.decoding():
             return decode_loop(
                 request,
@@ -639,13 +634,22 @@ class GraphedGenerator:
                 cache_prefix=prefix,
             )
 
-    def _eager_prefill(self, request: Request, kv: SharedStaticCache) -> torch.Tensor:
+    def _prefill(
+        self,
+        kv: SharedStaticCache,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The model's forward over whole prompts, with the arguments HF's ``generate``
+        passes: the 0/1 mask as integers, positions from it, the last position's
+        logits only; those logits in float32, as ``generate`` reads them."""
         out = self.model(
-            input_ids=request.input_ids,
-            attention_mask=request.attention_mask.long(),
-            position_ids=positions_from_mask(request.attention_mask),
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             use_cache=True,
-            **{self._cache_keyword: kv.cache_for(request.batch)},
+            **{self._cache_keyword: kv.cache_for(input_ids.shape[0])},
             **self._logits_to_keep,
         )
         return out.logits[:, -1, :].float()
