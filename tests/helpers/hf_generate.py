@@ -37,14 +37,16 @@ def hf_keyword(model):
     return "cache" if "cache" in params else "past_key_values"
 
 
-def hf_generate(model, ids, mask, max_new_tokens, **kw):
+def hf_generate(model, ids, mask, max_new_tokens, max_cache_len=L, **kw):
+    """HF's static-cache ``generate`` (greedy unless ``kw`` says) over a cache of
+    ``max_cache_len`` positions."""
     kw.setdefault("do_sample", False)
     return model.generate(
         ids,
         attention_mask=mask,
         max_new_tokens=max_new_tokens,
         disable_compile=True,
-        **{hf_keyword(model): StaticCache(config=model.config, max_cache_len=L)},
+        **{hf_keyword(model): StaticCache(config=model.config, max_cache_len=max_cache_len)},
         **kw,
     )
 

@@ -21,25 +21,22 @@ from cudagraphs.serving.hf.prefill import (  # noqa: E402
     choose_length,
     default_prefill_lengths,
 )
-from helpers.hf_generate import EOS, PAD, hf_keyword, prompts  # noqa: E402
+from helpers.hf_generate import EOS, PAD, prompts  # noqa: E402
+from helpers.hf_generate import hf_generate as generate  # noqa: E402
 
 NEW = 6
 CACHE = 40  # max_cache_len of the generators here
 
 
 def hf_generate(model, ids, mask, new, **kw):
-    """HF's static-cache generate (greedy unless ``kw`` says) over a cache as long as
-    ours."""
-    keyword = hf_keyword(model)
-    cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
-    kw.setdefault("do_sample", False)
-    return model.generate(
+    """HF's static-cache generate over a cache as long as ours."""
+    return generate(
+        model,
         ids,
-        attention_mask=mask,
-        max_new_tokens=new,
-        disable_compile=True,
+        mask,
+        new,
+        max_cache_len=CACHE,
         **{"eos_token_id": EOS, "pad_token_id": PAD, **kw},
-        **{keyword: cache},
     )
 
 
@@ -134,23 +131,18 @@ def test_without_lengths_every_prefill_is_eager_and_said_so(model):
 
 
 def test_compiled_generators_take_the_default_lengths(model):
-    gen = GraphedGenerator(
-        model,
-        (1, 2),
-        max_cache_len=CACHE,
-        compile_options={"backend": "eager"},
-        capture_backend=eager_backend,
-    )
-    assert gen.prefill_lengths == (16, 32)
-    gen = GraphedGenerator(
-        model,
-        (1, 2),
-        max_cache_len=CACHE,
-        compile_options={"backend": "eager"},
-        capture_backend=eager_backend,
-        prefill_lengths=(),
-    )
-    assert gen.prefill_lengths == ()
+    def build(**kw):
+        return GraphedGenerator(
+            model,
+            (1, 2),
+            max_cache_len=CACHE,
+            compile_options={"backend": "eager"},
+            capture_backend=eager_backend,
+            **kw,
+        )
+
+    assert build().prefill_lengths == (16, 32)
+    assert build(prefill_lengths=()).prefill_lengths == ()
 
 
 def test_the_token_cap_leaves_out_the_rows_buckets_above_it(model):
