@@ -288,3 +288,23 @@ def test_the_prefill_graphs_plan_against_what_the_decode_graphs_left(model, monk
     gen.close()
     gen.capture(progress=False)  # no budget given: the device's free memory then
     assert handed[-1]["free_bytes"] is None
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen3", "gemma", "phi", "olmoe", "gpt_neox", "falcon", "opt", "gpt2"]
+)
+def test_padded_prefills_keep_hfs_tokens_for_more_architectures(family):
+    # Embedding scales, partial rotary, learned positions (OPT, GPT-2: the positions
+    # come from the mask, 0 on padding) and fused projections, at a 64-token vocabulary.
+    from helpers.hf_models import tiny_arch
+
+    model = tiny_arch(family).eval()
+    gen = make(model, prefill_lengths=(8, 16))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 60, (3, 7), generator=g)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    ids[1, :2], mask[1, :2] = 0, 0
+    ours = gen.generate(ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=0)
+    ref = generate(model, ids, mask, 8, max_cache_len=CACHE, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(ours, ref)
+    assert gen.stats()["prefills"] == {"graphs": 1}
