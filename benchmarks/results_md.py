@@ -167,6 +167,10 @@ HEADLINES: dict[str, tuple[Grid, ...]] = {
             "Tokens equal HF's static-cache eager `generate`",
             ("models", COL, "batches", COL, "tokens", ROW, "equal_hf_static_eager"),
         ),
+        Grid(
+            "Requests of ours compiled, by prefill path",
+            ("models", COL, "compiled_stats", "prefills", ROW),
+        ),
         Grid("First call, s", ("models", COL, "batches", COL, "first_call_s", ROW)),
         Grid("Capture, s", ("models", COL, ROW), rows=_SERVING_HF_TIMES),
         Grid("Startup in a fresh process, s (median)", ("startup", COL, ROW), rows=_STARTUP),
