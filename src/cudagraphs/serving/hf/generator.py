@@ -603,7 +603,6 @@ class GraphedGenerator:
         kv: SharedStaticCache,
         step: Callable[[Mapping[str, torch.Tensor]], torch.Tensor],
     ) -> torch.Tensor:
-        kv.reset()
         replayed = None
         if kv is self.kv and self.prefill is not None:
             replayed = self.prefill.run(request, self.max_cache_len)
@@ -613,18 +612,20 @@ class GraphedGenerator:
             self.prefills[path] += 1
         else:
             self.prefills["too_large"] += 1
+        # A padded prefill's positions end where the prompt's own do: the decode
+        # continues from the prompt's.
+        positions = positions_from_mask(request.attention_mask)
         if replayed is not None and replayed.logits is not None:
-            logits, prefix = replayed.logits, replayed.mask
+            logits, prefix = replayed.logits, replayed.mask  # the graph zeroed the counters
         else:
+            kv.reset()
             prefix = request.attention_mask
-            logits = self._prefill(
-                kv, request.input_ids, prefix.long(), positions_from_mask(prefix)
-            )
+            logits = self._prefill(kv, request.input_ids, prefix.long(), positions)
         with self._experts.decoding():
             return decode_loop(
                 request,
                 logits,
-                positions_from_mask(prefix),
+                positions,
                 step,
                 sampling=sampling,
                 stops=stops,
@@ -673,10 +674,9 @@ class GraphedGenerator:
         ``compile_regions`` (the decoder layers sharing one compiled body; 0: none) and
         ``compile_regions_error`` (why they could not, the whole model compiled instead;
         ``None``: they could, or were not asked to), ``prefills`` (requests per prefill
-        path: ``graphs``, ``disabled`` (``CUDAGRAPHS_DISABLE``: the padded prefill
-        run eagerly on the graphs' path), or why one ran eagerly: ``off`` without
-        length buckets,
-        ``longer``, ``no_room``, ``too_large``, ``pad_ratio``, ``no_graphs``) and
+        path: ``graphs``, ``disabled`` (``CUDAGRAPHS_DISABLE``: the padded prefill run
+        eagerly on the graphs' path), or why one ran eagerly: ``off`` without length
+        buckets, ``longer``, ``no_room``, ``too_large``, ``pad_ratio``, ``no_graphs``) and
         ``prefill_graphs`` (per length bucket: captured, dropped, replays and capture
         seconds; ``None`` before capture and after close)."""
         out = self.runner.stats()
