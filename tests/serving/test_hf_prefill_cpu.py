@@ -308,3 +308,39 @@ def test_padded_prefills_keep_hfs_tokens_for_more_architectures(family):
     ref = generate(model, ids, mask, 8, max_cache_len=CACHE, eos_token_id=[], pad_token_id=0)
     assert torch.equal(ours, ref)
     assert gen.stats()["prefills"] == {"graphs": 1}
+
+
+@given(
+    lengths=st.sets(st.integers(1, 64), min_size=1, max_size=5),
+    sizes=st.sets(st.integers(1, 32), min_size=1, max_size=5),
+    cap=st.integers(1, 512),
+)
+def test_each_length_graphs_the_rows_buckets_under_the_token_cap_as_a_reference_does(
+    lengths, sizes, cap
+):
+    from cudagraphs.serving import BucketConfig
+    from cudagraphs.serving.hf.prefill import PrefillGraphs
+
+    graphs = PrefillGraphs(
+        lambda **kw: None,
+        sorted(lengths),
+        BucketConfig(tuple(sizes)),
+        cap,
+        device=torch.device("cpu"),
+        pool=None,
+        require_all_buckets=None,
+        capture_backend=eager_backend,
+    )
+    reference = {
+        n: sorted(r for r in sizes if r * n <= cap)
+        for n in sorted(lengths)
+        if any(r * n <= cap for r in sizes)
+    }
+    got = {
+        n: sorted(b.rows for b in runner.config.buckets()) for n, runner in graphs.runners.items()
+    }
+    assert got == reference
+    for n, runner in graphs.runners.items():
+        assert {s.name: s.shape for s in runner.specs} == {
+            name: (max(reference[n]), n) for name in ("input_ids", "position_ids", "attention_mask")
+        }
