@@ -83,9 +83,8 @@ def decode_loop(
     mask); ``positions`` are the prompt's. ``cache_prefix`` is the boolean mask of the
     cache positions the prefill wrote (default: the prompt's own; a prefill padded to a
     length bucket wrote more), which the decode mask starts with and writes after. With
-    stop tokens, finished sequences get the
-    pad token, and ``ended`` (the generator's :class:`EndFlag`) ends the loop one step
-    after every sequence finished.
+    stop tokens, finished sequences get the pad token, and ``ended`` (the generator's
+    :class:`EndFlag`) ends the loop one step after every sequence finished.
 
     Returns:
         The prompt followed by the chosen tokens, as ``model.generate`` returns them.
