@@ -7,8 +7,8 @@ is in effect: it switches every ``grouped_mm`` entry of ``get_experts_implementa
 to ``batched_mm`` after the prefill and back when decoding ends; the prefill keeps
 ``grouped_mm``. For a float32 model, whose grouped GEMM syncs the host (no float32
 kernel in torch 2.11, :mod:`cudagraphs.moe_kernels`), the generator does the same: its
-prefill runs the model as loaded, its decode graphs (and every eager decode step) run
-``batched_mm``, so its kernels are HF's and its greedy tokens HF's. Where the installed
+eager prefill runs the model as loaded, its decode graphs (and every eager decode step)
+and its prefill graphs (:mod:`.prefill`) run ``batched_mm``, so its kernels are HF's and its greedy tokens HF's. Where the installed
 transformers decodes without that switch, ``batched_mm`` would be a kernel HF does not
 run (its sums round differently from the per-expert matmuls of torch's fallback), so the
 generator refuses, naming the fixes, before it captures anything.
