@@ -55,11 +55,12 @@ def prompts(batch, seed, longest=12):
     return ids.cuda(), mask.cuda()
 
 
-def hf_static(model, ids, mask, new=NEW, **kwargs):
+def hf_static(model, ids, mask, new=NEW, *, pad=PAD, max_cache_len=MAX_CACHE_LEN, **kwargs):
+    """HF's greedy static-cache generate, its own compile off: the tokens ours must equal."""
     keyword = (
         "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     )
-    cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
     with torch.no_grad():
         return model.generate(
             ids,
@@ -67,7 +68,7 @@ def hf_static(model, ids, mask, new=NEW, **kwargs):
             max_new_tokens=new,
             disable_compile=True,
             eos_token_id=kwargs.pop("eos_token_id", EOS),
-            pad_token_id=PAD,
+            pad_token_id=pad,
             **{keyword: cache},
             **kwargs,
         )

@@ -5,8 +5,6 @@ tokens equal HF's static-cache generate and the model is left on grouped_mm; whe
 HF's generate would not switch, capture() ends in the UnsupportedModelError naming the
 fixes before any bucket; bfloat16 and float32 batched_mm models replay as loaded."""
 
-import inspect
-
 import pytest
 import torch
 
@@ -18,6 +16,8 @@ from helpers.moe_models import FIXES, moe
 pytestmark = pytest.mark.cuda
 
 transformers = pytest.importorskip("transformers")
+
+from helpers.hf_gpu import hf_static  # noqa: E402
 
 MAX_CACHE_LEN = 64
 NEW = 16
@@ -36,23 +36,6 @@ def prompts(batch, seed, longest=10):
     return ids.cuda(), mask.cuda()
 
 
-def hf_static(model, ids, mask):
-    params = inspect.signature(model.forward).parameters
-    keyword = "cache" if "cache" in params else "past_key_values"
-    cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
-    with torch.no_grad():
-        return model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=NEW,
-            do_sample=False,
-            disable_compile=True,
-            eos_token_id=[],
-            pad_token_id=PAD,
-            **{keyword: cache},
-        )
-
-
 def captured(model):
     gen = GraphedGenerator(model, SIZES, max_cache_len=MAX_CACHE_LEN, require_all_buckets=True)
     gen.capture(progress=False)
@@ -62,7 +45,10 @@ def captured(model):
 def assert_replays_equal_hf(gen, model, batch):
     ids, mask = prompts(batch, seed=batch)
     ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=[], pad_token_id=PAD)
-    assert torch.equal(ours, hf_static(model, ids, mask)), f"batch {batch}"
+    assert torch.equal(
+        ours,
+        hf_static(model, ids, mask, NEW, pad=PAD, max_cache_len=MAX_CACHE_LEN, eos_token_id=[]),
+    ), f"batch {batch}"
     stats = gen.stats()
     assert stats["eager_runs"] == {}, stats
     assert stats["replays"][f"bucket(bs={batch})"] == NEW - 1
