@@ -48,6 +48,7 @@ __all__ = [
     "UnsupportedTorchError",
     "STORAGE_USE_COUNT",
     "SWAP_STORAGE_DATA",
+    "SubgraphSchemaMemo",
     "below_autograd",
     "can_make_expandable_segments",
     "can_count_storage_uses",
@@ -65,6 +66,8 @@ __all__ = [
     "end_allocate_to_pool",
     "expandable_segments",
     "mark_dynamic",
+    "memoized_subgraph_schemas",
+    "upstream_caches_subgraph_schemas",
     "release_pool",
     "set_grad_enabled",
     "size_oblivious_shapes",
@@ -405,6 +408,93 @@ def size_oblivious_shapes() -> Iterator[bool]:
         return
     with config.patch(**{SIZE_OBLIVIOUS.name: True}):
         yield True
+
+
+@dataclass
+class SubgraphSchemaMemo:
+    """What :func:`memoized_subgraph_schemas` did while open.
+
+    Attributes:
+        active: whether the memo was installed (``False`` where this torch caches the
+            schemas itself, lacks the hook, or an outer memo is open).
+        built: schemas made (one subgraph traced each).
+        reused: calls answered from the memo (a trace of the subgraph each, saved).
+    """
+
+    active: bool = False
+    built: int = 0
+    reused: int = 0
+
+
+def upstream_caches_subgraph_schemas() -> bool:
+    """Whether this torch keeps ``invoke_subgraph``'s functionalization schema per
+    compile itself (pytorch/pytorch#184646): then :func:`memoized_subgraph_schemas`
+    installs nothing."""
+    import importlib
+
+    guards = importlib.import_module("torch._guards")
+    cache = getattr(guards, "InvokeSubgraphCache", None)
+    return hasattr(cache, "get_functionalize_schema_entry")
+
+
+@contextmanager
+def memoized_subgraph_schemas(force: bool = False) -> Iterator[SubgraphSchemaMemo]:
+    """While open, ``invoke_subgraph``'s schema (``InvokeSubgraphHOP.gen_schema``) is
+    made once per subgraph and kept for every later call of it.
+
+    Why: a nested compile region called N times (a decoder layer per layer) is
+    functionalized N times in AOTAutograd's metadata pass and again in its trace, and
+    torch 2.11 makes the region's schema at each call by tracing the whole subgraph
+    again (``materialize_as_graph``). For a 16-layer Llama decode step that was 32
+    traces and about a third of its 21 s cold compile on an H100. pytorch/pytorch#184646
+    keeps that schema per compile, keyed by the subgraph, its identifier and the
+    operands' types; a torch with that cache
+    (:func:`upstream_caches_subgraph_schemas`) is left alone. The memo uses the same key: a
+    schema says which operands the subgraph mutates and the types of its operands and
+    outputs, all fixed by the subgraph and the operand types. It holds each subgraph
+    it keyed, so that no id is reused while it is open, and it is dropped on close.
+
+    ``force`` installs it on a torch with the cache too (tests). Yields the
+    :class:`SubgraphSchemaMemo`; where the hook is missing nothing changes.
+    """
+    import importlib
+
+    memo = SubgraphSchemaMemo()
+    try:
+        module = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
+        hop_class = module.InvokeSubgraphHOP
+        original = hop_class.__dict__["gen_schema"]
+    except (ImportError, AttributeError, KeyError):
+        yield memo
+        return
+    if getattr(original, "_cudagraphs_memo", False) or (
+        upstream_caches_subgraph_schemas() and not force
+    ):
+        yield memo
+        return
+    schemas: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+    def gen_schema(self: Any, subgraph: Any, identifier: Any, *operands: Any) -> Any:
+        if not isinstance(identifier, str):
+            return original(self, subgraph, identifier, *operands)
+        key = (id(subgraph), identifier, tuple(type(o) for o in operands))
+        hit = schemas.get(key)
+        if hit is not None:
+            memo.reused += 1
+            return hit[1]
+        schema = original(self, subgraph, identifier, *operands)
+        schemas[key] = (subgraph, schema)
+        memo.built += 1
+        return schema
+
+    gen_schema._cudagraphs_memo = True  # type: ignore[attr-defined]
+    hop_class.gen_schema = gen_schema
+    memo.active = True
+    try:
+        yield memo
+    finally:
+        hop_class.gen_schema = original
+        schemas.clear()
 
 
 def compilation_metrics() -> list[Any]:

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.cuda
 transformers = pytest.importorskip("transformers")
 
 from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
+from cudagraphs.torch_private import upstream_caches_subgraph_schemas  # noqa: E402
 from helpers.hf_gpu import (  # noqa: E402
     EOS,
     LLAMA,
@@ -233,6 +234,12 @@ def test_compiled_decode_steps_are_captured_and_keep_hfs_greedy_tokens_in_fp32(r
             assert calls == []
     layers = LLAMA["num_hidden_layers"] if regions is None else 0
     assert gen.stats()["compile_regions"] == layers
+    # The layers' region schema: made once and reused by the later layers, where torch
+    # does not keep it itself.
+    memo = gen.stats()["subgraph_schemas"]
+    assert memo["active"] is (regions is None and not upstream_caches_subgraph_schemas())
+    if memo["active"]:
+        assert memo["built"] >= 1 and memo["reused"] >= layers - 1, memo
     times = gen.stats()["capture_seconds"]
     assert set(times) == {f"bucket(bs={b})" for b in sizes}
     assert all(t["warmup_runs"] == 2 for t in times.values())  # each compiles its shape

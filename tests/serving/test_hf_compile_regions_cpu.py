@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from cudagraphs import torch_private
 from helpers.hf_models import CONFIGS, tiny
 
 transformers = pytest.importorskip("transformers")
@@ -114,6 +115,28 @@ def test_a_compiled_decode_step_calls_one_region_once_per_layer(model, fresh_dyn
     )
     assert not any(_instance_forwards(model)), "the user's model is left as it was"
     assert sum(gen.stats()["replays"].values()) > 0
+
+
+@pytest.mark.parametrize("upstream", [True, False], ids=["torch_caches", "memo"])
+def test_the_layer_regions_schema_memo_is_on_only_where_torch_lacks_the_cache(
+    model, fresh_dynamo, monkeypatch, upstream
+):
+    # Through AOTAutograd (the region mutates the cache it is given, so its schema is
+    # made); where torch keeps that schema itself the memo stays out.
+    monkeypatch.setattr(torch_private, "upstream_caches_subgraph_schemas", lambda: upstream)
+    gen = captured(model, (1, 2), compile_options={"backend": "aot_eager"})
+    memo = gen.stats()["subgraph_schemas"]
+    assert memo["active"] is (not upstream)
+    assert (memo["built"] >= 1) is (not upstream), memo
+    ids, mask = prompts(2, seed=5)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
+    assert sum(gen.stats()["replays"].values()) > 0
+
+
+def test_the_eager_kernel_generator_has_no_schema_memo(model):
+    gen = captured(model, (1,))
+    assert gen.stats()["subgraph_schemas"] == {"active": False, "built": 0, "reused": 0}
 
 
 def test_compile_regions_false_compiles_the_whole_model_as_one(model, fresh_dynamo, marks):

@@ -24,6 +24,7 @@ GEMM would sync the host (float32 ``grouped_mm``) decode with ``batched_mm``, as
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections import Counter
@@ -40,7 +41,12 @@ from ...compile_watch import check_compile_options
 from ...diagnostics import WarnOnce
 from ...errors import CudaGraphCaptureError, CudaGraphsStateError, CudaGraphsTypeError
 from ...settings import graphs_disabled
-from ...torch_private import mark_dynamic, size_oblivious_shapes
+from ...torch_private import (
+    SubgraphSchemaMemo,
+    mark_dynamic,
+    memoized_subgraph_schemas,
+    size_oblivious_shapes,
+)
 from ..buckets import Bucket, BucketConfig
 from ..graphs import BucketBackend
 from ..input_specs import InputSpec
@@ -193,6 +199,7 @@ class GraphedGenerator:
         #: Why the layers could not share one compiled body at capture (None: they did,
         #: or were not asked to).
         self.compile_regions_error: str | None = None
+        self.subgraph_schemas: SubgraphSchemaMemo | None = None
         self.model = model
         # Only the model is compiled: the decode step's own work (looking the bucket's
         # cache up, slicing the logits) stays outside the traced code, so one traced
@@ -288,8 +295,13 @@ class GraphedGenerator:
         # _decode and on the cache views), and sizes are reasoned about without
         # specializing 1, so one compile serves every bucket, a bucket of one row too.
         shapes = size_oblivious_shapes() if self.compile_options is not None else nullcontext()
+        # The decoder layers' region: its schema made once, not at every layer (torch
+        # before pytorch/pytorch#184646 traced the layer again for each).
+        regional = self.compile_options is not None and self._regions is not None
+        schemas = memoized_subgraph_schemas() if regional else nullcontext(SubgraphSchemaMemo())
         plan = {"plan_memory": plan_memory, "headroom_bytes": headroom_bytes}
-        with torch.no_grad(), self._experts.decoding(), shapes:
+        with torch.no_grad(), self._experts.decoding(), shapes, schemas as memo:
+            self.subgraph_schemas = memo
             self.runner.capture(
                 self._dummy_inputs,
                 warmup,
@@ -678,7 +690,9 @@ class GraphedGenerator:
         eagerly on the graphs' path), or why one ran eagerly: ``off`` without length
         buckets, ``longer``, ``no_room``, ``too_large``, ``pad_ratio``, ``no_graphs``) and
         ``prefill_graphs`` (per length bucket: captured, dropped, replays and capture
-        seconds; ``None`` before capture and after close)."""
+        seconds; ``None`` before capture and after close) and ``subgraph_schemas``
+        (the decoder layers' region schema memo of the last capture: ``active``,
+        ``built``, ``reused``; ``None`` before capture)."""
         out = self.runner.stats()
         out["requests"] = dict(self.requests)
         out["tokens"] = self.tokens
@@ -691,6 +705,8 @@ class GraphedGenerator:
         out["compile_regions_error"] = self.compile_regions_error
         out["prefills"] = dict(self.prefills)
         out["prefill_graphs"] = None if self.prefill is None else self.prefill.stats()
+        memo = self.subgraph_schemas
+        out["subgraph_schemas"] = None if memo is None else dataclasses.asdict(memo)
         return out
 
     def close(self) -> None:
