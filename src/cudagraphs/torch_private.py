@@ -71,6 +71,7 @@ __all__ = [
     "release_pool",
     "set_grad_enabled",
     "size_oblivious_shapes",
+    "start_compile_workers",
     "storage_object_uses",
     "storage_use_count",
     "swap_storage_data",
@@ -495,6 +496,29 @@ def memoized_subgraph_schemas(force: bool = False) -> Iterator[SubgraphSchemaMem
     finally:
         hop_class.gen_schema = original
         schemas.clear()
+
+
+def start_compile_workers() -> bool:
+    """Start inductor's pool of Triton compile workers now; whether this torch could.
+
+    Why: inductor starts that pool when its backend is first called, after dynamo's
+    trace, and compiles a kernel in the calling process while the pool is not ready
+    yet. In a fresh process the compiled generator's capture compiled its Triton
+    kernels that way for 3.7 s (``async_compile.precompile``) on an H100. Started
+    before the first compiled call, the pool has dynamo's trace and AOTAutograd's
+    (5 s or more for a decode step) to come up. Where torch has no such start (or its
+    ``TORCH_WARM_POOL=0`` turns it off), nothing happens."""
+    import importlib
+
+    try:
+        module = importlib.import_module("torch._inductor.async_compile")
+    except ImportError:
+        return False
+    warm = getattr(module, "maybe_warm_pool", None)
+    if warm is None:
+        return False
+    warm()
+    return True
 
 
 def compilation_metrics() -> list[Any]:

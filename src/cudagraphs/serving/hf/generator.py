@@ -46,6 +46,7 @@ from ...torch_private import (
     mark_dynamic,
     memoized_subgraph_schemas,
     size_oblivious_shapes,
+    start_compile_workers,
 )
 from ..buckets import Bucket, BucketConfig
 from ..graphs import BucketBackend
@@ -67,11 +68,19 @@ from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens, vocab_si
 from .support import WeightAddresses, check_supported
 from .unapplied import warn_unapplied
 
-__all__ = ["DEFAULT_GENERATE_BATCH_SIZES", "GraphedGenerator"]
+__all__ = ["DEFAULT_GENERATE_BATCH_SIZES", "GraphedGenerator", "compiles_with_inductor"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GENERATE_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def compiles_with_inductor(compile_options: dict[str, Any] | None) -> bool:
+    """Whether ``torch.compile(**compile_options)`` runs inductor (its default backend,
+    or named); ``None`` compiles nothing."""
+    if compile_options is None:
+        return False
+    return compile_options.get("backend", "inductor") == "inductor"
 
 
 class GraphedGenerator:
@@ -284,6 +293,8 @@ class GraphedGenerator:
                 naming the experts and the fixes.
         """
         self._experts = decode_experts(self.model, capturing=not graphs_disabled())
+        if compiles_with_inductor(self.compile_options):
+            start_compile_workers()  # ready by the time inductor has kernels to build
         if self.kv is None:
             self._make_cache()
         # Every bucket's cache view is made here, not in its first decode step: a
