@@ -197,6 +197,22 @@ HEADLINES: dict[str, tuple[Grid, ...]] = {
             rows=("equal_to_eager", "max_abs_diff", "num_differing", "replays", "expected_replays"),
         ),
     ),
+    "compile_phases": (
+        Grid("Cold compiled capture, s", ("runs", COL, ROW), rows=("capture_s",)),
+        Grid(
+            "Compile phases, s",
+            ("runs", COL, "compile_phases_s", ROW),
+            rows=(
+                "_compile.compile_inner",
+                "bytecode_tracing",
+                "create_aot_dispatcher_function",
+                "aot_collect_metadata",
+                "compile_fx.<locals>.fw_compiler_base",
+                "async_compile.precompile",
+            ),
+        ),
+        Grid("Region schema memo", ("runs", COL, "subgraph_schemas", ROW)),
+    ),
     "moe_fp32_facts": (
         Grid("Grouped GEMM stays on the device", ("probe", ROW)),
         Grid("Batched against grouped experts", ("batched_vs_grouped", ROW)),
@@ -226,6 +242,7 @@ SCRIPTS = {
     "fp8_rowwise_curves": "probes/fp8_rowwise_curves.py",
     "serving_compiles": "probes/serving_compiles.py",
     "fp8_loss_regime": "probes/fp8_loss_regime.py",
+    "compile_phases": "probes/compile_phases.py",
 }
 
 
