@@ -468,7 +468,7 @@ def memoized_subgraph_schemas(force: bool = False) -> Iterator[SubgraphSchemaMem
     except (ImportError, AttributeError, KeyError):
         yield memo
         return
-    if getattr(original, "_cudagraphs_memo", False) or (
+    if getattr(original, "memoized_by_cudagraphs", False) or (
         upstream_caches_subgraph_schemas() and not force
     ):
         yield memo
@@ -488,7 +488,7 @@ def memoized_subgraph_schemas(force: bool = False) -> Iterator[SubgraphSchemaMem
         memo.built += 1
         return schema
 
-    gen_schema._cudagraphs_memo = True  # type: ignore[attr-defined]
+    gen_schema.memoized_by_cudagraphs = True  # type: ignore[attr-defined]
     hop_class.gen_schema = gen_schema
     memo.active = True
     try:
