@@ -505,8 +505,8 @@ def start_compile_workers() -> bool:
     trace, and compiles a kernel in the calling process while the pool is not ready
     yet. In a fresh process the compiled generator's capture compiled its Triton
     kernels that way for 3.7 s (``async_compile.precompile``) on an H100. Started
-    before the first compiled call, the pool has dynamo's trace and AOTAutograd's
-    (5 s or more for a decode step) to come up. Where torch has no such start (or its
+    before the first compiled call, the pool has dynamo's trace and AOTAutograd's to
+    come up (about 6 s for the benchmark's 16-layer Llama decode step there). Where torch has no such start (or its
     ``TORCH_WARM_POOL=0`` turns it off), nothing happens."""
     import importlib
 
