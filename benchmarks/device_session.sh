@@ -24,6 +24,9 @@
 #   confirm      one call for two confirmations (about 480 s on an H200): train_fp8.py at
 #                FP8_BATCH (default 4: 8192 tokens a step), tensorwise, without the
 #                kernel-busy pass, then serving_hf.py on Llama as in serving
+#   compile      probes/compile_phases.py: the compiled generator's cold capture with and
+#                without the region schema memo and the early compile workers, each a
+#                fresh process with an empty inductor cache (about 150 s)
 #   inductor     train_step.py launch_bound, compiled variants, without and then with
 #                INDUCTOR (default "triton.enable_pdl=True"), one machine: the node gaps
 # PRE_TESTS="tests/a.py tests/b.py" runs those GPU tests (-m cuda, at most PRE_LIMIT s,
@@ -120,6 +123,8 @@ inductor)
     # shellcheck disable=SC2086  # INDUCTOR is a list of KEY=VALUE pairs
     bench "inductor-set-$label" 270 benchmarks/train_step.py "${common[@]}" "${lb[@]}" \
         --run-label "lb-inductor-$label" --inductor-config ${INDUCTOR:-triton.enable_pdl=True} ;;
+compile)
+    bench "compile-$label" 400 benchmarks/probes/compile_phases.py --out "$out/" --commit "$commit" ;;
 sdpa_probe)
     OUT=$out bench "sdpa-probe" 560 benchmarks/probes/serving_compiles.py --backends ;;
 sdpa_decode)
