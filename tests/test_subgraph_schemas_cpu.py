@@ -7,6 +7,8 @@ does with the memo installed."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cudagraphs import torch_private
 from cudagraphs.torch_private import memoized_subgraph_schemas, upstream_caches_subgraph_schemas
@@ -126,3 +128,33 @@ def _layer(h, w, state):
     out = torch.tanh(h @ w)
     state.copy_(out)  # an input the region mutates, as a layer writes its cache
     return out
+
+
+def _other_body(x, y):
+    return (x + y,)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([0, 1]), st.sampled_from(["a", "b", None]), st.booleans()),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_the_memo_answers_as_torch_does_and_builds_once_per_key(calls):
+    # Reference: torch's own gen_schema for every call, and a plain set of the keys
+    # (subgraph, identifier, operand types) that carry an identifier.
+    graphs = [torch.fx.symbolic_trace(body), torch.fx.symbolic_trace(_other_body)]
+    x = torch.ones(3)
+
+    def args(which, identifier, int_operand):
+        return graphs[which], identifier, x, (2 if int_operand else torch.ones(3))
+
+    want = [str(HOP.gen_schema(*args(*call))) for call in calls]
+    with memoized_subgraph_schemas(force=True) as memo:
+        got = [str(HOP.gen_schema(*args(*call))) for call in calls]
+    assert got == want
+    keys = [c for c in calls if c[1] is not None]
+    assert memo.built == len(set(keys))
+    assert memo.reused == len(keys) - len(set(keys))
