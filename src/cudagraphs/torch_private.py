@@ -504,10 +504,13 @@ def start_compile_workers() -> bool:
     Why: inductor starts that pool when its backend is first called, after dynamo's
     trace, and compiles a kernel in the calling process while the pool is not ready
     yet. In a fresh process the compiled generator's capture compiled its Triton
-    kernels that way for 3.7 s (``async_compile.precompile``) on an H100. Started
-    before the first compiled call, the pool has dynamo's trace and AOTAutograd's to
-    come up (about 6 s for the benchmark's 16-layer Llama decode step there). Where torch has no such start (or its
-    ``TORCH_WARM_POOL=0`` turns it off), nothing happens."""
+    kernels that way for 2.7 to 3.7 s (``async_compile.precompile``) on an H100.
+    Started before the first compiled call, the pool has dynamo's trace and
+    AOTAutograd's to come up (about 6 s for the benchmark's 16-layer Llama decode step
+    there), and those in-process builds went away: the cold capture took 13.9 s
+    against 15.7 s without the early start (``benchmarks/probes/compile_phases.py``).
+    Where torch has no such start (or its ``TORCH_WARM_POOL=0`` turns it off), nothing
+    happens."""
     import importlib
 
     try:
