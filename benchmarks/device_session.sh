@@ -24,6 +24,9 @@
 #   confirm      one call for two confirmations (about 480 s on an H200): train_fp8.py at
 #                FP8_BATCH (default 4: 8192 tokens a step), tensorwise, without the
 #                kernel-busy pass, then serving_hf.py on Llama as in serving
+#   attention    probes/serving_compiles.py --attention: the compiled decode's attention,
+#                the default (memory-efficient kernel) against SDPA's math backend, ABAB
+#                in fresh processes with empty inductor caches, profiled (about 200 s)
 #   compile      probes/compile_phases.py: the compiled generator's cold capture with and
 #                without the region schema memo and the early compile workers, each a
 #                fresh process with an empty inductor cache (about 150 s)
@@ -129,6 +132,8 @@ sdpa_probe)
     OUT=$out bench "sdpa-probe" 560 benchmarks/probes/serving_compiles.py --backends ;;
 sdpa_decode)
     OUT=$out bench "sdpa-decode" 580 benchmarks/probes/serving_compiles.py --decode ;;
+attention)
+    OUT=$out bench "attention" 560 benchmarks/probes/serving_compiles.py --attention ;;
 sdpa_regional)
     OUT=$out bench "sdpa-regional" 560 benchmarks/probes/serving_compiles.py --regional ;;
 *)

@@ -30,6 +30,17 @@ greedy tokens; :func:`decode_summary` puts them side by side (capture seconds ag
 the 20 s target, ms per token ``no_cudnn`` over ``default``, whether the tokens are
 equal). Writes ``$OUT/probe-serving_compiles-decode.json``.
 
+``--attention`` asks what the compiled decode's attention kernel costs a token. The
+generator's default (``layers``: cuDNN excluded, so a one-token query with the static
+cache's mask runs the memory-efficient kernel, 16 blocks for a batch of one) against
+``math`` (SDPA's math backend alone, which inductor lowers to matmuls and a fused
+softmax), in fresh children with empty inductor caches, alternated twice (ABAB, so a
+drift of the machine shows); each child also records its kernel-busy ms, launches and
+heaviest kernels per token at ``serving_hf.BATCHES`` after its timing.
+:func:`attention_summary` gives per batch the median ms per token of each set and
+``math`` over ``layers``, and whether the greedy tokens are equal. Writes
+``$OUT/probe-serving_compiles-attention.json``.
+
 ``--regional`` asks what ``GraphedGenerator(compile_regions=...)`` saves and costs at
 the same size: ``layers`` (its default, one compiled body for every decoder layer) and
 ``whole`` (``compile_regions=False``), each in a fresh child with an empty inductor
@@ -48,6 +59,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,6 +68,8 @@ import torch  # noqa: E402
 
 import serving_hf  # noqa: E402
 from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
+from cudagraphs.timing import kernel_activity  # noqa: E402
+from serving_hf import per_token_activity  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8)
 LAYERS = 2
@@ -168,6 +182,11 @@ DECODE_REPEATS = 5
 CAPTURE_TARGET_S = 20.0
 
 
+#: --attention's children, in this order: the default and SDPA's math backend alone.
+ATTENTION_RUNS = ("layers", "math", "layers", "math")
+#: A decode child with this set also profiles its requests (kernel-busy time).
+PROFILE_ENV = "SERVING_COMPILES_PROFILE"
+
 #: --regional's children: the generator's decoder layers sharing one compiled body (its
 #: default) and the whole model compiled as one, both without cuDNN attention.
 REGION_SETS = {"layers": True, "whole": False}
@@ -216,6 +235,22 @@ def decode_once(backends: str) -> dict:
                 times.append((time.perf_counter() - t) * 1e3 / serving_hf.NEW_TOKENS)
             out["ms_per_token"][str(batch)] = round(statistics.median(times[1:]), 4)
             out["tokens"][str(batch)] = tokens[:, ids.shape[1] :].tolist()
+        if os.environ.get(PROFILE_ENV):
+            out["activity"] = {
+                str(batch): per_token_activity(
+                    kernel_activity(
+                        partial(
+                            gen.generate,
+                            serving_hf.prompts(batch),
+                            max_new_tokens=serving_hf.NEW_TOKENS,
+                            eos_token_id=[],
+                        ),
+                        iters=3,
+                        warmup=1,
+                    )
+                )
+                for batch in serving_hf.BATCHES
+            }
         stats = gen.stats()
         out["compile_regions"] = stats.get("compile_regions")
         # The decode replayed (a graphed result that did not replay is not one).
@@ -290,6 +325,62 @@ def by_decode() -> None:
             json.dump(record, f, indent=1)
 
 
+def attention_summary(runs: list[dict]) -> dict:
+    """``--attention``'s verdicts from its children's records, in run order: per batch
+    the median ms per token of each set over its runs, ``math`` over ``layers``, and
+    whether every ``math`` run's greedy tokens equal the first ``layers`` run's. A
+    failed child (no ``ms_per_token``) counts for nothing; a ratio without both sets
+    is ``None``."""
+    per_set: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        for batch, ms in run.get("ms_per_token", {}).items():
+            per_set.setdefault(run["backends"], {}).setdefault(batch, []).append(ms)
+    medians = {
+        name: {batch: round(statistics.median(v), 4) for batch, v in by_batch.items()}
+        for name, by_batch in per_set.items()
+    }
+    summary: dict = {"ms_per_token": medians, "math_over_layers": {}, "tokens_equal": {}}
+    base = next((r for r in runs if r["backends"] == "layers" and "tokens" in r), None)
+    for batch in sorted({b for by_batch in medians.values() for b in by_batch}):
+        a = medians.get("layers", {}).get(batch)
+        b = medians.get("math", {}).get(batch)
+        summary["math_over_layers"][batch] = round(b / a, 4) if a and b is not None else None
+        others = [r["tokens"].get(batch) for r in runs if r["backends"] == "math" and "tokens" in r]
+        if base is None or not others:
+            summary["tokens_equal"][batch] = None
+        else:
+            summary["tokens_equal"][batch] = all(t == base["tokens"].get(batch) for t in others)
+    return summary
+
+
+def by_attention() -> None:
+    """Each of :data:`ATTENTION_RUNS` in a fresh child with an empty inductor cache,
+    profiled after its timing."""
+    record: dict = {
+        "probe": "serving_compiles_attention",
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+        "buckets": list(serving_hf.BUCKETS),
+        "new_tokens": serving_hf.NEW_TOKENS,
+        "runs": [],
+    }
+    for name in ATTENTION_RUNS:
+        with tempfile.TemporaryDirectory(prefix="serving_compiles_") as cache_dir:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, **{PROFILE_ENV: "1"})
+            child, run = run_child(["--decode-child", name], env, timeout=200)
+        run.setdefault("backends", name)
+        if child.returncode != 0:
+            run["stderr_tail"] = child.stderr[-2000:]
+        record["runs"].append(run)
+        print(name, json.dumps({k: v for k, v in run.items() if k != "tokens"})[:1500], flush=True)
+        if os.environ.get("OUT"):  # after every child: a call cut short keeps what ran
+            record["summary"] = attention_summary(record["runs"])
+            with open(Path(os.environ["OUT"]) / "probe-serving_compiles-attention.json", "w") as f:
+                json.dump(record, f, indent=1)
+    record["summary"] = attention_summary(record["runs"])
+    print(json.dumps(record["summary"]), flush=True)
+
+
 def by_regional() -> None:
     """Each of :data:`REGION_SETS` in a fresh child with an empty inductor cache: what
     one compiled body for every decoder layer saves at capture and costs per token
@@ -359,7 +450,12 @@ def recompile_reasons(log: str) -> list[str]:
 
 def main() -> None:
     children = {"--child": capture_once, "--decode-child": decode_once}
-    modes = {"--backends": by_backends, "--regional": by_regional, "--decode": by_decode}
+    modes = {
+        "--backends": by_backends,
+        "--regional": by_regional,
+        "--decode": by_decode,
+        "--attention": by_attention,
+    }
     flag = sys.argv[1] if len(sys.argv) > 1 else None
     if flag in children:
         print(json.dumps(children[flag](sys.argv[2])), flush=True)

@@ -142,3 +142,43 @@ def test_compile_phases_are_dynamos_seconds_per_phase(probe):
     assert "_compile.compile_inner" in phases, phases
     assert all(isinstance(v, float) and v >= 0 for v in phases.values())
     assert probe.compile_phases(floor=1e9) == {}
+
+
+def _attention_run(backends, ms, tokens=None):
+    run = {"backends": backends, "ms_per_token": ms}
+    if tokens is not None:
+        run["tokens"] = tokens
+    return run
+
+
+def test_attention_summary_takes_medians_per_set_and_the_ratio(probe):
+    runs = [
+        _attention_run("layers", {"1": 1.5, "8": 1.7}, {"1": [[5]], "8": [[1], [2]]}),
+        _attention_run("math", {"1": 1.2, "8": 1.9}, {"1": [[5]], "8": [[1], [3]]}),
+        _attention_run("layers", {"1": 1.7, "8": 1.7}, {"1": [[7]], "8": [[1], [2]]}),
+        _attention_run("math", {"1": 1.4, "8": 1.5}, {"1": [[5]], "8": [[1], [2]]}),
+    ]
+    summary = probe.attention_summary(runs)
+    assert summary["ms_per_token"] == {
+        "layers": {"1": 1.6, "8": 1.7},
+        "math": {"1": 1.3, "8": 1.7},
+    }
+    assert summary["math_over_layers"] == {"1": 0.8125, "8": 1.0}
+    # Against the first layers run's tokens; every math run must equal them.
+    assert summary["tokens_equal"] == {"1": True, "8": False}
+
+
+def test_attention_summary_says_none_where_a_set_never_ran(probe):
+    runs = [
+        _attention_run("layers", {"1": 1.5}, {"1": [[5]]}),
+        {"backends": "math", "returncode": 1},
+    ]
+    summary = probe.attention_summary(runs)
+    assert summary["ms_per_token"] == {"layers": {"1": 1.5}}
+    assert summary["math_over_layers"] == {"1": None}
+    assert summary["tokens_equal"] == {"1": None}
+
+
+def test_the_attention_runs_alternate_the_two_sets(probe):
+    assert probe.ATTENTION_RUNS == ("layers", "math", "layers", "math")
+    assert set(probe.ATTENTION_RUNS) <= set(probe.REGION_SETS) | set(probe.BACKEND_SETS)
