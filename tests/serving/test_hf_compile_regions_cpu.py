@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from cudagraphs import torch_private
-from helpers.hf_models import CONFIGS, tiny
+from helpers.hf_models import CONFIGS, tiny, tiny_arch
 
 transformers = pytest.importorskip("transformers")
 
@@ -129,6 +129,27 @@ def test_the_layer_regions_schema_memo_is_on_only_where_torch_lacks_the_cache(
     assert memo["active"] is (not upstream)
     assert (memo["built"] >= 1) is (not upstream), memo
     ids, mask = prompts(2, seed=5)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
+    assert sum(gen.stats()["replays"].values()) > 0
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "mixtral", "deepseek_v3", "mistral", "gemma", "olmoe"]
+)
+def test_the_schema_memo_keeps_each_familys_tokens(family, fresh_dynamo, monkeypatch):
+    # The memo is on for torch 2.11 (the GPU machine's), and the families' layer bodies
+    # differ: MoE experts (grouped_mm), MLA attention, scaled embeddings. Forced on here,
+    # each family's compiled decode through AOTAutograd gives HF's tokens.
+    model = tiny(family).eval() if family in CONFIGS else tiny_arch(family).eval()
+    if any(hasattr(m, "experts") for m in model.modules()):
+        model.set_experts_implementation("grouped_mm")
+    monkeypatch.setattr(torch_private, "upstream_caches_subgraph_schemas", lambda: False)
+    gen = captured(model, (1, 2), compile_options={"backend": "aot_eager"})
+    assert gen.stats()["subgraph_schemas"]["active"] is True
+    assert gen.stats()["compile_regions"] == len(model.model.layers)
+    ids, mask = prompts(2, seed=5)
+    ids = ids % model.config.vocab_size
     ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
     assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
     assert sum(gen.stats()["replays"].values()) > 0
