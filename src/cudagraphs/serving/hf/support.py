@@ -106,7 +106,7 @@ class TensorSlots:
         return all(t.data_ptr() == p for t, p in self.pointers)
 
 
-@dataclass(frozen=True)
+@dataclass
 class WeightAddresses:
     """Where each parameter and buffer of the model lived when the graphs were captured.
 
@@ -119,8 +119,9 @@ class WeightAddresses:
 
     names: tuple[str, ...]
     pointers: tuple[int, ...]
-    # The fast path's snapshot, replaced when a changed slot kept every address.
-    slots: list[TensorSlots] = field(default_factory=list, compare=False, repr=False)
+    # The fast path's snapshot (None: none taken), taken again when a changed slot kept
+    # every address.
+    slots: TensorSlots | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, model: nn.Module) -> WeightAddresses:
@@ -128,7 +129,7 @@ class WeightAddresses:
         return cls(
             tuple(n for n, _ in named),
             tuple(t.data_ptr() for _, t in named),
-            [TensorSlots.of(model)],
+            TensorSlots.of(model),
         )
 
     def check(self, model: nn.Module) -> None:
@@ -136,11 +137,11 @@ class WeightAddresses:
         CudaGraphsStateError: a parameter or buffer replaced, added or removed since
             these addresses were taken (naming up to three).
         """
-        if self.slots and self.slots[0].same():
+        if self.slots is not None and self.slots.same():
             return
         now = WeightAddresses.of(model)
         if now.pointers == self.pointers and now.names == self.names:
-            self.slots[:] = now.slots
+            self.slots = now.slots
             return
         before = dict(zip(self.names, self.pointers))
         after = dict(zip(now.names, now.pointers))
