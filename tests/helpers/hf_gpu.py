@@ -1,10 +1,10 @@
 """Models, prompts and HF's static-cache generate for the GPU tests of the HF
 generator (tests/serving/test_cuda_hf_*.py)."""
 
-import inspect
-
 import torch
 import transformers
+
+from helpers.hf_generate import hf_keyword
 
 EOS, PAD = 2, 0
 MAX_CACHE_LEN = 96
@@ -57,9 +57,7 @@ def prompts(batch, seed, longest=12):
 
 def hf_static(model, ids, mask, new=NEW, *, pad=PAD, max_cache_len=MAX_CACHE_LEN, **kwargs):
     """HF's greedy static-cache generate, its own compile off: the tokens ours must equal."""
-    keyword = (
-        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    )
+    keyword = hf_keyword(model)
     cache = transformers.StaticCache(config=model.config, max_cache_len=max_cache_len)
     with torch.no_grad():
         return model.generate(
