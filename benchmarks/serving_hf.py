@@ -81,7 +81,6 @@ exits 0 (2 with ``--require-gpu``). Exits 1 when a variant or a check failed.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import subprocess
@@ -106,6 +105,7 @@ from _report import (  # noqa: E402
     free_memory,
     write_report,
 )
+from cudagraphs.serving.hf.cache import cache_keyword  # noqa: E402
 from cudagraphs.timing import interleaved_samples_ms, kernel_activity, summarize  # noqa: E402
 
 NAME = "serving_hf"
@@ -186,11 +186,6 @@ def build_model(family: str) -> torch.nn.Module:
 def prompts(batch: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(INPUT_SEED + batch)
     return torch.randint(3, 32000, (batch, PROMPT_LEN), generator=gen).to(DEVICE)
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def hf_variants(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Callable]:

@@ -18,7 +18,6 @@ Facts (in this order; the deliberately failed capture last):
 """
 
 import contextlib
-import inspect
 import json
 import os
 import sys
@@ -33,6 +32,7 @@ import transformers  # noqa: E402
 from cudagraphs.capture import capture_into_graph  # noqa: E402
 from cudagraphs.moe_kernels import GroupedMMProbe  # noqa: E402
 from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
+from cudagraphs.serving.hf.cache import cache_keyword  # noqa: E402
 from helpers.moe_models import moe, roped_layers  # noqa: E402
 
 MAX_CACHE_LEN, NEW, PAD = 64, 16, 1
@@ -68,9 +68,7 @@ def prompts(batch, longest=10):
 
 
 def hf_static(model, ids, mask):
-    keyword = (
-        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    )
+    keyword = cache_keyword(model)
     cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
     with torch.no_grad():
         return model.generate(

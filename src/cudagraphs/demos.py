@@ -242,10 +242,10 @@ def run_generate_demo(batch: int = 4, new_tokens: int = 32) -> dict:
         import transformers
     except ImportError:
         return {"generate": "skipped: transformers is not installed (pip install -e '.[hf]')"}
-    import inspect
     import time
 
     from .serving.hf import GraphedGenerator
+    from .serving.hf.cache import cache_keyword
 
     config = transformers.AutoConfig.for_model(
         "llama",
@@ -265,9 +265,7 @@ def run_generate_demo(batch: int = 4, new_tokens: int = 32) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     prompts = torch.randint(3, config.vocab_size, (batch, 16), device="cuda", generator=gen)
     max_cache_len = 64
-    keyword = (
-        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    )
+    keyword = cache_keyword(model)
     with torch.no_grad():
         torch.cuda.synchronize()
         t0 = time.perf_counter()

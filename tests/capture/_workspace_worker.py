@@ -153,11 +153,11 @@ def control_reused_stream_without_the_clear() -> dict:
 def generator_beside_torch_compile() -> dict:
     """A GraphedGenerator captured first, then torch.compile(mode="reduce-overhead")
     records its graphs (the real clear), then the generator decodes."""
-    import inspect
 
     import transformers
 
     from cudagraphs.serving.hf import GraphedGenerator
+    from cudagraphs.serving.hf.cache import cache_keyword
 
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(
@@ -175,9 +175,7 @@ def generator_beside_torch_compile() -> dict:
     ids = torch.randint(
         3, 1024, (4, 10), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
     )
-    keyword = (
-        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    )
+    keyword = cache_keyword(model)
     with torch.no_grad():
         cache = transformers.StaticCache(config=model.config, max_cache_len=64)
         expected = model.generate(
