@@ -3,12 +3,11 @@ benchmark's generator (here a tiny Llama through ``aot_eager``) with the measure
 names off, and records the capture's seconds, the memo's counts and dynamo's phases."""
 
 import functools
-import importlib.util
 import sys
 
 import pytest
 
-from helpers.train_bench import BENCH
+from helpers.train_bench import load_probe
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,11 +20,7 @@ from helpers.hf_models import tiny  # noqa: E402
 
 @pytest.fixture
 def probe(monkeypatch, serving_hf, fresh_dynamo):
-    spec = importlib.util.spec_from_file_location(
-        "compile_phases", BENCH / "probes" / "compile_phases.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_probe("compile_phases")
     monkeypatch.setitem(sys.modules, "serving_hf", serving_hf)
     monkeypatch.setattr(serving_hf, "build_model", lambda family: tiny("llama").eval())
     monkeypatch.setattr(serving_hf, "BUCKETS", (1, 2))

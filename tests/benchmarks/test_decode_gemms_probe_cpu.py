@@ -1,50 +1,48 @@
 """CPU tests of ``benchmarks/probes/decode_gemms.py``'s pure parts: the projection shapes
 it derives from a Llama config, and its summary of the measured GEMMs."""
 
-import importlib.util
-
 import pytest
 
-from helpers.train_bench import BENCH
+from helpers.train_bench import load_probe
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location(
-        "decode_gemms", BENCH / "probes" / "decode_gemms.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_probe("decode_gemms")
     return module
 
 
+# Widths that differ from each other, so that an out/in swap or a head count taken for
+# another shows: query width 128 (4 heads of 32) against hidden 96.
 LLAMA = dict(
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=16,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    vocab_size=32000,
+    hidden_size=96,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=1000,
 )
 
 
 def test_shapes_follow_the_config(probe):
     got = probe.shapes(LLAMA)
-    assert got["q"] == (2048, 2048)
-    assert got["k_v"] == (512, 2048)  # four key-value heads of 128
-    assert got["qkv_stacked"] == (3072, 2048)
-    assert got["o"] == (2048, 2048)
-    assert got["gate_up"] == (5632, 2048)
-    assert got["gate_up_stacked"] == (11264, 2048)
-    assert got["down"] == (2048, 5632)
-    assert got["lm_head"] == (32000, 2048)
+    assert got["q"] == (128, 96)
+    assert got["k_v"] == (64, 96)  # two key-value heads of 32
+    assert got["qkv_stacked"] == (256, 96)
+    assert got["o"] == (96, 128)
+    assert got["gate_up"] == (160, 96)
+    assert got["gate_up_stacked"] == (320, 96)
+    assert got["down"] == (96, 160)
+    assert got["lm_head"] == (1000, 96)
 
 
-def test_shapes_take_an_explicit_head_dim(probe):
-    got = probe.shapes(dict(LLAMA, head_dim=64))
-    assert got["q"] == (16 * 64, 2048)
-    assert got["k_v"] == (4 * 64, 2048)
-    assert got["o"] == (2048, 16 * 64)
+def test_shapes_without_head_dim_split_the_hidden_size(probe):
+    config = {k: v for k, v in LLAMA.items() if k != "head_dim"}
+    got = probe.shapes(config)
+    assert got["q"] == (96, 96)  # 4 heads of 96 / 4
+    assert got["k_v"] == (48, 96)
+    assert got["o"] == (96, 96)
 
 
 def test_summary_ratios(probe):

@@ -3,11 +3,9 @@ failed guards are kept, read from the lines dynamo writes after "guard failure(s
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from helpers.train_bench import BENCH
+from helpers.train_bench import load_probe
 
 # What TORCH_LOGS=recompiles wrote for a function compiled with a dynamic batch and
 # called with a batch of one (torch 2.13, a real run), then an unrelated line.
@@ -24,11 +22,7 @@ V1202 22:39:30.000000 25746 torch/_dynamo/guards.py:5396] [0/2] [__recompiles]  
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location(
-        "serving_compiles", BENCH / "probes" / "serving_compiles.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_probe("serving_compiles")
     return module
 
 

@@ -21,6 +21,15 @@ def _load(name: str):
     return module
 
 
+def load_probe(name: str):
+    """``benchmarks/probes/<name>.py`` loaded afresh as a module (not registered in
+    ``sys.modules``: each test module gets its own copy to patch)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / "probes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _tiny(ts, **kw):
     cfg = ts.BenchConfig("tiny", ts.BlockConfig(32, 2, 64), 1, 8, iters=2, repeats=3)
     return ts.replace(cfg, **kw)
