@@ -27,6 +27,9 @@
 #   attention    probes/serving_compiles.py --attention: the compiled decode's attention,
 #                the default (memory-efficient kernel) against SDPA's math backend, ABAB
 #                in fresh processes with empty inductor caches, profiled (about 200 s)
+#   stacked      probes/serving_compiles.py --stacked: the compiled decode with its projections
+#                stacked (one GEMM per group, the default) against stack_projections=False,
+#                ABAB in fresh processes with empty inductor caches, profiled (about 200 s)
 #   compile      probes/compile_phases.py: the compiled generator's cold capture with and
 #                without the region schema memo and the early compile workers, each a
 #                fresh process with an empty inductor cache (about 150 s)
@@ -134,6 +137,8 @@ sdpa_decode)
     OUT=$out bench "sdpa-decode" 580 benchmarks/probes/serving_compiles.py --decode ;;
 attention)
     OUT=$out bench "attention" 560 benchmarks/probes/serving_compiles.py --attention ;;
+stacked)
+    OUT=$out bench "stacked" ${STACKED_LIMIT:-560} benchmarks/probes/serving_compiles.py --stacked ;;
 sdpa_regional)
     OUT=$out bench "sdpa-regional" 560 benchmarks/probes/serving_compiles.py --regional ;;
 *)

@@ -41,6 +41,12 @@ heaviest kernels per token at ``serving_hf.BATCHES`` after its timing.
 ``math`` over ``layers``, and whether the greedy tokens are equal. Writes
 ``$OUT/probe-serving_compiles-attention.json``.
 
+``--stacked`` asks what one GEMM per projection group saves a token: the generator's
+default (``stacked``) against ``stack_projections=False`` (``unstacked``), ABAB in
+fresh children with empty inductor caches, profiled like ``--attention``;
+:func:`stacked_summary` adds the kernels and kernel-busy ms a token of each. Writes
+``$OUT/probe-serving_compiles_stacked.json``.
+
 ``--regional`` asks what ``GraphedGenerator(compile_regions=...)`` saves and costs at
 the same size: ``layers`` (its default, one compiled body for every decoder layer) and
 ``whole`` (``compile_regions=False``), each in a fresh child with an empty inductor
@@ -184,6 +190,10 @@ CAPTURE_TARGET_S = 20.0
 
 #: --attention's children, in this order: the default and SDPA's math backend alone.
 ATTENTION_RUNS = ("layers", "math", "layers", "math")
+#: --stacked's children, in this order: the generator's default (its projections
+#: stacked, one GEMM per group) and stack_projections=False.
+STACK_RUNS = ("stacked", "unstacked", "stacked", "unstacked")
+STACK_SETS = {"stacked": None, "unstacked": False}
 #: A decode child with this set also profiles its requests (kernel-busy time).
 PROFILE_ENV = "SERVING_COMPILES_PROFILE"
 
@@ -202,7 +212,8 @@ def decode_once(backends: str) -> dict:
     model = serving_hf.build_model("llama")
     out: dict = {"backends": backends, "ms_per_token": {}, "tokens": {}}
     regions = REGION_SETS.get(backends)
-    if regions is not None:
+    stack = STACK_SETS.get(backends)
+    if regions is not None or backends in STACK_SETS:
         backends = "no_cudnn"
     with torch.no_grad(), backends_scope(backends):
         t0 = time.perf_counter()
@@ -214,6 +225,7 @@ def decode_once(backends: str) -> dict:
             compile_options=serving_hf.COMPILE_OPTIONS,
             sdpa_backends=generator_backends(backends),
             compile_regions=regions,
+            stack_projections=stack,
         )
         gen.capture()
         out["capture_s"] = round(time.perf_counter() - t0, 3)
@@ -253,6 +265,7 @@ def decode_once(backends: str) -> dict:
             }
         stats = gen.stats()
         out["compile_regions"] = stats.get("compile_regions")
+        out["stacked_projections"] = stats.get("stacked_projections")
         # The decode replayed (a graphed result that did not replay is not one).
         out["replays"] = stats.get("replays")
         out["eager_runs"] = stats.get("eager_runs")
@@ -325,12 +338,12 @@ def by_decode() -> None:
             json.dump(record, f, indent=1)
 
 
-def attention_summary(runs: list[dict]) -> dict:
-    """``--attention``'s verdicts from its children's records, in run order: per batch
-    the median ms per token of each set over its runs, ``math`` over ``layers``, and
-    whether every ``math`` run's greedy tokens equal the first ``layers`` run's. A
-    failed child (no ``ms_per_token``) counts for nothing; a ratio without both sets
-    is ``None``."""
+def pair_summary(runs: list[dict], base: str, other: str) -> dict:
+    """An ABAB probe's verdicts from its children's records, in run order: per batch
+    the median ms per token of each set over its runs, ``other`` over ``base``
+    (``"<other>_over_<base>"``), and whether every ``other`` run's greedy tokens equal
+    the first ``base`` run's. A failed child (no ``ms_per_token``) counts for nothing;
+    a ratio without both sets is ``None``."""
     per_set: dict[str, dict[str, list[float]]] = {}
     for run in runs:
         for batch, ms in run.get("ms_per_token", {}).items():
@@ -339,32 +352,58 @@ def attention_summary(runs: list[dict]) -> dict:
         name: {batch: round(statistics.median(v), 4) for batch, v in by_batch.items()}
         for name, by_batch in per_set.items()
     }
-    summary: dict = {"ms_per_token": medians, "math_over_layers": {}, "tokens_equal": {}}
-    base = next((r for r in runs if r["backends"] == "layers" and "tokens" in r), None)
+    ratio = f"{other}_over_{base}"
+    summary: dict = {"ms_per_token": medians, ratio: {}, "tokens_equal": {}}
+    first = next((r for r in runs if r["backends"] == base and "tokens" in r), None)
     for batch in sorted({b for by_batch in medians.values() for b in by_batch}):
-        a = medians.get("layers", {}).get(batch)
-        b = medians.get("math", {}).get(batch)
-        summary["math_over_layers"][batch] = round(b / a, 4) if a and b is not None else None
-        others = [r["tokens"].get(batch) for r in runs if r["backends"] == "math" and "tokens" in r]
-        if base is None or not others:
+        a = medians.get(base, {}).get(batch)
+        b = medians.get(other, {}).get(batch)
+        summary[ratio][batch] = round(b / a, 4) if a and b is not None else None
+        others = [r["tokens"].get(batch) for r in runs if r["backends"] == other and "tokens" in r]
+        if first is None or not others:
             summary["tokens_equal"][batch] = None
         else:
-            summary["tokens_equal"][batch] = all(t == base["tokens"].get(batch) for t in others)
+            summary["tokens_equal"][batch] = all(t == first["tokens"].get(batch) for t in others)
     return summary
 
 
-def by_attention() -> None:
-    """Each of :data:`ATTENTION_RUNS` in a fresh child with an empty inductor cache,
-    profiled after its timing."""
+def attention_summary(runs: list[dict]) -> dict:
+    """``--attention``'s verdicts: :func:`pair_summary` of ``math`` against ``layers``."""
+    return pair_summary(runs, "layers", "math")
+
+
+def stacked_summary(runs: list[dict]) -> dict:
+    """``--stacked``'s verdicts: :func:`pair_summary` of ``unstacked`` against
+    ``stacked``, with each set's median kernels and kernel-busy ms a token per batch
+    (from the profiled activity)."""
+    summary = pair_summary(runs, "stacked", "unstacked")
+    for key in ("kernels_per_token", "kernel_busy_ms_per_token"):
+        per_set: dict[str, dict[str, list[float]]] = {}
+        for run in runs:
+            for batch, activity in run.get("activity", {}).items():
+                if activity.get(key) is not None:
+                    per_set.setdefault(run["backends"], {}).setdefault(batch, [])
+                    per_set[run["backends"]][batch].append(activity[key])
+        summary[key] = {
+            name: {batch: statistics.median(v) for batch, v in by_batch.items()}
+            for name, by_batch in per_set.items()
+        }
+    return summary
+
+
+def paired(probe: str, names: tuple[str, ...], summarize) -> None:
+    """Each of ``names`` in a fresh child with an empty inductor cache, profiled after
+    its timing; the record written to ``$OUT/probe-<probe>.json`` after every child
+    (a call cut short keeps what ran)."""
     record: dict = {
-        "probe": "serving_compiles_attention",
+        "probe": probe,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
         "buckets": list(serving_hf.BUCKETS),
         "new_tokens": serving_hf.NEW_TOKENS,
         "runs": [],
     }
-    for name in ATTENTION_RUNS:
+    for name in names:
         with tempfile.TemporaryDirectory(prefix="serving_compiles_") as cache_dir:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, **{PROFILE_ENV: "1"})
             child, run = run_child(["--decode-child", name], env, timeout=200)
@@ -373,12 +412,21 @@ def by_attention() -> None:
             run["stderr_tail"] = child.stderr[-2000:]
         record["runs"].append(run)
         print(name, json.dumps({k: v for k, v in run.items() if k != "tokens"})[:1500], flush=True)
-        if os.environ.get("OUT"):  # after every child: a call cut short keeps what ran
-            record["summary"] = attention_summary(record["runs"])
-            with open(Path(os.environ["OUT"]) / "probe-serving_compiles-attention.json", "w") as f:
+        record["summary"] = summarize(record["runs"])
+        if os.environ.get("OUT"):
+            with open(Path(os.environ["OUT"]) / f"probe-{probe}.json", "w") as f:
                 json.dump(record, f, indent=1)
-    record["summary"] = attention_summary(record["runs"])
     print(json.dumps(record["summary"]), flush=True)
+
+
+def by_attention() -> None:
+    """Each of :data:`ATTENTION_RUNS` in a fresh child (:func:`paired`)."""
+    paired("serving_compiles_attention", ATTENTION_RUNS, attention_summary)
+
+
+def by_stacked() -> None:
+    """Each of :data:`STACK_RUNS` in a fresh child (:func:`paired`)."""
+    paired("serving_compiles_stacked", STACK_RUNS, stacked_summary)
 
 
 def by_regional() -> None:
@@ -455,6 +503,7 @@ def main() -> None:
         "--regional": by_regional,
         "--decode": by_decode,
         "--attention": by_attention,
+        "--stacked": by_stacked,
     }
     flag = sys.argv[1] if len(sys.argv) > 1 else None
     if flag in children:

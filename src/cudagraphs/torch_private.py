@@ -60,13 +60,16 @@ __all__ = [
     "compilation_metrics",
     "cudagraph_tree_functions",
     "current_stream_key",
+    "custom_graph_pass_class",
     "device_index",
     "dynamo_loaded",
     "begin_allocate_to_pool",
     "end_allocate_to_pool",
     "expandable_segments",
+    "files_hash",
     "mark_dynamic",
     "memoized_subgraph_schemas",
+    "mode_options",
     "upstream_caches_subgraph_schemas",
     "release_pool",
     "set_grad_enabled",
@@ -553,3 +556,27 @@ def tensor_guards_class() -> type | None:
     """torch's ``TensorGuards`` (dynamo's C++ tensor-metadata check), or ``None``
     where this torch has none: callers then check in Python."""
     return TENSOR_GUARDS.lookup()
+
+
+def custom_graph_pass_class() -> type:
+    """inductor's ``CustomGraphPass``, the base of a pass set as
+    ``post_grad_custom_pre_pass`` that inductor's FX graph cache can key (imports
+    dynamo and inductor: call it when compiling)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def files_hash(*paths: str) -> bytes:
+    """inductor's hash of source files, the ``uuid`` a custom pass gives its cache."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    return get_hash_for_files(tuple(paths))
+
+
+def mode_options(mode: str, dynamic: bool | None = None) -> dict[str, Any]:
+    """The inductor options ``torch.compile(mode=mode)`` stands for: torch takes a mode
+    or options, never both, so a pass added to the options carries the mode's too."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode, dynamic))

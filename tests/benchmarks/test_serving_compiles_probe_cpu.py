@@ -176,3 +176,27 @@ def test_attention_summary_says_none_where_a_set_never_ran(probe):
 def test_the_attention_runs_alternate_the_two_sets(probe):
     assert probe.ATTENTION_RUNS == ("layers", "math", "layers", "math")
     assert set(probe.ATTENTION_RUNS) <= set(probe.REGION_SETS) | set(probe.BACKEND_SETS)
+
+
+def test_stacked_summary_adds_kernels_and_busy_time_per_set(probe):
+    def run(backends, ms, kernels, busy):
+        out = _attention_run(backends, {"1": ms}, {"1": [[5]]})
+        out["activity"] = {"1": {"kernels_per_token": kernels, "kernel_busy_ms_per_token": busy}}
+        return out
+
+    runs = [
+        run("stacked", 1.4, 296.0, 1.2),
+        run("unstacked", 1.6, 344.0, 1.4),
+        run("stacked", 1.4, 296.0, 1.3),
+        {"backends": "unstacked", "returncode": 1},
+    ]
+    summary = probe.stacked_summary(runs)
+    assert summary["unstacked_over_stacked"] == {"1": round(1.6 / 1.4, 4)}
+    assert summary["tokens_equal"] == {"1": True}
+    assert summary["kernels_per_token"] == {"stacked": {"1": 296.0}, "unstacked": {"1": 344.0}}
+    assert summary["kernel_busy_ms_per_token"]["stacked"] == {"1": 1.25}
+
+
+def test_the_stacked_runs_alternate_the_two_sets(probe):
+    assert probe.STACK_RUNS == ("stacked", "unstacked", "stacked", "unstacked")
+    assert set(probe.STACK_SETS) == {"stacked", "unstacked"}

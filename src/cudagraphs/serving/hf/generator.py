@@ -65,6 +65,12 @@ from .prefill import (
 from .regions import check_compile_regions
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens, vocab_size_of
+from .stacked import (
+    StackedGroups,
+    check_stack_projections,
+    stack_projections,
+    with_stacked_projections,
+)
 from .support import WeightAddresses, check_supported
 from .unapplied import warn_unapplied
 
@@ -191,6 +197,7 @@ class GraphedGenerator:
         compile_regions: bool | None = None,
         prefill_lengths: Sequence[int] | None = None,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        stack_projections: bool | None = None,
     ) -> None:
         check_instance("model", model, nn.Module, "a transformers causal LM (nn.Module)")
         if getattr(model, "config", None) is None:
@@ -214,9 +221,12 @@ class GraphedGenerator:
         # cache up, slicing the logits) stays outside the traced code, so one traced
         # forward serves every bucket, with the batch size as a dynamic dimension.
         self._step_model: Callable[..., Any] = model
+        self._stack = check_stack_projections(stack_projections, self.compile_options)
+        #: The projection groups laid back to back at capture (empty: none).
+        self.stacked = StackedGroups()
         if compile_options is not None:
             traced = model if self._regions is None else self._regional_forward
-            self._step_model = torch.compile(traced, **compile_options)
+            self._step_model = torch.compile(traced, **self._compile_keywords())
         self.layers = static_layer_check(model, self.max_cache_len)
         self.device = next(model.parameters()).device
         self._cache_keyword = cache_keyword(model)
@@ -292,7 +302,27 @@ class GraphedGenerator:
                 ``batched_mm`` (:mod:`.experts`); raised before anything is allocated,
                 naming the experts and the fixes.
         """
+        if self.runner.captured is not None:
+            raise CudaGraphsStateError(
+                "GraphedGenerator.capture() on a generator that is captured already; "
+                "close() it first"
+            )
         self._experts = decode_experts(self.model, capturing=not graphs_disabled())
+        if self._stack and not self.stacked.groups:
+            # Kept after close(): a capture again reuses the compiled step, whose
+            # guards are on these groups' forwards.
+            self.stacked = stack_projections(self.model)
+        self._capture(warmup, plan_memory, free_bytes, headroom_bytes, progress)
+        self._weights = WeightAddresses.of(self.model)
+
+    def _capture(
+        self,
+        warmup: int,
+        plan_memory: bool,
+        free_bytes: int | None,
+        headroom_bytes: int,
+        progress: bool | None,
+    ) -> None:
         if compiles_with_inductor(self.compile_options):
             start_compile_workers()  # ready by the time inductor has kernels to build
         if self.kv is None:
@@ -328,7 +358,6 @@ class GraphedGenerator:
             raise
         finally:
             self.kv.reset()
-        self._weights = WeightAddresses.of(self.model)
 
     def _left_of(self, free_bytes: int | None) -> int | None:
         """What a given free-memory budget has left after the decode graphs' captures
@@ -402,8 +431,14 @@ class GraphedGenerator:
         )
         self.compile_regions_error = reason
         self._regions = None
-        self._step_model = torch.compile(self.model, **self.compile_options)
+        self._step_model = torch.compile(self.model, **self._compile_keywords())
         self.kv.mark_rows_dynamic()
+
+    def _compile_keywords(self) -> dict[str, Any]:
+        """``compile_options``, with the projection-stacking pass where it is on."""
+        if self._stack:
+            return with_stacked_projections(self.compile_options)
+        return dict(self.compile_options)
 
     def _dummy_inputs(self, bucket: Bucket) -> dict[str, torch.Tensor]:
         rows = bucket.rows
@@ -465,7 +500,7 @@ class GraphedGenerator:
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
         regions = nullcontext() if self._regions is None else self._regions.marked()
-        with sdpa_scope(self.sdpa_backends), regions:
+        with sdpa_scope(self.sdpa_backends), regions, self.stacked.reading():
             return self._decode_on(
                 self._step_model, self.kv, input_ids, position_ids, attention_mask
             )
@@ -714,6 +749,7 @@ class GraphedGenerator:
         out["sdpa_backends"] = None if backends is None else [b.name for b in backends]
         out["compile_regions"] = 0 if self._regions is None else len(self._regions.layers)
         out["compile_regions_error"] = self.compile_regions_error
+        out["stacked_projections"] = len(self.stacked.groups)
         out["prefills"] = dict(self.prefills)
         out["prefill_graphs"] = None if self.prefill is None else self.prefill.stats()
         memo = self.subgraph_schemas
