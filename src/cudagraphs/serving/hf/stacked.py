@@ -347,14 +347,22 @@ def stack_graph(graph: fx.Graph) -> int:
 
 
 def _merge(graph: fx.Graph, run: list[_Gemm]) -> None:
+    """One GEMM for ``run``, each projection's result a contiguous copy of its columns.
+
+    Why copies: a projection's result is viewed next (a linear unfolds its 2-D result,
+    HF's attention splits heads), and a view of a column slice has strides that
+    depend on whether the batch is 1: the compile then guards ``batch >= 2`` and
+    compiles the one-row bucket apart (a second compile at capture). A copy is a
+    pointwise node, which inductor fuses into the pointwise work that reads it
+    (rotary embedding, the cache write, SiLU-and-multiply)."""
     aten = torch.ops.aten
     order = {node: i for i, node in enumerate(graph.nodes)}
     first = min(run, key=lambda g: order[g.node])
     start, stop = run[0].start, run[-1].stop
 
-    def call(target: Any, *args: Any) -> fx.Node:
-        node = graph.call_function(target, args)
-        node.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
+    def call(target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        node = graph.call_function(target, args, kwargs)
+        node.meta["val"] = target(*(_val(a) for a in args), **kwargs)
         return node
 
     with graph.inserting_before(first.node):
@@ -367,9 +375,18 @@ def _merge(graph: fx.Graph, run: list[_Gemm]) -> None:
             out = call(aten.addmm.default, biases, first.x, transposed)
         for g in run:
             part = call(aten.slice.Tensor, out, 1, g.start - start, g.stop - start)
-            g.node.replace_all_uses_with(part)
+            copy = call(aten.clone.default, part, memory_format=torch.contiguous_format)
+            g.node.replace_all_uses_with(copy)
     for g in run:
         graph.erase_node(g.node)
+
+
+def _val(arg: Any) -> Any:
+    if isinstance(arg, fx.Node):
+        return arg.meta["val"]
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_val(a) for a in arg)
+    return arg
 
 
 def stacked_projections_pass() -> Any:
