@@ -348,3 +348,15 @@ def test_false_leaves_the_model_as_it_is(fresh_dynamo):
     attn = model.model.layers[0].self_attn
     assert attn.k_proj.weight.storage_offset() == 0
     assert attn.k_proj.weight.untyped_storage().data_ptr() != attn.q_proj.weight.data_ptr()
+
+
+def test_a_second_capture_without_close_is_refused_before_anything_moves():
+    model = _llama()
+    gen = captured(model, (2,))
+    pointers = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(CudaGraphsStateError, match="captured already; close"):
+        gen.capture(progress=False)
+    assert [p.data_ptr() for p in model.parameters()] == pointers
+    ids, mask = prompts(2, seed=2)
+    ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))

@@ -167,6 +167,17 @@ class GraphedGenerator:
         prefill_tokens: the most rows x length a prefill graph holds: a rows bucket
             above it has no prefill graph at that length (its activations' memory;
             a prefill that long is compute-bound anyway). Default 2048.
+        stack_projections: with ``compile_options`` through inductor, make each group
+            of sibling linears that read one input (q/k/v, gate/up) one GEMM in the
+            decode step (:mod:`.stacked`): :meth:`capture` lays their weights back to
+            back in one buffer per group, each ``Parameter`` the same object viewing
+            its rows (memory not doubled; in-place updates still reach the graphs),
+            and they stay so after :meth:`close` (``stacked.unstack()`` gives them
+            memory of their own; the next request then says the graphs are stale).
+            Capture this generator before any other graphs of the same model: those
+            would read the weights' old memory. Default ``None``: on where inductor
+            compiles and ``compile_options`` set no ``post_grad_custom_pre_pass``;
+            ``True`` requires that; ``False``: off.
 
     Raises:
         CudaGraphsTypeError: ``model`` not an ``nn.Module`` with a ``config``.
@@ -174,8 +185,9 @@ class GraphedGenerator:
             ``compile_options`` whose mode records CUDA graphs of its own, or
             ``sdpa_backends`` empty or holding ``SDPBackend.ERROR``, or
             ``compile_regions=True`` without ``compile_options`` or decoder layers,
-            ``prefill_lengths`` repeated or longer than ``max_cache_len``, or
-            ``prefill_tokens`` below 1.
+            ``prefill_lengths`` repeated or longer than ``max_cache_len``,
+            ``prefill_tokens`` below 1, or ``stack_projections=True`` where inductor
+            does not compile or its post-grad pass is taken.
         UnsupportedModelError: an encoder-decoder or stateful model, a model HF does not
             mark as graph-safe (``_can_compile_fullgraph``), a cache with other layers
             than full attention and sliding windows (chunked or linear attention), or
@@ -297,6 +309,7 @@ class GraphedGenerator:
                 logged either way.
 
         Raises:
+            CudaGraphsStateError: captured already (``close()`` first).
             UnsupportedModelError: MoE experts whose grouped GEMM would sync the host
                 (float32 ``grouped_mm``) where HF's generate would not decode them with
                 ``batched_mm`` (:mod:`.experts`); raised before anything is allocated,
@@ -738,7 +751,8 @@ class GraphedGenerator:
         ``prefill_graphs`` (per length bucket: captured, dropped, replays and capture
         seconds; ``None`` before capture and after close) and ``subgraph_schemas``
         (the decoder layers' region schema memo of the last capture: ``active``,
-        ``built``, ``reused``; ``None`` before capture)."""
+        ``built``, ``reused``; ``None`` before capture) and ``stacked_projections``
+        (the linear groups whose weights lie back to back; 0: none)."""
         out = self.runner.stats()
         out["requests"] = dict(self.requests)
         out["tokens"] = self.tokens

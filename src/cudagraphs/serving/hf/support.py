@@ -152,8 +152,10 @@ class WeightAddresses:
         )
         raise CudaGraphsStateError(
             f"GraphedGenerator.generate(): the model's tensors were replaced since capture() "
-            f"({shown}), e.g. by model.to(), load_state_dict(assign=True) or assigning a new "
-            "tensor; the graphs would read the old memory. Fix: update weights in place "
+            f"({shown}), e.g. by model.to(), load_state_dict(assign=True), assigning a new "
+            "tensor, or another generator's capture laying projections back to back "
+            "(stack_projections); the graphs would read the old memory. Fix: update "
+            "weights in place "
             "(load_state_dict() without assign, param.data.copy_()), or close() and "
             "capture() again."
         )
