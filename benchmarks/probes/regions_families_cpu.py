@@ -13,6 +13,12 @@ against HF's static-cache ``generate``. The record keeps per family the capture'
 seconds, the graphs compiled, the layer-body calls and distinct bodies per graph,
 ``stats()["compile_regions"]`` and ``["compile_regions_error"]``, the token checks and
 the eager runs. Writes ``probe-regions_families-cpu-torch<version>-<commit>.json``.
+
+``--stacked`` compiles through inductor as users do (``compile_options={}``), so the
+generator's default ``stack_projections`` lays each layer's sibling linears back to
+back and makes their GEMMs one: the record then keeps ``stacked_projections`` and the
+graphs dynamo compiled (its ``unique_graphs``) instead of the layer-body calls, and
+is written as ``probe-regions_families_stacked-cpu-...``.
 """
 
 import argparse
@@ -36,7 +42,7 @@ FAMILIES = (
 )  # fmt: skip
 
 
-def one(family: str) -> dict:
+def one(family: str, stacked: bool = False) -> dict:
     torch._dynamo.reset()
     base = CONFIGS.get(family) or ARCH_CONFIGS[family]
     extra = {"num_hidden_layers": 3} if "num_hidden_layers" in base else {}
@@ -53,8 +59,12 @@ def one(family: str) -> dict:
         graphs.append(gm)
         return compile_fx(gm, example_inputs)
 
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    options = {} if stacked else {"backend": inductor}
     t0 = time.perf_counter()
-    gen = captured(model, (2, 4), compile_options={"backend": inductor}, require_all_buckets=True)
+    gen = captured(model, (2, 4), compile_options=options, require_all_buckets=True)
     seconds = time.perf_counter() - t0
     hop = torch.ops.higher_order.invoke_subgraph
     calls = [[n.args[0].target for n in g.graph.nodes if n.target is hop] for g in graphs]
@@ -67,7 +77,8 @@ def one(family: str) -> dict:
     stats = gen.stats()
     return {
         "capture_s": round(seconds, 2),
-        "graphs": len(graphs),
+        "graphs": counters["stats"]["unique_graphs"] if stacked else len(graphs),
+        "stacked_projections": stats["stacked_projections"],
         "body_calls": [len(c) for c in calls],
         "distinct_bodies": [len(set(c)) for c in calls],
         "compile_regions": stats["compile_regions"],
@@ -80,13 +91,14 @@ def one(family: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--stacked", action="store_true", help="compile_options={}")
     parser.add_argument("families", nargs="*", default=list(FAMILIES))
     args = parser.parse_args()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     record = {
-        "probe": "regions_families",
+        "probe": "regions_families_stacked" if args.stacked else "regions_families",
         "device": "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -95,14 +107,14 @@ def main() -> None:
     }
     for family in args.families:
         try:
-            run = one(family)
+            run = one(family, args.stacked)
         except Exception as exc:  # recorded; the other families still run
             run = {"error": f"{type(exc).__name__}: {str(exc)[:800]}"}
         record["families"][family] = run
         print(family, json.dumps(run), flush=True)
     if args.out:
         version = torch.__version__.split("+")[0]
-        path = args.out / f"probe-regions_families-cpu-torch{version}-{commit}.json"
+        path = args.out / f"probe-{record['probe']}-cpu-torch{version}-{commit}.json"
         path.write_text(json.dumps(record, indent=1))
         print(f"wrote {path}", file=sys.stderr)
 
