@@ -31,8 +31,8 @@ and any use of the model outside the generator run its layers as they were; outs
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -47,6 +47,7 @@ __all__ = [
     "biased_projections",
     "check_compile_regions",
     "decoder_layers",
+    "forwards_set",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,22 +97,30 @@ class LayerRegions:
         region = torch.compiler.nested_compile_region(_layer_forward)
         return cls(layers, tuple(partial(region, layer) for layer in layers))
 
-    @contextmanager
-    def marked(self) -> Iterator[None]:
-        """Every layer's ``forward`` the shared region inside the block, and what the
-        instance held before (usually nothing: the class's) after it, an error
-        included."""
-        before = [layer.__dict__.get("forward") for layer in self.layers]
-        for layer, forward in zip(self.layers, self.forwards):
-            layer.forward = forward
-        try:
-            yield
-        finally:
-            for layer, old in zip(self.layers, before):
-                if old is None:
-                    del layer.forward
-                else:
-                    layer.forward = old
+    def marked(self) -> AbstractContextManager[None]:
+        """Every layer's ``forward`` the shared region inside the block
+        (:func:`forwards_set`)."""
+        return forwards_set(self.layers, self.forwards)
+
+
+@contextmanager
+def forwards_set(
+    modules: Sequence[nn.Module], forwards: Sequence[Callable[..., Any]]
+) -> Iterator[None]:
+    """Each module's ``forward`` its own of ``forwards`` inside the block (set on the
+    instance), and what the instance held before (usually nothing: the class's) after
+    it, an error included."""
+    before = [module.__dict__.get("forward") for module in modules]
+    for module, forward in zip(modules, forwards):
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, old in zip(modules, before):
+            if old is None:
+                del module.forward
+            else:
+                module.forward = old
 
 
 def biased_projections(layer: nn.Module) -> list[str]:

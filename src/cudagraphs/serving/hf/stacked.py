@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -49,6 +49,7 @@ from torch import fx, nn
 
 from ...errors import CudaGraphsTypeError, CudaGraphsValueError
 from ...torch_private import custom_graph_pass_class, files_hash, mode_options
+from .regions import forwards_set
 
 __all__ = [
     "ProjectionGroup",
@@ -156,23 +157,11 @@ class StackedGroups:
         """Per group, the modules' names in buffer order."""
         return [g.names for g in self.groups]
 
-    @contextmanager
-    def reading(self) -> Iterator[None]:
+    def reading(self) -> AbstractContextManager[None]:
         """Each grouped module's ``forward`` its slice of the group's buffers inside
-        the block, and what the instance held before (usually nothing: the class's)
-        after it, an error included."""
+        the block (:func:`~.regions.forwards_set`)."""
         modules = [m for g in self.groups for m in g.modules]
-        before = [m.__dict__.get("forward") for m in modules]
-        for module, forward in zip(modules, (f for g in self.groups for f in g.forwards)):
-            module.forward = forward
-        try:
-            yield
-        finally:
-            for module, old in zip(modules, before):
-                if old is None:
-                    del module.forward
-                else:
-                    module.forward = old
+        return forwards_set(modules, [f for g in self.groups for f in g.forwards])
 
     def unstack(self) -> None:
         """Give every moved weight memory of its own again (idempotent)."""
