@@ -105,6 +105,50 @@ def test_reading_swaps_the_forwards_in_and_back_out_an_error_included():
     torch.testing.assert_close(block.k(x), want)
 
 
+_children = st.lists(
+    st.one_of(
+        st.tuples(st.just("linear"), st.sampled_from([4, 8]), st.booleans()),
+        st.tuples(st.just("norm"), st.just(0), st.just(False)),
+    ),
+    max_size=9,
+)
+
+
+def _reference_groups(children):
+    """Consecutive linears of one input width and bias-or-none, runs of two or more."""
+    groups, run = [], []
+    for i, (kind, width, bias) in enumerate([*children, ("end", 0, False)]):
+        if kind == "linear" and run and (width, bias) == run[0][1:]:
+            run.append((i, width, bias))
+            continue
+        if len(run) > 1:
+            groups.append(tuple(f"c{j}" for j, _, _ in run))
+        run = [(i, width, bias)] if kind == "linear" else []
+    return groups
+
+
+@settings(max_examples=200, deadline=None)
+@given(children=_children)
+def test_the_groups_are_the_runs_of_alike_siblings(children):
+    torch.manual_seed(0)
+    parent = nn.Module()
+    for i, (kind, width, bias) in enumerate(children):
+        child = nn.Linear(width, 3 + i, bias=bias) if kind == "linear" else nn.LayerNorm(4)
+        parent.add_module(f"c{i}", child)
+    before = {n: p.detach().clone() for n, p in parent.named_parameters()}
+    stacked = stack_projections(parent)
+    assert stacked.names == _reference_groups(children)
+    for name, p in parent.named_parameters():
+        assert torch.equal(p, before[name]), name
+    for group in stacked.groups:
+        rows = 0
+        for module in group.modules:
+            assert module.weight.untyped_storage().data_ptr() == group.weights.data_ptr()
+            assert module.weight.storage_offset() == rows * module.weight.shape[1]
+            rows += module.weight.shape[0]
+        assert group.weights.shape[0] == rows
+
+
 # ---- the pass, against a reference ---------------------------------------------------
 def _graph(intervals, rows=32, width=4, biased=False, other_input=()):
     """A post-grad-like graph: one GEMM per interval of a buffer's rows, over one
