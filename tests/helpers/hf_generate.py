@@ -57,6 +57,17 @@ def captured(model, batch_sizes=(1, 2, 4, 8), **kw):
     return gen
 
 
+def assert_serves_hf_tokens(gen, model, batches=(4, 3, 2), new=8):
+    """Greedy tokens of ``gen`` equal HF's static-cache ``generate`` at each batch
+    size, every decode step on the graphs (no eager run)."""
+    for batch in batches:
+        ids, mask = prompts(batch, seed=batch)
+        ours = gen.generate(ids, mask, max_new_tokens=new, eos_token_id=EOS, pad_token_id=PAD)
+        want = hf_generate(model, ids, mask, new, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(ours, want), batch
+    assert gen.stats()["eager_runs"] == {}
+
+
 def ended(free, eos, pad):
     """What ``free`` (new tokens made without EOS) becomes with EOS ids ``eos``: a row's
     tokens after its first EOS are ``pad``; the output ends when every row has ended."""

@@ -22,7 +22,14 @@ from cudagraphs.serving.hf.stacked import (  # noqa: E402
     stack_projections,
     with_stacked_projections,
 )
-from helpers.hf_generate import EOS, PAD, captured, hf_generate, prompts  # noqa: E402
+from helpers.hf_generate import (  # noqa: E402
+    EOS,
+    PAD,
+    assert_serves_hf_tokens,
+    captured,
+    hf_generate,
+    prompts,
+)
 
 NEW = 6
 aten = torch.ops.aten
@@ -358,12 +365,7 @@ def test_a_compiled_decode_merges_the_groups_and_keeps_hfs_tokens(
     assert max(spy.made) == (2 if regions else 6), spy.made
     attn = model.model.layers[1].self_attn
     assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.data_ptr()
-    for batch in (4, 3, 2):
-        ids, mask = prompts(batch, seed=batch)
-        ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
-        want = hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD)
-        assert torch.equal(ours, want), batch
-    assert gen.stats()["eager_runs"] == {}
+    assert_serves_hf_tokens(gen, model, new=NEW)
     assert gen.stats()["replays"]["bucket(bs=4)"] > 0
     if not regions:
         return  # the rest is the same for both
