@@ -254,6 +254,31 @@ def test_the_pass_merges_exactly_the_adjacent_runs_and_keeps_every_output(
     assert (_gemms(graph) == gemms) == (runs == 0)
 
 
+def test_open_ended_slices_merge_as_their_rows():
+    # torch writes buffer[12:] as slice(buffer, 0, 12, 2**63 - 1), and buffer[:8] may
+    # come without a start.
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.randn(2, 4, dtype=torch.float64)
+    w = graph.placeholder("w")
+    w.meta["val"] = torch.randn(16, 4, dtype=torch.float64)
+    outs = []
+    for args in ((w, 0, None, 8), (w, 0, 8, 12), (w, 0, 12, 2**63 - 1)):
+        s = graph.call_function(aten.slice.Tensor, args)
+        s.meta["val"] = aten.slice.Tensor(*(w.meta["val"], *args[1:]))
+        p = graph.call_function(aten.permute.default, (s, [1, 0]))
+        p.meta["val"] = s.meta["val"].t()
+        outs.append(graph.call_function(aten.mm.default, (x, p)))
+        outs[-1].meta["val"] = x.meta["val"] @ p.meta["val"]
+    graph.output(tuple(outs))
+    values = {"x": x.meta["val"], "w": w.meta["val"]}
+    want = fx.GraphModule(nn.Module(), graph)(**values)
+    assert stack_graph(graph) == 1 and _gemms(graph) == 1
+    got = fx.GraphModule(nn.Module(), graph)(**values)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_the_pass_leaves_gemms_it_cannot_merge():
     # Not adjacent (a gap), a stepped slice, a column slice: untouched.
     graph, _ = _graph([(0, 4), (6, 8)])

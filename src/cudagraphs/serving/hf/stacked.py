@@ -252,16 +252,20 @@ class _Gemm:
 
 def _row_slice(node: Any) -> tuple[fx.Node, int, int] | None:
     """``(buffer, start, stop)`` of ``aten.slice(buffer, 0, start, stop)`` with plain
-    ints and step 1; else None."""
+    ints (or none: the ends) and step 1, ``stop`` clamped to the rows as Python's
+    slicing does (torch writes an open end as the largest int64); else None."""
     if not (isinstance(node, fx.Node) and node.target is torch.ops.aten.slice.Tensor):
         return None
     buffer, dim, start, stop, *step = (*node.args, *([None] * (4 - len(node.args))))
     if dim != 0 or step not in ([], [1]) or node.kwargs:
         return None
-    if not (isinstance(start, int) and isinstance(stop, int)):
-        return None
     size = buffer.meta["val"].shape[0] if "val" in getattr(buffer, "meta", {}) else None
-    if not isinstance(size, int) or not 0 <= start < stop <= size:
+    start = 0 if start is None else start
+    stop = size if stop is None else stop
+    if not all(isinstance(v, int) for v in (start, stop, size)):
+        return None
+    stop = min(stop, size)
+    if not 0 <= start < stop:
         return None
     return buffer, start, stop
 
