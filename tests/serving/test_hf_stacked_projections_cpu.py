@@ -80,7 +80,7 @@ def test_sibling_linears_share_one_buffer_as_the_same_parameters_and_values():
     assert again.groups[0].weights.data_ptr() == qkv.weights.data_ptr()
     assert again.groups[0].weights.shape == (16, 8)
     stacked.unstack()
-    assert block.k.weight.storage_offset() == 0 and stacked.groups == []
+    assert block.k.weight.storage_offset() == 0 and stacked.groups == ()
     assert torch.equal(block.k.weight, before["k.weight"] + 1)
 
 

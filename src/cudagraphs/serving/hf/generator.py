@@ -325,17 +325,6 @@ class GraphedGenerator:
             # Kept after close(): a capture again reuses the compiled step, whose
             # guards are on these groups' forwards.
             self.stacked = stack_projections(self.model)
-        self._capture(warmup, plan_memory, free_bytes, headroom_bytes, progress)
-        self._weights = WeightAddresses.of(self.model)
-
-    def _capture(
-        self,
-        warmup: int,
-        plan_memory: bool,
-        free_bytes: int | None,
-        headroom_bytes: int,
-        progress: bool | None,
-    ) -> None:
         if compiles_with_inductor(self.compile_options):
             start_compile_workers()  # ready by the time inductor has kernels to build
         if self.kv is None:
@@ -371,6 +360,7 @@ class GraphedGenerator:
             raise
         finally:
             self.kv.reset()
+        self._weights = WeightAddresses.of(self.model)
 
     def _left_of(self, free_bytes: int | None) -> int | None:
         """What a given free-memory budget has left after the decode graphs' captures

@@ -148,9 +148,22 @@ def _stack_rows(params: list[nn.Parameter]) -> torch.Tensor:
 
 @dataclass
 class StackedGroups:
-    """The projection groups :func:`stack_projections` laid back to back."""
+    """The projection groups :func:`stack_projections` laid back to back.
 
-    groups: list[ProjectionGroup] = field(default_factory=list)
+    Attributes:
+        groups: the groups, in module order.
+        modules, forwards: every grouped module and its ``forward`` while a decode
+            step is traced, flattened once (entered at every decode step run in
+            Python).
+    """
+
+    groups: tuple[ProjectionGroup, ...] = ()
+    modules: tuple[nn.Linear, ...] = field(init=False, repr=False)
+    forwards: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.modules = tuple(m for g in self.groups for m in g.modules)
+        self.forwards = tuple(f for g in self.groups for f in g.forwards)
 
     @property
     def names(self) -> list[tuple[str, ...]]:
@@ -160,15 +173,14 @@ class StackedGroups:
     def reading(self) -> AbstractContextManager[None]:
         """Each grouped module's ``forward`` its slice of the group's buffers inside
         the block (:func:`~.regions.forwards_set`)."""
-        modules = [m for g in self.groups for m in g.modules]
-        return forwards_set(modules, [f for g in self.groups for f in g.forwards])
+        return forwards_set(self.modules, self.forwards)
 
     def unstack(self) -> None:
         """Give every moved weight memory of its own again (idempotent)."""
         with torch.no_grad():
             for group in self.groups:
                 group.unstack()
-        self.groups.clear()
+        self.groups, self.modules, self.forwards = (), (), ()
 
 
 def _tied(model: nn.Module) -> set[int]:
@@ -213,7 +225,7 @@ def stack_projections(model: nn.Module) -> StackedGroups:
     tensor subclasses, non-contiguous weights and modules whose ``forward`` was
     replaced on the instance are left as they are. Returns the groups."""
     tied = _tied(model)
-    stacked = StackedGroups()
+    groups: list[ProjectionGroup] = []
     with torch.no_grad():
         for parent_name, parent in model.named_modules():
             prefix = f"{parent_name}." if parent_name else ""
@@ -225,15 +237,15 @@ def stack_projections(model: nn.Module) -> StackedGroups:
                     continue
                 if len(run) > 1:
                     names = tuple(prefix + n for n, _ in run)
-                    stacked.groups.append(ProjectionGroup.stack(names, tuple(m for _, m in run)))
+                    groups.append(ProjectionGroup.stack(names, tuple(m for _, m in run)))
                 run = [(name, child)] if movable else []
-    if stacked.groups:
+    if groups:
         logger.info(
             "GraphedGenerator: %d projection groups laid back to back (the first: %s)",
-            len(stacked.groups),
-            ", ".join(stacked.groups[0].names),
+            len(groups),
+            ", ".join(groups[0].names),
         )
-    return stacked
+    return StackedGroups(tuple(groups))
 
 
 # ---- the inductor pass ---------------------------------------------------------------
@@ -375,11 +387,7 @@ def _merge(graph: fx.Graph, run: list[_Gemm]) -> None:
 
 
 def _val(arg: Any) -> Any:
-    if isinstance(arg, fx.Node):
-        return arg.meta["val"]
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(_val(a) for a in arg)
-    return arg
+    return arg.meta["val"] if isinstance(arg, fx.Node) else arg
 
 
 def stacked_projections_pass() -> Any:
