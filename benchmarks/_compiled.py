@@ -28,10 +28,19 @@ WARM_STEPS = 3  # compiles, then (reduce-overhead) warmup and recording
 # Ours compiled: graph_train_step over the torch.compile'd model (mode="default") with the
 # fused optimizer (optimizer_impl="fused"), or with the optimizer step compiled too
 # (optimizer_impl="compiled", which "auto" picks on a step that compiles).
-# The targets take the faster of the two that ran, as they take torch's best recipe.
+# OURS_STACKED and OURS_STACKED_OPTIMIZER: the same two over cudagraphs.compile_stacked
+# (each projection group one GEMM, forward and backward) in place of torch.compile.
+# The targets take the fastest of those that ran, as they take torch's best recipe.
 OURS_COMPILED = "cudagraphs_train_step_compiled"
 OURS_COMPILED_OPTIMIZER = "cudagraphs_train_step_compiled_optimizer"
-OURS_COMPILED_VARIANTS = (OURS_COMPILED, OURS_COMPILED_OPTIMIZER)
+OURS_STACKED = "cudagraphs_train_step_compiled_stacked"
+OURS_STACKED_OPTIMIZER = "cudagraphs_train_step_compiled_stacked_optimizer"
+OURS_COMPILED_VARIANTS = (
+    OURS_COMPILED,
+    OURS_COMPILED_OPTIMIZER,
+    OURS_STACKED,
+    OURS_STACKED_OPTIMIZER,
+)
 
 
 def fastest(ms: Mapping[str, float], names: Iterable[str]) -> str | None:
@@ -190,13 +199,15 @@ def ours_compiled(
     optimizer: torch.optim.Optimizer,
     compiled_what: str,
     optimizer_impl: str = "fused",
+    stacked: bool = False,
 ) -> OursCompiled:
     """``graph_train_step`` of ``run(compiled_forward, batch)`` (one forward, loss and
     backward) on ``sample`` with ``optimizer`` (prepared as ``optimizer_impl`` says),
     ``forward`` compiled in ``mode="default"`` (inductor's kernels, no CUDA graphs of
-    its own: ours takes their place). On a failure torch's compile caches are reset
-    before the error propagates."""
-    compiled = torch.compile(forward)
+    its own: ours takes their place), or with ``stacked`` by
+    ``cudagraphs.compile_stacked`` (``forward`` then a module). On a failure torch's
+    compile caches are reset before the error propagates."""
+    compiled = cudagraphs.compile_stacked(forward) if stacked else torch.compile(forward)
 
     def step_fn(batch: Any) -> Any:
         return run(compiled, batch)
@@ -211,8 +222,9 @@ def ours_compiled(
         torch.compiler.reset()
         raise
     compiled_step = "; optimizer step compiled" if graphed.optimizer_compiled else ""
+    how = "cudagraphs.compile_stacked" if stacked else "torch.compile"
     notes = {
-        "compile": f'torch.compile({compiled_what}), mode="default"{compiled_step}',
+        "compile": f'{how}({compiled_what}), mode="default"{compiled_step}',
         "compile_seconds": round(graphed.stats.compile_seconds, 2),
         "optimizer": "; ".join(graphed.stats.optimizer_changes),
     }

@@ -14,6 +14,11 @@
 #   hf_compiled  train_step_hf.py: eager, ours, ours compiled (fused and compiled optimizer
 #                step), torch's two compiled recipes; one model is about 370 s on an
 #                H200 (HF_MODELS=llama, then HF_MODELS=qwen3_moe: both do not fit a call)
+#   hf_stacked   train_step_hf.py on HF_MODELS (default both): ours with eager kernels, ours
+#                compiled and ours over cudagraphs.compile_stacked (each with the fused and
+#                the compiled optimizer step), torch's reduce-overhead recipe; without
+#                max-autotune-no-cudagraphs, whose GEMM autotuning takes 245 s a model
+#                and which was slower than reduce-overhead in every run (about 450 s)
 #   compute      train_step.py --configs compute_bound --regimes set_to_none, compiled
 #                variants (about 370 s)
 #   sdpa_probe   probes/serving_compiles.py --backends: where the batch-of-one recompile comes from
@@ -114,6 +119,13 @@ hf_compiled)
         cudagraphs_train_step cudagraphs_train_step_compiled cudagraphs_train_step_compiled_optimizer \
         torch_compile_reduce_overhead_compiled_optimizer \
         torch_compile_max_autotune_no_cudagraphs_compiled_optimizer ;;
+hf_stacked)
+    # shellcheck disable=SC2086  # HF_MODELS is a list
+    bench "hf-stacked-$label" 570 benchmarks/train_step_hf.py "${common[@]}" --run-label "$label" \
+        --models ${HF_MODELS:-llama qwen3_moe} --variants \
+        cudagraphs_train_step cudagraphs_train_step_compiled cudagraphs_train_step_compiled_optimizer \
+        cudagraphs_train_step_compiled_stacked cudagraphs_train_step_compiled_stacked_optimizer \
+        torch_compile_reduce_overhead_compiled_optimizer ;;
 compute)
     bench "compute-$label" 560 benchmarks/train_step.py "${common[@]}" --run-label "$label" \
         --configs compute_bound --regimes set_to_none --variants \

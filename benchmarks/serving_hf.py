@@ -224,7 +224,7 @@ def run_model(family: str) -> dict:
         # its CUDA-graph trees, which free every cuBLAS workspace, with our graphs alive
         # (their workspace sits in their pool: docs/torch-graph-facts.md). The compiled
         # one first of ours: its capture lays the projections' weights back to back
-        # (serving/hf/stacked.py), which graphs captured before would not read.
+        # (cudagraphs/stacking), which graphs captured before would not read.
         compiled = None
         try:
             torch.cuda.synchronize()

@@ -31,6 +31,9 @@ Compiled variants (as in ``train_step``):
   (``mode="default"``): inductor's kernels and the fused optimizer in one graph.
 * ``cudagraphs_train_step_compiled_optimizer``: the same with the optimizer step
   compiled too (``optimizer_impl="compiled"``), as torch's recipe compiles it.
+* ``cudagraphs_train_step_compiled_stacked`` and ``..._stacked_optimizer``: the two
+  above over ``cudagraphs.compile_stacked(model)``: each projection group (q/k/v,
+  gate/up) one GEMM, forward and backward.
 * ``torch_compile_reduce_overhead_compiled_optimizer`` and
   ``torch_compile_max_autotune_no_cudagraphs_compiled_optimizer``: torch's own best
   recipe used as documented, the model and the optimizer step compiled in one mode
@@ -71,6 +74,8 @@ from _compiled import (  # noqa: E402
     OURS_COMPILED,
     OURS_COMPILED_OPTIMIZER,
     OURS_COMPILED_VARIANTS,
+    OURS_STACKED,
+    OURS_STACKED_OPTIMIZER,
     add_inductor_config_argument,
     fastest,
     inductor_config,
@@ -116,7 +121,8 @@ EAGER, RAW, RAW_SAME, OURS = (
 )
 # OURS_COMPILED and OURS_COMPILED_OPTIMIZER (from _compiled): graph_train_step over the
 # torch.compile'd model (mode="default") with the fused optimizer, or with the optimizer
-# step compiled too; the targets take the faster of the two.
+# step compiled too; OURS_STACKED and OURS_STACKED_OPTIMIZER the same over
+# cudagraphs.compile_stacked; the targets take the fastest of them.
 # torch's own best recipe, used as documented (as in train_step): the model and the
 # optimizer step compiled in one mode, a device learning rate, and under
 # reduce-overhead cudagraph_mark_step_begin() at each step.
@@ -231,10 +237,10 @@ def build_ours(model: str) -> Built:
     return Built(net, partial(graphed, ids), opt, setup_s, graphed.reset, notes)
 
 
-def build_ours_compiled(model: str, optimizer_impl: str = "fused") -> Built:
+def build_ours_compiled(model: str, optimizer_impl: str = "fused", stacked: bool = False) -> Built:
     net, ids = build_model(model), make_ids()
     opt = make_optimizer(net)
-    ours = ours_compiled(net, loss_and_backward, ids, opt, "model", optimizer_impl)
+    ours = ours_compiled(net, loss_and_backward, ids, opt, "model", optimizer_impl, stacked)
     return Built(net, partial(ours.graphed, ids), opt, ours.setup_s, ours.release, ours.notes)
 
 
@@ -260,6 +266,8 @@ VARIANTS: dict[str, Callable[[str], Built]] = {
     OURS: build_ours,
     OURS_COMPILED: build_ours_compiled,
     OURS_COMPILED_OPTIMIZER: partial(build_ours_compiled, optimizer_impl="compiled"),
+    OURS_STACKED: partial(build_ours_compiled, stacked=True),
+    OURS_STACKED_OPTIMIZER: partial(build_ours_compiled, optimizer_impl="compiled", stacked=True),
     TORCH_RO: partial(build_torch_best, mode="reduce-overhead"),
     TORCH_MA: partial(build_torch_best, mode="max-autotune-no-cudagraphs"),
 }

@@ -14,6 +14,8 @@
 * :func:`graph_train_step` (:mod:`cudagraphs.train`): forward, backward, gradient
   all-reduce, clipping and the optimizer step of a static-shape training step as one
   graph.
+* :func:`compile_stacked` (:mod:`cudagraphs.stacking`): ``torch.compile`` with each
+  projection group (q/k/v, gate/up) one GEMM, forward and backward.
 * :mod:`cudagraphs.serving`: the bucketed :class:`~cudagraphs.serving.GraphRunner`.
 * :mod:`cudagraphs.errors`: every error the package raises (all derive from
   :class:`CudaGraphsError`); :mod:`cudagraphs.settings`: ``CUDAGRAPHS_DISABLE`` and the
@@ -66,11 +68,14 @@ from .program import (
     TensorSignature,
     ValueTreeSignature,
 )
+from .stacking import StackedCompiled, compile_stacked
 from .train import GraphedTrainStep, all_reduce_gradients, graph_train_step, prepare_optimizer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "StackedCompiled",
+    "compile_stacked",
     "GraphedTrainStep",
     "all_reduce_gradients",
     "graph_train_step",

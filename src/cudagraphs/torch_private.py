@@ -75,6 +75,7 @@ __all__ = [
     "set_grad_enabled",
     "size_oblivious_shapes",
     "start_compile_workers",
+    "storage_key",
     "storage_object_uses",
     "storage_use_count",
     "swap_storage_data",
@@ -334,6 +335,13 @@ def storage_use_count(storage: torch.UntypedStorage) -> int:
     """How many references the C++ storage behind ``storage`` has: one per tensor on
     it, one per Python storage object (``storage`` itself included)."""
     return torch._C._storage_Use_Count(storage._cdata)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """One key per storage, equal for every tensor viewing it (fake tensors of one
+    trace included): the storage's C++ address, which its Python wrapper does not
+    keep (``untyped_storage()`` makes a new wrapper at every call)."""
+    return t.untyped_storage()._cdata
 
 
 def storage_object_uses() -> int:

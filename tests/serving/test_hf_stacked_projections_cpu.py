@@ -16,7 +16,7 @@ from helpers.hf_models import CONFIGS, tiny
 transformers = pytest.importorskip("transformers")
 
 from cudagraphs.serving.hf import GraphedGenerator  # noqa: E402
-from cudagraphs.serving.hf.stacked import (  # noqa: E402
+from cudagraphs.stacking import (  # noqa: E402
     check_stack_projections,
     stack_graph,
     stack_projections,
@@ -198,10 +198,10 @@ def _gemms(graph):
     return sum(n.target in (aten.mm.default, aten.addmm.default) for n in graph.nodes)
 
 
-def _reference_runs(intervals, other_input=()):
+def _reference_removed(intervals, other_input=()):
     """Per input: sort the intervals, split where one does not start at the last one's
-    end; the runs of two or more are merged."""
-    runs = 0
+    end; each run of n >= 2 becomes one GEMM (n - 1 fewer)."""
+    removed = 0
     for chosen in (
         [iv for i, iv in enumerate(intervals) if i not in other_input],
         [iv for i, iv in enumerate(intervals) if i in other_input],
@@ -212,10 +212,10 @@ def _reference_runs(intervals, other_input=()):
             if after[0] == before[1]:
                 length += 1
                 continue
-            runs += length > 1
+            removed += length - 1
             length = 1
-        runs += bool(chosen) and length > 1
-    return runs
+        removed += length - 1 if chosen else 0
+    return removed
 
 
 def _disjoint_intervals(draw_cuts, order):
@@ -243,15 +243,14 @@ def test_the_pass_merges_exactly_the_adjacent_runs_and_keeps_every_output(
     graph, values = _graph(intervals, biased=biased, other_input=other_input)
     want = fx.GraphModule(nn.Module(), graph)(**values)
     gemms = _gemms(graph)
-    runs = _reference_runs(intervals, other_input)
-    assert stack_graph(graph) == runs
+    removed = _reference_removed(intervals, other_input)
+    assert stack_graph(graph) == removed
     graph.lint()
     got = fx.GraphModule(nn.Module(), graph)(**values)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     # Every run of n GEMMs became one.
-    assert _gemms(graph) <= gemms - runs
-    assert (_gemms(graph) == gemms) == (runs == 0)
+    assert _gemms(graph) == gemms - removed
 
 
 def test_open_ended_slices_merge_as_their_rows():
@@ -273,7 +272,7 @@ def test_open_ended_slices_merge_as_their_rows():
     graph.output(tuple(outs))
     values = {"x": x.meta["val"], "w": w.meta["val"]}
     want = fx.GraphModule(nn.Module(), graph)(**values)
-    assert stack_graph(graph) == 1 and _gemms(graph) == 1
+    assert stack_graph(graph) == 2 and _gemms(graph) == 1
     got = fx.GraphModule(nn.Module(), graph)(**values)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -344,19 +343,19 @@ def _llama(**extra):
 
 
 class Spy:
-    """Counts what the pass merged, the pass run as the generator sets it."""
+    """Counts the GEMMs the pass removed, the pass run as the generator sets it."""
 
     def __init__(self, monkeypatch):
-        from cudagraphs.serving.hf import stacked
+        from cudagraphs.stacking import gemms
 
         self.made = []
-        real = stacked.stack_graph
+        real = gemms.stack_graph
 
         def spy(graph):
             self.made.append(real(graph))
             return self.made[-1]
 
-        monkeypatch.setattr(stacked, "stack_graph", spy)
+        monkeypatch.setattr(gemms, "stack_graph", spy)
 
 
 @pytest.fixture
@@ -386,8 +385,9 @@ def test_a_compiled_decode_merges_the_groups_and_keeps_hfs_tokens(
     stats = gen.stats()
     assert stats["compile_regions"] == regions
     assert stats["stacked_projections"] == 6  # q/k/v/o and gate/up, in each of 3 layers
-    # One region body holds one layer's two groups; the whole model all six.
-    assert max(spy.made) == (2 if regions else 6), spy.made
+    # One region body holds one layer's two groups (q/k/v and gate/up: 3 GEMMs fewer);
+    # the whole model all six (9 fewer).
+    assert max(spy.made) == (3 if regions else 9), spy.made
     attn = model.model.layers[1].self_attn
     assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.data_ptr()
     assert_serves_hf_tokens(gen, model, new=NEW)

@@ -176,6 +176,66 @@ def test_a_compiled_hf_model_graphs_and_trains_like_its_eager_compiled_loop(fami
     assert_same_steps(model, ref, losses, ref_losses, f"{family}: ")
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_stacked_compiled_hf_model_graphs_trains_like_its_eager_loop_with_fewer_gemms(
+    family, monkeypatch
+):
+    # compile_stacked: q/k/v (and Llama's gate/up) one GEMM each, forward, input
+    # gradient and weight gradient. Graphed, it trains bit for bit like the same
+    # stacked compile stepped eagerly, and within bf16's rounding of the plain compile.
+    import torch._inductor.config as inductor
+
+    from cudagraphs.stacking import gemms
+
+    removed = []
+    real = gemms.stack_graph
+    monkeypatch.setattr(gemms, "stack_graph", lambda g: removed.append(real(g)) or removed[-1])
+    # The pass runs only when inductor compiles: a cached graph skips it.
+    monkeypatch.setattr(inductor, "force_disable_caches", True)
+    models = []
+    for _ in range(3):
+        m = tiny(family).to("cuda", torch.bfloat16)
+        if family == "qwen3_moe":
+            m.set_experts_implementation("grouped_mm")
+        models.append(m.train())
+    model, ref, plain = models
+    compiled = cudagraphs.compile_stacked(model)
+    ref_compiled, plain_compiled = cudagraphs.compile_stacked(ref), torch.compile(plain)
+    layers = model.config.num_hidden_layers
+    # Forward 2 (q/k/v) + 1 (gate/up) fewer a layer, backward twice that; Qwen3-MoE's
+    # experts are no sibling linears.
+    per_layer = 3 if family == "llama" else 2
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    ref_step = reference_optimizer_step(opts[1], "auto")
+    plain_step = reference_optimizer_step(opts[2], "auto")
+
+    def step_for(m, count):
+        def step(batch):
+            count[0] += 1
+            loss = m(input_ids=batch, labels=batch, use_cache=False).loss
+            loss.backward()
+            return loss
+
+        return step
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    data = [torch.randint(0, 128, (2, 32), generator=g).cuda() for _ in range(5)]
+    calls = [0]
+    step = cudagraphs.graph_train_step(step_for(compiled, calls), data[0], optimizer=opts[0])
+    assert step.graphed and step.optimizer_compiled
+    made = list(removed)  # the forward's and the backward's (and the optimizer's: 0)
+    assert per_layer * layers in made and 2 * per_layer * layers in made, made
+    before = calls[0]
+    losses = [step(b).clone() for b in data]
+    assert calls[0] == before, "a graphed step ran step_fn's Python: it did not replay"
+    ref_losses = eager_loop(step_for(ref_compiled, [0]), ref, opts[1], data, ref_step)
+    assert_same_steps(model, ref, losses, ref_losses, f"{family} stacked: ")
+    plain_losses = eager_loop(step_for(plain_compiled, [0]), plain, opts[2], data, plain_step)
+    for i, (a, b) in enumerate(zip(losses, plain_losses)):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=f"loss of step {i}")
+    assert not compiled.groups.moved()
+
+
 def test_a_step_that_recompiles_every_call_is_refused_and_the_next_good_one_graphs():
     model = Stack()
     ref = copy.deepcopy(model)

@@ -41,6 +41,12 @@ from ...compile_watch import check_compile_options
 from ...diagnostics import WarnOnce
 from ...errors import CudaGraphCaptureError, CudaGraphsStateError, CudaGraphsTypeError
 from ...settings import graphs_disabled
+from ...stacking import (
+    StackedGroups,
+    check_stack_projections,
+    stack_projections,
+    with_stacked_projections,
+)
 from ...torch_private import (
     SubgraphSchemaMemo,
     mark_dynamic,
@@ -65,12 +71,6 @@ from .prefill import (
 from .regions import check_compile_regions
 from .requests import Request, check_request, positions_from_mask
 from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens, vocab_size_of
-from .stacked import (
-    StackedGroups,
-    check_stack_projections,
-    stack_projections,
-    with_stacked_projections,
-)
 from .support import WeightAddresses, check_supported
 from .unapplied import warn_unapplied
 
@@ -169,7 +169,7 @@ class GraphedGenerator:
             a prefill that long is compute-bound anyway). Default 2048.
         stack_projections: with ``compile_options`` through inductor, make each group
             of sibling linears that read one input (q/k/v, gate/up) one GEMM in the
-            decode step (:mod:`.stacked`): :meth:`capture` lays their weights back to
+            decode step (:mod:`cudagraphs.stacking`): :meth:`capture` lays their weights back to
             back in one buffer per group, each ``Parameter`` the same object viewing
             its rows (memory not doubled; in-place updates still reach the graphs),
             and they stay so after :meth:`close` (``stacked.unstack()`` gives them

@@ -31,8 +31,8 @@ and any use of the model outside the generator run its layers as they were; outs
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ...errors import CudaGraphsTypeError, CudaGraphsValueError
+from ...stacking.weights import forwards_set
 
 __all__ = [
     "LayerRegions",
@@ -101,26 +102,6 @@ class LayerRegions:
         """Every layer's ``forward`` the shared region inside the block
         (:func:`forwards_set`)."""
         return forwards_set(self.layers, self.forwards)
-
-
-@contextmanager
-def forwards_set(
-    modules: Sequence[nn.Module], forwards: Sequence[Callable[..., Any]]
-) -> Iterator[None]:
-    """Each module's ``forward`` its own of ``forwards`` inside the block (set on the
-    instance), and what the instance held before (usually nothing: the class's) after
-    it, an error included."""
-    before = [module.__dict__.get("forward") for module in modules]
-    for module, forward in zip(modules, forwards):
-        module.forward = forward
-    try:
-        yield
-    finally:
-        for module, old in zip(modules, before):
-            if old is None:
-                del module.forward
-            else:
-                module.forward = old
 
 
 def biased_projections(layer: nn.Module) -> list[str]:
