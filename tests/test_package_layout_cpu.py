@@ -54,6 +54,7 @@ LAYERS: dict[str, int] = {
     "cudagraphs.compile_watch": 1,
     "cudagraphs.core": 2,
     "cudagraphs.program": 2,
+    "cudagraphs.stacking": 2,
     "cudagraphs.serving": 3,
     "cudagraphs.train": 3,
     "cudagraphs.partial": 4,

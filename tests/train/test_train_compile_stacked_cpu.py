@@ -1,0 +1,230 @@
+"""compile_stacked on the CPU: the pass's backward rewrites (input and weight
+gradients of a projection group as one GEMM each) against a reference of which
+members merge, and against running the graph; a compiled HF model trained through
+compile_stacked like the plain compile, with the GEMMs it removes counted; a weight
+moved since is refused by name, and the next good call works; bad options refused."""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import fx, nn
+
+import cudagraphs
+from cudagraphs.errors import CudaGraphsStateError, CudaGraphsTypeError, CudaGraphsValueError
+from cudagraphs.stacking import gemms, stack_graph
+from helpers.hf_models import tiny
+
+aten = torch.ops.aten
+M, WIDTH = 6, 4
+
+
+# ---- the backward rewrites, against a reference --------------------------------------
+def _backward_graph(intervals, summed, doubled, with_base):
+    """A post-grad-like backward: per member ``i`` (rows ``intervals[i]`` of one
+    buffer, a graph input of its own), its input gradient ``G_i @ W_i`` (through two
+    transposes where ``doubled[i]``) and weight gradient ``G_i.T @ x``. The input
+    gradients of ``summed`` are added into one sum (each reshaped first, as a linear's
+    are); the others are outputs of their own. Meta values are real tensors, the
+    members real views of the buffer."""
+    torch.manual_seed(0)
+    rows = max(stop for _, stop in intervals)
+    buffer = torch.randn(rows, WIDTH, dtype=torch.float64)
+    graph, values = fx.Graph(), {}
+
+    def placeholder(name, value):
+        n = graph.placeholder(name)
+        n.meta["val"] = values[name] = value
+        return n
+
+    def node(target, *args):
+        n = graph.call_function(target, args)
+        n.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
+        return n
+
+    if with_base:
+        placeholder("whole", buffer)
+    x = placeholder("x", torch.randn(M, WIDTH, dtype=torch.float64))
+    total, alone, weight_grads = None, [], []
+    for i, (start, stop) in enumerate(intervals):
+        w = placeholder(f"w{i}", buffer[start:stop])
+        g = placeholder(f"g{i}", torch.randn(M, stop - start, dtype=torch.float64))
+        operand = w
+        if doubled[i]:
+            operand = node(aten.permute.default, node(aten.permute.default, w, [1, 0]), [1, 0])
+        dx = node(aten.mm.default, g, operand)
+        weight_grads.append(node(aten.mm.default, node(aten.permute.default, g, [1, 0]), x))
+        if i in summed:
+            dx = node(aten.reshape.default, dx, [1, M, WIDTH])
+            total = dx if total is None else node(aten.add.Tensor, total, dx)
+        else:
+            alone.append(dx)
+    graph.output((total, *alone, *weight_grads))
+    return graph, values
+
+
+def _reference_removed(intervals, summed, with_base):
+    """Members sorted by rows, split where one does not start at the last one's end
+    and where one is not summed: each part of n >= 2 summed members makes its input
+    gradients one GEMM (n - 1 fewer) and its weight gradients one (n - 1 fewer). No
+    merge at all without a graph input at the buffer's start."""
+    if not (with_base or any(start == 0 for start, _ in intervals)):
+        return 0
+    order = sorted(range(len(intervals)), key=lambda i: intervals[i][0])
+    removed, part, end = 0, 0, None
+    for i in order:
+        start, stop = intervals[i]
+        if i in summed and part and start == end:
+            part += 1
+        else:
+            removed += 2 * max(part - 1, 0)
+            part = 1 if i in summed else 0
+        end = stop
+    return removed + 2 * max(part - 1, 0)
+
+
+def _gemms(graph):
+    return sum(n.target is aten.mm.default for n in graph.nodes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    cuts=st.lists(st.integers(0, 24), min_size=2, max_size=8),
+    keep=st.lists(st.booleans(), min_size=7, max_size=7),
+    order=st.permutations(range(7)),
+    summed=st.sets(st.integers(0, 6)),
+    doubled=st.lists(st.booleans(), min_size=7, max_size=7),
+    with_base=st.booleans(),
+)
+def test_the_backward_rewrites_merge_exactly_the_summed_adjacent_members(
+    cuts, keep, order, summed, doubled, with_base
+):
+    bounds = sorted(set(cuts))
+    pieces = list(zip(bounds, bounds[1:]))
+    intervals = [pieces[i] for i in order if i < len(pieces) and keep[i]]
+    if not intervals:
+        return
+    summed = {i for i in summed if i < len(intervals)}
+    graph, values = _backward_graph(intervals, summed, doubled, with_base)
+    run = fx.GraphModule(nn.Module(), graph)
+    want = run(**values)
+    before = _gemms(graph)
+    removed = _reference_removed(intervals, summed, with_base)
+    assert stack_graph(graph) == removed
+    graph.lint()
+    assert _gemms(graph) == before - removed
+    got = fx.GraphModule(nn.Module(), graph)(**values)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_member_whose_gradient_feeds_another_is_not_merged():
+    # G_1 computed from W_0's input gradient: one GEMM for both would need G_1 first.
+    graph, values = fx.Graph(), {}
+    buffer = torch.randn(8, WIDTH, dtype=torch.float64)
+
+    def placeholder(name, value):
+        n = graph.placeholder(name)
+        n.meta["val"] = values[name] = value
+        return n
+
+    def node(target, *args):
+        n = graph.call_function(target, args)
+        n.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
+        return n
+
+    w0, w1 = placeholder("w0", buffer[:4]), placeholder("w1", buffer[4:])
+    g0 = placeholder("g0", torch.randn(4, 4, dtype=torch.float64))
+    dx0 = node(aten.mm.default, g0, w0)
+    g1 = node(aten.mul.Tensor, dx0, 2.0)
+    dx1 = node(aten.mm.default, g1, w1)
+    graph.output((node(aten.add.Tensor, dx0, dx1),))
+    # dx0 has two users (the add and g1): not summed alone.
+    assert stack_graph(graph) == 0 and _gemms(graph) == 2
+
+
+# ---- compile_stacked ----------------------------------------------------------------
+@pytest.fixture
+def removed(monkeypatch):
+    import torch._inductor.config as inductor
+
+    made = []
+    real = gemms.stack_graph
+    monkeypatch.setattr(gemms, "stack_graph", lambda g: made.append(real(g)) or made[-1])
+    # The pass runs only when inductor compiles: a cached graph skips it.
+    monkeypatch.setattr(inductor, "force_disable_caches", True)
+    return made
+
+
+def _loss(model, ids):
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_stacked_compile_trains_like_the_plain_compile_with_fewer_gemms(removed):
+    pytest.importorskip("transformers")
+    model = tiny("llama").train()
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built before: the same objects
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    compiled = cudagraphs.compile_stacked(model)
+    plain_compiled = torch.compile(plain)
+    layers = model.config.num_hidden_layers
+    assert len(compiled.groups.names) == 2 * layers  # q/k/v/o and gate/up, each layer
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        loss = _loss(compiled, ids)
+        loss.backward()
+        plain_loss = _loss(plain_compiled, ids)
+        plain_loss.backward()
+        torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-5)
+        if step == 0:
+            # Forward: q/k/v 2 fewer, gate/up 1 fewer a layer; the backward twice that.
+            assert sorted(removed) == [3 * layers, 6 * layers], removed
+            for p, q in zip(model.parameters(), plain.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        opt.step()
+        plain_opt.step()
+        opt.zero_grad()
+        plain_opt.zero_grad()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert not compiled.groups.moved()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_moved_weight_is_refused_by_name_and_a_new_compile_works():
+    pytest.importorskip("transformers")
+    model = tiny("llama").eval()
+    compiled = cudagraphs.compile_stacked(model)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    want = model(input_ids=ids).logits
+    torch.testing.assert_close(compiled(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+    up = model.model.layers[1].mlp.up_proj
+    up.weight.data = up.weight.data.clone()  # its own memory now: not its group's rows
+    with pytest.raises(CudaGraphsStateError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        compiled(input_ids=ids)
+    again = cudagraphs.compile_stacked(model)  # lays that group back to back anew
+    torch.testing.assert_close(again(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+    again.unstack()
+    with pytest.raises(CudaGraphsStateError, match="compile_stacked"):
+        again(input_ids=ids)
+
+
+def test_bad_arguments_are_refused_with_the_fix():
+    with pytest.raises(CudaGraphsTypeError, match="nn.Module"):
+        cudagraphs.compile_stacked(lambda x: x)
+    with pytest.raises(CudaGraphsValueError, match="inductor"):
+        cudagraphs.compile_stacked(nn.Linear(2, 2), backend="eager")
+    with pytest.raises(CudaGraphsValueError, match="post_grad_custom_pre_pass"):
+        cudagraphs.compile_stacked(nn.Linear(2, 2), options={"post_grad_custom_pre_pass": object()})
+    # Nothing was stacked or compiled by a refused call.
+    linear = nn.Linear(2, 2)
+    assert (
+        repr(cudagraphs.compile_stacked(linear)) == "StackedCompiled(Linear, 0 projection groups)"
+    )
