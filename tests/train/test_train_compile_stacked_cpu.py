@@ -47,10 +47,14 @@ def _backward_graph(intervals, summed, doubled, with_base):
     if with_base:
         placeholder("whole", buffer)
     x = placeholder("x", torch.randn(M, WIDTH, dtype=torch.float64))
+    # Graph inputs first, as in every graph inductor passes on.
+    weights = [placeholder(f"w{i}", buffer[a:b]) for i, (a, b) in enumerate(intervals)]
+    grads = [
+        placeholder(f"g{i}", torch.randn(M, b - a, dtype=torch.float64))
+        for i, (a, b) in enumerate(intervals)
+    ]
     total, alone, weight_grads = None, [], []
-    for i, (start, stop) in enumerate(intervals):
-        w = placeholder(f"w{i}", buffer[start:stop])
-        g = placeholder(f"g{i}", torch.randn(M, stop - start, dtype=torch.float64))
+    for i, (w, g) in enumerate(zip(weights, grads)):
         operand = w
         if doubled[i]:
             operand = node(aten.permute.default, node(aten.permute.default, w, [1, 0]), [1, 0])
@@ -228,3 +232,91 @@ def test_bad_arguments_are_refused_with_the_fix():
     assert (
         repr(cudagraphs.compile_stacked(linear)) == "StackedCompiled(Linear, 0 projection groups)"
     )
+
+
+# ---- the forward rewrite over graph inputs, against a reference ----------------------
+def _forward_graph(intervals, other_input, with_base, base_dtype=torch.float64):
+    """A training forward: per member a weight that is a graph input of its own (a
+    real view of one buffer) and ``x @ W_i.T``, over ``x`` (or ``y`` for
+    ``other_input``); ``with_base`` adds an input viewing the whole buffer (as
+    ``base_dtype``)."""
+    torch.manual_seed(0)
+    rows = max(stop for _, stop in intervals)
+    buffer = torch.randn(rows, WIDTH, dtype=torch.float64)
+    graph, values = fx.Graph(), {}
+
+    def placeholder(name, value):
+        n = graph.placeholder(name)
+        n.meta["val"] = values[name] = value
+        return n
+
+    def node(target, *args):
+        n = graph.call_function(target, args)
+        n.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
+        return n
+
+    if with_base:
+        placeholder("whole", buffer.view(base_dtype) if base_dtype != buffer.dtype else buffer)
+    x = placeholder("x", torch.randn(M, WIDTH, dtype=torch.float64))
+    y = placeholder("y", torch.randn(M, WIDTH, dtype=torch.float64))
+    # Graph inputs first, as in every graph inductor passes on.
+    weights = [placeholder(f"w{i}", buffer[a:b]) for i, (a, b) in enumerate(intervals)]
+    outs = []
+    for i, w in enumerate(weights):
+        t = node(aten.permute.default, w, [1, 0])
+        outs.append(node(aten.mm.default, y if i in other_input else x, t))
+    graph.output(tuple(outs))
+    return graph, values
+
+
+def _reference_forward_removed(intervals, other_input, with_base):
+    """Per input: members sorted by rows, split where one does not start at the last
+    one's end; each run of n >= 2 is one GEMM (n - 1 fewer). None without a graph
+    input at the buffer's start."""
+    if not (with_base or any(start == 0 for start, _ in intervals)):
+        return 0
+    removed = 0
+    for chosen in (
+        sorted(iv for i, iv in enumerate(intervals) if i not in other_input),
+        sorted(iv for i, iv in enumerate(intervals) if i in other_input),
+    ):
+        for before, after in zip(chosen, chosen[1:]):
+            removed += after[0] == before[1]
+    return removed
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    cuts=st.lists(st.integers(0, 24), min_size=2, max_size=8),
+    keep=st.lists(st.booleans(), min_size=7, max_size=7),
+    order=st.permutations(range(7)),
+    other=st.sets(st.integers(0, 6), max_size=3),
+    with_base=st.booleans(),
+)
+def test_the_forward_rewrite_over_graph_inputs_merges_exactly_the_adjacent_runs(
+    cuts, keep, order, other, with_base
+):
+    bounds = sorted(set(cuts))
+    pieces = list(zip(bounds, bounds[1:]))
+    intervals = [pieces[i] for i in order if i < len(pieces) and keep[i]]
+    if not intervals:
+        return
+    other = {i for i in other if i < len(intervals)}
+    graph, values = _forward_graph(intervals, other, with_base)
+    want = fx.GraphModule(nn.Module(), graph)(**values)
+    before = _gemms(graph)
+    removed = _reference_forward_removed(intervals, other, with_base)
+    assert stack_graph(graph) == removed
+    graph.lint()
+    assert _gemms(graph) == before - removed
+    got = fx.GraphModule(nn.Module(), graph)(**values)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_base_of_another_dtype_is_no_base():
+    # The buffer's start viewed as another dtype: as_strided's offsets would count
+    # its elements, so the group is left alone.
+    intervals = [(2, 4), (4, 8)]
+    graph, _ = _forward_graph(intervals, set(), with_base=True, base_dtype=torch.int64)
+    assert stack_graph(graph) == 0 and _gemms(graph) == 2

@@ -69,6 +69,7 @@ class _Rows:
     base: fx.Node
     start: int
     stop: int
+    width: int  # elements a row (0: a 1-D region, a bias)
     sliced: bool  # base is a buffer the graph slices (else an input at offset 0)
 
 
@@ -92,7 +93,8 @@ def _sliced_rows(node: fx.Node) -> _Rows | None:
     stop = min(stop, size)
     if not 0 <= start < stop:
         return None
-    return _Rows(buffer, buffer, start, stop, sliced=True)
+    width = val.shape[1] if val.dim() == 2 else 0
+    return _Rows(buffer, buffer, start, stop, width, sliced=True)
 
 
 def _input_rows(node: fx.Node, bases: Mapping[Any, fx.Node]) -> _Rows | None:
@@ -101,11 +103,14 @@ def _input_rows(node: fx.Node, bases: Mapping[Any, fx.Node]) -> _Rows | None:
     if not isinstance(val, torch.Tensor) or val.dim() not in (1, 2) or not val.is_contiguous():
         return None
     key = storage_key(val)
-    width = val.shape[1] if val.dim() == 2 else 1
-    if key not in bases or width == 0 or val.storage_offset() % width:
+    width = val.shape[1] if val.dim() == 2 else 0
+    unit = max(width, 1)
+    if key not in bases or val.numel() == 0 or val.storage_offset() % unit:
         return None
-    start = val.storage_offset() // width
-    return _Rows((key, width), bases[key], start, start + val.shape[0], sliced=False)
+    if _val(bases[key]).dtype != val.dtype:  # offsets count the base's elements
+        return None
+    start = val.storage_offset() // unit
+    return _Rows((key, width), bases[key], start, start + val.shape[0], width, sliced=False)
 
 
 def _rows(node: Any, bases: Mapping[Any, fx.Node]) -> _Rows | None:
@@ -141,14 +146,14 @@ def _bases(graph: fx.Graph) -> dict[Any, fx.Node]:
     return out
 
 
-def _union(rows: list[_Rows], like: Any, call: Any) -> fx.Node:
+def _union(rows: list[_Rows], call: Any) -> fx.Node:
     """A node viewing the rows of ``rows`` (adjacent, in order) as one tensor."""
     first, start, stop = rows[0], rows[0].start, rows[-1].stop
     if first.sliced:
         return call(torch.ops.aten.slice.Tensor, first.base, 0, start, stop)
-    if like.dim() == 1:
+    if first.width == 0:
         return call(torch.ops.aten.as_strided.default, first.base, [stop - start], [1], start)
-    width = like.shape[1]
+    width = first.width
     return call(
         torch.ops.aten.as_strided.default,
         first.base,
@@ -239,17 +244,12 @@ def _merge_forward(graph: fx.Graph, run: list[_Forward]) -> None:
     start = run[0].rows.start
     call = _caller(graph)
     with graph.inserting_before(first.node):
-        like = _val(_strip_transposes(run[0].node.args[-1])[0])
-        weights = _union([g.rows for g in run], like, call)
+        weights = _union([g.rows for g in run], call)
         transposed = call(aten.permute.default, weights, [1, 0])
         if first.bias is None:
             out = call(aten.mm.default, first.x, transposed)
         else:
-            biases = _union(
-                [g.bias for g in run],
-                _val(first.node.args[0].args[0]) if first.bias.sliced else _val(first.node.args[0]),
-                call,
-            )
+            biases = _union([g.bias for g in run], call)
             out = call(aten.addmm.default, biases, first.x, transposed)
         for g in run:
             part = call(aten.slice.Tensor, out, 1, g.rows.start - start, g.rows.stop - start)
@@ -370,8 +370,7 @@ def _merge_backward(graph: fx.Graph, run: list[_InputGrad]) -> int:
         cat = call(aten.cat.default, grads, 1)
     last = max(run, key=lambda g: order[g.node])
     with graph.inserting_before(last.node):
-        like = _val(_strip_transposes(last.node.args[1])[0])
-        weights = _union([g.rows for g in run], like, call)
+        weights = _union([g.rows for g in run], call)
         merged = call(aten.mm.default, cat, weights)
     for g in run:
         if g is last:
