@@ -21,6 +21,23 @@ aten = torch.ops.aten
 M, WIDTH = 6, 4
 
 
+def _builders(graph, values):
+    """``placeholder(name, value)`` and ``node(target, *args)`` adding to ``graph``,
+    each node's meta value real (the inputs' recorded in ``values``)."""
+
+    def placeholder(name, value):
+        n = graph.placeholder(name)
+        n.meta["val"] = values[name] = value
+        return n
+
+    def node(target, *args):
+        n = graph.call_function(target, args)
+        n.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
+        return n
+
+    return placeholder, node
+
+
 # ---- the backward rewrites, against a reference --------------------------------------
 def _backward_graph(intervals, summed, doubled, with_base):
     """A post-grad-like backward: per member ``i`` (rows ``intervals[i]`` of one
@@ -33,16 +50,7 @@ def _backward_graph(intervals, summed, doubled, with_base):
     rows = max(stop for _, stop in intervals)
     buffer = torch.randn(rows, WIDTH, dtype=torch.float64)
     graph, values = fx.Graph(), {}
-
-    def placeholder(name, value):
-        n = graph.placeholder(name)
-        n.meta["val"] = values[name] = value
-        return n
-
-    def node(target, *args):
-        n = graph.call_function(target, args)
-        n.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
-        return n
+    placeholder, node = _builders(graph, values)
 
     if with_base:
         placeholder("whole", buffer)
@@ -130,17 +138,8 @@ def test_the_backward_rewrites_merge_exactly_the_summed_adjacent_members(
 def test_a_member_whose_gradient_feeds_another_is_not_merged():
     # G_1 computed from W_0's input gradient: one GEMM for both would need G_1 first.
     graph, values = fx.Graph(), {}
+    placeholder, node = _builders(graph, values)
     buffer = torch.randn(8, WIDTH, dtype=torch.float64)
-
-    def placeholder(name, value):
-        n = graph.placeholder(name)
-        n.meta["val"] = values[name] = value
-        return n
-
-    def node(target, *args):
-        n = graph.call_function(target, args)
-        n.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
-        return n
 
     w0, w1 = placeholder("w0", buffer[:4]), placeholder("w1", buffer[4:])
     g0 = placeholder("g0", torch.randn(4, 4, dtype=torch.float64))
@@ -244,16 +243,7 @@ def _forward_graph(intervals, other_input, with_base, base_dtype=torch.float64):
     rows = max(stop for _, stop in intervals)
     buffer = torch.randn(rows, WIDTH, dtype=torch.float64)
     graph, values = fx.Graph(), {}
-
-    def placeholder(name, value):
-        n = graph.placeholder(name)
-        n.meta["val"] = values[name] = value
-        return n
-
-    def node(target, *args):
-        n = graph.call_function(target, args)
-        n.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
-        return n
+    placeholder, node = _builders(graph, values)
 
     if with_base:
         placeholder("whole", buffer.view(base_dtype) if base_dtype != buffer.dtype else buffer)
