@@ -78,23 +78,25 @@ def _backward_graph(intervals, summed, doubled, with_base):
 
 
 def _reference_removed(intervals, summed, with_base):
-    """Members sorted by rows, split where one does not start at the last one's end
-    and where one is not summed: each part of n >= 2 summed members makes its input
-    gradients one GEMM (n - 1 fewer) and its weight gradients one (n - 1 fewer). No
-    merge at all without a graph input at the buffer's start."""
-    if not (with_base or any(start == 0 for start, _ in intervals)):
-        return 0
-    order = sorted(range(len(intervals)), key=lambda i: intervals[i][0])
-    removed, part, end = 0, 0, None
-    for i in order:
-        start, stop = intervals[i]
-        if i in summed and part and start == end:
-            part += 1
-        else:
-            removed += 2 * max(part - 1, 0)
-            part = 1 if i in summed else 0
-        end = stop
-    return removed + 2 * max(part - 1, 0)
+    """Input gradients: members sorted by rows, split where one does not start at the
+    last one's end and where one is not summed; each part of n >= 2 summed members is
+    one GEMM (n - 1 fewer), none without a graph input at the buffer's start. Weight
+    gradients: all share ``x``, so all become one GEMM (len - 1 fewer), whatever
+    merged."""
+    dx = 0
+    if with_base or any(start == 0 for start, _ in intervals):
+        order = sorted(range(len(intervals)), key=lambda i: intervals[i][0])
+        part, end = 0, None
+        for i in order:
+            start, stop = intervals[i]
+            if i in summed and part and start == end:
+                part += 1
+            else:
+                dx += max(part - 1, 0)
+                part = 1 if i in summed else 0
+            end = stop
+        dx += max(part - 1, 0)
+    return dx + len(intervals) - 1
 
 
 def _gemms(graph):
@@ -110,7 +112,7 @@ def _gemms(graph):
     doubled=st.lists(st.booleans(), min_size=7, max_size=7),
     with_base=st.booleans(),
 )
-def test_the_backward_rewrites_merge_exactly_the_summed_adjacent_members(
+def test_the_backward_rewrites_merge_exactly_what_the_reference_says(
     cuts, keep, order, summed, doubled, with_base
 ):
     bounds = sorted(set(cuts))
@@ -310,3 +312,74 @@ def test_a_base_of_another_dtype_is_no_base():
     intervals = [(2, 4), (4, 8)]
     graph, _ = _forward_graph(intervals, set(), with_base=True, base_dtype=torch.int64)
     assert stack_graph(graph) == 0 and _gemms(graph) == 2
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_under_autocast_a_group_is_one_cast_one_gemm_and_one_weight_gradient_gemm(removed):
+    # float32 parameters under autocast: each weight is cast to bfloat16 before its
+    # GEMM, and the backward reads those saved casts, not the group's rows. The
+    # forward still merges (and casts each group once); the backward merges the
+    # weight gradients, which share their x.
+    pytest.importorskip("transformers")
+    model = tiny("llama").train()
+    plain = copy.deepcopy(model)
+    compiled, plain_compiled = cudagraphs.compile_stacked(model), torch.compile(plain)
+    casts = []
+
+    def counting(graph):
+        def on_params():
+            return sum(
+                n.target is torch.ops.prims.convert_element_type.default
+                and n.args[0].op == "placeholder"
+                for n in graph.nodes
+            )
+
+        before = on_params()
+        out = real(graph)
+        casts.append((before, on_params()))
+        return out
+
+    real = gemms.stack_graph
+    gemms.stack_graph = counting
+    try:
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        losses = []
+        for m in (compiled, plain_compiled):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses.append(_loss(m, ids))
+            losses[-1].backward()
+    finally:
+        gemms.stack_graph = real
+    layers = model.config.num_hidden_layers
+    assert removed == [3 * layers, 3 * layers], removed
+    # Per layer q/k/v (and o, alone), gate/up, down: 7 casts of parameters, now o and
+    # down alone (the groups' casts are of their unions); the lm_head's too.
+    assert casts[0] == (7 * layers + 1, 2 * layers + 1), casts
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-2, atol=1e-2)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    edges=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), max_size=20),
+    moves=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), max_size=6),
+)
+def test_sorting_puts_every_node_after_its_inputs_and_keeps_a_valid_order(edges, moves):
+    # A DAG of ten nodes (edges from lower to higher), then some nodes moved before
+    # others: the sort must make it valid, and leave an order already valid as it is.
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    nodes = []
+    for i in range(10):
+        deps = sorted({a for a, b in edges if b == i and a < i})
+        nodes.append(graph.call_function(torch.add, (x, *[nodes[d] for d in deps])))
+    graph.output(tuple(nodes))
+    valid = list(graph.nodes)
+    gemms._sort(graph)
+    assert list(graph.nodes) == valid
+    for a, b in moves:
+        nodes[b].prepend(nodes[a])
+    gemms._sort(graph)
+    graph.lint()
+    assert list(graph.nodes)[0] is x and list(graph.nodes)[-1].op == "output"

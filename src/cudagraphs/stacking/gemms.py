@@ -18,13 +18,17 @@ result:
 * **forward**: ``x @ W_i.T`` for adjacent ``W_i`` and one ``x`` is one GEMM over
   their rows; each projection gets a contiguous copy of its columns (inductor fuses
   the copy into the pointwise work reading it; a view would make the compile guard the
-  batch, see :func:`_merge_forward`). ``addmm`` with the biases likewise.
+  batch, see :func:`_merge_forward`). ``addmm`` with the biases likewise. Under
+  autocast each ``W_i`` is first cast (float32 parameters, bfloat16 GEMMs): the group
+  is then cast once, and each member's cast becomes its rows of that one.
 * **input gradient**: ``G_i @ W_i`` summed over the group (the gradient of ``x``) is
   one GEMM ``cat(G_i) @ W``: the last of them becomes it, the others zeros that the
   sum's kernel absorbs. Merged only where the graph sums them and nothing else reads
   them (:func:`_summed_runs`).
-* **weight gradient**: ``G_i.T @ x`` for the same ``G_i`` and one ``x`` is one GEMM
-  ``cat(G_i).T @ x``, each weight's gradient its rows (contiguous views).
+* **weight gradient**: ``G_i.T @ x`` for one ``x`` is one GEMM ``cat(G_i).T @ x``,
+  each weight's gradient its rows (contiguous views). It needs no weight, so it holds
+  where the input gradient could not merge too: under autocast the backward reads its
+  own saved casts of the weights, which are no group's rows.
 
 Graph inputs are viewed beyond their own extent with ``as_strided`` from the group's
 input at storage offset 0, the only base whose offsets inductor reads the same way in
@@ -37,6 +41,7 @@ them (:class:`~cudagraphs.stacking.StackedCompiled` checks that at every call).
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import defaultdict
 from collections.abc import Mapping
@@ -202,11 +207,40 @@ def _input_key(x: fx.Node) -> Any:
 
 # ---- forward: x @ W_i.T -------------------------------------------------------------
 @dataclass(frozen=True)
+class _Operand:
+    """A weight (or bias) operand: its rows, and the cast to ``dtype`` it goes through
+    first (autocast's copy of a float32 parameter), if any."""
+
+    rows: _Rows
+    cast: fx.Node | None = None
+
+    @property
+    def key(self) -> Any:
+        return (self.rows.key, None if self.cast is None else self.cast.args[1])
+
+
+def _operand(node: Any, bases: Mapping[Any, fx.Node]) -> _Operand | None:
+    cast = None
+    if (
+        isinstance(node, fx.Node)
+        and node.target is torch.ops.prims.convert_element_type.default
+        and not node.kwargs
+    ):
+        cast, node = node, node.args[0]
+    rows = _rows(node, bases)
+    return None if rows is None else _Operand(rows, cast)
+
+
+@dataclass(frozen=True)
 class _Forward:
     node: fx.Node
     x: fx.Node
-    rows: _Rows
-    bias: _Rows | None
+    weight: _Operand
+    bias: _Operand | None
+
+    @property
+    def rows(self) -> _Rows:
+        return self.weight.rows
 
 
 def _forward(node: fx.Node, bases: Mapping[Any, fx.Node]) -> _Forward | None:
@@ -218,15 +252,38 @@ def _forward(node: fx.Node, bases: Mapping[Any, fx.Node]) -> _Forward | None:
     else:
         return None
     w, odd = _strip_transposes(w)
-    rows = _rows(w, bases) if odd else None
-    if rows is None or not isinstance(x, fx.Node):
+    weight = _operand(w, bases) if odd else None
+    if weight is None or not isinstance(x, fx.Node):
         return None
-    bias_rows = None
+    bias_operand = None
     if bias is not None:
-        bias_rows = _rows(bias, bases)
-        if bias_rows is None or (bias_rows.start, bias_rows.stop) != (rows.start, rows.stop):
+        bias_operand = _operand(bias, bases)
+        if bias_operand is None or (bias_operand.rows.start, bias_operand.rows.stop) != (
+            weight.rows.start,
+            weight.rows.stop,
+        ):
             return None
-    return _Forward(node, x, rows, bias_rows)
+    return _Forward(node, x, weight, bias_operand)
+
+
+def _union_cast(graph: fx.Graph, operands: list[_Operand], call: Any) -> fx.Node:
+    """The union of ``operands``' rows, cast as they are; each member's own cast (of
+    the parameter itself) becomes its rows of the one cast, so that autocast's copies
+    of a group's parameters are one kernel rather than one each. Inserted where it
+    is called from (before every member's cast)."""
+    union = _union([o.rows for o in operands], call)
+    cast = operands[0].cast
+    if cast is None:
+        return union
+    union = call(torch.ops.prims.convert_element_type.default, union, cast.args[1])
+    start = operands[0].rows.start
+    for o in operands:
+        if o.cast is not None and o.cast.args[0].op == "placeholder":
+            part = call(
+                torch.ops.aten.slice.Tensor, union, 0, o.rows.start - start, o.rows.stop - start
+            )
+            o.cast.replace_all_uses_with(part)
+    return union
 
 
 def _merge_forward(graph: fx.Graph, run: list[_Forward]) -> None:
@@ -241,15 +298,20 @@ def _merge_forward(graph: fx.Graph, run: list[_Forward]) -> None:
     aten = torch.ops.aten
     order = {node: i for i, node in enumerate(graph.nodes)}
     first = min(run, key=lambda g: order[g.node])
+    casts = [o.cast for g in run for o in (g.weight, g.bias) if o is not None and o.cast]
     start = run[0].rows.start
     call = _caller(graph)
+    # Before every member's cast: those casts become rows of the union's.
+    with graph.inserting_before(min([first.node, *casts], key=order.__getitem__)):
+        weights = _union_cast(graph, [g.weight for g in run], call)
+        biases = None
+        if first.bias is not None:
+            biases = _union_cast(graph, [g.bias for g in run], call)
     with graph.inserting_before(first.node):
-        weights = _union([g.rows for g in run], call)
         transposed = call(aten.permute.default, weights, [1, 0])
-        if first.bias is None:
+        if biases is None:
             out = call(aten.mm.default, first.x, transposed)
         else:
-            biases = _union([g.bias for g in run], call)
             out = call(aten.addmm.default, biases, first.x, transposed)
         for g in run:
             part = call(aten.slice.Tensor, out, 1, g.rows.start - start, g.rows.stop - start)
@@ -389,27 +451,106 @@ def _merge_backward(graph: fx.Graph, run: list[_InputGrad]) -> int:
     last.node.replace_all_uses_with(merged)
     for g in run:
         graph.erase_node(g.node)
-    removed = len(run) - 1
     weight_grads = _weight_grads(graph, grads)
     if weight_grads is None:
-        return removed
-    # Before the first reader of any weight gradient, which must come after ``x``
-    # and the cat (inside a graph that accumulates them, it may not).
+        return len(run) - 1
+    return len(run) - 1 + _merge_weight_grads(graph, weight_grads, cat)
+
+
+def _weight_grad(node: fx.Node) -> fx.Node | None:
+    """``G`` of a GEMM ``G.T @ x`` (a linear's weight gradient), else None."""
+    aten = torch.ops.aten
+    if node.target is not aten.mm.default or node.kwargs:
+        return None
+    t, x = node.args
+    if not (
+        isinstance(t, fx.Node)
+        and isinstance(x, fx.Node)
+        and t.target is aten.permute.default
+        and list(t.args[1]) == [1, 0]
+        and isinstance(t.args[0], fx.Node)
+        and _val(t.args[0]) is not None
+        and _val(t.args[0]).dim() == 2
+    ):
+        return None
+    return t.args[0]
+
+
+def _merge_weight_grads(graph: fx.Graph, mms: list[fx.Node], cat: fx.Node | None = None) -> int:
+    """``G_i.T @ x`` for one ``x`` as one GEMM ``cat(G_i).T @ x``, each result its rows
+    (``cat``: that of the ``G_i`` in this order, where made already); GEMMs removed.
+    Left alone where a ``G_i`` is computed from a result.
+
+    The GEMM goes after the last ``G_i``; readers of a result that came before it
+    (autocast casts each weight gradient to float32 as soon as it is made) move after
+    it, the graph's order otherwise kept (:func:`_sort`)."""
+    aten = torch.ops.aten
+    grads = [mm.args[0].args[0] for mm in mms]
+    x = mms[0].args[1]
+    if set(mms) & _ancestors(grads):
+        return 0
     order = {node: i for i, node in enumerate(graph.nodes)}
-    before = min((u for mm in weight_grads for u in mm.users), key=order.__getitem__)
-    x = weight_grads[0].args[1]
-    if max(order[cat], order[x]) >= order[before]:
-        return removed
-    with graph.inserting_before(before):
-        merged_w = call(aten.mm.default, call(aten.permute.default, cat, [1, 0]), x)
+    call = _caller(graph)
+    if cat is None:
+        with graph.inserting_after(max(grads, key=order.__getitem__)):
+            cat = call(aten.cat.default, grads, 1)
+        order = {node: i for i, node in enumerate(graph.nodes)}
+    # inserting_before the next node: inserting_after puts each new node first.
+    with graph.inserting_before(max([cat, x], key=order.__getitem__).next):
+        merged = call(aten.mm.default, call(aten.permute.default, cat, [1, 0]), x)
+        parts = []
         start = 0
-        for mm in weight_grads:
+        for mm in mms:
             stop = start + _val(mm).shape[0]
-            mm.replace_all_uses_with(call(aten.slice.Tensor, merged_w, 0, start, stop))
+            parts.append(call(aten.slice.Tensor, merged, 0, start, stop))
             start = stop
-    for mm in weight_grads:
+    for mm, part in zip(mms, parts):
+        mm.replace_all_uses_with(part)
         graph.erase_node(mm)
-    return removed + len(weight_grads) - 1
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    if any(order[u] < order[part] for part in parts for u in part.users):
+        _sort(graph)
+    return len(mms) - 1
+
+
+def _sort(graph: fx.Graph) -> None:
+    """Order ``graph`` so that every node comes after its inputs, keeping the order it
+    had wherever that allows (Kahn's algorithm, the earliest ready node first)."""
+    nodes = list(graph.nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    waiting = {node: len(set(node.all_input_nodes)) for node in nodes}
+    ready = [index[n] for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    ordered = []
+    while ready:
+        node = nodes[heapq.heappop(ready)]
+        ordered.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, index[user])
+    for before, after in zip(ordered, ordered[1:]):
+        before.append(after)
+
+
+def _distinct_grads(mms: list[fx.Node]) -> list[fx.Node]:
+    """``mms`` with one GEMM per ``G`` (the first)."""
+    seen: dict[fx.Node, fx.Node] = {}
+    for mm in mms:
+        seen.setdefault(mm.args[0].args[0], mm)
+    return list(seen.values())
+
+
+def _weight_grad_groups(graph: fx.Graph) -> list[list[fx.Node]]:
+    """The weight-gradient GEMMs left, by their ``x`` (the same reshape counted once),
+    dtype and rows, in graph order: each group of two or more can be one GEMM."""
+    groups: dict[Any, list[fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        grad = _weight_grad(node) if node.op == "call_function" else None
+        if grad is not None:
+            val = _val(grad)
+            groups[(_input_key(node.args[1]), val.dtype, val.shape[0])].append(node)
+    return [mms for mms in groups.values() if len({m.args[0].args[0] for m in mms}) > 1]
 
 
 # ---- the pass ------------------------------------------------------------------------
@@ -425,7 +566,7 @@ def stack_graph(graph: fx.Graph) -> int:
         fwd = _forward(node, bases)
         if fwd is not None:
             bias_key = None if fwd.bias is None else fwd.bias.key
-            forwards[(_input_key(fwd.x), fwd.rows.key, bias_key)].append(fwd)
+            forwards[(_input_key(fwd.x), fwd.weight.key, bias_key)].append(fwd)
             continue
         grad = _input_grad(node, bases)
         if grad is not None:
@@ -439,6 +580,10 @@ def stack_graph(graph: fx.Graph) -> int:
         for run in _runs(items):
             for part in _summed_runs(run):
                 removed += _merge_backward(graph, part)
+    # Weight gradients whose input gradients did not merge (autocast's backward reads
+    # its own saved copies of the weights, no group's rows) still share their ``x``.
+    for mms in _weight_grad_groups(graph):
+        removed += _merge_weight_grads(graph, _distinct_grads(mms))
     if removed:
         graph.eliminate_dead_code()
     return removed
