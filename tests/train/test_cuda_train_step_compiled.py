@@ -77,6 +77,23 @@ def reference_optimizer_step(ref_opt, impl):
     return compiled_optimizer_step(ref_opt) if plan == "compiled" else None
 
 
+def hf_step(model, count):
+    """A step over an HF causal LM with its own loss from labels; counts its calls."""
+
+    def step(batch):
+        count[0] += 1
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        return loss
+
+    return step
+
+
+def hf_batches(n=5, seed=3):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randint(0, 128, (2, 32), generator=g).cuda() for _ in range(n)]
+
+
 @pytest.mark.parametrize("impl", ["auto", "fused"])
 def test_a_compiled_model_graphs_and_trains_like_its_eager_compiled_loop(impl):
     model = Stack()
@@ -156,23 +173,13 @@ def test_a_compiled_hf_model_graphs_and_trains_like_its_eager_compiled_loop(fami
     ref_step = reference_optimizer_step(ref_opt, "auto")
     calls = [0]
 
-    def step_for(m, count):
-        def step(batch):
-            count[0] += 1
-            loss = m(input_ids=batch, labels=batch, use_cache=False).loss
-            loss.backward()
-            return loss
-
-        return step
-
-    g = torch.Generator(device="cpu").manual_seed(3)
-    data = [torch.randint(0, 128, (2, 32), generator=g).cuda() for _ in range(5)]
-    step = cudagraphs.graph_train_step(step_for(compiled, calls), data[0], optimizer=opt)
+    data = hf_batches()
+    step = cudagraphs.graph_train_step(hf_step(compiled, calls), data[0], optimizer=opt)
     assert step.graphed and step.stats.compiled_frames >= 1 and step.optimizer_compiled
     before = calls[0]
     losses = [step(b).clone() for b in data]
     assert calls[0] == before, "a graphed step ran step_fn's Python: it did not replay"
-    ref_losses = eager_loop(step_for(ref_compiled, [0]), ref, ref_opt, data, ref_step)
+    ref_losses = eager_loop(hf_step(ref_compiled, [0]), ref, ref_opt, data, ref_step)
     assert_same_steps(model, ref, losses, ref_losses, f"{family}: ")
 
 
@@ -212,28 +219,18 @@ def test_a_stacked_compiled_hf_model_graphs_trains_like_its_eager_loop_with_fewe
     ref_step = reference_optimizer_step(opts[1], "auto")
     plain_step = reference_optimizer_step(opts[2], "auto")
 
-    def step_for(m, count):
-        def step(batch):
-            count[0] += 1
-            loss = m(input_ids=batch, labels=batch, use_cache=False).loss
-            loss.backward()
-            return loss
-
-        return step
-
-    g = torch.Generator(device="cpu").manual_seed(3)
-    data = [torch.randint(0, 128, (2, 32), generator=g).cuda() for _ in range(5)]
+    data = hf_batches()
     calls = [0]
-    step = cudagraphs.graph_train_step(step_for(compiled, calls), data[0], optimizer=opts[0])
+    step = cudagraphs.graph_train_step(hf_step(compiled, calls), data[0], optimizer=opts[0])
     assert step.graphed and step.optimizer_compiled
     made = list(removed)  # the forward's and the backward's (and the optimizer's: 0)
     assert per_layer * layers in made and 2 * per_layer * layers in made, made
     before = calls[0]
     losses = [step(b).clone() for b in data]
     assert calls[0] == before, "a graphed step ran step_fn's Python: it did not replay"
-    ref_losses = eager_loop(step_for(ref_compiled, [0]), ref, opts[1], data, ref_step)
+    ref_losses = eager_loop(hf_step(ref_compiled, [0]), ref, opts[1], data, ref_step)
     assert_same_steps(model, ref, losses, ref_losses, f"{family} stacked: ")
-    plain_losses = eager_loop(step_for(plain_compiled, [0]), plain, opts[2], data, plain_step)
+    plain_losses = eager_loop(hf_step(plain_compiled, [0]), plain, opts[2], data, plain_step)
     for i, (a, b) in enumerate(zip(losses, plain_losses)):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=f"loss of step {i}")
     assert not compiled.groups.moved()

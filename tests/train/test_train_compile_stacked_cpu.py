@@ -38,6 +38,12 @@ def _builders(graph, values):
     return placeholder, node
 
 
+def _buffer(intervals):
+    """The buffer whose rows ``intervals`` are (as many rows as the last ends at)."""
+    torch.manual_seed(0)
+    return torch.randn(max(stop for _, stop in intervals), WIDTH, dtype=torch.float64)
+
+
 # ---- the backward rewrites, against a reference --------------------------------------
 def _backward_graph(intervals, summed, doubled, with_base):
     """A post-grad-like backward: per member ``i`` (rows ``intervals[i]`` of one
@@ -46,10 +52,7 @@ def _backward_graph(intervals, summed, doubled, with_base):
     gradients of ``summed`` are added into one sum (each reshaped first, as a linear's
     are); the others are outputs of their own. Meta values are real tensors, the
     members real views of the buffer."""
-    torch.manual_seed(0)
-    rows = max(stop for _, stop in intervals)
-    buffer = torch.randn(rows, WIDTH, dtype=torch.float64)
-    graph, values = fx.Graph(), {}
+    buffer, graph, values = _buffer(intervals), fx.Graph(), {}
     placeholder, node = _builders(graph, values)
 
     if with_base:
@@ -241,10 +244,7 @@ def _forward_graph(intervals, other_input, with_base, base_dtype=torch.float64):
     real view of one buffer) and ``x @ W_i.T``, over ``x`` (or ``y`` for
     ``other_input``); ``with_base`` adds an input viewing the whole buffer (as
     ``base_dtype``)."""
-    torch.manual_seed(0)
-    rows = max(stop for _, stop in intervals)
-    buffer = torch.randn(rows, WIDTH, dtype=torch.float64)
-    graph, values = fx.Graph(), {}
+    buffer, graph, values = _buffer(intervals), fx.Graph(), {}
     placeholder, node = _builders(graph, values)
 
     if with_base:
