@@ -231,6 +231,13 @@ def test_bad_arguments_are_refused_with_the_fix():
         cudagraphs.compile_stacked(nn.Linear(2, 2), backend="eager")
     with pytest.raises(CudaGraphsValueError, match="post_grad_custom_pre_pass"):
         cudagraphs.compile_stacked(nn.Linear(2, 2), options={"post_grad_custom_pre_pass": object()})
+    # The wrapper passes the module's attributes through, as torch.compile's does.
+    linear = nn.Linear(2, 3)
+    wrapped = cudagraphs.compile_stacked(linear)
+    assert wrapped.out_features == 3 and list(wrapped.parameters()) == list(linear.parameters())
+    assert wrapped.eval() is linear and not linear.training
+    with pytest.raises(AttributeError):
+        wrapped.no_such_attribute  # noqa: B018
     # Nothing was stacked or compiled by a refused call.
     linear = nn.Linear(2, 2)
     assert (

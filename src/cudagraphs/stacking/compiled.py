@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 class StackedCompiled:
-    """``module`` compiled by :func:`compile_stacked`; call it as the module.
+    """``module`` compiled by :func:`compile_stacked`; call it as the module. Other
+    attributes are the module's (``.parameters()``, ``.train()``, ``.config``).
 
     Attributes:
         module: the module (its grouped weights re-pointed at their rows).
@@ -62,6 +63,14 @@ class StackedCompiled:
                 "place), or call compile_stacked on the module again"
             )
         return self.compiled(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything else is the module's (``.parameters()``, ``.train()``, ``.config``),
+        # as for the wrapper ``torch.compile`` returns. Only reached for names the
+        # wrapper lacks; ``module`` itself is looked up without recursing.
+        if name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
 
     def unstack(self) -> None:
         """Give every grouped weight memory of its own again; the compiled code is not
