@@ -67,10 +67,12 @@ class StackedCompiled:
     def __getattr__(self, name: str) -> Any:
         # Everything else is the module's (``.parameters()``, ``.train()``, ``.config``),
         # as for the wrapper ``torch.compile`` returns. Only reached for names the
-        # wrapper lacks; ``module`` itself is looked up without recursing.
-        if name == "module":
-            raise AttributeError(name)
-        return getattr(self.module, name)
+        # wrapper lacks; before ``module`` is set (a copy being made), Python's own
+        # lookup answers, without recursing.
+        module = self.__dict__.get("module")
+        if module is None:
+            return object.__getattribute__(self, name)
+        return getattr(module, name)
 
     def unstack(self) -> None:
         """Give every grouped weight memory of its own again; the compiled code is not
