@@ -390,3 +390,20 @@ def test_sorting_puts_every_node_after_its_inputs_and_keeps_a_valid_order(edges,
     gemms._sort(graph)
     graph.lint()
     assert list(graph.nodes)[0] is x and list(graph.nodes)[-1].op == "output"
+
+
+def test_moved_names_exactly_the_weights_no_longer_where_they_were_laid():
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 3)
+
+    pair = Pair()
+    groups = cudagraphs.stacking.stack_projections(pair)
+    assert groups.names == [("a", "b", "c")] and groups.moved() == []
+    with torch.no_grad():
+        pair.b.weight.copy_(torch.ones(2, 4))  # in place: still its rows
+    assert groups.moved() == []
+    pair.a.bias.data = pair.a.bias.data.clone()  # re-pointed
+    pair.c.weight = nn.Parameter(pair.c.weight.detach().clone())  # a new Parameter
+    assert groups.moved() == ["a.bias", "c.weight"]

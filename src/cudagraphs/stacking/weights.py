@@ -84,6 +84,7 @@ class ProjectionGroup:
         biases: the buffer their biases are the parts of (``None``: unbiased).
         forwards: per module, its ``forward`` while a decode step is traced (made once:
             a compiled step's guards see the same objects at every call).
+        addresses: per module, where its weight and bias (``None``: none) were laid.
     """
 
     names: tuple[str, ...]
@@ -91,6 +92,7 @@ class ProjectionGroup:
     weights: torch.Tensor
     biases: torch.Tensor | None
     forwards: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = field(repr=False)
+    addresses: tuple[tuple[int, int | None], ...] = field(repr=False, default=())
 
     @classmethod
     def stack(cls, names: tuple[str, ...], modules: tuple[nn.Linear, ...]) -> ProjectionGroup:
@@ -103,23 +105,20 @@ class ProjectionGroup:
             stop = start + module.weight.shape[0]
             forwards.append(partial(_sliced_linear, weights, biases, start, stop))
             start = stop
-        return cls(names, modules, weights, biases, tuple(forwards))
+        addresses = tuple(
+            (m.weight.data_ptr(), None if m.bias is None else m.bias.data_ptr()) for m in modules
+        )
+        return cls(names, modules, weights, biases, tuple(forwards), addresses)
 
     def moved(self) -> list[str]:
-        """The names of the group's weights and biases that are no longer their rows of
-        the group's buffers (re-pointed since: ``module.to()``, ``param.data = ...``)."""
+        """The names of the group's weights and biases that are no longer where they
+        were laid (re-pointed since: ``module.to()``, ``param.data = ...``, a new
+        ``Parameter`` set on the module)."""
         out = []
-        buffers = (("weight", self.weights), ("bias", self.biases))
-        for name, module in zip(self.names, self.modules):
-            for kind, buffer in buffers:
-                if buffer is None:
-                    continue
-                param = getattr(module, kind)
-                ptr, end = buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes
-                if (
-                    param.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
-                    or not (ptr <= param.data_ptr() < end)
-                ):
+        for name, module, (weight, bias) in zip(self.names, self.modules, self.addresses):
+            for kind, address in (("weight", weight), ("bias", bias)):
+                tensor = getattr(module, kind)
+                if address is not None and (tensor is None or tensor.data_ptr() != address):
                     out.append(f"{name}.{kind}")
         return out
 
