@@ -106,6 +106,23 @@ def _gemms(graph):
     return sum(n.target is aten.mm.default for n in graph.nodes)
 
 
+def _assert_pass_removes(graph, values, removed, tol=1e-12):
+    """The pass removes exactly ``removed`` GEMMs, leaves a valid graph, and every
+    output is what it was (``None`` outputs too)."""
+    want = fx.GraphModule(nn.Module(), graph)(**values)
+    before = _gemms(graph)
+    assert stack_graph(graph) == removed
+    graph.lint()
+    assert _gemms(graph) == before - removed
+    got = fx.GraphModule(nn.Module(), graph)(**values)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+            continue
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     cuts=st.lists(st.integers(0, 24), min_size=2, max_size=8),
@@ -125,19 +142,7 @@ def test_the_backward_rewrites_merge_exactly_what_the_reference_says(
         return
     summed = {i for i in summed if i < len(intervals)}
     graph, values = _backward_graph(intervals, summed, doubled, with_base)
-    run = fx.GraphModule(nn.Module(), graph)
-    want = run(**values)
-    before = _gemms(graph)
-    removed = _reference_removed(intervals, summed, with_base)
-    assert stack_graph(graph) == removed
-    graph.lint()
-    assert _gemms(graph) == before - removed
-    got = fx.GraphModule(nn.Module(), graph)(**values)
-    for a, b in zip(got, want):
-        if b is None:
-            assert a is None
-            continue
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    _assert_pass_removes(graph, values, _reference_removed(intervals, summed, with_base))
 
 
 def test_a_member_whose_gradient_feeds_another_is_not_merged():
@@ -246,42 +251,58 @@ def test_bad_arguments_are_refused_with_the_fix():
 
 
 # ---- the forward rewrite over graph inputs, against a reference ----------------------
-def _forward_graph(intervals, other_input, with_base, base_dtype=torch.float64):
+def _forward_graph(intervals, other_input, with_base, base_dtype=torch.float64, cast=False):
     """A training forward: per member a weight that is a graph input of its own (a
     real view of one buffer) and ``x @ W_i.T``, over ``x`` (or ``y`` for
     ``other_input``); ``with_base`` adds an input viewing the whole buffer (as
-    ``base_dtype``)."""
+    ``base_dtype``); ``cast``: each weight cast to float32 first, as autocast does."""
     buffer, graph, values = _buffer(intervals), fx.Graph(), {}
     placeholder, node = _builders(graph, values)
 
     if with_base:
         placeholder("whole", buffer.view(base_dtype) if base_dtype != buffer.dtype else buffer)
-    x = placeholder("x", torch.randn(M, WIDTH, dtype=torch.float64))
-    y = placeholder("y", torch.randn(M, WIDTH, dtype=torch.float64))
+    dtype = torch.float32 if cast else torch.float64
+    x = placeholder("x", torch.randn(M, WIDTH, dtype=dtype))
+    y = placeholder("y", torch.randn(M, WIDTH, dtype=dtype))
     # Graph inputs first, as in every graph inductor passes on.
     weights = [placeholder(f"w{i}", buffer[a:b]) for i, (a, b) in enumerate(intervals)]
     outs = []
     for i, w in enumerate(weights):
+        if cast:
+            w = node(torch.ops.prims.convert_element_type.default, w, torch.float32)
         t = node(aten.permute.default, w, [1, 0])
         outs.append(node(aten.mm.default, y if i in other_input else x, t))
     graph.output(tuple(outs))
     return graph, values
 
 
-def _reference_forward_removed(intervals, other_input, with_base):
+def _reference_forward_runs(intervals, other_input, with_base):
     """Per input: members sorted by rows, split where one does not start at the last
-    one's end; each run of n >= 2 is one GEMM (n - 1 fewer). None without a graph
-    input at the buffer's start."""
+    one's end; the runs of two or more (none without a graph input at the buffer's
+    start). Each run is one GEMM (n - 1 fewer)."""
     if not (with_base or any(start == 0 for start, _ in intervals)):
-        return 0
-    removed = 0
+        return []
+    runs = []
     for chosen in (
         sorted(iv for i, iv in enumerate(intervals) if i not in other_input),
         sorted(iv for i, iv in enumerate(intervals) if i in other_input),
     ):
+        run = chosen[:1]
         for before, after in zip(chosen, chosen[1:]):
-            removed += after[0] == before[1]
-    return removed
+            if after[0] == before[1]:
+                run.append(after)
+                continue
+            runs.append(run)
+            run = [after]
+        runs.append(run)
+    return [r for r in runs if len(r) > 1]
+
+
+def _casts_of_inputs(graph):
+    return sum(
+        n.target is torch.ops.prims.convert_element_type.default and n.args[0].op == "placeholder"
+        for n in graph.nodes
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -291,9 +312,10 @@ def _reference_forward_removed(intervals, other_input, with_base):
     order=st.permutations(range(7)),
     other=st.sets(st.integers(0, 6), max_size=3),
     with_base=st.booleans(),
+    cast=st.booleans(),
 )
 def test_the_forward_rewrite_over_graph_inputs_merges_exactly_the_adjacent_runs(
-    cuts, keep, order, other, with_base
+    cuts, keep, order, other, with_base, cast
 ):
     bounds = sorted(set(cuts))
     pieces = list(zip(bounds, bounds[1:]))
@@ -301,16 +323,12 @@ def test_the_forward_rewrite_over_graph_inputs_merges_exactly_the_adjacent_runs(
     if not intervals:
         return
     other = {i for i in other if i < len(intervals)}
-    graph, values = _forward_graph(intervals, other, with_base)
-    want = fx.GraphModule(nn.Module(), graph)(**values)
-    before = _gemms(graph)
-    removed = _reference_forward_removed(intervals, other, with_base)
-    assert stack_graph(graph) == removed
-    graph.lint()
-    assert _gemms(graph) == before - removed
-    got = fx.GraphModule(nn.Module(), graph)(**values)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    graph, values = _forward_graph(intervals, other, with_base, cast=cast)
+    runs = _reference_forward_runs(intervals, other, with_base)
+    removed = sum(len(r) - 1 for r in runs)
+    _assert_pass_removes(graph, values, removed, tol=1e-5 if cast else 1e-12)
+    # Cast: a run's members read rows of one cast of the run; the others keep theirs.
+    assert _casts_of_inputs(graph) == (len(intervals) - sum(map(len, runs)) if cast else 0)
 
 
 def test_a_base_of_another_dtype_is_no_base():
@@ -334,16 +352,9 @@ def test_under_autocast_a_group_is_one_cast_one_gemm_and_one_weight_gradient_gem
     casts = []
 
     def counting(graph):
-        def on_params():
-            return sum(
-                n.target is torch.ops.prims.convert_element_type.default
-                and n.args[0].op == "placeholder"
-                for n in graph.nodes
-            )
-
-        before = on_params()
+        before = _casts_of_inputs(graph)
         out = real(graph)
-        casts.append((before, on_params()))
+        casts.append((before, _casts_of_inputs(graph)))
         return out
 
     real = gemms.stack_graph
