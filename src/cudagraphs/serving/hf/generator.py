@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend
 
-from ...checks import check_instance, check_int
+from ...checks import check_bool, check_instance, check_int
 from ...compile_watch import check_compile_options
 from ...diagnostics import WarnOnce
 from ...errors import CudaGraphCaptureError, CudaGraphsStateError, CudaGraphsTypeError
@@ -61,6 +61,7 @@ from ..runner import GraphRunner
 from .attention import check_sdpa_backends, sdpa_scope
 from .cache import LayerShape, SharedStaticCache, cache_keyword, layer_shapes, static_layer_check
 from .experts import DecodeExperts, decode_experts
+from .gqa import PackedGqa
 from .per_token import EndFlag, decode_loop
 from .prefill import (
     DEFAULT_PREFILL_TOKENS,
@@ -178,6 +179,15 @@ class GraphedGenerator:
             would read the weights' old memory. Default ``None``: on where inductor
             compiles and ``compile_options`` set no ``post_grad_custom_pre_pass``;
             ``True`` requires that; ``False``: off.
+        pack_gqa: read each key/value head's group of query heads as that head's rows
+            in the decode step's attention (:mod:`.gqa`), so the graphs never copy the
+            cache to repeat its heads (HF's compiled SDPA attention does, every layer
+            and step). The same attention over the same cache; the kernel sees fewer
+            heads with more rows. Only one-token steps of grouped heads with SDPA's
+            plain options are packed, every other call goes to transformers' own.
+            Default ``None``: on with ``compile_options`` (the compiled kernels set the
+            tokens' rounding there anyway), off without, where the graphs record HF's
+            eager attention as it runs; ``True`` or ``False``: on or off.
 
     Raises:
         CudaGraphsTypeError: ``model`` not an ``nn.Module`` with a ``config``.
@@ -188,6 +198,7 @@ class GraphedGenerator:
             ``prefill_lengths`` repeated or longer than ``max_cache_len``,
             ``prefill_tokens`` below 1, or ``stack_projections=True`` where inductor
             does not compile or its post-grad pass is taken.
+        CudaGraphsTypeError: ``pack_gqa`` neither a bool nor ``None``.
         UnsupportedModelError: an encoder-decoder or stateful model, a model HF does not
             mark as graph-safe (``_can_compile_fullgraph``), a cache with other layers
             than full attention and sliding windows (chunked or linear attention), or
@@ -210,6 +221,7 @@ class GraphedGenerator:
         prefill_lengths: Sequence[int] | None = None,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         stack_projections: bool | None = None,
+        pack_gqa: bool | None = None,
     ) -> None:
         check_instance("model", model, nn.Module, "a transformers causal LM (nn.Module)")
         if getattr(model, "config", None) is None:
@@ -234,6 +246,10 @@ class GraphedGenerator:
         # forward serves every bucket, with the batch size as a dynamic dimension.
         self._step_model: Callable[..., Any] = model
         self._stack = check_stack_projections(stack_projections, self.compile_options)
+        if pack_gqa is None:
+            pack_gqa = compile_options is not None
+        #: The decode steps' attention with grouped heads packed (None: off).
+        self.packed_gqa = PackedGqa() if check_bool("pack_gqa", pack_gqa) else None
         #: The projection groups laid back to back at capture (empty: none).
         self.stacked = StackedGroups()
         if compile_options is not None:
@@ -503,7 +519,8 @@ class GraphedGenerator:
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
         regions = nullcontext() if self._regions is None else self._regions.marked()
-        with sdpa_scope(self.sdpa_backends), regions, self.stacked.reading():
+        packed = nullcontext() if self.packed_gqa is None else self.packed_gqa.installed()
+        with sdpa_scope(self.sdpa_backends), regions, self.stacked.reading(), packed:
             return self._decode_on(
                 self._step_model, self.kv, input_ids, position_ids, attention_mask
             )
@@ -742,7 +759,8 @@ class GraphedGenerator:
         seconds; ``None`` before capture and after close) and ``subgraph_schemas``
         (the decoder layers' region schema memo of the last capture: ``active``,
         ``built``, ``reused``; ``None`` before capture) and ``stacked_projections``
-        (the linear groups whose weights lie back to back; 0: none)."""
+        (the linear groups whose weights lie back to back; 0: none) and ``pack_gqa``
+        (whether the decode steps' attention packs grouped heads)."""
         out = self.runner.stats()
         out["requests"] = dict(self.requests)
         out["tokens"] = self.tokens
@@ -754,6 +772,7 @@ class GraphedGenerator:
         out["compile_regions"] = 0 if self._regions is None else len(self._regions.layers)
         out["compile_regions_error"] = self.compile_regions_error
         out["stacked_projections"] = len(self.stacked.groups)
+        out["pack_gqa"] = self.packed_gqa is not None
         out["prefills"] = dict(self.prefills)
         out["prefill_graphs"] = None if self.prefill is None else self.prefill.stats()
         memo = self.subgraph_schemas
