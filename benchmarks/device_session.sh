@@ -10,7 +10,8 @@
 #   fp8          train_fp8.py once (about 230 s on an H200 at batch 1); FP8_BATCH sets --batch,
 #                FP8_RECIPES --recipes (default: both)
 #   serving      serving_hf.py on Llama without the startup children (about 300 s);
-#                INDUCTOR set: with --inductor-config $INDUCTOR (HF's compile and ours alike)
+#                INDUCTOR set: with --inductor-config $INDUCTOR (HF's compile and ours alike);
+#                PACK_GQA=1: our compiled generator with pack_gqa=True
 #   hf_compiled  train_step_hf.py: eager, ours, ours compiled (fused and compiled optimizer
 #                step), torch's two compiled recipes; one model is about 370 s on an
 #                H200 (HF_MODELS=llama, then HF_MODELS=qwen3_moe: both do not fit a call)
@@ -105,6 +106,7 @@ serving)
     extra=()
     # shellcheck disable=SC2206  # INDUCTOR is a list of KEY=VALUE pairs
     if [ -n "${INDUCTOR:-}" ]; then extra=(--inductor-config $INDUCTOR); fi
+    if [ -n "${PACK_GQA:-}" ]; then extra+=(--pack-gqa); fi
     bench "serving-$label" 560 benchmarks/serving_hf.py "${common[@]}" --models llama --skip-startup \
         --run-label "$label" "${extra[@]}" ;;
 confirm)

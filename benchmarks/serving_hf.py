@@ -29,7 +29,8 @@ new tokens. Variants, all built first, then timed interleaved in shuffled rounds
   kernels recorded in our bucket graphs. Its capture (compiles included) is recorded
   apart; its tokens are compared with both HF static variants for information (the
   leading new tokens equal in every row), not for ``tokens_equal``: fused kernels round
-  differently.
+  differently. ``--pack-gqa`` builds it with ``pack_gqa=True`` (its startup children
+  too); ``settings.compiled_generator_extra`` records it.
 
 Startup (Llama only), each in a fresh process so that nothing of this run is warm:
 the model is built on the GPU, then the clock runs from there to the first token of a
@@ -214,7 +215,7 @@ def hf_variants(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Callable
     return {HF_EAGER: eager, HF_STATIC: static_eager, HF_COMPILED: compiled}
 
 
-def run_model(family: str) -> dict:
+def run_model(family: str, compiled_extra: dict) -> dict:
     from cudagraphs.serving.hf import GraphedGenerator
 
     result: dict = {"config": MODELS[family], "batches": {}, "errors": {}}
@@ -235,6 +236,7 @@ def run_model(family: str) -> dict:
                 max_cache_len=MAX_CACHE_LEN,
                 require_all_buckets=True,
                 compile_options=COMPILE_OPTIONS,
+                **compiled_extra,
             )
             compiled.capture()
             torch.cuda.synchronize()
@@ -446,11 +448,11 @@ def startup_runs() -> dict:
     return out
 
 
-def compiled_startups() -> dict:
+def compiled_startups(compiled_extra: dict) -> dict:
     """The compiled generator's startup in a fresh process: with an empty inductor cache
     (a first start: every compile runs), then again with the cache it left (a restart:
     dynamo still traces, inductor loads its kernels)."""
-    extra = {"compile_options": COMPILE_OPTIONS}
+    extra = {"compile_options": COMPILE_OPTIONS, **compiled_extra}
     with tempfile.TemporaryDirectory(prefix="serving_hf_inductor_") as cache_dir:
         env = {"TORCHINDUCTOR_CACHE_DIR": cache_dir}
         return {
@@ -459,7 +461,7 @@ def compiled_startups() -> dict:
         }
 
 
-def profile_ours(report: dict) -> None:
+def profile_ours(report: dict, compiled_extra: dict) -> None:
     """Our own kernel-busy ms, launches and heaviest kernels per token, per model and
     batch (after all timing): ``kernel_busy_ms_per_token`` and the others for the
     generator of eager kernels, the same with a ``compiled_`` prefix for the one with
@@ -469,8 +471,9 @@ def profile_ours(report: dict) -> None:
     for family in report["models"]:
         model = build_model(family)
         for prefix, options in (("", None), ("compiled_", COMPILE_OPTIONS)):
+            extra = compiled_extra if options is not None else {}
             gen = GraphedGenerator(
-                model, BUCKETS, max_cache_len=MAX_CACHE_LEN, compile_options=options
+                model, BUCKETS, max_cache_len=MAX_CACHE_LEN, compile_options=options, **extra
             )
             gen.capture()
             with torch.no_grad():
@@ -577,6 +580,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-kernel-busy", action="store_true")
     p.add_argument("--skip-startup", action="store_true", help="the eager generator's startup")
     p.add_argument("--skip-compiled-startup", action="store_true")
+    p.add_argument(
+        "--pack-gqa",
+        action="store_true",
+        help="the compiled generator with pack_gqa=True (grouped heads read as rows at decode)",
+    )
     add_inductor_config_argument(p)
     return p.parse_args(argv)
 
@@ -603,18 +611,20 @@ def main(argv: list[str] | None = None) -> int:
         "startup": "fresh process; model built on the GPU, then the clock to the first token",
         # HF's compiled generate and ours alike; the startup children keep the defaults.
         "inductor_config": args.inductor,
+        "compiled_generator_extra": {"pack_gqa": True} if args.pack_gqa else {},
     }
+    compiled_extra = report["settings"]["compiled_generator_extra"]
     if not args.skip_startup:
         report["startup"] = startup_runs()
         log(f"startup: {report['startup']}")
     if not args.skip_compiled_startup:
-        report["compiled_startup"] = compiled_startups()
+        report["compiled_startup"] = compiled_startups(compiled_extra)
         log(f"compiled startup: {report['compiled_startup']}")
     report["models"] = {}
     with inductor_config(args.inductor):
         for family in args.models:
             try:
-                report["models"][family] = run_model(family)
+                report["models"][family] = run_model(family, compiled_extra)
             except Exception as exc:
                 report["models"][family] = {"errors": {"run": describe_error(exc)}}
             free_memory()
@@ -622,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(NAME, report, args.out, final=False)
         if not args.skip_kernel_busy:
             try:
-                profile_ours(report)
+                profile_ours(report, compiled_extra)
             except Exception as exc:
                 report["kernel_busy_error"] = describe_error(exc)
     report["elapsed_s"] = round(time.perf_counter() - started, 1)

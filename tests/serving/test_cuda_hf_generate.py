@@ -382,3 +382,34 @@ def test_stacked_projections_cut_three_gemms_a_layer_and_keep_hfs_greedy_tokens_
     # At least the three GEMMs a layer (cuBLAS may run a small one as two kernels),
     # the copies of each projection's columns fused into their readers.
     assert per_step[False] - per_step[None] >= 3 * layers, per_step
+
+
+def test_packed_gqa_drops_the_repeated_cache_copies_and_keeps_hfs_greedy_tokens_in_fp32():
+    # pack_gqa=True: each key/value head's group of query heads read as its rows, so
+    # the decode step no longer copies the cache to repeat its heads: two kernels
+    # fewer a layer (keys and values) or more than pack_gqa=False, the same tokens.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build("llama", torch.float32)
+    assert LLAMA["num_attention_heads"] > LLAMA["num_key_value_heads"]  # grouped heads
+    layers = LLAMA["num_hidden_layers"]
+    ids, mask = prompts(4, seed=4)
+    per_step = {}
+    for pack in (True, False):
+        gen = compiled(model, (1, 4), pack_gqa=pack)
+        assert gen.stats()["pack_gqa"] is pack
+        for batch in (4, 3, 1):
+            b_ids, b_mask = prompts(batch, seed=batch)
+            ours = gen.generate(
+                b_ids, b_mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD
+            )
+            assert torch.equal(ours, hf_static(model, b_ids, b_mask)), (pack, batch)
+        per_step[pack] = (_kernels(gen, ids, mask, 6) - _kernels(gen, ids, mask, 2)) / 4
+        stats = gen.stats()
+        assert stats["eager_runs"] == {}
+        assert stats["replays"]["bucket(bs=4)"] > 0 and stats["replays"]["bucket(bs=1)"] > 0
+        gen.close()
+        torch._dynamo.reset()
+    assert per_step[False] - per_step[True] >= 2 * layers, per_step

@@ -155,7 +155,7 @@ def test_an_eager_kernel_generator_that_packs_serves_hf_tokens_with_its_steps_pa
         return real(*args)
 
     monkeypatch.setattr(gqa, "packed_attention", counting)
-    assert captured(model, (2, 4)).stats()["pack_gqa"] is False  # off without compile
+    assert captured(model, (2, 4)).stats()["pack_gqa"] is False  # off by default
     assert calls == []
     gen = captured(model, (2, 4), pack_gqa=True)
     assert gen.stats()["pack_gqa"] is True
@@ -169,12 +169,15 @@ def test_an_eager_kernel_generator_that_packs_serves_hf_tokens_with_its_steps_pa
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_a_compiled_generator_packs_by_default_and_serves_hf_tokens():
+def test_a_compiled_generator_that_packs_serves_hf_tokens_with_one_compile():
     from torch._dynamo.utils import counters
 
     model = tiny("qwen3_moe").eval()
+    # Off by default, compiled or not, until it has run on a GPU.
+    unpacked = GraphedGenerator(model, (2, 4), max_cache_len=L, compile_options={})
+    assert unpacked.stats()["pack_gqa"] is False
     counters.clear()
-    gen = captured(model, (2, 4), compile_options={}, require_all_buckets=True)
+    gen = captured(model, (2, 4), compile_options={}, require_all_buckets=True, pack_gqa=True)
     assert gen.stats()["pack_gqa"] is True
     assert_serves_hf_tokens(gen, model, batches=(4, 3, 2, 1), new=4)
     # One compile for every bucket: the packed attention adds no guard that fails.

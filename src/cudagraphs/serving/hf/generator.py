@@ -185,9 +185,10 @@ class GraphedGenerator:
             and step). The same attention over the same cache; the kernel sees fewer
             heads with more rows. Only one-token steps of grouped heads with SDPA's
             plain options are packed, every other call goes to transformers' own.
-            Default ``None``: on with ``compile_options`` (the compiled kernels set the
-            tokens' rounding there anyway), off without, where the graphs record HF's
-            eager attention as it runs; ``True`` or ``False``: on or off.
+            Default ``None``: off (it has not run on a GPU yet); ``True``: on, where
+            with ``compile_options`` the compiled kernels set the tokens' rounding
+            anyway, and without it the graphs record the packed attention in place of
+            HF's eager one (the same math, another kernel shape).
 
     Raises:
         CudaGraphsTypeError: ``model`` not an ``nn.Module`` with a ``config``.
@@ -247,7 +248,7 @@ class GraphedGenerator:
         self._step_model: Callable[..., Any] = model
         self._stack = check_stack_projections(stack_projections, self.compile_options)
         if pack_gqa is None:
-            pack_gqa = compile_options is not None
+            pack_gqa = False
         #: The decode steps' attention with grouped heads packed (None: off).
         self.packed_gqa = PackedGqa() if check_bool("pack_gqa", pack_gqa) else None
         #: The projection groups laid back to back at capture (empty: none).
