@@ -15,7 +15,7 @@ from torch import fx, nn
 import cudagraphs
 from cudagraphs.errors import CudaGraphsStateError, CudaGraphsTypeError, CudaGraphsValueError
 from cudagraphs.stacking import gemms, stack_graph
-from helpers.hf_models import tiny
+from helpers.hf_models import tiny, tiny_arch
 
 aten = torch.ops.aten
 M, WIDTH = 6, 4
@@ -208,6 +208,27 @@ def test_a_stacked_compile_trains_like_the_plain_compile_with_fewer_gemms(remove
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     assert not compiled.groups.moved()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_family_with_biased_projections_trains_like_the_plain_compile(removed):
+    # Qwen2: q/k/v with biases, o_proj without (a group of three), two layers. The
+    # 14-family probe (benchmarks/probes/stacked_train_families_cpu.py, its JSON in
+    # benchmarks/results) covers the others; each costs about a minute here.
+    model = tiny_arch("qwen2", num_hidden_layers=2, vocab_size=128).train()
+    plain = copy.deepcopy(model)
+    compiled, plain_compiled = cudagraphs.compile_stacked(model), torch.compile(plain)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss, plain_loss = _loss(compiled, ids), _loss(plain_compiled, ids)
+    loss.backward()
+    plain_loss.backward()
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-5)
+    assert sorted(removed) == [6, 12], removed  # q/k/v and gate/up: 3 and 6 a layer
+    grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters())]
+    largest = max(b.abs().max().item() for _, b in grads)
+    for a, b in grads:
+        # A key projection's bias gradient is zero in exact arithmetic: rounding alone.
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * largest)
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
