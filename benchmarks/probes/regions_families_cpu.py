@@ -18,7 +18,9 @@ the eager runs. Writes ``probe-regions_families-cpu-torch<version>-<commit>.json
 generator's default ``stack_projections`` lays each layer's sibling linears back to
 back and makes their GEMMs one: the record then keeps ``stacked_projections`` and the
 graphs dynamo compiled (its ``unique_graphs``) instead of the layer-body calls, and
-is written as ``probe-regions_families_stacked-cpu-...``.
+is written as ``probe-regions_families_stacked-cpu-...``. ``--pack-gqa`` builds the
+generators with ``pack_gqa=True`` (grouped heads read as rows at decode; ``_pack_gqa``
+in the name), and the record says per family whether its heads are grouped.
 """
 
 import argparse
@@ -42,7 +44,7 @@ FAMILIES = (
 )  # fmt: skip
 
 
-def one(family: str, stacked: bool = False) -> dict:
+def one(family: str, stacked: bool = False, pack_gqa: bool = False) -> dict:
     torch._dynamo.reset()
     base = CONFIGS.get(family) or ARCH_CONFIGS[family]
     extra = {"num_hidden_layers": 3} if "num_hidden_layers" in base else {}
@@ -64,7 +66,9 @@ def one(family: str, stacked: bool = False) -> dict:
     counters.clear()
     options = {} if stacked else {"backend": inductor}
     t0 = time.perf_counter()
-    gen = captured(model, (2, 4), compile_options=options, require_all_buckets=True)
+    gen = captured(
+        model, (2, 4), compile_options=options, require_all_buckets=True, pack_gqa=pack_gqa
+    )
     seconds = time.perf_counter() - t0
     hop = torch.ops.higher_order.invoke_subgraph
     calls = [[n.args[0].target for n in g.graph.nodes if n.target is hop] for g in graphs]
@@ -85,6 +89,9 @@ def one(family: str, stacked: bool = False) -> dict:
         "compile_regions_error": stats["compile_regions_error"],
         "tokens_equal": tokens_equal,
         "eager_runs": stats["eager_runs"],
+        "pack_gqa": stats["pack_gqa"],
+        "grouped_heads": getattr(model.config, "num_key_value_heads", None)
+        not in (None, getattr(model.config, "num_attention_heads", None)),
     }
 
 
@@ -92,13 +99,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--stacked", action="store_true", help="compile_options={}")
+    parser.add_argument("--pack-gqa", action="store_true", help="pack_gqa=True")
     parser.add_argument("families", nargs="*", default=list(FAMILIES))
     args = parser.parse_args()
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     record = {
-        "probe": "regions_families_stacked" if args.stacked else "regions_families",
+        "probe": "regions_families"
+        + ("_stacked" if args.stacked else "")
+        + ("_pack_gqa" if args.pack_gqa else ""),
         "device": "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -107,7 +117,7 @@ def main() -> None:
     }
     for family in args.families:
         try:
-            run = one(family, args.stacked)
+            run = one(family, args.stacked, args.pack_gqa)
         except Exception as exc:  # recorded; the other families still run
             run = {"error": f"{type(exc).__name__}: {str(exc)[:800]}"}
         record["families"][family] = run
