@@ -271,6 +271,18 @@ def test_bad_arguments_are_refused_with_the_fix():
     )
 
 
+def test_graph_stack_refuses_the_wrapper_with_the_fix():
+    # The wrapper is no nn.Module (its state_dict and hooks are the module's): graph_stack
+    # names it and says where it goes instead.
+    wrapped = cudagraphs.compile_stacked(nn.Linear(2, 2))
+    with pytest.raises(
+        CudaGraphsTypeError, match=r"layers\[0\] \(StackedCompiled\).*graph_train_step"
+    ):
+        cudagraphs.graph_stack([wrapped], (torch.randn(1, 2),))
+    with pytest.raises(CudaGraphsTypeError, match="Wrap functions in a module"):
+        cudagraphs.graph_stack([nn.Linear(2, 2), torch.tanh], (torch.randn(1, 2),))
+
+
 # ---- the forward rewrite over graph inputs, against a reference ----------------------
 def _forward_graph(intervals, other_input, with_base, base_dtype=torch.float64, cast=False):
     """A training forward: per member a weight that is a graph input of its own (a

@@ -77,8 +77,17 @@ def graph_stack(layers: Sequence[nn.Module], sample_args: tuple, **options: Any)
         if not isinstance(m, nn.Module)
     ]
     if bad:
+        # By name: cudagraphs.stacking sits a layer above core, which imports none of it.
+        stacked = any(type(m).__name__ == "StackedCompiled" for m in layers)
+        fix = (
+            "compile_stacked returns a wrapper, not a module: graph the whole step "
+            "with graph_train_step and call it in step_fn, or pass layers that "
+            "torch.compile compiled"
+            if stacked
+            else "Wrap functions in a module."
+        )
         raise CudaGraphsTypeError(
-            f"graph_stack takes nn.Module layers; got {', '.join(bad)}. Wrap functions in a module."
+            f"graph_stack takes nn.Module layers; got {', '.join(bad)}. {fix}"
         )
     pipeline = sorted(k for k in options if k.startswith("_"))
     if pipeline:

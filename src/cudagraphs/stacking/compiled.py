@@ -95,8 +95,9 @@ def compile_stacked(module: nn.Module, **compile_options: Any) -> StackedCompile
     inductor post-grad pass merges their GEMMs (:mod:`.gemms`).
 
     Call it once the module is on its device and in its dtype. Use the result where
-    the compiled module would go: inside ``graph_train_step``'s ``step_fn``, a
-    ``graph_stack`` layer, or a plain loop.
+    the compiled module would be called: inside ``graph_train_step``'s ``step_fn`` or a
+    plain loop. It is no ``nn.Module`` (its ``state_dict`` and hooks are the module's,
+    unprefixed), so ``graph_stack``, which takes modules, refuses it with the fix.
 
     Raises:
         CudaGraphsTypeError: ``module`` not an ``nn.Module``.
