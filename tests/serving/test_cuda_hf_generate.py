@@ -352,6 +352,22 @@ def _kernels(gen, ids, mask, new):
     return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
 
 
+def _kernels_a_step_serving_hf_tokens(gen, model, label):
+    """The kernels of one decode step of ``gen`` at batch 4 (those of four more steps,
+    the prefill's cancelled), after checking HF's greedy tokens at batches 4, 3 and 1,
+    every step replayed."""
+    for batch in (4, 3, 1):
+        ids, mask = prompts(batch, seed=batch)
+        ours = gen.generate(ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+        assert torch.equal(ours, hf_static(model, ids, mask)), (label, batch)
+    ids, mask = prompts(4, seed=4)
+    per_step = (_kernels(gen, ids, mask, 6) - _kernels(gen, ids, mask, 2)) / 4
+    stats = gen.stats()
+    assert stats["eager_runs"] == {}
+    assert stats["replays"]["bucket(bs=4)"] > 0 and stats["replays"]["bucket(bs=1)"] > 0
+    return per_step
+
+
 def test_stacked_projections_cut_three_gemms_a_layer_and_keep_hfs_greedy_tokens_in_fp32():
     # The default of a compiled generator: q/k/v and gate/up one GEMM each, so three
     # kernels fewer a layer or more in every decode step than with stack_projections=False
@@ -362,20 +378,11 @@ def test_stacked_projections_cut_three_gemms_a_layer_and_keep_hfs_greedy_tokens_
     torch.backends.cuda.matmul.allow_tf32 = False
     model = build("llama", torch.float32)
     layers = LLAMA["num_hidden_layers"]
-    ids, mask = prompts(4, seed=4)
     per_step = {}
     for stack in (None, False):
         gen = compiled(model, (1, 4), stack_projections=stack)
         assert gen.stats()["stacked_projections"] == (2 * layers if stack is None else 0)
-        for batch in (4, 3, 1):
-            b_ids, b_mask = prompts(batch, seed=batch)
-            ours = gen.generate(
-                b_ids, b_mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD
-            )
-            assert torch.equal(ours, hf_static(model, b_ids, b_mask)), (stack, batch)
-        per_step[stack] = (_kernels(gen, ids, mask, 6) - _kernels(gen, ids, mask, 2)) / 4
-        assert gen.stats()["eager_runs"] == {}
-        assert gen.stats()["replays"]["bucket(bs=4)"] > 0
+        per_step[stack] = _kernels_a_step_serving_hf_tokens(gen, model, stack)
         gen.close()
         gen.stacked.unstack()
         torch._dynamo.reset()
@@ -395,21 +402,11 @@ def test_packed_gqa_drops_the_repeated_cache_copies_and_keeps_hfs_greedy_tokens_
     model = build("llama", torch.float32)
     assert LLAMA["num_attention_heads"] > LLAMA["num_key_value_heads"]  # grouped heads
     layers = LLAMA["num_hidden_layers"]
-    ids, mask = prompts(4, seed=4)
     per_step = {}
     for pack in (True, False):
         gen = compiled(model, (1, 4), pack_gqa=pack)
         assert gen.stats()["pack_gqa"] is pack
-        for batch in (4, 3, 1):
-            b_ids, b_mask = prompts(batch, seed=batch)
-            ours = gen.generate(
-                b_ids, b_mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD
-            )
-            assert torch.equal(ours, hf_static(model, b_ids, b_mask)), (pack, batch)
-        per_step[pack] = (_kernels(gen, ids, mask, 6) - _kernels(gen, ids, mask, 2)) / 4
-        stats = gen.stats()
-        assert stats["eager_runs"] == {}
-        assert stats["replays"]["bucket(bs=4)"] > 0 and stats["replays"]["bucket(bs=1)"] > 0
+        per_step[pack] = _kernels_a_step_serving_hf_tokens(gen, model, pack)
         gen.close()
         torch._dynamo.reset()
     assert per_step[False] - per_step[True] >= 2 * layers, per_step
