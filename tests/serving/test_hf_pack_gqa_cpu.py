@@ -137,6 +137,30 @@ def test_installed_replaces_sdpa_inside_only_and_passes_other_calls_on_unchanged
         transformers.AttentionInterface.register("sdpa", original)
 
 
+@pytest.mark.parametrize("last", ["first_in", "second_in"])
+def test_overlapping_generators_leave_transformers_own_function(last):
+    # Two generators' decode steps overlapping (threads): the second installs over the
+    # first's function, onto the one beneath it; whichever leaves last, HF's own is
+    # registered afterwards, never a generator's.
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    a, b = gqa.PackedGqa(), gqa.PackedGqa()
+    enter_a, enter_b = a.installed(), b.installed()
+    enter_a.__enter__()
+    enter_b.__enter__()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] not in (original, None)
+    _, key, _ = _tensors()
+    value = torch.randn_like(key)
+    prefill = torch.randn(2, 4, 3, 8)
+    # b's calls that are not packed reach HF's own, not a's function.
+    out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](_Attention(2), prefill, key, value, None)
+    want, _ = original(_Attention(2), prefill, key, value, None)
+    torch.testing.assert_close(out, want)
+    first, second = (enter_a, enter_b) if last == "second_in" else (enter_b, enter_a)
+    first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
+
+
 def test_pack_gqa_must_be_a_bool_or_none():
     with pytest.raises(CudaGraphsTypeError, match="pack_gqa must be a bool"):
         GraphedGenerator(tiny("llama").eval(), (1, 2), max_cache_len=L, pack_gqa="yes")

@@ -120,7 +120,14 @@ class PackedGqa:
     @contextmanager
     def installed(self) -> Iterator[None]:
         """transformers' ``"sdpa"`` is this object's attention inside, the function it
-        replaced again on leaving (reentrant; nothing happens without transformers)."""
+        replaced again on leaving (reentrant; nothing happens without transformers).
+
+        Two generators' steps may overlap (threads): each one replaces the function
+        beneath any other generator's, and puts it back only while its own is still
+        the one registered, so whichever leaves last leaves transformers' own. One that
+        leaves while the other is inside takes the packing away from the other's later
+        traces: they recompile with the function beneath, correct and unpacked.
+        """
         try:
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
         except ImportError:
@@ -131,6 +138,9 @@ class PackedGqa:
                 if self._function is None:
                     self._function = self._attention
                 current = ALL_ATTENTION_FUNCTIONS["sdpa"]
+                other = getattr(current, "__self__", None)
+                if isinstance(other, PackedGqa) and other is not self:
+                    current = other._replaced  # the function beneath theirs
                 if current is not self._function:
                     self._replaced = current
                 AttentionInterface.register("sdpa", self._function)
@@ -140,5 +150,6 @@ class PackedGqa:
         finally:
             with self._lock:
                 self._depth -= 1
-                if self._depth == 0 and self._replaced is not None:
+                ours = ALL_ATTENTION_FUNCTIONS["sdpa"] is self._function
+                if self._depth == 0 and ours and self._replaced is not None:
                     AttentionInterface.register("sdpa", self._replaced)
