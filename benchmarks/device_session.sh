@@ -36,6 +36,9 @@
 #   stacked      probes/serving_compiles.py --stacked: the compiled decode with its projections
 #                stacked (one GEMM per group, the default) against stack_projections=False,
 #                ABAB in fresh processes with empty inductor caches, profiled (about 200 s)
+#   pack_gqa     probes/serving_compiles.py --pack-gqa: the compiled decode with pack_gqa=True
+#                against its default (off), ABAB in fresh processes with empty inductor
+#                caches, profiled (about 200 s)
 #   compile      probes/compile_phases.py: the compiled generator's cold capture with and
 #                without the region schema memo and the early compile workers, each a
 #                fresh process with an empty inductor cache (about 150 s)
@@ -153,6 +156,8 @@ attention)
     OUT=$out bench "attention" 560 benchmarks/probes/serving_compiles.py --attention ;;
 stacked)
     OUT=$out bench "stacked" ${STACKED_LIMIT:-560} benchmarks/probes/serving_compiles.py --stacked ;;
+pack_gqa)
+    OUT=$out bench "pack_gqa" ${STACKED_LIMIT:-560} benchmarks/probes/serving_compiles.py --pack-gqa ;;
 sdpa_regional)
     OUT=$out bench "sdpa-regional" 560 benchmarks/probes/serving_compiles.py --regional ;;
 *)

@@ -47,6 +47,11 @@ fresh children with empty inductor caches, profiled like ``--attention``;
 :func:`stacked_summary` adds the kernels and kernel-busy ms a token of each. Writes
 ``$OUT/probe-serving_compiles_stacked.json``.
 
+``--pack-gqa`` asks the same of ``GraphedGenerator(pack_gqa=True)`` (``packed``: each
+key/value head's query group read as its rows, no repeated cache) against the default
+(``unpacked``), ABAB, profiled; :func:`pack_gqa_summary`. Writes
+``$OUT/probe-serving_compiles_pack_gqa.json``.
+
 ``--regional`` asks what ``GraphedGenerator(compile_regions=...)`` saves and costs at
 the same size: ``layers`` (its default, one compiled body for every decoder layer) and
 ``whole`` (``compile_regions=False``), each in a fresh child with an empty inductor
@@ -194,6 +199,9 @@ ATTENTION_RUNS = ("layers", "math", "layers", "math")
 #: stacked, one GEMM per group) and stack_projections=False.
 STACK_RUNS = ("stacked", "unstacked", "stacked", "unstacked")
 STACK_SETS = {"stacked": None, "unstacked": False}
+#: --pack-gqa's children, in this order: pack_gqa=True and the default (off).
+PACK_RUNS = ("packed", "unpacked", "packed", "unpacked")
+PACK_SETS = {"packed": True, "unpacked": False}
 #: A decode child with this set also profiles its requests (kernel-busy time).
 PROFILE_ENV = "SERVING_COMPILES_PROFILE"
 
@@ -213,7 +221,8 @@ def decode_once(backends: str) -> dict:
     out: dict = {"backends": backends, "ms_per_token": {}, "tokens": {}}
     regions = REGION_SETS.get(backends)
     stack = STACK_SETS.get(backends)
-    if regions is not None or backends in STACK_SETS:
+    pack = PACK_SETS.get(backends, False)
+    if regions is not None or backends in STACK_SETS or backends in PACK_SETS:
         backends = "no_cudnn"
     with torch.no_grad(), backends_scope(backends):
         t0 = time.perf_counter()
@@ -226,6 +235,7 @@ def decode_once(backends: str) -> dict:
             sdpa_backends=generator_backends(backends),
             compile_regions=regions,
             stack_projections=stack,
+            pack_gqa=pack,
         )
         gen.capture()
         out["capture_s"] = round(time.perf_counter() - t0, 3)
@@ -266,6 +276,7 @@ def decode_once(backends: str) -> dict:
         stats = gen.stats()
         out["compile_regions"] = stats.get("compile_regions")
         out["stacked_projections"] = stats.get("stacked_projections")
+        out["pack_gqa"] = stats.get("pack_gqa")
         # The decode replayed (a graphed result that did not replay is not one).
         out["replays"] = stats.get("replays")
         out["eager_runs"] = stats.get("eager_runs")
@@ -373,10 +384,21 @@ def attention_summary(runs: list[dict]) -> dict:
 
 
 def stacked_summary(runs: list[dict]) -> dict:
-    """``--stacked``'s verdicts: :func:`pair_summary` of ``unstacked`` against
-    ``stacked``, with each set's median kernels and kernel-busy ms a token per batch
-    (from the profiled activity)."""
-    summary = pair_summary(runs, "stacked", "unstacked")
+    """``--stacked``'s verdicts: :func:`profiled_summary` of ``unstacked`` against
+    ``stacked``."""
+    return profiled_summary(runs, "stacked", "unstacked")
+
+
+def pack_gqa_summary(runs: list[dict]) -> dict:
+    """``--pack-gqa``'s verdicts: :func:`profiled_summary` of ``packed`` against
+    ``unpacked``."""
+    return profiled_summary(runs, "unpacked", "packed")
+
+
+def profiled_summary(runs: list[dict], base: str, other: str) -> dict:
+    """:func:`pair_summary` of ``other`` against ``base``, with each set's median
+    kernels and kernel-busy ms a token per batch (from the profiled activity)."""
+    summary = pair_summary(runs, base, other)
     for key in ("kernels_per_token", "kernel_busy_ms_per_token"):
         per_set: dict[str, dict[str, list[float]]] = {}
         for run in runs:
@@ -427,6 +449,11 @@ def by_attention() -> None:
 def by_stacked() -> None:
     """Each of :data:`STACK_RUNS` in a fresh child (:func:`paired`)."""
     paired("serving_compiles_stacked", STACK_RUNS, stacked_summary)
+
+
+def by_pack_gqa() -> None:
+    """Each of :data:`PACK_RUNS` in a fresh child (:func:`paired`)."""
+    paired("serving_compiles_pack_gqa", PACK_RUNS, pack_gqa_summary)
 
 
 def by_regional() -> None:
@@ -504,6 +531,7 @@ def main() -> None:
         "--decode": by_decode,
         "--attention": by_attention,
         "--stacked": by_stacked,
+        "--pack-gqa": by_pack_gqa,
     }
     flag = sys.argv[1] if len(sys.argv) > 1 else None
     if flag in children:

@@ -200,3 +200,17 @@ def test_stacked_summary_adds_kernels_and_busy_time_per_set(probe):
 def test_the_stacked_runs_alternate_the_two_sets(probe):
     assert probe.STACK_RUNS == ("stacked", "unstacked", "stacked", "unstacked")
     assert set(probe.STACK_SETS) == {"stacked", "unstacked"}
+
+
+def test_the_pack_gqa_runs_alternate_and_summarize_packed_over_unpacked(probe):
+    assert probe.PACK_RUNS == ("packed", "unpacked", "packed", "unpacked")
+    assert probe.PACK_SETS == {"packed": True, "unpacked": False}
+
+    def run(backends, ms, kernels):
+        out = _attention_run(backends, {"8": ms}, {"8": [[5]]})
+        out["activity"] = {"8": {"kernels_per_token": kernels, "kernel_busy_ms_per_token": 1.0}}
+        return out
+
+    summary = probe.pack_gqa_summary([run("packed", 1.4, 265.0), run("unpacked", 1.5, 297.0)])
+    assert summary["packed_over_unpacked"] == {"8": round(1.4 / 1.5, 4)}
+    assert summary["kernels_per_token"] == {"packed": {"8": 265.0}, "unpacked": {"8": 297.0}}
