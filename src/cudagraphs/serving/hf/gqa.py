@@ -12,7 +12,8 @@ group's queries are rows against the same keys, values and mask, so
 cache as it lies, reading each key/value head once.
 
 :class:`PackedGqa` puts that in front of transformers' ``"sdpa"`` attention function
-while a compiled decode step traces (graph replays run no Python): every call that is
+while a generator's decode step runs, traced by dynamo or eagerly (graph replays run
+no Python): every call that is
 not a one-token step of grouped heads with SDPA's plain options goes to the function it
 replaced, unchanged. transformers' registry is the only way in that leaves a model's
 own ``"sdpa"`` (a modeling file's local ``AttentionInterface``) and its checks of
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PackedGqa"]
+__all__ = ["PackedGqa", "packable", "packed_attention"]
 
 #: Keywords HF decoders pass to their attention function that SDPA's attention ignores
 #: or that are checked below; any other keyword sends the call to the function replaced.
