@@ -29,7 +29,7 @@
 #                compiled body against the whole model compiled (fresh inductor caches)
 #   confirm      one call for two confirmations (about 480 s on an H200): train_fp8.py at
 #                FP8_BATCH (default 4: 8192 tokens a step), tensorwise, without the
-#                kernel-busy pass, then serving_hf.py on Llama as in serving
+#                kernel-busy pass, then serving_hf.py on Llama as in serving (PACK_GQA too)
 #   attention    probes/serving_compiles.py --attention: the compiled decode's attention,
 #                the default (memory-efficient kernel) against SDPA's math backend, ABAB
 #                in fresh processes with empty inductor caches, profiled (about 200 s)
@@ -115,8 +115,10 @@ serving)
 confirm)
     bench "fp8-$label" 210 benchmarks/train_fp8.py "${common[@]}" --run-label "b${FP8_BATCH:-4}$label" \
         --batch "${FP8_BATCH:-4}" --recipes tensorwise --skip-kernel-busy
+    extra=()
+    if [ -n "${PACK_GQA:-}" ]; then extra+=(--pack-gqa); fi
     bench "serving-$label" 330 benchmarks/serving_hf.py "${common[@]}" --models llama --skip-startup \
-        --run-label "$label" ;;
+        --run-label "$label" "${extra[@]}" ;;
 hf_compiled)
     # shellcheck disable=SC2086  # HF_MODELS is a list
     bench "hf-$label" 560 benchmarks/train_step_hf.py "${common[@]}" --run-label "$label" \
