@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import fx, nn
 
@@ -123,23 +123,30 @@ def _assert_pass_removes(graph, values, removed, tol=1e-12):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
+@st.composite
+def _member_rows(draw):
+    """Up to seven members' row intervals of one buffer, disjoint, in any order, some
+    adjacent and some with gaps between them (at least one)."""
+    cuts = draw(st.lists(st.integers(0, 24), min_size=2, max_size=8))
+    keep = draw(st.lists(st.booleans(), min_size=7, max_size=7))
+    order = draw(st.permutations(range(7)))
+    bounds = sorted(set(cuts))
+    pieces = list(zip(bounds, bounds[1:]))
+    intervals = [pieces[i] for i in order if i < len(pieces) and keep[i]]
+    assume(intervals)
+    return intervals
+
+
 @settings(max_examples=200, deadline=None)
 @given(
-    cuts=st.lists(st.integers(0, 24), min_size=2, max_size=8),
-    keep=st.lists(st.booleans(), min_size=7, max_size=7),
-    order=st.permutations(range(7)),
+    intervals=_member_rows(),
     summed=st.sets(st.integers(0, 6)),
     doubled=st.lists(st.booleans(), min_size=7, max_size=7),
     with_base=st.booleans(),
 )
 def test_the_backward_rewrites_merge_exactly_what_the_reference_says(
-    cuts, keep, order, summed, doubled, with_base
+    intervals, summed, doubled, with_base
 ):
-    bounds = sorted(set(cuts))
-    pieces = list(zip(bounds, bounds[1:]))
-    intervals = [pieces[i] for i in order if i < len(pieces) and keep[i]]
-    if not intervals:
-        return
     summed = {i for i in summed if i < len(intervals)}
     graph, values = _backward_graph(intervals, summed, doubled, with_base)
     _assert_pass_removes(graph, values, _reference_removed(intervals, summed, with_base))
@@ -340,21 +347,14 @@ def _casts_of_inputs(graph):
 
 @settings(max_examples=150, deadline=None)
 @given(
-    cuts=st.lists(st.integers(0, 24), min_size=2, max_size=8),
-    keep=st.lists(st.booleans(), min_size=7, max_size=7),
-    order=st.permutations(range(7)),
+    intervals=_member_rows(),
     other=st.sets(st.integers(0, 6), max_size=3),
     with_base=st.booleans(),
     cast=st.booleans(),
 )
 def test_the_forward_rewrite_over_graph_inputs_merges_exactly_the_adjacent_runs(
-    cuts, keep, order, other, with_base, cast
+    intervals, other, with_base, cast
 ):
-    bounds = sorted(set(cuts))
-    pieces = list(zip(bounds, bounds[1:]))
-    intervals = [pieces[i] for i in order if i < len(pieces) and keep[i]]
-    if not intervals:
-        return
     other = {i for i in other if i < len(intervals)}
     graph, values = _forward_graph(intervals, other, with_base, cast=cast)
     runs = _reference_forward_runs(intervals, other, with_base)
