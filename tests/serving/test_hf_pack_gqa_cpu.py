@@ -82,6 +82,8 @@ def _tensors(heads=4, kv_heads=2, q_len=1, mask_heads=1):
         ({"mask": None}, True),
         ({"q_len": 3}, False),  # a prefill: HF's own
         ({"kv_heads": 4}, False),  # no groups
+        ({"heads": 10, "kv_heads": 4, "groups": 2}, False),  # heads no multiple of kv heads
+        ({"heads": 8, "kv_heads": 2}, True),  # groups of four
         ({"groups": 1}, False),  # the module says none
         ({"kwargs": {"softcap": 30.0}}, False),  # something SDPA's attention refuses
         ({"kwargs": {"s_aux": torch.zeros(4)}}, False),  # attention sinks
@@ -93,6 +95,7 @@ def _tensors(heads=4, kv_heads=2, q_len=1, mask_heads=1):
 )
 def test_only_one_token_steps_of_grouped_heads_with_plain_options_are_packed(case, packed):
     query, key, mask = _tensors(
+        heads=case.get("heads", 4),
         kv_heads=case.get("kv_heads", 2),
         q_len=case.get("q_len", 1),
         mask_heads=case.get("mask_heads", 1),

@@ -247,10 +247,9 @@ class GraphedGenerator:
         # forward serves every bucket, with the batch size as a dynamic dimension.
         self._step_model: Callable[..., Any] = model
         self._stack = check_stack_projections(stack_projections, self.compile_options)
-        if pack_gqa is None:
-            pack_gqa = False
         #: The decode steps' attention with grouped heads packed (None: off).
-        self.packed_gqa = PackedGqa() if check_bool("pack_gqa", pack_gqa) else None
+        packing = pack_gqa is not None and check_bool("pack_gqa", pack_gqa)
+        self.packed_gqa = PackedGqa() if packing else None
         #: The projection groups laid back to back at capture (empty: none).
         self.stacked = StackedGroups()
         if compile_options is not None:
