@@ -164,6 +164,44 @@ def test_overlapping_generators_leave_transformers_own_function(last):
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
 
 
+def test_a_local_sdpa_override_stays_the_users_and_the_class_wide_one_is_restored():
+    # ALL_ATTENTION_FUNCTIONS["sdpa"] = fn overrides transformers' own instance only
+    # (its local mapping); the packer installs and restores the class-wide entry, the
+    # one register writes, so the user's function never becomes transformers' own.
+    original = transformers.AttentionInterface()["sdpa"]
+    calls = []
+
+    def users(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    packer = gqa.PackedGqa()
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = users
+    try:
+        for _ in range(2):  # a second step finds the same state as the first
+            with packer.installed():
+                assert ALL_ATTENTION_FUNCTIONS["sdpa"] is users  # the override wins
+                assert transformers.AttentionInterface()["sdpa"] is not original
+            assert transformers.AttentionInterface()["sdpa"] is original
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
+    query, key, mask = _tensors()
+    ALL_ATTENTION_FUNCTIONS["sdpa"](_Attention(2), query, key, torch.randn_like(key), mask)
+    assert calls == []  # the dropped override is not called beneath anything
+
+
+def test_a_query_of_one_row_against_a_cache_of_several_broadcasts_as_hfs_does():
+    query, key, mask = _tensors()
+    mask[1, ..., :2] = False  # the second row left-padded
+    value = torch.randn_like(key)
+    one = query[:1]
+    out = gqa.packed_attention(one, key, value, mask, None)
+    want, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](_Attention(2), one, key, value, mask)
+    assert out.shape == want.shape == (2, 1, 4, 8)
+    torch.testing.assert_close(out, want)
+
+
 def test_pack_gqa_must_be_a_bool_or_none():
     with pytest.raises(CudaGraphsTypeError, match="pack_gqa must be a bool"):
         GraphedGenerator(tiny("llama").eval(), (1, 2), max_cache_len=L, pack_gqa="yes")

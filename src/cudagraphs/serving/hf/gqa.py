@@ -83,7 +83,9 @@ def packed_attention(
     rows = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     # The mask (batch, 1, 1, length) broadcasts over the heads and the group's rows.
     out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous()
+    # SDPA broadcasts the batch (a query of one row against a cache of several), so the
+    # output's batch is its own, as in transformers' sdpa_attention.
+    return out.reshape(out.shape[0], heads, 1, value.shape[-1]).transpose(1, 2).contiguous()
 
 
 @dataclass(eq=False)
@@ -130,27 +132,42 @@ class PackedGqa:
         traces: they recompile with the function beneath, correct and unpacked.
         """
         try:
-            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+            from transformers.modeling_utils import AttentionInterface
         except ImportError:
             yield
             return
-        with self._lock:
-            if self._depth == 0:
-                if self._function is None:
-                    self._function = self._attention
-                current = ALL_ATTENTION_FUNCTIONS["sdpa"]
-                other = getattr(current, "__self__", None)
-                if isinstance(other, PackedGqa) and other is not self:
-                    current = other._replaced  # the function beneath theirs
-                if current is not self._function:
-                    self._replaced = current
-                AttentionInterface.register("sdpa", self._function)
-            self._depth += 1
+        # Read, compare and write one mapping, the class-wide one that ``register``
+        # writes: a fresh instance has no local overrides, so it reads that mapping
+        # alone. A local override on transformers' own instance
+        # (``ALL_ATTENTION_FUNCTIONS["sdpa"] = fn``) then stays the user's, unpacked,
+        # and never becomes what is restored class-wide.
+        registry = AttentionInterface()
+        entered = False
         try:
+            with self._lock:
+                if self._depth == 0:
+                    if self._function is None:
+                        self._function = self._attention
+                    current = registry["sdpa"]
+                    other = getattr(current, "__self__", None)
+                    if isinstance(other, PackedGqa) and other is not self:
+                        current = other._replaced  # the function beneath theirs
+                    if current is not self._function:
+                        self._replaced = current
+                # Counted and marked before anything is registered, so an interrupt
+                # (KeyboardInterrupt lands between any two bytecodes) after the
+                # registration always reaches the restoring ``finally``. One between
+                # the count and the mark leaves this object unpacked from then on, and
+                # transformers' registry as it was.
+                self._depth += 1
+                entered = True
+                if self._depth == 1:
+                    AttentionInterface.register("sdpa", self._function)
             yield
         finally:
-            with self._lock:
-                self._depth -= 1
-                ours = ALL_ATTENTION_FUNCTIONS["sdpa"] is self._function
-                if self._depth == 0 and ours and self._replaced is not None:
-                    AttentionInterface.register("sdpa", self._replaced)
+            if entered:
+                with self._lock:
+                    self._depth -= 1
+                    ours = registry["sdpa"] is self._function
+                    if self._depth == 0 and ours and self._replaced is not None:
+                        AttentionInterface.register("sdpa", self._replaced)
