@@ -9,7 +9,13 @@ from typing import Any
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError
 from .compiled import StackedCompiled, compile_stacked
 from .gemms import can_add_pass, stack_graph, stacked_projections_pass, with_stacked_projections
-from .weights import ProjectionGroup, StackedGroups, forwards_set, stack_projections
+from .weights import (
+    ProjectionGroup,
+    StackedGroups,
+    forwards_set,
+    plan_projections,
+    stack_projections,
+)
 
 __all__ = [
     "ProjectionGroup",
@@ -18,6 +24,7 @@ __all__ = [
     "check_stack_projections",
     "compile_stacked",
     "forwards_set",
+    "plan_projections",
     "stack_graph",
     "stack_projections",
     "stacked_projections_pass",

@@ -44,7 +44,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,12 @@ class _Rows:
 
 def _val(arg: Any) -> Any:
     return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def _size_key(size: Any) -> Any:
+    """A size as a dict key: itself, or a symbolic size's expression (a ``SymInt``
+    hashes to nothing; dynamic shapes give the token count one)."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def _sliced_rows(node: fx.Node) -> _Rows | None:
@@ -439,9 +445,14 @@ def _merge_backward(graph: fx.Graph, run: list[_InputGrad]) -> int:
             continue
         val = _val(g.node)
         with graph.inserting_before(g.node):
+            # ``G_i @ W_i`` has ``G_i``'s rows, the token count: under dynamic shapes a
+            # symbol, which the graph holds as a node (a SymInt is no argument).
+            rows = val.shape[0]
+            if isinstance(rows, torch.SymInt):
+                rows = call(aten.sym_size.int, g.grad, 0)
             zeros = graph.call_function(
                 aten.full.default,
-                (list(val.shape), 0),
+                ([rows, *val.shape[1:]], 0),
                 {"dtype": val.dtype, "layout": torch.strided, "device": val.device},
             )
         # Made from the fake result itself: ``full`` has no tensor input to carry the
@@ -549,7 +560,7 @@ def _weight_grad_groups(graph: fx.Graph) -> list[list[fx.Node]]:
         grad = _weight_grad(node) if node.op == "call_function" else None
         if grad is not None:
             val = _val(grad)
-            groups[(_input_key(node.args[1]), val.dtype, val.shape[0])].append(node)
+            groups[(_input_key(node.args[1]), val.dtype, _size_key(val.shape[0]))].append(node)
     return [mms for mms in groups.values() if len({m.args[0].args[0] for m in mms}) > 1]
 
 
@@ -570,7 +581,8 @@ def stack_graph(graph: fx.Graph) -> int:
             continue
         grad = _input_grad(node, bases)
         if grad is not None:
-            input_grads[(grad.rows.key, tuple(_val(grad.grad).shape[:1]))].append(grad)
+            tokens = _size_key(_val(grad.grad).shape[0])
+            input_grads[(grad.rows.key, tokens)].append(grad)
     removed = 0
     for items in forwards.values():
         for run in _runs(items):
@@ -589,10 +601,23 @@ def stack_graph(graph: fx.Graph) -> int:
     return removed
 
 
-def stacked_projections_pass() -> Any:
+def stacked_projections_pass(layout: Hashable = ()) -> Any:
     """A new inductor post-grad pass running :func:`stack_graph`, whose ``uuid`` keys
-    inductor's FX graph cache on this file (a warm start reuses its results). Made
-    here rather than at import: torch's pass base class loads dynamo and inductor."""
+    inductor's FX graph cache on this file and ``layout`` (a warm start reuses its
+    results). Made here rather than at import: torch's pass base class loads dynamo
+    and inductor.
+
+    ``layout`` names which parameters lie back to back (a module's projection groups,
+    by their names in it), and two passes are equal exactly when their layouts are.
+    Why: dynamo keeps one cache per code object and reuses an entry for an equal
+    backend, which ``torch.compile``'s inductor wrapper decides by comparing its
+    options, and its guards do not see which inputs are adjacent rows of one storage.
+    Layers of one class laid out alike (``compile_stacked`` of each decoder layer)
+    then share one compile, where a pass equal only to itself would make each a new
+    backend and the ninth would hit dynamo's recompile limit and run eagerly; and a
+    layer laid out otherwise (a group that could not form) compiles its own code
+    rather than reading the other layout's rows."""
+    uuid = (files_hash(__file__), layout)
 
     class StackedProjections(custom_graph_pass_class()):  # type: ignore[misc]
         def __call__(self, graph: fx.Graph) -> None:
@@ -601,7 +626,15 @@ def stacked_projections_pass() -> Any:
                 logger.debug("cudagraphs: projection groups took %d GEMMs fewer", removed)
 
         def uuid(self) -> Any:
-            return files_hash(__file__)
+            return uuid
+
+        def __eq__(self, other: object) -> bool:
+            return type(other).__qualname__ == type(self).__qualname__ and (
+                other.uuid() == uuid  # type: ignore[attr-defined]
+            )
+
+        def __hash__(self) -> int:
+            return hash(uuid)
 
     return StackedProjections()
 
@@ -614,15 +647,15 @@ def can_add_pass(options: Mapping[str, Any]) -> bool:
     return (options.get("options") or {}).get("post_grad_custom_pre_pass") is None
 
 
-def with_stacked_projections(options: Mapping[str, Any]) -> dict[str, Any]:
-    """``torch.compile`` keywords with :func:`stacked_projections_pass` set in their
-    inductor options; a ``mode`` becomes the options it stands for (torch takes one or
-    the other). ``options`` must pass :func:`can_add_pass`."""
+def with_stacked_projections(options: Mapping[str, Any], layout: Hashable = ()) -> dict[str, Any]:
+    """``torch.compile`` keywords with :func:`stacked_projections_pass` (of ``layout``)
+    set in their inductor options; a ``mode`` becomes the options it stands for (torch
+    takes one or the other). ``options`` must pass :func:`can_add_pass`."""
     out = dict(options)
     inductor = dict(out.get("options") or {})
     mode = out.pop("mode", None)
     if mode is not None:
         inductor = {**mode_options(mode, out.get("dynamic")), **inductor}
-    inductor["post_grad_custom_pre_pass"] = stacked_projections_pass()
+    inductor["post_grad_custom_pre_pass"] = stacked_projections_pass(layout)
     out["options"] = inductor
     return out

@@ -35,6 +35,7 @@ __all__ = [
     "ProjectionGroup",
     "StackedGroups",
     "forwards_set",
+    "plan_projections",
     "stack_projections",
 ]
 
@@ -85,6 +86,8 @@ class ProjectionGroup:
         forwards: per module, its ``forward`` while a decode step is traced (made once:
             a compiled step's guards see the same objects at every call).
         addresses: per module, where its weight and bias (``None``: none) were laid.
+        places: per module, its parent and its name there (a module set in its place
+            since reads memory the compiled code does not know).
     """
 
     names: tuple[str, ...]
@@ -93,10 +96,17 @@ class ProjectionGroup:
     biases: torch.Tensor | None
     forwards: tuple[Callable[[torch.Tensor], torch.Tensor], ...] = field(repr=False)
     addresses: tuple[tuple[int, int | None], ...] = field(repr=False, default=())
+    places: tuple[tuple[nn.Module, str], ...] = field(repr=False, default=())
 
     @classmethod
-    def stack(cls, names: tuple[str, ...], modules: tuple[nn.Linear, ...]) -> ProjectionGroup:
-        """Move the modules' weights (and biases) into one buffer each."""
+    def stack(
+        cls,
+        names: tuple[str, ...],
+        modules: tuple[nn.Linear, ...],
+        places: tuple[tuple[nn.Module, str], ...] = (),
+    ) -> ProjectionGroup:
+        """Move the modules' weights (and biases) into one buffer each; ``places``:
+        each module's parent and its name there."""
         weights = _stack_rows([m.weight for m in modules])
         biased = modules[0].bias is not None
         biases = _stack_rows([m.bias for m in modules]) if biased else None
@@ -108,14 +118,23 @@ class ProjectionGroup:
         addresses = tuple(
             (m.weight.data_ptr(), None if m.bias is None else m.bias.data_ptr()) for m in modules
         )
-        return cls(names, modules, weights, biases, tuple(forwards), addresses)
+        return cls(names, modules, weights, biases, tuple(forwards), addresses, places)
 
     def moved(self) -> list[str]:
         """The names of the group's weights and biases that are no longer where they
         were laid (re-pointed since: ``module.to()``, ``param.data = ...``, a new
-        ``Parameter`` set on the module)."""
+        ``Parameter`` set on the module), and those of a module another was set in
+        place of (``parent.q_proj = nn.Linear(...)``)."""
         out = []
-        for name, module, (weight, bias) in zip(self.names, self.modules, self.addresses):
+        places = self.places or [(None, "")] * len(self.modules)
+        for name, module, (weight, bias), (parent, attr) in zip(
+            self.names, self.modules, self.addresses, places
+        ):
+            if parent is not None and getattr(parent, attr, None) is not module:
+                out.extend(
+                    f"{name}.{kind}" for kind in ("weight", "bias")[: 1 + (bias is not None)]
+                )
+                continue
             for kind, address in (("weight", weight), ("bias", bias)):
                 tensor = getattr(module, kind)
                 if address is not None and (tensor is None or tensor.data_ptr() != address):
@@ -202,21 +221,43 @@ class StackedGroups:
 
 
 def _tied(model: nn.Module) -> set[int]:
-    """The data pointers at which more than one of the model's parameters and buffers
-    start, or one under two names: tied weights, never moved. (Weights a generator
-    laid back to back share a storage, not a start.)"""
-    uses: dict[int, int] = defaultdict(int)
+    """The data pointers of the model's parameters and buffers whose memory another
+    one's overlaps, or that are held under two names: tied weights (one starting
+    inside another too), never moved. (Weights a generator laid back to back share a
+    storage, not memory.)"""
+    spans: dict[tuple[int, int], int] = defaultdict(int)
     named = [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
     ]
     for _, t in named:
-        uses[t.data_ptr()] += 1
-    return {ptr for ptr, n in uses.items() if n > 1}
+        if t.numel():
+            start = t.data_ptr()
+            spans[(start, start + _extent(t))] += 1
+    tied = {start for (start, _), n in spans.items() if n > 1}
+    # Sorted by start, a span overlaps another exactly when it starts before the
+    # furthest end of those before it.
+    furthest, owner = -1, None
+    for start, stop in sorted(spans):
+        if start < furthest:
+            tied.update((start, owner))
+        if stop > furthest:
+            furthest, owner = stop, start
+    return tied
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to past its last (any strides, none negative)."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
 
 
 def _movable(module: Any, tied: set[int]) -> bool:
+    # A forward of its own (on the instance, or a subclass's) may compute something
+    # else than its rows of the group's GEMM, which the decode step reads it as.
     if not isinstance(module, nn.Linear) or "forward" in module.__dict__:
+        return False
+    if type(module).forward is not nn.Linear.forward:
         return False
     tensors = [module.weight] + ([] if module.bias is None else [module.bias])
     return all(
@@ -229,8 +270,48 @@ def _movable(module: Any, tied: set[int]) -> bool:
 
 
 def _group_key(linear: nn.Linear) -> tuple[Any, ...]:
-    weight = linear.weight
-    return (weight.shape[1], weight.dtype, weight.device, linear.bias is not None)
+    weight, bias = linear.weight, linear.bias
+    # The biases go in one buffer too: of one dtype and device (torch.cat would promote).
+    biases = None if bias is None else (bias.dtype, bias.device)
+    return (weight.shape[1], weight.dtype, weight.device, biases)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Sibling linears that :func:`stack_projections` lays back to back."""
+
+    names: tuple[str, ...]
+    modules: tuple[nn.Linear, ...]
+    places: tuple[tuple[nn.Module, str], ...]
+
+
+def _runs(model: nn.Module) -> list[_Run]:
+    tied = _tied(model)
+    out: list[_Run] = []
+    for parent_name, parent in model.named_modules():
+        prefix = f"{parent_name}." if parent_name else ""
+        run: list[tuple[str, nn.Linear]] = []
+        for name, child in [*parent.named_children(), ("", None)]:
+            movable = _movable(child, tied)
+            if movable and run and _group_key(child) == _group_key(run[0][1]):
+                run.append((name, child))
+                continue
+            if len(run) > 1:
+                out.append(
+                    _Run(
+                        tuple(prefix + n for n, _ in run),
+                        tuple(m for _, m in run),
+                        tuple((parent, n) for n, _ in run),
+                    )
+                )
+            run = [(name, child)] if movable else []
+    return out
+
+
+def plan_projections(model: nn.Module) -> list[tuple[str, ...]]:
+    """The projection groups :func:`stack_projections` would lay, by their modules'
+    names, moving nothing."""
+    return [run.names for run in _runs(model)]
 
 
 def stack_projections(model: nn.Module) -> StackedGroups:
@@ -239,24 +320,11 @@ def stack_projections(model: nn.Module) -> StackedGroups:
     bias or none) back to back in one buffer, their biases in another; each
     ``Parameter`` keeps its object and is re-pointed at its rows. Runs already back to
     back (stacked by another generator) stay where they are, so that its graphs still
-    read them. Tied weights (memory another parameter or buffer starts at),
-    tensor subclasses, non-contiguous weights and modules whose ``forward`` was
-    replaced on the instance are left as they are. Returns the groups."""
-    tied = _tied(model)
-    groups: list[ProjectionGroup] = []
+    read them. Tied weights (memory another parameter or buffer overlaps), tensor
+    subclasses, non-contiguous weights and modules with a ``forward`` of their own (set
+    on the instance, or a subclass's) are left as they are. Returns the groups."""
     with torch.no_grad():
-        for parent_name, parent in model.named_modules():
-            prefix = f"{parent_name}." if parent_name else ""
-            run: list[tuple[str, nn.Linear]] = []
-            for name, child in [*parent.named_children(), ("", None)]:
-                movable = _movable(child, tied)
-                if movable and run and _group_key(child) == _group_key(run[0][1]):
-                    run.append((name, child))
-                    continue
-                if len(run) > 1:
-                    names = tuple(prefix + n for n, _ in run)
-                    groups.append(ProjectionGroup.stack(names, tuple(m for _, m in run)))
-                run = [(name, child)] if movable else []
+        groups = [ProjectionGroup.stack(r.names, r.modules, r.places) for r in _runs(model)]
     if groups:
         logger.info(
             "GraphedGenerator: %d projection groups laid back to back (the first: %s)",
