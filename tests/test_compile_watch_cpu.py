@@ -112,6 +112,15 @@ def test_torch_compiles_own_cuda_graphs_are_refused_with_the_modes_to_use():
         ("tensor 'L['x']' stride mismatch at index 1", "shape"),
         ("___check_global_state()", "grad mode"),
         ("G['factor']['value'] == 2.0", "Python value"),
+        # dynamo's own text: the guard, then the source line that read the value.
+        (
+            "0/0: fn._modules['1'].training == True    # return F.dropout(input, self.p, "
+            "self.training, self.inplace)  # nn/modules/dropout.py:70",
+            "train/eval mode",
+        ),
+        ("1/0: s.window_size == 4    # return x[:, : s.window_size].sum()", "Python value"),
+        ("0/1: G['Cfg'].temperature == 1.0    # return (x / t).softmax(dim=-1)", "Python value"),
+        ("0/2: 2 <= L['x'].size()[0]    # return x * 2", "shape"),
     ],
 )
 def test_recompile_fix_names_the_cause_of_each_kind_of_failed_guard(reason, says):
@@ -239,7 +248,9 @@ def test_recompile_fix_says_each_fix_word_for_word():
         "so give every step inputs of one shape (pad them), or compile with "
         "dynamic=False so that each shape is compiled once and can be warmed up"
     )
-    assert recompile_fix("dim 1 changed") == recompile_fix("stride mismatch")
+    assert recompile_fix("tensor 'x' rank mismatch. expected 1, actual 2") == (
+        recompile_fix("stride mismatch")
+    )
     assert recompile_fix("GRAD_MODE changed") == (
         "grad mode or autocast differed from the warmup's: run warmup and capture "
         "under the same modes as the steps themselves"

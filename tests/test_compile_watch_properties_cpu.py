@@ -5,25 +5,31 @@ options may go inside our graphs."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cudagraphs.compile_watch import GRAPH_RECORDING_MODES, check_compile_options, recompile_fix
 from cudagraphs.errors import CudaGraphsValueError
 
-SHAPE_WORDS = ("size", "stride", "dim")
+SHAPE_WORDS = ("size mismatch", "stride mismatch", "rank mismatch", ".size()", ".stride()")
 MODE_WORDS = ("grad_mode", "global_state", "autocast")
-# Words of no kind: no fix word inside them, in any case.
-NEUTRAL = st.sampled_from(["L['step']", "==", "3", "id(", "type", "lr", "0.1", "match", " "])
+TRAINING = ".training =="
+# Words of no kind: no fix word inside them, in any case; some look like one.
+NEUTRAL = st.sampled_from(
+    ["L['step']", "==", "3", "id(", "type", "lr", "0.1", "match", " ", "window_size", "dim=-1"]
+)
 
 
 def reference_kind(reason: str) -> str:
-    """The kind of fix, read word by word: shape words first, then mode words."""
-    low = reason.lower()
-    if any(w in low for w in SHAPE_WORDS):
+    """The kind of fix, read from the guards alone (each line up to its ``#``): shape
+    words first, then mode words, then a module's training flag."""
+    guards = " ".join(line.split("#")[0] for line in reason.lower().splitlines())
+    if any(w in guards for w in SHAPE_WORDS):
         return "shape"
-    if any(w in low for w in MODE_WORDS):
+    if any(w in guards for w in MODE_WORDS):
         return "mode"
+    if TRAINING in guards:
+        return "training"
     return "value"
 
 
@@ -33,22 +39,27 @@ def cased(word: str, flips: list[bool]) -> str:
 
 @st.composite
 def reasons(draw):
+    """Guards and source comments (``# ...``) over one or more lines, with fix words
+    in either."""
     parts = draw(st.lists(NEUTRAL, max_size=6))
-    for word in draw(st.lists(st.sampled_from(SHAPE_WORDS + MODE_WORDS), max_size=3)):
+    for word in draw(st.lists(st.sampled_from((*SHAPE_WORDS, *MODE_WORDS, TRAINING)), max_size=3)):
         flips = draw(st.lists(st.booleans(), max_size=len(word)))
         parts.insert(draw(st.integers(0, len(parts))), cased(word, flips))
+    for _ in range(draw(st.integers(0, 2))):
+        parts.insert(draw(st.integers(0, len(parts))), draw(st.sampled_from(["#", "\n"])))
     return " ".join(parts)
 
 
 FIXES = {
-    "shape": recompile_fix("size"),
+    "shape": recompile_fix("size mismatch"),
     "mode": recompile_fix("grad_mode"),
+    "training": recompile_fix("L['m'].training == True"),
     "value": recompile_fix("L['x'] == 1"),
 }
 
 
-def test_the_three_fixes_differ():
-    assert len(set(FIXES.values())) == 3
+def test_the_four_fixes_differ():
+    assert len(set(FIXES.values())) == 4
 
 
 @given(reasons())
@@ -56,27 +67,38 @@ def test_each_reason_gets_the_fix_of_its_kind(reason):
     assert recompile_fix(reason) == FIXES[reference_kind(reason)]
 
 
-OPTION_KEYS = st.sampled_from(["fullgraph", "dynamic", "backend", "disable"])
-VALUES = st.one_of(st.booleans(), st.none(), st.sampled_from(["inductor", "eager", "x"]))
-MODES = st.sampled_from([None, "default", "max-autotune-no-cudagraphs", *GRAPH_RECORDING_MODES])
+OPTION_KEYS = st.sampled_from(["fullgraph", "dynamic", "backend", "disable", "fullgrpah"])
+VALUES = st.one_of(
+    st.booleans(), st.none(), st.sampled_from(["inductor", "eager", "x", "cudagraphs"])
+)
+MODES = st.sampled_from(
+    [None, "default", "max-autotune-no-cudagraphs", "reduce_overhead", *GRAPH_RECORDING_MODES]
+)
 INNER = st.one_of(
     st.none(),
     st.dictionaries(
         st.sampled_from(["triton.cudagraphs", "max_autotune", "epilogue_fusion"]), st.booleans()
     ),
 )
+#: torch.compile's keywords and modes, as this test knows them.
+KEYWORDS = {"fullgraph", "dynamic", "backend", "mode", "options", "disable"}
+KNOWN_MODES = {"default", "lite", "max-autotune-no-cudagraphs", *GRAPH_RECORDING_MODES}
 
 
+@settings(deadline=None)  # the first mode checked imports inductor
 @given(st.dictionaries(OPTION_KEYS, VALUES), MODES, INNER)
 def test_options_are_refused_exactly_when_inductor_would_record_graphs(extra, mode, inner):
+    # Or when torch.compile would refuse them itself, at the first compile.
     options = dict(extra)
     if mode is not None:
         options["mode"] = mode
     if inner is not None:
         options["options"] = inner
     records = mode in GRAPH_RECORDING_MODES or bool((inner or {}).get("triton.cudagraphs"))
-    if records:
-        with pytest.raises(CudaGraphsValueError, match="^here: compile_options with "):
+    records = records or options.get("backend") == "cudagraphs"
+    wrong = not set(options) <= KEYWORDS or (mode is not None and mode not in KNOWN_MODES)
+    if records or wrong:
+        with pytest.raises(CudaGraphsValueError, match="^here: compile_options (with|has) "):
             check_compile_options("here", options)
     else:
         out = check_compile_options("here", options)

@@ -27,15 +27,23 @@ loaded: then nothing can have been compiled.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from .checks import check_instance
 from .errors import CompiledCaptureError, CudaGraphsValueError
-from .torch_private import compilation_metrics, cudagraph_tree_functions, dynamo_loaded
+from .torch_private import (
+    compilation_metrics,
+    compile_modes,
+    cudagraph_tree_functions,
+    dynamo_loaded,
+)
 
 __all__ = [
     "GRAPH_RECORDING_MODES",
@@ -95,6 +103,11 @@ class CompileReport:
     def failures(self) -> tuple[CompiledFrame, ...]:
         """Frames dynamo gave up on: they run eagerly."""
         return tuple(f for f in self.frames if f.failure)
+
+    @property
+    def compiled(self) -> tuple[CompiledFrame, ...]:
+        """Frames dynamo compiled (not given up on)."""
+        return tuple(f for f in self.frames if not f.failure)
 
     def __add__(self, other: CompileReport) -> CompileReport:
         return CompileReport(self.frames + other.frames, self.torch_graphs + other.torch_graphs)
@@ -185,19 +198,34 @@ def _failure(record: Any) -> str | None:
     return f"{kind}: {reason[0]}" if reason else str(kind)
 
 
+#: Words of dynamo's failed tensor guards (and of symbolic-shape guards): a shape.
+SHAPE_GUARD_WORDS = ("size mismatch", "stride mismatch", "rank mismatch", ".size()", ".stride()")
+#: Words of a failed guard on grad mode or autocast.
+MODE_GUARD_WORDS = ("grad_mode", "global_state", "autocast")
+
+
 def recompile_fix(reason: str) -> str:
-    """What to change for a recompile whose failed guard is ``reason`` (dynamo's text)."""
-    text = reason.lower()
-    if "size" in text or "stride" in text or "dim" in text:
+    """What to change for a recompile whose failed guard is ``reason`` (dynamo's text).
+
+    Only the guards are read, each line up to its ``#``: dynamo follows each with the
+    source line that read the value, whose words (``dim=-1``, ``window_size``) say
+    nothing of what changed."""
+    guards = " ".join(line.split("#", 1)[0] for line in reason.lower().splitlines())
+    if any(w in guards for w in SHAPE_GUARD_WORDS):
         return (
             "a tensor's shape or strides changed between steps: graphs have fixed shapes, "
             "so give every step inputs of one shape (pad them), or compile with "
             "dynamic=False so that each shape is compiled once and can be warmed up"
         )
-    if "grad_mode" in text or "global_state" in text or "autocast" in text:
+    if any(w in guards for w in MODE_GUARD_WORDS):
         return (
             "grad mode or autocast differed from the warmup's: run warmup and capture "
             "under the same modes as the steps themselves"
+        )
+    if ".training ==" in guards:
+        return (
+            "a module's train/eval mode differed from the warmup's: call model.train() "
+            "or model.eval() before warmup and capture, as the graphed steps run"
         )
     return (
         "the compiled code reads a Python value that changed between steps (a step "
@@ -216,7 +244,7 @@ def require_no_compile(
     Raises:
         CompiledCaptureError: naming every frame, its failed guard and the fix.
     """
-    frames = [f for f in report.frames if not f.failure]  # see warn_failed_compiles
+    frames = report.compiled  # frames given up: see warn_failed_compiles
     if not frames:
         return
     lines = []
@@ -314,13 +342,39 @@ def check_compile_options(where: str, options: Any) -> dict[str, Any] | None:
 
     Raises:
         CudaGraphsTypeError: ``options`` not a mapping.
-        CudaGraphsValueError: a mode or option that makes inductor record CUDA graphs
-            of its own.
+        CudaGraphsValueError: a keyword ``torch.compile`` does not take, a mode it does
+            not know, or a mode, option or backend that makes inductor or dynamo record
+            CUDA graphs of their own.
+
+    Keywords ``torch.compile`` does not take, and modes it does not know, are refused
+    here rather than at the first compile, which runs inside a warmup (in a Trainer,
+    after the first steps) and would fail again at every retry.
     """
     check_instance("compile_options", options, (Mapping, type(None)), "a mapping of keywords")
     if options is None:
         return None
+    known = [k for k in inspect.signature(torch.compile).parameters if k != "model"]
+    unknown = sorted(str(k) for k in options if k not in known)
+    if unknown:
+        raise CudaGraphsValueError(
+            f"{where}: compile_options has {', '.join(map(repr, unknown))}, which "
+            f"torch.compile does not take (its keywords: {', '.join(known)}). Fix: spell "
+            "them as torch.compile does; inductor's own settings go in 'options'"
+        )
     mode = options.get("mode")
+    if mode is not None and mode not in compile_modes():
+        raise CudaGraphsValueError(
+            f"{where}: compile_options has mode={mode!r}, which torch.compile does not "
+            f"know (its modes: {', '.join(compile_modes())}). Fix: leave 'mode' out, or "
+            "use 'max-autotune-no-cudagraphs'"
+        )
+    if options.get("backend") == "cudagraphs":
+        raise CudaGraphsValueError(
+            f"{where}: compile_options with backend='cudagraphs' make dynamo record CUDA "
+            "graphs of its own (CUDA-graph trees); our graphs already record the "
+            "kernels, and a recording inside their capture fails. Fix: leave 'backend' "
+            "out (inductor's kernels), or use 'aot_eager' for the model's own kernels"
+        )
     inner = options.get("options")
     trees = isinstance(inner, Mapping) and bool(inner.get("triton.cudagraphs"))
     if mode in GRAPH_RECORDING_MODES or trees:

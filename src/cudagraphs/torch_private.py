@@ -69,6 +69,7 @@ __all__ = [
     "files_hash",
     "mark_dynamic",
     "memoized_subgraph_schemas",
+    "compile_modes",
     "mode_options",
     "upstream_caches_subgraph_schemas",
     "release_pool",
@@ -580,6 +581,14 @@ def files_hash(*paths: str) -> bytes:
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
     return get_hash_for_files(tuple(paths))
+
+
+def compile_modes() -> tuple[str, ...]:
+    """The modes ``torch.compile`` takes (inductor's list: it raises on others only at
+    the first compile)."""
+    from torch._inductor import list_mode_options
+
+    return tuple(list_mode_options())
 
 
 def mode_options(mode: str, dynamic: bool | None = None) -> dict[str, Any]:

@@ -145,6 +145,12 @@ def test_a_trainers_torch_compile_is_refused_with_the_callbacks_compile_options(
         "{'backend': 'inductor'}): each graphed target then records its compiled forward "
         "and backward."
     )
+    # dynamo's "cudagraphs" backend records graphs of its own too: not suggested.
+    args = SimpleNamespace(
+        torch_compile=True, torch_compile_backend="cudagraphs", torch_compile_mode=None
+    )
+    with pytest.raises(CudaGraphsValueError, match=r"compile_options=\{\}\)"):
+        refuse_trainer_compile(args)
     refuse_trainer_compile(SimpleNamespace(torch_compile=False))
     refuse_trainer_compile(SimpleNamespace())
     callback = PartialGraphsCallback(compile_options={"mode": "max-autotune-no-cudagraphs"})

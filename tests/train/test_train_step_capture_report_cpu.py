@@ -74,7 +74,8 @@ def _step(rig, *, warmup_steps=3, step_fn=None, **options):
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rig.make(opt)
-    opts = TrainStepOptions(warmup_steps=warmup_steps, optimizer_impl="keep", **options)
+    options.setdefault("optimizer_impl", "keep")
+    opts = TrainStepOptions(warmup_steps=warmup_steps, **options)
     return GraphedTrainStep(step_fn or _step_fn(model), _batches(1, seed=5)[0], opt, opts)
 
 
@@ -108,6 +109,28 @@ def test_a_frame_dynamo_gave_up_in_the_warmup_is_said_on_the_steps_logger(rig, c
     said = [r for r in caplog.records if "gave up compiling" in r.getMessage()]
     assert len(said) == 1 and said[0].name == LOGGER
     assert said[0].getMessage().startswith("graph_train_step: dynamo gave up compiling f ")
+
+
+def test_a_frame_dynamo_gave_up_in_the_capture_is_said_and_the_graph_kept(rig, caplog):
+    # It ran eagerly inside the capture: the graph holds its eager kernels, correct.
+    given_up = _frame("inner", failure="Unsupported: Dynamo recompile limit exceeded")
+    rig.watch([CompileReport()] * 3 + [CompileReport((given_up,))])
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    step = _step(rig).capture(CpuPool())
+    assert step.graphed
+    said = [r.getMessage() for r in caplog.records if "gave up compiling" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("graph_train_step: dynamo gave up compiling inner")
+
+
+def test_a_frame_dynamo_gave_up_is_no_compile_for_the_account_or_the_optimizer(rig):
+    # optimizer_impl="auto" compiles the optimizer step for a compiled model: a first
+    # warmup step whose only frame was given up (it ran eagerly) is no compiled model.
+    given_up = _frame("f", failure="Unsupported: Dynamo recompile limit exceeded")
+    rig.watch([CompileReport((given_up, _frame("g", 0.5)))])
+    assert _step(rig).capture(CpuPool()).stats.compiled_frames == 1
+    rig.watch([CompileReport((given_up,))])
+    step = _step(rig, optimizer_impl="auto").capture(CpuPool())
+    assert step.stats.compiled_frames == 0 and not step.optimizer_compiled
 
 
 def test_a_compile_inside_a_failed_capture_is_named_as_its_likelier_cause(rig):

@@ -12,7 +12,7 @@ import torch
 from ..capture import as_graph_pool
 from ..capture_state import capture_scope
 from ..checks import check_callable, check_optimizers, require_cuda
-from ..compile_watch import CompileWatch, check_warmup, require_no_compile
+from ..compile_watch import CompileWatch, check_warmup, require_no_compile, warn_failed_compiles
 from ..errors import CudaGraphCaptureError, CudaGraphsValueError
 from ..forward_swap import swap_forward
 from ..memory import MemoryMeter, tensor_bytes
@@ -409,7 +409,10 @@ def make_graphed_callables(
             require_no_compile(watch.finish(), "the captures", "make_graphed_callables", exc)
             raise
         during = watch.finish()
-        if during.frames:
+        # A frame dynamo gave up on during the captures ran eagerly there: the graphs
+        # hold its eager kernels, correct, and it is said like one given up in warmup.
+        warn_failed_compiles(during, "make_graphed_callables", logger)
+        if during.compiled:
             for graphs in entry_graphs:
                 graphs.release()
             require_no_compile(during, "the captures", "make_graphed_callables")
@@ -421,7 +424,7 @@ def make_graphed_callables(
             warmup=t1 - t0,
             compile=compiled.seconds,
             capture=time.perf_counter() - t1,
-            compiled_frames=len(compiled.frames),
+            compiled_frames=len(compiled.compiled),
         )
         for graphs in entry_graphs:
             graphs.memory = memory

@@ -287,11 +287,14 @@ def refuse_trainer_compile(args: Any) -> None:
         "backend": getattr(args, "torch_compile_backend", None),
         "mode": getattr(args, "torch_compile_mode", None),
     }
-    # Modes that record CUDA graphs of their own cannot go inside ours: left out.
+    # Modes and backends that record CUDA graphs of their own cannot go inside ours:
+    # left out.
     said = {
         k: v
         for k, v in keywords.items()
-        if v is not None and not (k == "mode" and v in GRAPH_RECORDING_MODES)
+        if v is not None
+        and not (k == "mode" and v in GRAPH_RECORDING_MODES)
+        and not (k == "backend" and v == "cudagraphs")
     }
     raise CudaGraphsValueError(
         "PartialGraphsCallback: TrainingArguments(torch_compile=True) compiles the whole "

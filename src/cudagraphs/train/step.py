@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from ..checks import check_callable, check_instance, require_cuda
-from ..compile_watch import CompileReport, CompileWatch, check_warmup, require_no_compile
+from ..compile_watch import (
+    CompileReport,
+    CompileWatch,
+    check_warmup,
+    require_no_compile,
+    warn_failed_compiles,
+)
 from ..errors import (
     CudaGraphCaptureError,
     CudaGraphsTypeError,
@@ -276,7 +282,7 @@ class GraphedTrainStep:
                         last = watch.finish()
                         compiled += last
                         if done == 1:
-                            self._resolve_auto(bool(last.frames), steps - done, snapshot)
+                            self._resolve_auto(bool(last.compiled), steps - done, snapshot)
                 torch.cuda.synchronize(device)
                 t1 = time.perf_counter()
                 # A compiled step (torch.compile inside step_fn): the capture must run
@@ -298,7 +304,9 @@ class GraphedTrainStep:
                     # A compile inside the capture is the likelier cause: say it.
                     require_no_compile(watch.finish(), "the capture", "graph_train_step", exc)
                     raise
-                require_no_compile(watch.finish(), "the capture", "graph_train_step")
+                during = watch.finish()
+                warn_failed_compiles(during, "graph_train_step", logger)
+                require_no_compile(during, "the capture", "graph_train_step")
                 t2 = time.perf_counter()
         except BaseException:
             self._captured = None
@@ -337,7 +345,7 @@ class GraphedTrainStep:
             masks_built_in_capture=tuple(masks.unread),
             memory=memory,
             compile_seconds=compiled.seconds,
-            compiled_frames=len(compiled.frames),
+            compiled_frames=len(compiled.compiled),
             graph_breaks=compiled.graph_breaks,
         )
         logger.info("train step captured: %s", self.stats)
