@@ -41,6 +41,7 @@ from helpers.hf_generate import (  # noqa: E402
     captured,
     ended,
     hf_generate,
+    hf_keyword,
     prompts,
 )
 
@@ -65,6 +66,25 @@ def test_greedy_tokens_equal_hf_static_cache_generate(model, batch):
     assert ours.dtype == torch.long and ours.shape == ref.shape
     assert torch.equal(ours, ref)
     assert torch.equal(ours[:, :PROMPT], ids)
+
+
+def test_without_a_mask_the_padding_is_read_from_the_pad_id_as_hf_does(model):
+    # Left-padded with the pad id (0) and no mask: generate infers ids != pad.
+    gen = captured(model, (1, 2, 4))
+    ids, mask = prompts(3, seed=3)
+    assert bool((ids == PAD).any())
+    ours = gen.generate(ids, None, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    ref = model.generate(
+        ids,
+        max_new_tokens=NEW,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        do_sample=False,
+        disable_compile=True,
+        **{hf_keyword(model): transformers.StaticCache(config=model.config, max_cache_len=L)},
+    )
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours, hf_generate(model, ids, mask, NEW, eos_token_id=EOS, pad_token_id=PAD))
 
 
 def test_request_filling_the_cache_exactly_equals_hf(model):

@@ -18,6 +18,7 @@ from cudagraphs.serving.hf import (  # noqa: E402
     check_request,
     positions_from_mask,
 )
+from cudagraphs.serving.hf.requests import inferred_mask  # noqa: E402
 from helpers.hf_generate import (  # noqa: E402
     prompts,
 )
@@ -52,6 +53,19 @@ def test_valid_request_without_mask_gets_an_all_true_bool_mask():
     assert request.input_ids.dtype == torch.long
     assert torch.equal(request.input_ids, ids.long())
     assert (request.batch, request.prompt_len, request.max_new_tokens) == (2, 6, 4)
+
+
+def test_without_a_mask_the_padding_is_read_from_the_pad_id_as_generate_does():
+    ids = torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9], [3, 4, 5, 6]])
+    mask = inferred_mask(ids, 0, [2])
+    assert torch.equal(mask, (ids != 0).long())
+    assert inferred_mask(ids, 0, [0, 2]) is None  # the pad id is an end id: no padding
+    assert inferred_mask(ids, None, [2]) is None
+    assert inferred_mask(ids, 1, [2]) is None  # not in the ids
+    with pytest.raises(
+        CudaGraphInputError, match=r"pad_token_id 0 after real tokens in rows \[0\]"
+    ):
+        inferred_mask(torch.tensor([[5, 0, 6], [5, 6, 7]]), 0, [2])
 
 
 @pytest.mark.parametrize("with_mask", [True, False])

@@ -25,6 +25,7 @@ from cudagraphs.serving.hf import (  # noqa: E402
     Sampling,
     stop_tokens,
 )
+from cudagraphs.serving.hf.sampling import check_sampling_generator  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -52,6 +53,26 @@ CPU = torch.device("cpu")
 def test_bad_sampling_values_are_refused(kw, error, text):
     with pytest.raises(error, match=text):
         Sampling(**kw)
+
+
+def test_sampling_numbers_are_held_as_floats_hfs_warpers_take():
+    # HF's warpers refuse an int 2 or a numpy float mid-request: held as floats here.
+    np = pytest.importorskip("numpy")
+    rule = Sampling(
+        do_sample=True, temperature=2, top_p=np.float32(0.5), repetition_penalty=np.int64(2)
+    )
+    assert [type(v) for v in (rule.temperature, rule.top_p, rule.repetition_penalty)] == [float] * 3
+    assert (rule.temperature, rule.top_p, rule.repetition_penalty) == (2.0, 0.5, 2.0)
+    assert len(rule.processors()) == 3  # HF's own take them: penalty, temperature, top-p
+
+
+def test_a_sampling_generator_is_a_torch_generator_of_the_models_device():
+    check_sampling_generator(None, CPU)
+    check_sampling_generator(torch.Generator(), CPU)
+    with pytest.raises(CudaGraphsTypeError, match="generator must be a torch.Generator"):
+        check_sampling_generator(123, CPU)
+    with pytest.raises(CudaGraphsValueError, match="generator is on cpu, the model on meta"):
+        check_sampling_generator(torch.Generator(), torch.device("meta"))
 
 
 def test_sampling_accepts_the_edges_of_its_ranges():

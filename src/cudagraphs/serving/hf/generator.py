@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import types
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -70,9 +71,16 @@ from .prefill import (
     default_prefill_lengths,
 )
 from .regions import check_compile_regions
-from .requests import Request, check_request, positions_from_mask
-from .sampling import Sampling, StopTokens, sampling_rule, stop_tokens, vocab_size_of
-from .support import WeightAddresses, check_supported
+from .requests import Request, check_request, inferred_mask, positions_from_mask
+from .sampling import (
+    Sampling,
+    StopTokens,
+    check_sampling_generator,
+    sampling_rule,
+    stop_tokens,
+    vocab_size_of,
+)
+from .support import WeightAddresses, check_groups_in_place, check_supported
 from .unapplied import warn_unapplied
 
 __all__ = ["DEFAULT_GENERATE_BATCH_SIZES", "GraphedGenerator", "compiles_with_inductor"]
@@ -253,7 +261,7 @@ class GraphedGenerator:
         #: The projection groups laid back to back at capture (empty: none).
         self.stacked = StackedGroups()
         if compile_options is not None:
-            traced = model if self._regions is None else self._regional_forward
+            traced = model if self._regions is None else self._own_regional_forward()
             self._step_model = torch.compile(traced, **self._compile_keywords())
         self.layers = static_layer_check(model, self.max_cache_len)
         self.device = next(model.parameters()).device
@@ -337,9 +345,11 @@ class GraphedGenerator:
                 "close() it first"
             )
         self._experts = decode_experts(self.model, capturing=not graphs_disabled())
-        if self._stack and not self.stacked.groups:
+        if self._stack and (not self.stacked.groups or self.stacked.moved()):
             # Kept after close(): a capture again reuses the compiled step, whose
-            # guards are on these groups' forwards.
+            # guards are on these groups' forwards; laid anew where a weight was
+            # replaced since (load_state_dict(assign=True), a new module): the decode
+            # step reads the groups' buffers, which would hold the old weights.
             self.stacked = stack_projections(self.model)
         if compiles_with_inductor(self.compile_options):
             start_compile_workers()  # ready by the time inductor has kernels to build
@@ -525,6 +535,19 @@ class GraphedGenerator:
                 self._step_model, self.kv, input_ids, position_ids, attention_mask
             )
 
+    def _own_regional_forward(self) -> Callable[..., Any]:
+        """:meth:`_regional_forward` over a code object of this generator's own.
+
+        Why: dynamo keeps its compiles per code object, at most ``recompile_limit``
+        (8) of them, and each generator's regions are other objects its guards check;
+        over one shared code object the ninth generator of a process would decode
+        eagerly (and the tenth without a word)."""
+        function = GraphedGenerator._regional_forward
+        code = function.__code__.replace(co_name=f"decode_step_{id(self):x}")
+        own = types.FunctionType(code, function.__globals__, code.co_name)
+        own.__qualname__ = f"GraphedGenerator.{code.co_name}"
+        return types.MethodType(own, self)
+
     def _regional_forward(self, **kwargs: Any) -> Any:
         # Traced: the cache layers sliced from the storage by this step's batch size,
         # so every layer's region sees the same symbols and one body serves them all.
@@ -576,8 +599,9 @@ class GraphedGenerator:
 
         Args:
             input_ids: ``[batch, prompt_len]`` token ids, left-padded.
-            attention_mask: ``[batch, prompt_len]`` 0/1, 0 on the left padding
-                (default: no padding).
+            attention_mask: ``[batch, prompt_len]`` 0/1, 0 on the left padding.
+                Default: as ``generate``, ``input_ids != pad_token_id`` where the pad id
+                appears in the ids and is no end-of-sequence id, else no padding.
             max_new_tokens: tokens to make per prompt.
             do_sample, temperature, top_k, top_p: the decoding rule; ``None`` takes the
                 model's ``generation_config`` value, as ``model.generate`` does (so
@@ -614,6 +638,11 @@ class GraphedGenerator:
                 "GraphedGenerator.generate() before capture() (or after close()): call "
                 "capture() first"
             )
+        defaults = getattr(self.model, "generation_config", None)
+        stops = stop_tokens(eos_token_id, pad_token_id, defaults, self.device, self.model)
+        if attention_mask is None:
+            # As generate: the padding read from the pad id where it can be.
+            attention_mask = inferred_mask(input_ids, stops.pad, stops.eos.tolist())
         request = check_request(
             input_ids,
             attention_mask,
@@ -622,7 +651,7 @@ class GraphedGenerator:
             self.device,
             vocab_size_of(self.model, "input"),
         )
-        defaults = getattr(self.model, "generation_config", None)
+        check_sampling_generator(generator, self.device)
         sampling = sampling_rule(
             defaults,
             do_sample,
@@ -633,11 +662,14 @@ class GraphedGenerator:
             min_length,
             min_new_tokens,
         )
-        stops = stop_tokens(eos_token_id, pad_token_id, defaults, self.device, self.model)
         warn_unapplied(self._warn, defaults, sampling.do_sample)
         if request.batch <= self.kv.max_rows:
             if not self.runner.disabled:
                 self._weights.check(self.model)
+            else:
+                # Eager, but the decode step still reads the projection groups'
+                # buffers: a weight replaced since would be read as it was.
+                check_groups_in_place(self.stacked)
             kv, step = self.kv, self.runner.run
             self.requests["graphs"] += 1
         else:

@@ -15,6 +15,7 @@ returned, never fed back).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from ...errors import (
     describe_mismatches,
 )
 
-__all__ = ["Request", "check_request", "positions_from_mask", "token_ids"]
+__all__ = ["Request", "check_request", "inferred_mask", "positions_from_mask", "token_ids"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,34 @@ def _check_in_vocabulary(ids: torch.Tensor, vocab_size: int) -> None:
         "ids of the model's tokenizer, and pad with an id inside the vocabulary "
         "(tokenizer.pad_token_id)"
     )
+
+
+def inferred_mask(input_ids: Any, pad: int | None, eos: Sequence[int]) -> torch.Tensor | None:
+    """The mask ``generate`` infers without one: ``ids != pad`` where the pad id is set,
+    appears in the ids and is no end-of-sequence id; ``None`` (no padding) otherwise.
+
+    Raises:
+        CudaGraphsTypeError, CudaGraphsValueError: ids that are not token ids
+            (:func:`token_ids`).
+        CudaGraphInputError: the pad id after real tokens in a row: that mask is not
+            left padding, which the static cache needs.
+    """
+    if pad is None or pad in eos:
+        return None
+    ids = token_ids(input_ids)
+    real = ids.detach().to("cpu") != pad
+    if bool(real.all()):
+        return None
+    started = real.long().cummax(-1).values.bool()
+    holes = [r for r in range(real.shape[0]) if bool((started[r] & ~real[r]).any())]
+    if holes:
+        raise CudaGraphInputError(
+            f"input_ids hold pad_token_id {pad} after real tokens in rows {holes}, and "
+            "without attention_mask the padding is read from it as generate does "
+            "(ids != pad_token_id): not left padding, which the static cache needs. Fix: "
+            "pass the tokenizer's attention_mask, or a pad_token_id no prompt token is"
+        )
+    return real.to(ids.device).long()
 
 
 def _checked_mask(attention_mask: Any, ids: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from ...errors import CudaGraphsTypeError, CudaGraphsValueError
 __all__ = [
     "Sampling",
     "StopTokens",
+    "check_sampling_generator",
     "penalty_skips_padding",
     "sampling_rule",
     "stop_tokens",
@@ -65,6 +66,13 @@ class Sampling:
     def __post_init__(self) -> None:
         check_bool("do_sample", self.do_sample)
         check_number("temperature", self.temperature)
+        # HF's warpers take Python floats only (an int 2 or a numpy float32 raises
+        # there, mid-request): the numbers checked are held as floats.
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                check_number(name, value)
+                object.__setattr__(self, name, float(value))
         if not 0 < self.temperature < math.inf:
             raise CudaGraphsValueError(
                 f"temperature must be a finite number > 0, got {self.temperature}; for "
@@ -168,6 +176,27 @@ def penalty_skips_padding() -> bool:
     except (AttributeError, OSError, TypeError):
         return False
     return "prompt_ignore_length" in setup
+
+
+def check_sampling_generator(generator: Any, device: torch.device) -> None:
+    """Raises:
+    CudaGraphsTypeError: ``generator`` neither ``None`` nor a ``torch.Generator``.
+    CudaGraphsValueError: a ``torch.Generator`` of another device type than ``device``
+        (sampling would fail after the prefill has run).
+    """
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise CudaGraphsTypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__} "
+            f"{generator!r}: pass torch.Generator(device=...).manual_seed(seed) for "
+            "seeded sampling"
+        )
+    if generator.device.type != device.type:
+        raise CudaGraphsValueError(
+            f"generator is on {generator.device}, the model on {device}: pass "
+            f"torch.Generator(device={str(device)!r}).manual_seed(seed)"
+        )
 
 
 def sampling_rule(

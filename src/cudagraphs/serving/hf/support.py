@@ -12,8 +12,29 @@ from torch import nn
 
 from ...errors import CudaGraphsStateError, UnsupportedModelError
 from ...moe_kernels import STATIC_EXPERTS
+from ...stacking import StackedGroups
 
-__all__ = ["WeightAddresses", "check_supported"]
+__all__ = ["WeightAddresses", "check_groups_in_place", "check_supported"]
+
+
+def check_groups_in_place(stacked: StackedGroups) -> None:
+    """Raises:
+    CudaGraphsStateError: a grouped weight replaced since its projection group was
+        laid (naming up to three): the decode step reads the group's buffer, which
+        holds the old weight.
+    """
+    moved = stacked.moved()
+    if not moved:
+        return
+    shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
+    raise CudaGraphsStateError(
+        f"GraphedGenerator.generate(): {shown} were replaced since capture() laid their "
+        "projection groups back to back (stack_projections), e.g. by "
+        "load_state_dict(assign=True) or a new module; the decode step reads the groups' "
+        "buffers, which hold the old weights. Fix: update weights in place "
+        "(load_state_dict() without assign, param.data.copy_()), or close() and "
+        "capture() again."
+    )
 
 
 def check_supported(model: nn.Module) -> None:
