@@ -353,8 +353,11 @@ def check_compile_options(where: str, options: Any) -> dict[str, Any] | None:
     check_instance("compile_options", options, (Mapping, type(None)), "a mapping of keywords")
     if options is None:
         return None
-    known = [k for k in inspect.signature(torch.compile).parameters if k != "model"]
-    unknown = sorted(str(k) for k in options if k not in known)
+    parameters = inspect.signature(torch.compile).parameters
+    known = [k for k in parameters if k != "model"]
+    # A torch.compile wrapped to take any keyword (a patch, a shim) says nothing of them.
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = [] if takes_any else sorted(str(k) for k in options if k not in known)
     if unknown:
         raise CudaGraphsValueError(
             f"{where}: compile_options has {', '.join(map(repr, unknown))}, which "
