@@ -275,6 +275,8 @@ def decode_once(backends: str) -> dict:
             }
         stats = gen.stats()
         out["compile_regions"] = stats.get("compile_regions")
+        # Why the layers did not share one compiled body (None: they did).
+        out["compile_regions_error"] = gen.compile_regions_error
         out["stacked_projections"] = stats.get("stacked_projections")
         out["pack_gqa"] = stats.get("pack_gqa")
         # The decode replayed (a graphed result that did not replay is not one).
@@ -391,8 +393,15 @@ def stacked_summary(runs: list[dict]) -> dict:
 
 def pack_gqa_summary(runs: list[dict]) -> dict:
     """``--pack-gqa``'s verdicts: :func:`profiled_summary` of ``packed`` against
-    ``unpacked``."""
-    return profiled_summary(runs, "unpacked", "packed")
+    ``unpacked``, with each set's capture seconds and the layers that shared one
+    compiled body (and why not), per run: packing must not cost the shared body."""
+    summary = profiled_summary(runs, "unpacked", "packed")
+    for key in ("capture_s", "compile_regions", "compile_regions_error"):
+        per_set: dict[str, list] = {}
+        for run in runs:
+            per_set.setdefault(run["backends"], []).append(run.get(key))
+        summary[key] = per_set
+    return summary
 
 
 def profiled_summary(runs: list[dict], base: str, other: str) -> dict:
