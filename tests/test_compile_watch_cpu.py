@@ -311,6 +311,28 @@ def test_a_record_in_the_watchs_first_microsecond_counts(records, monkeypatch):
     assert len(CompileWatch.start().finish().frames) == 1
 
 
+def test_a_nameless_frame_given_up_is_named_after_an_earlier_record_of_its_frame(records):
+    # dynamo's record of a frame given up at its recompile limit has no code name or
+    # file; an earlier compile of the same frame (before the watch) says which it is.
+    held, _, _ = records
+    held.append(_record(co_name="partial_LlamaDecoderLayer", compile_id="3/7", start_time_us=1))
+    given_up = _record(
+        co_name=None,
+        co_filename=None,
+        co_firstlineno=None,
+        compile_id="3/8",
+        fail_type="Unsupported",
+        fail_reason="Dynamo recompile limit exceeded",
+    )
+    other = _record(**{**vars(given_up), "compile_id": "5/8"})  # frame 5: no record
+    held.extend([given_up, other])
+    frames = CompileWatch.start().finish().frames
+    assert [(f.name, f.where, f.compile_id) for f in frames] == [
+        ("partial_LlamaDecoderLayer", "model.py:12", "3/8"),
+        ("?", "?", "5/8"),
+    ]
+
+
 def test_a_frame_dynamo_gave_up_carries_its_failure_and_is_no_compile(records):
     held, _, _ = records
     held.append(

@@ -137,11 +137,11 @@ class CompileWatch:
     def finish(self) -> CompileReport:
         if not dynamo_loaded():
             return CompileReport()
+        records = list(compilation_metrics())
         frames = _merged(
-            _frame(m)
-            for m in compilation_metrics()
-            if (getattr(m, "start_time_us", None) or 0) >= self._since_us
+            _frame(m) for m in records if (getattr(m, "start_time_us", None) or 0) >= self._since_us
         )
+        frames = _named_failures(frames, [_frame(m) for m in records])
         trees = 0
         if self._device_index is not None:
             trees = cudagraph_tree_functions(self._device_index) - self._trees
@@ -188,6 +188,21 @@ def _merged(frames: Iterable[CompiledFrame]) -> list[CompiledFrame]:
         )
         out[i] = None
     return [f for f in out if f is not None]
+
+
+def _named_failures(frames: list[CompiledFrame], every: list[CompiledFrame]) -> list[CompiledFrame]:
+    """``frames`` with each nameless frame dynamo gave up on named after a record of
+    the same frame (its compile id's part before ``/``) from any time: dynamo's record
+    of a frame given up at its recompile limit carries no code name or file."""
+    known = {}
+    for f in every:
+        if f.name != "?":
+            known.setdefault(f.compile_id.split("/")[0], f)
+    out = []
+    for f in frames:
+        named = known.get(f.compile_id.split("/")[0]) if f.failure and f.name == "?" else None
+        out.append(f if named is None else replace(f, name=named.name, where=named.where))
+    return out
 
 
 def _failure(record: Any) -> str | None:
