@@ -70,6 +70,7 @@ __all__ = [
     "mark_dynamic",
     "memoized_subgraph_schemas",
     "compile_modes",
+    "recompile_limit_at_least",
     "mode_options",
     "upstream_caches_subgraph_schemas",
     "release_pool",
@@ -581,6 +582,17 @@ def files_hash(*paths: str) -> bytes:
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
     return get_hash_for_files(tuple(paths))
+
+
+@contextmanager
+def recompile_limit_at_least(limit: int) -> Iterator[None]:
+    """dynamo's ``recompile_limit`` (compiles kept per code object, 8 by default) at
+    least ``limit`` inside the block: dynamo reads it when a frame compiles."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    with config.patch(recompile_limit=max(config.recompile_limit, limit)):
+        yield
 
 
 def compile_modes() -> tuple[str, ...]:

@@ -69,16 +69,17 @@ def test_compile_options_are_copied_and_a_compiled_function_keeps_the_targets_na
         compiler = TargetCompile(mgr.compile_options)
         fn = graphed_function(mgr.recordings[0], compiler)
         assert fn is not None and fn.__qualname__ == f"partial[{mgr.recordings[0].name}]"
-        assert hasattr(fn, "_torchdynamo_orig_callable")
+        assert hasattr(fn.compiled, "_torchdynamo_orig_callable")
         # Both layers are one class: one code object, so one dynamo cache, for both.
         again = graphed_function(mgr.recordings[1], compiler)
         code = compiler.codes[type(mgr.recordings[0].target.module)]
         assert code.co_name == "partial_LlamaDecoderLayer"
-        assert again._torchdynamo_orig_callable.__code__ is code
-        assert fn._torchdynamo_orig_callable.__code__ is code
+        assert again.compiled._torchdynamo_orig_callable.__code__ is code
+        assert fn.compiled._torchdynamo_orig_callable.__code__ is code
         # The function keeps its own name and qualified name; only the code is the class's.
-        assert fn._torchdynamo_orig_callable.__name__ == "run"
-        assert again._torchdynamo_orig_callable.__qualname__ == f"partial[{mgr.recordings[1].name}]"
+        assert fn.compiled._torchdynamo_orig_callable.__name__ == "run"
+        original = again.compiled._torchdynamo_orig_callable
+        assert original.__qualname__ == f"partial[{mgr.recordings[1].name}]"
     finally:
         mgr.close()
 
@@ -254,3 +255,49 @@ def test_the_trainer_refusal_carries_over_what_may_go_inside_our_graphs(args, su
     with pytest.raises(CudaGraphsValueError) as info:
         refuse_trainer_compile(args)
     assert f"PartialGraphsCallback(compile_options={suggested!r})" in str(info.value)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_targets_of_a_class_reading_their_own_index_each_compile_none_given_up():
+    # dynamo guards on each layer's own int: one compile per target in the class's one
+    # cache, twelve in all, past dynamo's default limit of 8 and none run eagerly.
+    from torch import nn
+
+    from cudagraphs.compile_watch import CompileWatch
+
+    class Indexed(nn.Module):
+        def __init__(self, index):
+            super().__init__()
+            self.layer_idx = index
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.proj(x) / (self.layer_idx + 1) ** 0.5
+
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    layers = [Indexed(i) for i in range(12)]
+    compiler = TargetCompile({"backend": backend})
+    functions = [
+        graphed_function(
+            SimpleNamespace(
+                target=SimpleNamespace(module=layer),
+                param_names=("proj.weight", "proj.bias"),
+                name=f"layers.{i}",
+            ),
+            compiler,
+        )
+        for i, layer in enumerate(layers)
+    ]
+    x = torch.randn(2, 8)
+    watch = CompileWatch.start()
+    for _ in range(2):
+        for layer, function in zip(layers, functions):
+            torch.testing.assert_close(function(tuple(layer.parameters()), x), layer(x))
+    report = watch.finish()
+    assert len(compiler.codes) == 1 and compiler.targets == {Indexed: 12}
+    assert len(compiled) == 12 and report.failures == ()

@@ -32,7 +32,7 @@ def test_targets_of_one_class_share_a_code_object_and_no_two_classes_do(picks):
     codes = []
     for i in picks:
         fn = graphed_function(_rec(CLASSES[i](2, 2)), compiler)
-        codes.append(fn._torchdynamo_orig_callable.__code__)
+        codes.append(fn.compiled._torchdynamo_orig_callable.__code__)
     first: dict[int, object] = {}
     for i, code in zip(picks, codes):
         assert code is first.setdefault(i, code)  # the class's first code, every time

@@ -50,7 +50,7 @@ from ..errors import (
 from ..memory import KEEP_CACHE_ENV, place_cublas_workspaces, release_unused_cache
 from ..optimizer_state import compact_before_capture, optimizers_of
 from ..settings import DISABLE_ENV, env_flag, graphs_disabled
-from ..torch_private import clear_cublas_workspaces
+from ..torch_private import clear_cublas_workspaces, recompile_limit_at_least
 from .chaining import group_sharing
 from .contract import AutocastState, flatten_call
 from .model_scope import CHECKPOINT_REFUSAL, opaque_output_fix, opaque_outputs, refused_message
@@ -453,6 +453,11 @@ class _ForwardOnly(nn.Module):
         return getattr(self, _INNER).forward(*args, **kwargs)
 
 
+#: Compiles kept for each target of a class in its code object's cache (dynamo's
+#: default limit for a whole code object): its variants, training and inference.
+COMPILES_PER_TARGET = 8
+
+
 @dataclass
 class TargetCompile:
     """How the targets' graphed functions are compiled: ``torch.compile``'s keywords
@@ -467,19 +472,37 @@ class TargetCompile:
     inference mode in one cache. Per class, a model's decoder layers still share one
     compile (dynamo takes the modules as inputs), and another class (an attention, an
     MLP, another model's layers) fills a cache of its own.
+
+    Targets of a class whose forward reads a value of its own instance (a layer index
+    dynamo guards on) each compile apart in that one cache: while a target's function
+    runs, dynamo's ``recompile_limit`` is at least :data:`COMPILES_PER_TARGET` for each
+    target of its class, so that none of them is given up on and run eagerly.
     """
 
     options: dict[str, Any]
     codes: dict[type, types.CodeType] = field(default_factory=dict)
+    #: Targets made per class so far.
+    targets: dict[type, int] = field(default_factory=dict)
 
     def function(self, run: Callable[..., Any], cls: type) -> Callable[..., Any]:
-        """``run`` over the code object of ``cls``, compiled."""
+        """``run`` over the code object of ``cls``, compiled (``.compiled``), called
+        under the class's recompile limit."""
         code = self.codes.get(cls)
         if code is None:
             code = self.codes[cls] = run.__code__.replace(co_name=f"partial_{cls.__name__}")
+        self.targets[cls] = self.targets.get(cls, 0) + 1
         fn = types.FunctionType(code, run.__globals__, run.__name__, None, run.__closure__)
         fn.__qualname__ = run.__qualname__
-        return torch.compile(fn, **self.options)
+        compiled = torch.compile(fn, **self.options)
+        targets = self.targets
+
+        def limited(*args: Any, **kwargs: Any) -> Any:
+            with recompile_limit_at_least(COMPILES_PER_TARGET * targets[cls]):
+                return compiled(*args, **kwargs)
+
+        limited.__qualname__ = run.__qualname__
+        limited.compiled = compiled  # type: ignore[attr-defined]  # what torch.compile made
+        return limited
 
 
 def graphed_function(
