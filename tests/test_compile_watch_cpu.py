@@ -17,7 +17,7 @@ from cudagraphs.compile_watch import (
     require_no_compile,
     require_no_torch_graphs,
 )
-from cudagraphs.errors import CompiledCaptureError, CudaGraphCaptureError
+from cudagraphs.errors import CompiledCaptureError, CudaGraphCaptureError, CudaGraphsValueError
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -466,3 +466,22 @@ def test_a_nameless_record_of_a_named_frames_compile_is_that_frame_not_another(r
         ("?", "1/0", 2.0, 2),
         ("?", "?", 0.25, 2),
     ]
+
+
+def test_inductors_global_cuda_graphs_are_refused_unless_the_options_turn_them_off(monkeypatch):
+    # TORCHINDUCTOR_CUDAGRAPHS=1 sets inductor's config at import: every compile would
+    # record CUDA-graph trees of its own, inside our capture.
+    import torch._inductor.config as inductor
+
+    from cudagraphs.compile_watch import check_compile_options
+
+    monkeypatch.setattr(inductor.triton, "cudagraphs", True)
+    with pytest.raises(CudaGraphsValueError, match="TORCHINDUCTOR_CUDAGRAPHS"):
+        check_compile_options("here", {})
+    with pytest.raises(CudaGraphsValueError, match="inductor's own config"):
+        check_compile_options("here", {"mode": "max-autotune-no-cudagraphs"})
+    off = {"options": {"triton.cudagraphs": False}}
+    assert check_compile_options("here", off) == off
+    assert check_compile_options("here", {"backend": "aot_eager"}) == {"backend": "aot_eager"}
+    monkeypatch.setattr(inductor.triton, "cudagraphs", False)
+    assert check_compile_options("here", {}) == {}

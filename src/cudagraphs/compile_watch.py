@@ -43,6 +43,7 @@ from .torch_private import (
     compile_modes,
     cudagraph_tree_functions,
     dynamo_loaded,
+    inductor_records_graphs,
 )
 
 __all__ = [
@@ -403,5 +404,15 @@ def check_compile_options(where: str, options: Any) -> dict[str, Any] | None:
             "a recording inside their capture fails. Fixes: 1. leave 'mode' out "
             "(inductor's default kernels); 2. mode='max-autotune-no-cudagraphs' for "
             "autotuned kernels without graphs of their own."
+        )
+    inductor = options.get("backend", "inductor") == "inductor"
+    stated = isinstance(inner, Mapping) and "triton.cudagraphs" in inner
+    if inductor and not stated and inductor_records_graphs():
+        raise CudaGraphsValueError(
+            f"{where}: inductor's own config records CUDA graphs "
+            "(torch._inductor.config.triton.cudagraphs is True, as TORCHINDUCTOR_CUDAGRAPHS=1 "
+            "sets it), so these compile_options would make CUDA-graph trees inside our "
+            "graphs, whose capture they fail. Fixes: 1. unset TORCHINDUCTOR_CUDAGRAPHS (or "
+            "the config); 2. pass options={'triton.cudagraphs': False} in compile_options"
         )
     return dict(options)

@@ -70,6 +70,7 @@ __all__ = [
     "mark_dynamic",
     "memoized_subgraph_schemas",
     "compile_modes",
+    "inductor_records_graphs",
     "recompile_limit_at_least",
     "mode_options",
     "upstream_caches_subgraph_schemas",
@@ -582,6 +583,14 @@ def files_hash(*paths: str) -> bytes:
     from torch._inductor.custom_graph_pass import get_hash_for_files
 
     return get_hash_for_files(tuple(paths))
+
+
+def inductor_records_graphs() -> bool:
+    """Whether inductor's global config turns on its CUDA-graph trees for every compile
+    (``triton.cudagraphs``; ``TORCHINDUCTOR_CUDAGRAPHS=1`` sets it at import)."""
+    import torch._inductor.config
+
+    return bool(torch._inductor.config.triton.cudagraphs)
 
 
 @contextmanager
