@@ -409,9 +409,9 @@ def check_compile_options(where: str, options: Any) -> dict[str, Any] | None:
     stated = isinstance(inner, Mapping) and "triton.cudagraphs" in inner
     if inductor and not stated and inductor_records_graphs():
         raise CudaGraphsValueError(
-            f"{where}: inductor's own config records CUDA graphs "
-            "(torch._inductor.config.triton.cudagraphs is True, as TORCHINDUCTOR_CUDAGRAPHS=1 "
-            "sets it), so these compile_options would make CUDA-graph trees inside our "
+            f"{where}: inductor's own config records CUDA graphs (its triton.cudagraphs "
+            "is True, as TORCHINDUCTOR_CUDAGRAPHS=1 sets it), so these compile_options "
+            "would make CUDA-graph trees inside our "
             "graphs, whose capture they fail. Fixes: 1. unset TORCHINDUCTOR_CUDAGRAPHS (or "
             "the config); 2. pass options={'triton.cudagraphs': False} in compile_options"
         )
