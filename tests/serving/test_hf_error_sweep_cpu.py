@@ -24,7 +24,7 @@ BAD = {
     "nan repetition penalty": (dict(repetition_penalty=float("nan")), r"repetition_penalty"),
     "no new tokens": (dict(max_new_tokens=0), r"max_new_tokens must be an int >= 1, got 0"),
     "more than the cache holds": (dict(max_new_tokens=L), r"max_cache_len=24"),
-    "top_p above 1": (dict(do_sample=True, top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+    "top_p above 1": (dict(do_sample=True, top_p=1.5), r"top_p must be in \[0, 1\], got 1.5"),
     "negative top_k": (dict(do_sample=True, top_k=-1), r"top_k must be an int >= 0, got -1"),
     "float ids": (dict(ids=lambda i, m: (i.float(), m)), r"integer token ids"),
     "ids outside the vocabulary": (

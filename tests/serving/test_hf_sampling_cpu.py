@@ -39,10 +39,10 @@ CPU = torch.device("cpu")
         (dict(temperature=float("inf")), CudaGraphsValueError, "finite number > 0, got inf"),
         (dict(temperature=float("nan")), CudaGraphsValueError, "finite number > 0, got nan"),
         (dict(repetition_penalty=float("inf")), CudaGraphsValueError, "repetition_penalty"),
-        (dict(top_p=float("nan")), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
+        (dict(top_p=float("nan")), CudaGraphsValueError, r"top_p must be in \[0, 1\]"),
         (dict(temperature="1"), CudaGraphsTypeError, "^temperature must be a number.* got str '1'"),
-        (dict(top_p=0.0), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
-        (dict(top_p=1.5), CudaGraphsValueError, r"top_p must be in \(0, 1\]"),
+        (dict(top_p=-0.1), CudaGraphsValueError, r"top_p must be in \[0, 1\]"),
+        (dict(top_p=1.5), CudaGraphsValueError, r"top_p must be in \[0, 1\]"),
         (dict(top_p="0.5"), CudaGraphsTypeError, "^top_p must be a number.* got str '0.5'"),
         (dict(top_k=-1), CudaGraphsValueError, "top_k must be an int >= 0"),
         (dict(top_k=2.0), CudaGraphsTypeError, "top_k must be an int"),
@@ -78,6 +78,11 @@ def test_a_sampling_generator_is_a_torch_generator_of_the_models_device():
 def test_sampling_accepts_the_edges_of_its_ranges():
     rule = Sampling(do_sample=True, temperature=1e-3, top_k=0, top_p=1.0)
     assert (rule.temperature, rule.top_k, rule.top_p) == (1e-3, 0, 1.0)
+    # top_p=0 keeps the likeliest token alone, as HF's own warper (which takes it).
+    (warper,) = Sampling(do_sample=True, top_p=0.0).processors()
+    logits = torch.tensor([[0.5, 2.0, 1.0]])
+    kept = warper(torch.zeros(1, 1, dtype=torch.long), logits).isfinite()
+    assert kept.tolist() == [[False, True, False]]
 
 
 def test_greedy_has_no_processors_whatever_the_sampling_values():

@@ -48,7 +48,8 @@ class Sampling:
 
     Raises:
         CudaGraphsTypeError: a value of the wrong type (naming it).
-        CudaGraphsValueError: temperature <= 0, top_k < 0, top_p outside (0, 1],
+        CudaGraphsValueError: temperature <= 0, top_k < 0, top_p outside [0, 1] (0 keeps
+            the likeliest token, as in HF),
             repetition_penalty <= 0, a minimum length below 0.
     """
 
@@ -82,8 +83,8 @@ class Sampling:
             check_int("top_k", self.top_k, minimum=0)
         if self.top_p is not None:
             check_number("top_p", self.top_p)
-            if not 0.0 < self.top_p <= 1.0:
-                raise CudaGraphsValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            if not 0.0 <= self.top_p <= 1.0:
+                raise CudaGraphsValueError(f"top_p must be in [0, 1], got {self.top_p}")
         check_number("repetition_penalty", self.repetition_penalty)
         if not 0 < self.repetition_penalty < math.inf:
             raise CudaGraphsValueError(
