@@ -4,6 +4,8 @@ that names it, nothing run."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -233,3 +235,29 @@ def test_ids_up_to_the_last_of_the_vocabulary_pass_and_the_size_itself_is_refuse
         check_request(torch.tensor([[0, 10]]), None, 1, 8, cpu, vocab_size=10)
     with pytest.raises(CudaGraphsValueError, match=r"input_ids\[0, 0\] = -1 is outside"):
         check_request(torch.tensor([[-1, 3]]), None, 1, 8, cpu, vocab_size=10)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=6), min_size=1, max_size=4),
+    pad=st.one_of(st.none(), st.integers(0, 4)),
+    eos=st.lists(st.integers(0, 4), max_size=2),
+)
+def test_the_inferred_mask_is_generates_rule_and_left_padding_or_refused(rows, pad, eos):
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [5] * (width - len(r)) for r in rows])  # 5: never the pad
+    # generate's rule: ids != pad where the pad is set, in the ids and no eos id.
+    infers = pad is not None and pad not in eos and bool((ids == pad).any())
+    if not infers:
+        assert inferred_mask(ids, pad, eos) is None
+        return
+    want = (ids != pad).long()
+    left_padded = all(
+        all(want[r, :i].sum() == 0 for i in range(width) if want[r, i] == 0)
+        for r in range(len(rows))
+    )
+    if left_padded:
+        assert torch.equal(inferred_mask(ids, pad, eos), want)
+    else:
+        with pytest.raises(CudaGraphInputError, match="after real tokens"):
+            inferred_mask(ids, pad, eos)

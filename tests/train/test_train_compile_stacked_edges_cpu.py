@@ -10,6 +10,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import cudagraphs
@@ -181,3 +183,34 @@ def test_linears_that_cannot_be_read_as_rows_of_one_gemm_are_left_alone():
 
     # Side by side, not overlapping: grouped.
     assert plan_projections(Pair(nn.Linear(4, 4), nn.Linear(4, 2))) == [("a", "b")]
+
+
+# ---- which weights are tied, against pairwise overlap --------------------------------
+SPAN = st.tuples(st.integers(0, 40), st.integers(1, 12))  # (start, rows) in one storage
+
+
+def _overlap(a, b):
+    return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(a=SPAN, b=SPAN, extra=st.one_of(st.none(), SPAN))
+def test_siblings_group_exactly_when_no_other_tensor_overlaps_either(a, b, extra):
+    # a's and b's weights (and an extra parameter) are rows of one storage, 4 wide;
+    # the reference: a weight is tied when its rows overlap another tensor's.
+    storage = torch.zeros(60, 4)
+    pair = nn.Module()
+    pair.a, pair.b = nn.Linear(4, a[1], bias=False), nn.Linear(4, b[1], bias=False)
+    pair.a.weight = nn.Parameter(storage[a[0] : a[0] + a[1]])
+    pair.b.weight = nn.Parameter(storage[b[0] : b[0] + b[1]])
+    spans = {"a": a, "b": b}
+    if extra is not None:
+        pair.extra = nn.Parameter(storage[extra[0] : extra[0] + extra[1]])
+        spans["extra"] = extra
+    tied = {
+        name
+        for name, span in spans.items()
+        if any(_overlap(span, other) for o, other in spans.items() if o != name)
+    }
+    grouped = plan_projections(pair) == [("a", "b")]
+    assert grouped == ("a" not in tied and "b" not in tied)
