@@ -193,7 +193,9 @@ class GraphedGenerator:
             and step). The same attention over the same cache; the kernel sees fewer
             heads with more rows. Only one-token steps of grouped heads with SDPA's
             plain options are packed, every other call goes to transformers' own.
-            Default ``None``: off (it has not run on a GPU yet); ``True``: on, where
+            Default ``None``: off (on an H100 it decodes faster, but the decoder layers
+            then compiled apart and the cold capture doubled: docs/serving-hf.md);
+            ``True``: on, where
             with ``compile_options`` the compiled kernels set the tokens' rounding
             anyway, and without it the graphs record the packed attention in place of
             HF's eager one (the same math, another kernel shape).
