@@ -87,6 +87,9 @@ def _tensors(heads=4, kv_heads=2, q_len=1, mask_heads=1):
         ({"groups": 1}, False),  # the module says none
         ({"kwargs": {"softcap": 30.0}}, False),  # something SDPA's attention refuses
         ({"kwargs": {"s_aux": torch.zeros(4)}}, False),  # attention sinks
+        # Passed as None, they ask nothing: SDPA's attention reads them as absent.
+        ({"kwargs": {"softcap": None, "position_bias": None, "s_aux": None}}, True),
+        ({"kwargs": {"head_mask": torch.ones(4)}}, False),
         ({"kwargs": {"dropout": 0.1}}, False),
         ({"kwargs": {"output_attentions": True}}, False),
         ({"kwargs": {"sliding_window": 4, "position_ids": None, "dropout": 0.0}}, True),

@@ -56,13 +56,15 @@ def packable(
     """Whether ``query`` (batch, heads, 1, dim) can be read as ``key``'s heads' rows:
     one query position, heads a multiple (two or more) of the key/value heads, the mask
     one for every head and position (or none), no dropout, and nothing else asked of
-    the kernel."""
+    the kernel. A keyword passed as ``None`` asks nothing (``softcap=None``,
+    ``position_bias=None``, ``s_aux=None``: SDPA's attention reads them as absent)."""
     if query.dim() != 4 or key.dim() != 4 or query.shape[2] != 1:
         return False
     heads, kv_heads = query.shape[1], key.shape[1]
     if getattr(module, "num_key_value_groups", 1) <= 1 or kv_heads * 2 > heads:
         return False
-    if heads % kv_heads or not set(kwargs) <= _PLAIN_KEYWORDS:
+    asked = {name for name, value in kwargs.items() if value is not None}
+    if heads % kv_heads or not asked <= _PLAIN_KEYWORDS:
         return False
     if kwargs.get("dropout", 0.0) or kwargs.get("output_attentions"):
         return False
