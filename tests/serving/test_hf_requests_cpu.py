@@ -261,3 +261,14 @@ def test_the_inferred_mask_is_generates_rule_and_left_padding_or_refused(rows, p
     else:
         with pytest.raises(CudaGraphInputError, match="after real tokens"):
             inferred_mask(ids, pad, eos)
+
+
+@pytest.mark.parametrize("which", ["input_ids", "attention_mask"])
+def test_a_meta_tensor_is_refused_by_name_as_holding_no_values(which):
+    ids, mask = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
+    given = {"input_ids": ids, "attention_mask": mask}
+    given[which] = given[which].to("meta")
+    with pytest.raises(CudaGraphsValueError, match=f"{which} is on the meta device"):
+        check_request(given["input_ids"], given["attention_mask"], 2, 16, CPU)
+    # The next good request goes through.
+    assert check_request(ids, mask, 2, 16, CPU).input_ids.shape == (2, 3)

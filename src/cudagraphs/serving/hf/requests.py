@@ -123,6 +123,7 @@ def token_ids(input_ids: Any) -> torch.Tensor:
             f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; pass "
             "input_ids.long()"
         )
+    _check_holds_values("input_ids", input_ids)
     if input_ids.dim() != 2:
         hint = " (one prompt: input_ids.unsqueeze(0))" if input_ids.dim() == 1 else ""
         raise CudaGraphsValueError(
@@ -134,6 +135,16 @@ def token_ids(input_ids: Any) -> torch.Tensor:
             "per prompt"
         )
     return input_ids.long()
+
+
+def _check_holds_values(name: str, tensor: torch.Tensor) -> None:
+    """A meta tensor has a shape and no values: the request's checks read its values on
+    the host, and its copy to the model's device has nothing to copy."""
+    if tensor.is_meta:
+        raise CudaGraphsValueError(
+            f"{name} is on the meta device: it has a shape but no values to read. Fix: "
+            f"pass {name} on the CPU or the model's device (e.g. the tokenizer's tensors)"
+        )
 
 
 def _check_in_vocabulary(ids: torch.Tensor, vocab_size: int) -> None:
@@ -184,6 +195,7 @@ def _checked_mask(attention_mask: Any, ids: torch.Tensor) -> torch.Tensor:
             f"attention_mask must be a torch.Tensor [batch, prompt_len] of 0/1 or None, got "
             f"{type(attention_mask).__name__}"
         )
+    _check_holds_values("attention_mask", attention_mask)
     if tuple(attention_mask.shape) != tuple(ids.shape):
         wrong = [Mismatch("attention_mask", "shape", tuple(ids.shape), tuple(attention_mask.shape))]
         raise CudaGraphInputError(
