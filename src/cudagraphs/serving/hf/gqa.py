@@ -82,15 +82,6 @@ def packed_attention(
     its rows; returned as HF's attention functions return it (batch, 1, heads, dim)."""
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    if torch.compiler.is_compiling() and batch != 1:
-        # Inside a generator's nested compile region the cache's rows reach the layer
-        # as a slice whose length functionalization makes unbacked (u0); the memory-
-        # efficient kernel's batch check, which several query rows a head reach (one
-        # row does not), then cannot compare it with the query's batch and the layers
-        # lose their shared body. Here they are one size: the generator's query and
-        # cache always share the batch, and a batch of one compiles on its own.
-        torch._check(key.shape[0] == batch)
-        torch._check(value.shape[0] == batch)
     rows = query.reshape(batch, kv_heads, heads // kv_heads, dim)
     # The mask (batch, 1, 1, length) broadcasts over the heads and the group's rows.
     out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scaling)
