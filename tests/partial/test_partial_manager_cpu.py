@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from cudagraphs.errors import CudaGraphsStateError, CudaGraphsValueError
+from cudagraphs.errors import CudaGraphInputError, CudaGraphsStateError, CudaGraphsValueError
 from cudagraphs.partial import PartialCudaGraphManager, TargetSelectionError
 from helpers.hf_models import tiny
 from helpers.partial_manager import NARROW, eager_backend, pinning_backend, recorded, step
@@ -168,6 +168,57 @@ def test_close_restores_eager_modules_and_is_idempotent():
     assert model.layers[0].self_attn._forward_pre_hooks == {}
     with pytest.raises(CudaGraphsStateError, match="closed"):
         mgr.start_recording()
+
+
+@pytest.mark.parametrize("replacement", ["parameter", "plain_tensor"])
+def test_a_parameter_object_replaced_after_capture_falls_back_and_trains_the_new_one(
+    caplog, replacement
+):
+    # load_state_dict(assign=True) or layer.weight = nn.Parameter(...): the graph must
+    # not read the old parameter (stale weights, the new one left without a gradient).
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=pinning_backend, scopes=NARROW
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    mgr.capture()
+    q = model.layers[0].self_attn.q
+    new = torch.randn(8, 8)
+    if replacement == "parameter":
+        q.weight = nn.Parameter(new.clone())
+    else:  # an attribute no longer a parameter: the name still reads a tensor
+        del q.weight
+        q.weight = new.clone().requires_grad_()
+    x = torch.randn(2, 8)
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        out = model(x)
+    assert mgr.stats()["fallback_param_storage"] == 1, mgr.stats()
+    out.sum().backward()
+    assert q.weight.grad is not None  # the new weight is the one trained
+    mgr.close()
+    assert torch.equal(out, model(x))
+
+
+def test_a_parameter_deleted_after_capture_falls_back_naming_it(caplog):
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        [model], capture_backend=pinning_backend, scopes=NARROW
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8))
+    mgr.capture()
+    q = model.layers[0].self_attn.q
+    del q.weight
+    q.weight = None  # a forward that reads it fails eagerly, as without graphs
+    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
+        with pytest.raises(Exception) as err:
+            model(torch.randn(2, 8))
+    assert not isinstance(err.value, CudaGraphInputError)  # the eager forward's own error
+    assert mgr.stats()["fallback_param_storage"] == 1
+    (said,) = fallback_warnings(caplog, "param_storage")
+    assert "'weight' of Linear is no longer a tensor (now NoneType)" in said.getMessage()
+    mgr.close()
 
 
 def test_a_replaced_parameter_storage_falls_back_with_its_reason(caplog):

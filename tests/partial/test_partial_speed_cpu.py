@@ -165,6 +165,26 @@ def test_no_check_when_turned_off_or_on_the_cpu_by_default(monkeypatch):
         assert mgr.stats()["captured"] == 2
 
 
+def test_an_explicit_speed_check_measures_on_a_torch_without_cuda(monkeypatch):
+    # The docs: a SpeedCheck(...) checks on any device. Without CUDA the default
+    # synchronize has nothing to wait for (it used to raise torch's AssertionError).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = Toy()
+    mgr = PartialCudaGraphManager.from_model_parts(
+        model,
+        capture_backend=lambda c, a, k: list(c),
+        speed_check=SpeedCheck(rounds=1, iters=1, warmup=0),
+        scopes=NARROW,
+    )
+    mgr.start_recording()
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    mgr.capture()
+    stats = mgr.stats()
+    # Measured: each target kept or turned off by its verdict (the stand-in graph is
+    # the eager forward, so either can win).
+    assert stats["captured"] + stats["off_slower_than_eager"] == 2, stats
+
+
 @pytest.mark.parametrize("bad, said", [(1, "int 1"), ("yes", "str 'yes'"), (None, "NoneType None")])
 def test_speed_check_must_be_a_bool_or_a_speed_check(bad, said):
     with pytest.raises(

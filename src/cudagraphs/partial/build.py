@@ -93,7 +93,6 @@ def build_recordings(
                     target=target,
                     contracts=ContractSet(max_variants),
                     param_names=tuple(n for n, _ in params),
-                    params=() if fsdp else tuple(p for _, p in params),
                     fsdp=fsdp,
                 )
             )

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..diagnostics import WarnOnce
-from ..errors import CudaGraphsValueError
+from ..errors import CudaGraphInputError, CudaGraphsValueError
 from ..torch_private import current_graph_task_id
 from .chaining import Link, OutputLinks
 from .contract import CallContract, ContractSet
@@ -183,7 +183,8 @@ class TargetRecording:
     target: Target
     contracts: ContractSet
     param_names: tuple[str, ...] = ()
-    params: tuple[nn.Parameter, ...] = ()
+    # (owning module, attribute) of each of param_names, found at the first call.
+    params_at: tuple[tuple[nn.Module, str], ...] | None = field(default=None, repr=False)
     # Under FSDP2 (see .fsdp): parameters are fetched at each call and copied into the
     # graph rather than read in place.
     fsdp: bool = False
@@ -242,17 +243,46 @@ class TargetRecording:
             )
         return index
 
-    def call_params(self) -> tuple[nn.Parameter, ...]:
-        """The parameters to pass to the graph now: fixed ones, or under FSDP2 the
-        module's current (unsharded, inside forward) parameters."""
-        if not self.fsdp:
-            return self.params
-        module = self.target.module
-        return tuple(module.get_parameter(name) for name in self.param_names)
+    def call_params(self) -> tuple[torch.Tensor, ...]:
+        """The module's parameters now, read by the names taken at build (under FSDP2
+        its current unsharded parameters, inside forward).
+
+        Read at each call, not kept: a parameter replaced since capture
+        (``load_state_dict(assign=True)``, ``layer.weight = nn.Parameter(...)``) is
+        then the new one, which the graph's check of its parameters refuses, and the
+        call runs eagerly (``param_storage``) instead of reading the old weights and
+        leaving the new one without a gradient.
+
+        Raises:
+            CudaGraphInputError: a name no longer holds a tensor (the module's
+                attribute deleted or replaced by another kind of object).
+        """
+        return tuple(self._current(owner, attr) for owner, attr in self._param_slots())
 
     def capture_params(self, variant: int) -> tuple[torch.Tensor, ...]:
         """The parameter samples to capture ``variant`` with."""
-        return self.variants[variant].params if self.fsdp else self.params
+        return self.variants[variant].params if self.fsdp else self.call_params()
+
+    def _param_slots(self) -> tuple[tuple[nn.Module, str], ...]:
+        if self.params_at is None:
+            module = self.target.module
+            slots = []
+            for name in self.param_names:
+                path, _, attr = name.rpartition(".")
+                slots.append((module.get_submodule(path) if path else module, attr))
+            self.params_at = tuple(slots)
+        return self.params_at
+
+    def _current(self, owner: nn.Module, attr: str) -> torch.Tensor:
+        value = getattr(owner, attr, None)
+        if not isinstance(value, torch.Tensor):
+            raise CudaGraphInputError(
+                f"{self.name}: its parameter {attr!r} of {type(owner).__name__} is no "
+                f"longer a tensor (now {type(value).__name__}) since the graph was "
+                "captured; the call runs eagerly. Fix: build the manager again for the "
+                "changed model"
+            )
+        return value
 
     def graphs(self) -> list[Any]:
         """The graphs held, one per captured variant."""
