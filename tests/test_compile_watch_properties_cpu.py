@@ -5,6 +5,7 @@ options may go inside our graphs."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,6 +86,15 @@ KEYWORDS = {"fullgraph", "dynamic", "backend", "mode", "options", "disable"}
 KNOWN_MODES = {"default", "lite", "max-autotune-no-cudagraphs", *GRAPH_RECORDING_MODES}
 
 
+def torch_compile_refuses(options):
+    """Whether torch.compile itself refuses ``options`` (before any compile)."""
+    try:
+        torch.compile(lambda x: x, **options)
+    except Exception:
+        return True
+    return False
+
+
 @settings(deadline=None)  # the first mode checked imports inductor
 @given(st.dictionaries(OPTION_KEYS, VALUES), MODES, INNER)
 def test_options_are_refused_exactly_when_inductor_would_record_graphs(extra, mode, inner):
@@ -96,7 +106,10 @@ def test_options_are_refused_exactly_when_inductor_would_record_graphs(extra, mo
         options["options"] = inner
     records = mode in GRAPH_RECORDING_MODES or bool((inner or {}).get("triton.cudagraphs"))
     records = records or options.get("backend") == "cudagraphs"
-    wrong = not set(options) <= KEYWORDS or (mode is not None and mode not in KNOWN_MODES)
+    # torch.compile itself is the reference: a keyword or mode it does not know, a mode
+    # beside options, a backend it does not know, a value of the wrong kind.
+    wrong = torch_compile_refuses(options)
+    assert wrong or set(options) <= KEYWORDS and (mode is None or mode in KNOWN_MODES)
     if records or wrong:
         with pytest.raises(CudaGraphsValueError, match="^here: compile_options (with|has) "):
             check_compile_options("here", options)

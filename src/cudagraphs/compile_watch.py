@@ -40,10 +40,12 @@ from .checks import check_instance
 from .errors import CompiledCaptureError, CudaGraphsValueError
 from .torch_private import (
     compilation_metrics,
+    compile_backends,
     compile_modes,
     cudagraph_tree_functions,
     dynamo_loaded,
     inductor_records_graphs,
+    mode_options,
 )
 
 __all__ = [
@@ -359,9 +361,10 @@ def check_compile_options(where: str, options: Any) -> dict[str, Any] | None:
 
     Raises:
         CudaGraphsTypeError: ``options`` not a mapping.
-        CudaGraphsValueError: a keyword ``torch.compile`` does not take, a mode it does
-            not know, or a mode, option or backend that makes inductor or dynamo record
-            CUDA graphs of their own.
+        CudaGraphsValueError: a keyword ``torch.compile`` does not take, a mode or
+            backend name it does not know, a mode together with ``options`` (it takes
+            one or the other), or a mode, option or backend that makes inductor or
+            dynamo record CUDA graphs of their own.
 
     Keywords ``torch.compile`` does not take, and modes it does not know, are refused
     here rather than at the first compile, which runs inside a warmup (in a Trainer,
@@ -388,6 +391,25 @@ def check_compile_options(where: str, options: Any) -> dict[str, Any] | None:
             f"know (its modes: {', '.join(compile_modes())}). Fix: leave 'mode' out, or "
             "use 'max-autotune-no-cudagraphs'"
         )
+    inner = options.get("options")
+    if mode is not None and inner is not None:
+        merged = {**mode_options(mode), **inner} if isinstance(inner, Mapping) else None
+        fix = (
+            f"pass options={merged!r} without 'mode' (the mode's settings and yours)"
+            if merged is not None
+            else "leave 'mode' out and put its settings in 'options'"
+        )
+        raise CudaGraphsValueError(
+            f"{where}: compile_options has both mode={mode!r} and 'options', and "
+            f"torch.compile takes one or the other. Fix: {fix}"
+        )
+    backend = options.get("backend")
+    if isinstance(backend, str) and backend not in compile_backends():
+        raise CudaGraphsValueError(
+            f"{where}: compile_options has backend={backend!r}, which torch.compile does "
+            f"not know (its backends: {', '.join(compile_backends())}). Fix: leave "
+            "'backend' out (inductor), or name one of those"
+        )
     if options.get("backend") == "cudagraphs":
         raise CudaGraphsValueError(
             f"{where}: compile_options with backend='cudagraphs' make dynamo record CUDA "
@@ -395,7 +417,6 @@ def check_compile_options(where: str, options: Any) -> dict[str, Any] | None:
             "kernels, and a recording inside their capture fails. Fix: leave 'backend' "
             "out (inductor's kernels), or use 'aot_eager' for the model's own kernels"
         )
-    inner = options.get("options")
     trees = isinstance(inner, Mapping) and bool(inner.get("triton.cudagraphs"))
     if mode in GRAPH_RECORDING_MODES or trees:
         said = f"mode={mode!r}" if mode in GRAPH_RECORDING_MODES else "triton.cudagraphs=True"
@@ -416,4 +437,19 @@ def check_compile_options(where: str, options: Any) -> dict[str, Any] | None:
             "graphs, whose capture they fail. Fixes: 1. unset TORCHINDUCTOR_CUDAGRAPHS (or "
             "the config); 2. pass options={'triton.cudagraphs': False} in compile_options"
         )
+    try:
+        # What torch.compile refuses of its keywords' values (``dynamic="yes"``, ...) it
+        # refuses here, before anything compiles; the function is never called.
+        torch.compile(_never_called, **options)
+    except Exception as exc:  # torch's refusals share no base class
+        said = str(exc).strip().splitlines()
+        raise CudaGraphsValueError(
+            f"{where}: compile_options has values torch.compile refuses "
+            f"({type(exc).__name__}: {said[0] if said else ''}). Fix: pass values of the "
+            "kinds torch.compile documents for each keyword"
+        ) from exc
     return dict(options)
+
+
+def _never_called() -> None:
+    """What :func:`check_compile_options` hands ``torch.compile`` to check its keywords."""

@@ -612,6 +612,14 @@ def compile_modes() -> tuple[str, ...]:
     return tuple(list_mode_options())
 
 
+def compile_backends() -> tuple[str, ...]:
+    """The backend names ``torch.compile`` takes, every tag included (dynamo's
+    registry: an unknown name raises ``InvalidBackend`` at ``torch.compile``)."""
+    from torch._dynamo import list_backends
+
+    return tuple(list_backends(exclude_tags=()))
+
+
 def mode_options(mode: str, dynamic: bool | None = None) -> dict[str, Any]:
     """The inductor options ``torch.compile(mode=mode)`` stands for: torch takes a mode
     or options, never both, so a pass added to the options carries the mode's too."""
