@@ -63,7 +63,7 @@ def groups(draw):
     kind = draw(st.sampled_from(["adam", "adamw", "sgd"]))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64]))
     params = [_param(3)] + ([torch.zeros(2, dtype=dtype)] if dtype != torch.float32 else [])
-    lr = draw(st.sampled_from([0.01, "tensor"]))
+    lr = draw(st.sampled_from([0.01, "tensor", "tensor_elsewhere"]))
     make = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind]
     opt = make(params, lr=0.01)
     group = opt.param_groups[0]
@@ -72,6 +72,8 @@ def groups(draw):
     group["differentiable"] = draw(st.booleans())
     if lr == "tensor":
         group["lr"] = torch.tensor(0.01)
+    elif lr == "tensor_elsewhere":  # not on the parameters' device
+        group["lr"] = torch.tensor(0.01, device="meta")
     return kind, opt
 
 
@@ -95,7 +97,9 @@ def expected_group(kind, group, implementation, device_type):
         or (kind != "sgd" and bool(want["capturable"]))
         or implementation == "compiled"
     )
-    return want, reads_device_lr and not isinstance(group["lr"], torch.Tensor)
+    lr = group["lr"]
+    on_device = isinstance(lr, torch.Tensor) and lr.device == group["params"][0].device
+    return want, reads_device_lr and not on_device
 
 
 @settings(max_examples=300, deadline=None)

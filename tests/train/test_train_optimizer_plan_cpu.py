@@ -145,12 +145,24 @@ def test_plan_fuses_every_floating_dtype_the_fused_kernels_take(dtype):
     assert plan.settings == {"fused": True, "foreach": False}
 
 
-def test_plan_gives_a_tensor_lr_no_device_lr():
+def test_plan_keeps_a_tensor_lr_on_the_parameters_device():
     opt = torch.optim.Adam([_param(3)], lr=torch.tensor(1e-3), foreach=False)
     (plan,) = plan_optimizer(opt, "auto", "cuda")
     assert plan.settings == {"capturable": True, "fused": True}
     assert plan.device_lr is False
     assert not any("'lr'" in line for line in plan.changes)
+
+
+def test_plan_moves_a_tensor_lr_off_the_parameters_device_to_it():
+    # lr=torch.tensor(1e-3) on the host beside CUDA parameters, as the compiled-
+    # optimizer tutorials write it: the fused kernels read a host lr as a number at
+    # capture, so a scheduler's writes would never reach the graph. (The meta device
+    # stands for the host here, the CPU for the parameters' device.)
+    opt = torch.optim.Adam([_param(3)], lr=0.1, foreach=False)
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3, device="meta")
+    (plan,) = plan_optimizer(opt, "auto", "cuda")
+    assert plan.device_lr is True
+    assert plan.changes[-1] == "param_groups[0]['lr'] = a tensor on the device"
 
 
 def test_plan_names_each_group_by_index():

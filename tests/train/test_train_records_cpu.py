@@ -25,6 +25,17 @@ def test_a_bucket_size_that_is_not_a_number_is_refused_naming_bucket_mb():
     assert str(info.value) == "bucket_mb must be a number (int or float), got str '25'"
 
 
+def test_an_infinite_bucket_size_is_one_bucket_per_dtype():
+    assert TrainStepOptions(bucket_mb=float("inf")).bucket_mb == float("inf")
+
+
+def test_all_reduce_true_without_a_process_group_is_refused_with_the_fix():
+    assert not dist.is_initialized()
+    with pytest.raises(CudaGraphsValueError, match="all_reduce=True, but torch.distributed"):
+        TrainStepOptions(all_reduce=True)
+    assert TrainStepOptions(all_reduce=False).reduces() is False
+
+
 def _fake_world(monkeypatch, sizes):
     """torch.distributed running, with ``sizes[group]`` ranks per process group."""
     seen = []

@@ -82,7 +82,12 @@ def test_buckets_with_the_default_cap_hold_everything_of_one_dtype():
     assert plan_buckets([]) == []
 
 
-@pytest.mark.parametrize("bucket_mb", [0, 0.0, -1.0])
+def test_an_infinite_bucket_size_makes_one_bucket_per_device_and_dtype():
+    grads = _grads((1000, F32), (2000, F32), (5, torch.bfloat16), (3000, F32))
+    assert _layout(plan_buckets(grads, bucket_mb=float("inf")), grads) == [[0, 1], [2], [3]]
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 0.0, -1.0, float("nan")])
 def test_buckets_refuse_a_non_positive_size(bucket_mb):
     with pytest.raises(CudaGraphsValueError, match="bucket_mb must be positive"):
         plan_buckets(_grads((3, F32)), bucket_mb=bucket_mb)

@@ -270,3 +270,59 @@ def test_the_clip_takes_every_gradient_in_one_foreach_norm(rig):
         step(_batches(1, seed=6)[0])
     assert ops.names.count("_foreach_norm") == 1
     assert "linalg_vector_norm" in ops.names  # the norm of the norms
+
+
+def test_a_step_fn_that_pops_from_its_batch_is_graphed_as_it_runs_eagerly(rig):
+    # HF's compute_loss pattern (labels = inputs.pop("labels")): each warmup step and
+    # the capture get containers of their own over the batch buffer's tensors.
+    model = _mlp()
+    calls = []
+
+    def step_fn(batch):
+        labels = batch.pop("labels")
+        calls.append(sorted(batch))
+        loss = torch.nn.functional.mse_loss(model(batch["x"]), labels)
+        loss.backward()
+        return loss.detach()
+
+    x, y = _batches(1, seed=5)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rig.make(opt)
+    opts = TrainStepOptions(warmup_steps=2, optimizer_impl="keep")
+    sample = {"x": x, "labels": y}
+    step = GraphedTrainStep(step_fn, sample, opt, opts).capture(CpuPool())
+    assert step.graphed and sorted(sample) == ["labels", "x"]  # the user's dict untouched
+    batch = {"x": x, "labels": y}
+    loss = step(batch)
+    assert torch.isfinite(loss).all() and calls[-1] == ["x"]
+    assert sorted(batch) == ["labels", "x"]  # a replay runs no Python: nothing popped
+
+
+def test_a_failed_second_capture_leaves_a_step_that_runs_eagerly_and_captures_again(rig):
+    model = _mlp()
+    fail = []
+    plain = _step_fn(model)
+
+    def step_fn(batch):
+        if fail:
+            raise RuntimeError("planted failure in a warmup step")
+        return plain(batch)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rig.make(opt)
+    opts = TrainStepOptions(warmup_steps=2, optimizer_impl="keep")
+    batch = _batches(1, seed=5)[0]
+    step = GraphedTrainStep(step_fn, batch, opt, opts).capture(CpuPool())
+    step(batch)
+    fail.append(1)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        step.capture(CpuPool())
+    fail.clear()
+    assert not step.graphed
+    before = [p.detach().clone() for p in model.parameters()]
+    assert torch.isfinite(step(batch)).all()  # eagerly, and it trains
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    step.capture(CpuPool())
+    assert step.graphed
+    assert torch.isfinite(step(batch)).all()
+

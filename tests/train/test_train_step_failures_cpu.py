@@ -44,7 +44,7 @@ def cpu_capture(monkeypatch):
 
     def failing_capture(micro, update, batch, n, pool, stream):
         calls.append(n)
-        micro(batch)  # what a capture records first: forward and backward
+        micro(batch())  # what a capture records first: forward and backward
         raise PlantedError("planted failure in the capture of the train step")
 
     run_capture_on_cpu(monkeypatch)

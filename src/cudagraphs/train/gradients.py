@@ -51,7 +51,8 @@ def plan_buckets(
     grads: list[torch.Tensor], bucket_mb: float = DEFAULT_BUCKET_MB
 ) -> list[GradientBucket]:
     """Group ``grads`` into buckets: consecutive gradients of one device and dtype,
-    each bucket at most ``bucket_mb`` MiB unless one gradient alone is larger.
+    each bucket at most ``bucket_mb`` MiB unless one gradient alone is larger
+    (``float("inf")``: one bucket per device and dtype).
 
     Pure (reads shapes only); the order is the parameters' order, so every rank with
     the same model builds the same buckets.
@@ -60,9 +61,10 @@ def plan_buckets(
         CudaGraphsValueError: ``bucket_mb`` is not positive.
     """
     bucket_mb = check_number("bucket_mb", bucket_mb)
-    if bucket_mb <= 0:
+    if not bucket_mb > 0:  # NaN included
         raise CudaGraphsValueError(f"bucket_mb must be positive, got {bucket_mb}")
-    cap = int(bucket_mb * 2**20)
+    # float("inf") asks for one bucket per device and dtype.
+    cap = bucket_mb * 2**20 if bucket_mb == float("inf") else int(bucket_mb * 2**20)
     buckets: list[GradientBucket] = []
     current: list[torch.Tensor] = []
     size = 0

@@ -167,9 +167,15 @@ def plan_optimizer(
         settings = {k: v for k, v in settings.items() if group.get(k) != v}
         fused = settings.get("fused", group.get("fused")) or False
         capturable = settings.get("capturable", group.get("capturable")) or False
+        # A tensor learning rate on the parameters' device stays; one elsewhere
+        # (``lr=torch.tensor(1e-3)`` on the host, the compiled-optimizer tutorials'
+        # way) is read by the fused kernels as a number at capture, so a scheduler's
+        # later writes to it would never reach the graph: it moves like a float.
+        lr = group["lr"]
+        on_device = isinstance(lr, torch.Tensor) and lr.device == _group_device(group)
         device_lr = bool(
             device_type == "cuda"
-            and not isinstance(group["lr"], torch.Tensor)
+            and not on_device
             and (fused or (kind == "adam" and capturable) or implementation == "compiled")
         )
         changes = [f"param_groups[{i}]['{k}'] = {v}" for k, v in settings.items()]

@@ -41,6 +41,16 @@ class TrainStepOptions:
             raise CudaGraphsValueError(f"bucket_mb must be positive, got {self.bucket_mb!r}")
         if self.all_reduce is not None:
             check_bool("all_reduce", self.all_reduce)
+        dist = torch.distributed
+        if self.all_reduce and not (dist.is_available() and dist.is_initialized()):
+            raise CudaGraphsValueError(
+                "all_reduce=True, but torch.distributed has no process group (it is "
+                f"{'not initialized' if dist.is_available() else 'not built in'}), so "
+                "there are no ranks to average gradients over. Fixes: 1. call "
+                "torch.distributed.init_process_group(...) before graph_train_step; "
+                "2. leave all_reduce at None (it then all-reduces when more than one rank "
+                "runs)"
+            )
 
     def reduces(self) -> bool:
         """Whether gradients are all-reduced: as asked, else when ``torch.distributed``

@@ -184,6 +184,13 @@ class GraphedTrainStep:
         for p in self.params:
             p.grad = None
 
+    def _buffer_batch(self) -> Any:
+        """The batch buffer's tensors in new containers: a ``step_fn`` may change the
+        batch it is given (``batch.pop("labels")``, as HF's ``compute_loss`` does), as it
+        may in an eager loop that makes a batch per step; each warmup step, micro-batch
+        and capture then gets containers of its own over the same tensors."""
+        return self.signature.rebuild(self._buffer.tensors)
+
     def _eager_step(
         self, batches: Sequence[Any], before_update: OptimizerSnapshot | None = None
     ) -> torch.Tensor:
@@ -276,7 +283,7 @@ class GraphedTrainStep:
                     for done in range(1, steps + 1):
                         watch = CompileWatch.start(device.index)
                         self._eager_step(
-                            [self._buffer.value] * self.options.accumulation_steps,
+                            [self._buffer_batch() for _ in range(self.options.accumulation_steps)],
                             before_update=snapshot,
                         )
                         last = watch.finish()
@@ -295,7 +302,7 @@ class GraphedTrainStep:
                     self._captured = capture_step_graphs(
                         self._micro,
                         self._update,
-                        self._buffer.value,
+                        self._buffer_batch,
                         self.options.accumulation_steps,
                         pool,
                         stream,
@@ -309,7 +316,10 @@ class GraphedTrainStep:
                 require_no_compile(during, "the capture", "graph_train_step")
                 t2 = time.perf_counter()
         except BaseException:
+            # No graph from here on (a step captured before is gone with its buffer):
+            # calls run the step eagerly until a capture succeeds.
             self._captured = None
+            self.graphed = False
             self._drop_grads()
             snapshot.restore(drop_created=True)
             raise
@@ -329,6 +339,8 @@ class GraphedTrainStep:
         # One parameter with a gradient tells whether zero_grad() ran since the last step.
         self._sentinel = next((p, g) for p, g in zip(self.params, self._grads) if g is not None)
         self._guard = HyperparameterGuard.watch(self.optimizer)
+        if self._keeper is not None:  # a capture before this one: one load hook only
+            self._keeper.remove()
         self._keeper = StateKeeper.install(self.optimizer)
         n = self.options.accumulation_steps
         if n > 1:
@@ -429,7 +441,10 @@ class GraphedTrainStep:
         sentinel, grad = self._sentinel
         if sentinel.grad is not grad:
             # zero_grad() dropped the graph's gradients; they are ours and still written
-            # by every replay, so hand them out again.
+            # by every replay, so hand them out again. One parameter is checked, not
+            # all (a pass over every .grad costs about 0.3 us a parameter, each step):
+            # a zero_grad() of a part of the model alone leaves that part's .grad None
+            # until the next whole one; the replays still train it (docs/train-step.md).
             for p, g in zip(self.params, self._grads):
                 p.grad = g
         captured, buffer = self._captured, self._buffer

@@ -32,13 +32,13 @@ class CapturedStep:
 def capture_step_graphs(
     micro_step: Callable[[Any], torch.Tensor],
     update_step: Callable[[], torch.Tensor | None],
-    batch: Any,
+    batch: Callable[[], Any],
     accumulation_steps: int,
     pool: GraphMemoryPool,
     stream: torch.cuda.Stream,
 ) -> CapturedStep:
-    """Capture the step reading ``batch`` (the input buffer's value) into ``pool`` on
-    ``stream``: one graph, or with ``accumulation_steps > 1`` three (first micro-batch,
+    """Capture the step reading the batch ``batch()`` gives (the input buffer's tensors,
+    in containers of their own at each call) into ``pool`` on ``stream``: one graph, or with ``accumulation_steps > 1`` three (first micro-batch,
     later micro-batches, update). ``micro_step(batch)`` runs one micro-batch and
     returns its detached loss; ``update_step()`` reduces, clips and steps.
 
@@ -51,10 +51,10 @@ def capture_step_graphs(
     """
 
     def whole() -> tuple[torch.Tensor, torch.Tensor | None]:
-        return micro_step(batch), update_step()
+        return micro_step(batch()), update_step()
 
     def micro() -> torch.Tensor:
-        return micro_step(batch)
+        return micro_step(batch())
 
     def capture(run: Callable[[], Any], what: str) -> tuple[torch.cuda.CUDAGraph, Any]:
         try:
