@@ -158,6 +158,17 @@ def test_the_token_cap_leaves_out_the_rows_buckets_above_it(model):
         GraphedGenerator(model, (1,), max_cache_len=CACHE, prefill_tokens=0)
 
 
+def test_lengths_no_rows_bucket_fits_under_the_token_cap_are_refused_at_construction(model):
+    # Their prefills could never replay a graph: said before anything is captured.
+    with pytest.raises(CudaGraphsValueError) as err:
+        GraphedGenerator(
+            model, (2, 4), max_cache_len=CACHE, prefill_lengths=(4, 8, 16), prefill_tokens=8
+        )
+    said = str(err.value)
+    assert said.startswith("prefill_lengths [8, 16] cannot have a prefill graph")
+    assert "smallest rows bucket (2)" in said and "prefill_tokens >= 32" in said
+
+
 def test_prefill_graphs_capture_into_the_decode_graphs_pool_and_close_with_them(model):
     gen = make(model, prefill_lengths=(8,))
     pool = gen.runner.captured.pool

@@ -34,17 +34,17 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize(
     "kw, error, text",
     [
-        (dict(temperature=0.0), CudaGraphsValueError, "temperature must be a finite number > 0"),
-        (dict(temperature=-0.5), CudaGraphsValueError, "temperature must be a finite number > 0"),
-        (dict(temperature=float("inf")), CudaGraphsValueError, "finite number > 0, got inf"),
-        (dict(temperature=float("nan")), CudaGraphsValueError, "finite number > 0, got nan"),
+        (dict(do_sample=True, temperature=0.0), CudaGraphsValueError, "temperature must be a finite number > 0"),
+        (dict(do_sample=True, temperature=-0.5), CudaGraphsValueError, "temperature must be a finite number > 0"),
+        (dict(do_sample=True, temperature=float("inf")), CudaGraphsValueError, "finite number > 0, got inf"),
+        (dict(do_sample=True, temperature=float("nan")), CudaGraphsValueError, "finite number > 0, got nan"),
         (dict(repetition_penalty=float("inf")), CudaGraphsValueError, "repetition_penalty"),
-        (dict(top_p=float("nan")), CudaGraphsValueError, r"top_p must be in \[0, 1\]"),
+        (dict(do_sample=True, top_p=float("nan")), CudaGraphsValueError, r"top_p must be in \[0, 1\]"),
         (dict(temperature="1"), CudaGraphsTypeError, "^temperature must be a number.* got str '1'"),
-        (dict(top_p=-0.1), CudaGraphsValueError, r"top_p must be in \[0, 1\]"),
-        (dict(top_p=1.5), CudaGraphsValueError, r"top_p must be in \[0, 1\]"),
+        (dict(do_sample=True, top_p=-0.1), CudaGraphsValueError, r"top_p must be in \[0, 1\]"),
+        (dict(do_sample=True, top_p=1.5), CudaGraphsValueError, r"top_p must be in \[0, 1\]"),
         (dict(top_p="0.5"), CudaGraphsTypeError, "^top_p must be a number.* got str '0.5'"),
-        (dict(top_k=-1), CudaGraphsValueError, "top_k must be an int >= 0"),
+        (dict(do_sample=True, top_k=-1), CudaGraphsValueError, "top_k must be an int >= 0"),
         (dict(top_k=2.0), CudaGraphsTypeError, "top_k must be an int"),
         (dict(do_sample=1), CudaGraphsTypeError, "do_sample must be a bool"),
         (dict(do_sample="yes"), CudaGraphsTypeError, "do_sample must be a bool"),
@@ -53,6 +53,32 @@ CPU = torch.device("cpu")
 def test_bad_sampling_values_are_refused(kw, error, text):
     with pytest.raises(error, match=text):
         Sampling(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=0.0), dict(top_p=1.5), dict(top_k=-1), dict(temperature=-1, top_k=3)]
+)
+def test_greedy_decoding_ignores_the_warpers_values_as_hf_does(kw):
+    # temperature=0 for "greedy" (often in a generation_config): HF's generate runs.
+    rule = Sampling(do_sample=False, **kw)
+    assert (rule.temperature, rule.top_k, rule.top_p) == (1.0, None, None)
+    assert rule.processors() == []
+
+
+def test_greedy_decoding_still_refuses_values_of_the_wrong_type():
+    with pytest.raises(CudaGraphsTypeError, match="top_k must be an int"):
+        Sampling(do_sample=False, top_k=2.0)
+
+
+def test_sampling_counts_are_held_as_ints_hfs_processors_take():
+    # HF's top-k warper and minimum-length processors refuse a numpy int mid-request.
+    np = pytest.importorskip("numpy")
+    rule = Sampling(
+        do_sample=True, top_k=np.int64(10), min_length=np.int64(9), min_new_tokens=np.int32(2)
+    )
+    assert [type(v) for v in (rule.top_k, rule.min_length, rule.min_new_tokens)] == [int] * 3
+    eos = torch.tensor([2])
+    assert len(rule.processors(prompt_len=4, eos=eos)) == 3  # min length, min new, top-k
 
 
 def test_sampling_numbers_are_held_as_floats_hfs_warpers_take():

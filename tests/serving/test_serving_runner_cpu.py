@@ -264,3 +264,23 @@ def test_compiled_forward_serves_buckets_and_eager_runs_stay_eager():
     calls.clear()
     runner.run(batch(5))  # no bucket: the eager function, not the compiled one
     assert calls == [5]
+
+
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_an_empty_batch_is_an_input_error_and_the_next_batch_runs(batch_size):
+    # A rank with nothing to serve, say: refused by name, not by an assert when
+    # staging (which python -O would strip, staging zero rows).
+    from cudagraphs.serving.graphs import eager_backend
+
+    runner = GraphRunner(
+        lambda x: x * 2,
+        [InputSpec("x", (4, 3), torch.float32)],
+        BucketConfig(batch_sizes=(1, 2, 4)),
+        device="cpu",
+        capture_backend=eager_backend,
+    )
+    runner.capture(lambda b: {"x": torch.ones(b.rows, 3)})
+    with pytest.raises(CudaGraphInputError, match="rows"):
+        runner.run({"x": torch.zeros(0, 3)}, batch_size=batch_size)
+    x = torch.ones(2, 3)
+    assert torch.equal(runner.run({"x": x}), x * 2)

@@ -28,7 +28,7 @@ import torch
 
 from ..checks import check_int
 from ..diagnostics import WarnOnce
-from ..errors import CudaGraphsStateError
+from ..errors import CudaGraphInputError, CudaGraphsStateError
 from .buckets import Bucket, BucketChoice, BucketConfig, choose_bucket, size_key
 from .distributed import agree_on_batch_size, is_distributed
 from .graphs import BucketGraph, CapturedBuckets, ReplayStep
@@ -148,6 +148,12 @@ class CallPath:
         copy_output: bool,
     ) -> Any:
         rows = self.static.batch_rows(inputs)
+        if rows == 0 and batch_size is None and not is_distributed(self.group):
+            # Said as what it is, not as a batch_size the caller never passed.
+            raise CudaGraphInputError(
+                "the batch has no rows (every input's row dim is 0): a graph replays at "
+                "least one. Fix: skip the call when there is nothing to run"
+            )
         batch = rows if batch_size is None else check_int("batch_size", batch_size, minimum=1)
         if num_tokens is not None and not self.token_buckets:
             num_tokens = self._ignore_num_tokens(num_tokens)

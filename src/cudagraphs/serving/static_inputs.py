@@ -189,7 +189,7 @@ class StaticInputs:
     def _matches(self, inputs: Any, bucket: Bucket | None, rows: int) -> bool:
         # The per-call path: True only when everything matches exactly. Anything else
         # (a lossless dtype conversion included) goes to the full check.
-        if bucket is not None and not rows <= bucket.rows <= self.max_rows:
+        if rows < 1 or (bucket is not None and not rows <= bucket.rows <= self.max_rows):
             return False
         if not isinstance(inputs, Mapping) or len(inputs) != len(self._expected):
             return False
@@ -234,6 +234,10 @@ class StaticInputs:
                 found += self._input_mismatches(name, spec, inputs[name], rows, counts)
         if rows is None and len(set(counts.values())) > 1:
             found.append(Mismatch("inputs", "row counts", Said("one count for all"), counts))
+        if rows is not None and rows < 1:
+            # An empty batch: nothing to stage (a rank with no requests, say). Said
+            # here, where every path meets it, not by an assert when staging.
+            found.append(Mismatch("inputs", "rows", Said("at least 1"), rows))
         if bucket is not None and rows is not None and rows > bucket.rows:
             found.append(
                 Mismatch(

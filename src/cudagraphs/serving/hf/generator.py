@@ -68,6 +68,7 @@ from .prefill import (
     DEFAULT_PREFILL_TOKENS,
     PrefillGraphs,
     check_prefill_lengths,
+    check_prefill_tokens,
     default_prefill_lengths,
 )
 from .regions import check_compile_regions
@@ -207,7 +208,7 @@ class GraphedGenerator:
             ``sdpa_backends`` empty or holding ``SDPBackend.ERROR``, or
             ``compile_regions=True`` without ``compile_options`` or decoder layers,
             ``prefill_lengths`` repeated or longer than ``max_cache_len``,
-            ``prefill_tokens`` below 1, or ``stack_projections=True`` where inductor
+            ``prefill_tokens`` below 1 or below a length times the smallest batch size, or ``stack_projections=True`` where inductor
             does not compile or its post-grad pass is taken.
         CudaGraphsTypeError: ``pack_gqa`` neither a bool nor ``None``.
         UnsupportedModelError: an encoder-decoder or stateful model, a model HF does not
@@ -278,6 +279,7 @@ class GraphedGenerator:
         #: The prompt length buckets whose prefills replay graphs (sorted; () for none).
         self.prefill_lengths = check_prefill_lengths(prefill_lengths, self.max_cache_len)
         self.prefill_tokens = check_int("prefill_tokens", prefill_tokens, minimum=1)
+        check_prefill_tokens(self.prefill_lengths, self.config, self.prefill_tokens)
         self._require_all_buckets = require_all_buckets
         self._capture_backend = capture_backend
         #: The prefill graphs of the last capture (None before capture and after close).

@@ -46,6 +46,7 @@ __all__ = [
     "PrefillLength",
     "PrefillRun",
     "check_prefill_lengths",
+    "check_prefill_tokens",
     "choose_length",
     "default_prefill_lengths",
 ]
@@ -68,6 +69,26 @@ def default_prefill_lengths(max_cache_len: int) -> tuple[int, ...]:
         lengths.append(length)
         length *= 2
     return tuple(lengths) or (max_cache_len,)
+
+
+def check_prefill_tokens(lengths: Sequence[int], config: BucketConfig, max_tokens: int) -> None:
+    """Every prefill length must have a rows bucket of at most ``max_tokens`` rows x
+    length: a length without one could never replay a graph, and its prefills would
+    run eagerly without a word.
+
+    Raises:
+        CudaGraphsValueError: naming each such length, the smallest rows bucket and
+            the ``prefill_tokens`` that would serve it.
+    """
+    fewest = min(b.rows for b in config.buckets())
+    unserved = [n for n in lengths if fewest * n > max_tokens]
+    if unserved:
+        raise CudaGraphsValueError(
+            f"prefill_lengths {unserved} cannot have a prefill graph: even the smallest "
+            f"rows bucket ({fewest}) x length is above prefill_tokens={max_tokens}, so "
+            "their prefills would always run eagerly. Fixes: 1. prefill_tokens >= "
+            f"{fewest * max(unserved)}; 2. leave those lengths out of prefill_lengths"
+        )
 
 
 def check_prefill_lengths(lengths: Any, max_cache_len: int) -> tuple[int, ...]:

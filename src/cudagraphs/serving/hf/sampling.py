@@ -48,9 +48,10 @@ class Sampling:
 
     Raises:
         CudaGraphsTypeError: a value of the wrong type (naming it).
-        CudaGraphsValueError: temperature <= 0, top_k < 0, top_p outside [0, 1] (0 keeps
-            the likeliest token, as in HF),
-            repetition_penalty <= 0, a minimum length below 0.
+        CudaGraphsValueError: when sampling, temperature <= 0, top_k < 0 or top_p
+            outside [0, 1] (0 keeps the likeliest token, as in HF); repetition_penalty
+            <= 0, a minimum length below 0. Greedy decoding holds the warpers' values
+            neutral (temperature 1, no top-k or top-p), as HF's generate ignores them.
     """
 
     do_sample: bool = False
@@ -74,13 +75,22 @@ class Sampling:
             if value is not None:
                 check_number(name, value)
                 object.__setattr__(self, name, float(value))
+        if self.top_k is not None:
+            object.__setattr__(self, "top_k", check_int("top_k", self.top_k))
+        if not self.do_sample:
+            # Greedy decoding reads no warper, and HF's generate ignores their values
+            # then (temperature=0 in a generation_config meaning "greedy", say): held
+            # neutral, checked for their types only.
+            object.__setattr__(self, "temperature", 1.0)
+            object.__setattr__(self, "top_k", None)
+            object.__setattr__(self, "top_p", None)
         if not 0 < self.temperature < math.inf:
             raise CudaGraphsValueError(
                 f"temperature must be a finite number > 0, got {self.temperature}; for "
                 "greedy decoding pass do_sample=False"
             )
-        if self.top_k is not None:
-            check_int("top_k", self.top_k, minimum=0)
+        if self.top_k is not None and self.top_k < 0:
+            raise CudaGraphsValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if self.top_p is not None:
             check_number("top_p", self.top_p)
             if not 0.0 <= self.top_p <= 1.0:
@@ -91,9 +101,12 @@ class Sampling:
                 f"repetition_penalty must be a finite number > 0, got "
                 f"{self.repetition_penalty}; 1.0 is off"
             )
-        check_int("min_length", self.min_length, minimum=0)
+        # Held as ints: HF's processors take Python ints only (a numpy int raises there,
+        # mid-request, after the prefill).
+        object.__setattr__(self, "min_length", check_int("min_length", self.min_length, minimum=0))
         if self.min_new_tokens is not None:
-            check_int("min_new_tokens", self.min_new_tokens, minimum=0)
+            at_least = check_int("min_new_tokens", self.min_new_tokens, minimum=0)
+            object.__setattr__(self, "min_new_tokens", at_least)
 
     @property
     def reads_sequences(self) -> bool:
