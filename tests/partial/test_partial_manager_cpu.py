@@ -211,9 +211,11 @@ def test_a_parameter_deleted_after_capture_falls_back_naming_it(caplog):
     q = model.layers[0].self_attn.q
     del q.weight
     q.weight = None  # a forward that reads it fails eagerly, as without graphs
-    with caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"):
-        with pytest.raises(Exception) as err:
-            model(torch.randn(2, 8))
+    with (
+        caplog.at_level(logging.WARNING, logger="cudagraphs.partial.manager"),
+        pytest.raises(Exception) as err,
+    ):
+        model(torch.randn(2, 8))
     assert not isinstance(err.value, CudaGraphInputError)  # the eager forward's own error
     assert mgr.stats()["fallback_param_storage"] == 1
     (said,) = fallback_warnings(caplog, "param_storage")
