@@ -1,6 +1,8 @@
 """The training fast path's logic on the CPU: accumulation targets and their guard,
 whole-stack argument checks and chaining."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -78,8 +80,9 @@ def test_main_grad_attr_needs_in_graph_accumulation():
         ([nn.Linear(2, 2), torch.tanh], (torch.randn(2),), {}, r"layers\[1\] \("),
         ([nn.Linear(2, 2)], torch.randn(2), {}, "must be a tuple"),
         ([nn.Linear(2, 2)], (torch.randn(2),), {"_order": [1, -1]}, "no pipeline schedule"),
+        ([nn.Linear(2, 2)], (torch.randn(2),), {"sample_kwargs": {}}, "sample_kwargs"),
     ],
-    ids=["empty", "function_layer", "sample_not_tuple", "order"],
+    ids=["empty", "function_layer", "sample_not_tuple", "order", "sample_kwargs"],
 )
 def test_graph_stack_rejects_bad_arguments(layers, sample, options, match):
     with pytest.raises(TypeError, match=match):
@@ -98,6 +101,39 @@ def test_graphed_stack_chains_outputs_and_splats_tuples():
     stack = GraphedStack([nn.Identity(), Split(), Join()])
     x = torch.randn(3)
     assert torch.equal(stack(x), x * 3)
+
+
+def test_a_stacks_training_flag_is_its_layers_so_a_model_mode_switch_reaches_it():
+    # The stack sits outside the user's model: model.eval() reaches the layers only.
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
+    stack = GraphedStack(list(model))
+    assert stack.training is True
+    model.eval()
+    assert stack.training is False
+    model[0].train()
+    assert stack.training is None  # mixed: matches no captured mode, so runs eagerly
+    stack.eval()  # nn.Module.eval() on the stack still reaches every layer
+    assert [m.training for m in model] == [False, False] and stack.training is False
+
+
+def test_a_stack_captured_in_training_runs_eagerly_once_the_model_is_in_eval():
+    from cudagraphs.core.graphed import GraphedCallable
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
+    stack = GraphedStack(list(model))
+    calls = []
+    graphs = SimpleNamespace(replay_keywords=None)  # nothing of it is replayed
+    graphed = GraphedCallable(graphs, lambda x: calls.append(x) or x, stack, True)
+    model.eval()
+    x = torch.randn(2)
+    assert graphed(x) is x and calls == [x]  # the eager forward, not the training graph
+
+
+def test_graph_stack_refuses_layers_in_mixed_modes_naming_the_eval_ones():
+    layers = [nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)]
+    layers[1].eval()
+    with pytest.raises(ValueError, match=r"layers \[1\] are in eval mode"):
+        graph_stack(layers, (torch.randn(2),))
 
 
 class _FakeGraph:

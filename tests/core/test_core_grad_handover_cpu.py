@@ -309,14 +309,13 @@ def test_lent_parameter_input_accumulates_exactly_over_its_own_replays():
     buffer = fn.graphs.static_grad_inputs[0]
     xs = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0]), torch.ones(3)]
     y = call(xs[0])
-    y2 = call(xs[1])  # both forwards before both backwards: the second settles nothing
-    y.sum().backward()
+    # Two backwards of one forward (retain_graph): no forward between them settles.
+    y.sum().backward(retain_graph=True)
     assert w.grad.data_ptr() == buffer.data_ptr()
-    y2.sum().backward()  # its own backward moves the lent .grad off the buffer first
+    y.sum().backward()  # its own replay moves the lent .grad off the buffer first
     assert w.grad.data_ptr() != buffer.data_ptr()
     _step(call, xs[2])
-    # The second backward's graph reads the static x of the last forward (xs[1]).
-    assert w.grad.tolist() == (xs[1] + xs[1] + xs[2]).tolist()
+    assert w.grad.tolist() == (xs[0] + xs[0] + xs[2]).tolist()
 
 
 @pytest.mark.parametrize("set_to_none", [False, True])
@@ -356,13 +355,11 @@ def test_lent_module_parameters_accumulate_over_two_backwards_without_a_forward_
     # is moved to an owned copy first.
     fn, w = _lent()
     buffer = fn.graphs.static_grad_inputs[0]
-    y1 = fn(torch.tensor([1.0, 2.0, 3.0]))
-    y2 = fn(torch.tensor([10.0, 20.0, 30.0]))
-    y1.sum().backward()
+    y = fn(torch.tensor([1.0, 2.0, 3.0]))
+    y.sum().backward(retain_graph=True)
     assert w.grad.data_ptr() == buffer.data_ptr()
-    y2.sum().backward()
-    # Both backwards read the static x of the last forward.
-    assert w.grad.tolist() == [20.0, 40.0, 60.0]
+    y.sum().backward()
+    assert w.grad.tolist() == [2.0, 4.0, 6.0]
     assert w.grad.data_ptr() != buffer.data_ptr()
 
 
@@ -531,3 +528,30 @@ def test_each_gradient_goes_to_its_own_parameter_past_an_unused_one(clone):
     assert w1.grad.tolist() == [2.0, 4.0, 6.0]
     assert w2.grad is None
     assert w3.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+# ---- one backward per forward replay --------------------------------------------------
+
+
+def test_a_backward_after_a_later_forward_replay_of_the_same_graph_is_refused():
+    # m(a) and m(b) in one step: the second replay overwrote the inputs the first
+    # one's backward reads, so that backward would hand out b's gradient for a.
+    from cudagraphs.errors import CudaGraphsStateError
+
+    fn, w = _graphed()
+    first = fn(torch.full((3,), 1.0))
+    second = fn(torch.full((3,), 5.0))
+    with pytest.raises(CudaGraphsStateError, match=r"after 1 later forward replay"):
+        (first.sum() + second.sum()).backward()
+    w.grad = None
+    # Each call's backward before the next call: fine, and the next good step works.
+    for k in (2.0, 3.0):
+        fn(torch.full((3,), k)).sum().backward()
+        assert w.grad.tolist() == [k] * 3
+        w.grad = None
+    # A no-grad call between a forward and its backward overwrites it too.
+    kept = fn(torch.full((3,), 4.0))
+    with torch.no_grad():
+        fn(torch.full((3,), 7.0))
+    with pytest.raises(CudaGraphsStateError, match="overwrote the inputs"):
+        kept.sum().backward()

@@ -27,7 +27,7 @@ class _ReplayFunction(torch.autograd.Function):
     def forward(ctx: Any, graphs: EntryGraphs, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n_user = len(graphs.static_inputs)
         graphs.replay_forward(inputs[:n_user])
-        ctx.graphs = graphs
+        ctx.graphs, ctx.forward = graphs, graphs.forward_replays
         # An output no gradient reaches arrives as None, not as a zero tensor autograd
         # would allocate for it: replay_backward zeroes its buffer in place instead.
         ctx.set_materialize_grads(False)
@@ -43,6 +43,7 @@ class _ReplayFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.graphs.check_backward_of(ctx.forward)
         return (None, *ctx.graphs.replay_backward(grads, ctx.leaves))
 
 

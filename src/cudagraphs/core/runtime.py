@@ -21,6 +21,7 @@ from ..dtypes import converts_losslessly
 from ..errors import (
     ChainedInputError,
     CudaGraphInputError,
+    CudaGraphsStateError,
     GraphReleasedError,
     Mismatch,
     UncapturedGradientError,
@@ -156,6 +157,9 @@ class EntryGraphs:
     memory: Any = field(default=None, repr=False, compare=False)  # the call's MemoryAccount
     setup: SetupSeconds | None = field(default=None, repr=False, compare=False)  # the call's
     released: bool = field(default=False, init=False)
+    # Forward replays so far: a backward replay reads the activations the last one
+    # saved, so it must belong to that one (check_backward_of).
+    forward_replays: int = field(default=0, init=False)
     # Derived by _derive() from the fields above, once: what replays hand out.
     autograd_params: tuple[torch.nn.Parameter, ...] = field(init=False, repr=False)
     _grad_free_positions: tuple[int, ...] = field(init=False, repr=False)
@@ -330,6 +334,27 @@ class EntryGraphs:
             self._held_outputs, self._held_out_of = self._output_storages()
         copy_into(self.static_inputs, tensors)
         self.fwd_graph.replay()
+        self.forward_replays += 1
+
+    def check_backward_of(self, forward: int) -> None:
+        """Refuse the backward of forward replay number ``forward`` once a later forward
+        replay of this entry has run: that one overwrote the static inputs and saved
+        activations this backward reads, so its gradients would be another call's.
+
+        Raises:
+            CudaGraphsStateError: naming the entry, with the fixes.
+        """
+        if forward != self.forward_replays:
+            later = self.forward_replays - forward
+            raise CudaGraphsStateError(
+                f"{self.name}: a backward reached a forward replay after {later} later "
+                "forward replay(s) of the same graph, which overwrote the inputs and "
+                "activations this backward reads (one module called twice in one step, "
+                "or an evaluation call between a forward and its backward); its "
+                "gradients would be wrong. Fixes: 1. run each call's backward before the "
+                "next call of it; 2. graph one entry per use (a module per call site, or "
+                "_order microbatches); 3. make the other calls on an eager copy"
+            )
 
     def _check_chained(self, tensors: Any) -> None:
         # Before anything is copied: copying another tensor into a chained buffer would

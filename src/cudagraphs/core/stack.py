@@ -15,18 +15,37 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import CudaGraphsTypeError
+from ..errors import CudaGraphsTypeError, CudaGraphsValueError
 
 __all__ = ["GraphedStack", "graph_stack"]
 
 
 class GraphedStack(nn.Module):
     """Runs ``layers`` one after another: the first gets the call's arguments, each
-    next one the previous output (a tuple output is passed as several arguments)."""
+    next one the previous output (a tuple output is passed as several arguments).
+
+    Its ``training`` flag is its layers': the stack is a module of its own, outside
+    the user's model, so ``model.train()`` / ``model.eval()`` reach the layers and
+    never it. Read from them, a mode switch of the model is seen at the next call (the
+    graphs of the other mode are not replayed; the layers run eagerly), and layers
+    left in mixed modes read as ``None``, which matches no capture."""
 
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+
+    @property  # type: ignore[override]
+    def training(self) -> bool | None:
+        layers = self._modules.get("layers")
+        if not layers:
+            return True  # during nn.Module.__init__, before the layers are set
+        modes = {layer.training for layer in layers}
+        return modes.pop() if len(modes) == 1 else None
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        # nn.Module.train(mode) sets this, then each child's flag: the layers hold it.
+        pass
 
     def forward(self, *args: Any) -> Any:
         out = self.layers[0](*args)
@@ -55,8 +74,9 @@ def graph_stack(layers: Sequence[nn.Module], sample_args: tuple, **options: Any)
 
     Raises:
         CudaGraphsTypeError: ``layers`` is empty or holds something other than
-            modules, or an ``_order`` option was given, or ``sample_args`` is not a
-            tuple.
+            modules, an ``_order`` option or ``sample_kwargs`` was given, or
+            ``sample_args`` is not a tuple.
+        CudaGraphsValueError: layers in mixed training and eval modes.
     """
     if isinstance(layers, (nn.ModuleList, nn.Sequential)):
         layers = list(layers)  # model.layers: its layers, one after another
@@ -98,6 +118,19 @@ def graph_stack(layers: Sequence[nn.Module], sample_args: tuple, **options: Any)
         raise CudaGraphsTypeError(
             f"sample_args must be a tuple of the first layer's arguments, got "
             f"{type(sample_args).__name__}"
+        )
+    if len({layer.training for layer in layers}) > 1:
+        evals = [i for i, layer in enumerate(layers) if not layer.training]
+        raise CudaGraphsValueError(
+            f"graph_stack: layers {evals} are in eval mode and the others in training "
+            "mode; one graph holds one mode. Fix: model.train() or model.eval() before "
+            "graphing"
+        )
+    if "sample_kwargs" in options:
+        raise CudaGraphsTypeError(
+            "graph_stack does not take sample_kwargs: the first layer gets the call's "
+            "positional arguments, and each next layer the previous output. Fix: pass "
+            "every argument of the first layer in sample_args"
         )
     from .api import make_graphed_callables  # api imports the runtime, which is heavier
 
