@@ -698,3 +698,46 @@ def test_the_static_buffers_of_captured_entries_are_inputs_outputs_and_their_gra
         params = {p.untyped_storage().data_ptr() for p in g.params}
         assert not params & {t.untyped_storage().data_ptr() for t in got}
     assert tensor_bytes(t for g in graphs for t in g.static_tensors()) == 2 * 4 * 48
+
+
+@pytest.mark.parametrize("how", ["eval", "no_grad"])
+def test_a_forward_only_capture_from_samples_that_require_grad_captures_no_gradient(
+    monkeypatch, how
+):
+    # Eval mode, or grad disabled, with samples made requires_grad=True (copied from
+    # training code): no buffer requires grad (a call's staging copy into one would
+    # fail), and a call whose input requires grad is the uncaptured-gradient case,
+    # never a replay whose output silently carries no gradient path (pytorch#124582).
+    layer = nn.Linear(4, 4)
+    if how == "eval":
+        layer.eval()
+    sample = torch.randn(2, 4, requires_grad=True)
+    with torch.set_grad_enabled(how != "no_grad"):
+        plan = canonicalize((layer,), ((sample,),))
+        assert not plan.training
+        run_warmup(plan, 1, allow_unused_input=False)
+        StandInCapture().install(monkeypatch)
+        (graphs,) = capture_plan(plan, cpu_options())
+    assert graphs.bwd_graph is None
+    assert not any(t.requires_grad for t in graphs.static_inputs)
+    assert [rg for _, _, rg in graphs.input_meta] == [False]
+    x = torch.randn(2, 4, requires_grad=True)
+    missing = {m.path for m in graphs.gradients_not_captured([x])}
+    # The input, beside the parameters that require grad without a backward graph.
+    assert missing == {"args[0]", "weight", "bias"}
+    assert {m.path for m in graphs.gradients_not_captured([x.detach()])} == {"weight", "bias"}
+
+
+def test_a_training_capture_records_the_parameters_frozen_at_capture(monkeypatch):
+    layer = nn.Linear(4, 4)
+    layer.bias.requires_grad_(False)
+    plan = canonicalize((layer,), ((torch.randn(2, 4, requires_grad=True),),))
+    assert plan.training
+    run_warmup(plan, 1, allow_unused_input=False)
+    StandInCapture().install(monkeypatch)
+    (graphs,) = capture_plan(plan, cpu_options())
+    assert [n for n, _ in graphs.frozen_params] == ["bias"]
+    assert graphs.gradients_not_captured([torch.randn(2, 4, requires_grad=True)]) == []
+    layer.bias.requires_grad_(True)
+    (unfrozen,) = graphs.gradients_not_captured([torch.randn(2, 4, requires_grad=True)])
+    assert unfrozen.path == "bias" and "frozen at capture" in unfrozen.field

@@ -35,7 +35,7 @@ class _Doubling:
         pass
 
 
-def _graphed(params=(), sample_requires_grad=False):
+def _graphed(params=(), sample_requires_grad=False, frozen=()):
     """A parameterless doubling captured with ``{"x": x}`` (x not requiring grad), no
     backward graph; ``params``: (name, parameter) pairs that required grad at a capture
     without a backward (grad disabled, eval mode)."""
@@ -54,6 +54,7 @@ def _graphed(params=(), sample_requires_grad=False):
         static_inputs=[forward.x],
         params=(),
         untracked_params=tuple(params),
+        frozen_params=tuple(frozen),
         fwd_graph=forward,
         out_spec=out_spec,
         out_leaves=[out],
@@ -114,6 +115,20 @@ def test_a_parameter_without_a_backward_graph_is_named():
         (out * weight).sum().backward()
     weight.requires_grad_(False)  # frozen since the capture: nothing to miss
     assert not fn({"x": torch.ones(3)})["output"].requires_grad
+
+
+def test_a_parameter_frozen_at_capture_and_unfrozen_since_is_named():
+    # Gradual unfreezing or an adapter switch: the graphs compute no gradient for it,
+    # so a backward that needs one raises instead of leaving .grad at None.
+    weight = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    fn, forward = _graphed(frozen=[("lin.weight", weight)])
+    assert not fn({"x": torch.ones(3)})["output"].requires_grad  # still frozen: as captured
+    weight.requires_grad_(True)
+    out = fn({"x": torch.ones(3)})["output"]
+    assert forward.replays == 2 and out.requires_grad
+    with pytest.raises(UncapturedGradientError, match=r"lin\.weight: requires_grad \(frozen"):
+        (out * weight).sum().backward()
+    assert weight.grad is None
 
 
 def test_integer_outputs_stay_non_differentiable():

@@ -33,6 +33,9 @@ class CallableSpec:
     name: str
     params: tuple[torch.nn.Parameter, ...]  # graph inputs besides the user's tensors
     param_names: tuple[str, ...] = ()  # qualified names of ``params`` (for messages)
+    # (name, parameter) of the module's parameters frozen (no requires_grad) at
+    # capture: no graph computes their gradient, so unfreezing one must be said.
+    frozen: tuple[tuple[str, torch.nn.Parameter], ...] = ()
 
 
 @dataclass
@@ -152,6 +155,7 @@ def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
         name = _name_of(i, fn)
         params: tuple[torch.nn.Parameter, ...] = ()
         param_names: tuple[str, ...] = ()
+        frozen: tuple[tuple[str, torch.nn.Parameter], ...] = ()
         if module is not None:
             hooks = _registered_module_hooks(module)
             if hooks:
@@ -165,9 +169,16 @@ def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             params = tuple(p for _, p in named)
             param_names = tuple(n for n, _ in named)
+            frozen = tuple((n, p) for n, p in module.named_parameters() if not p.requires_grad)
         specs.append(
             CallableSpec(
-                index=i, fn=fn, module=module, name=name, params=params, param_names=param_names
+                index=i,
+                fn=fn,
+                module=module,
+                name=name,
+                params=params,
+                param_names=param_names,
+                frozen=frozen,
             )
         )
     return specs, single

@@ -60,20 +60,23 @@ def _describe(plan: GraphPlan, entry_index: int) -> str:
     )
 
 
-def _new_static_inputs(spec: EntrySpec) -> list[torch.Tensor]:
-    return [_new_static_input(t) for t in spec.tensors]
+def _new_static_inputs(spec: EntrySpec, training: bool = True) -> list[torch.Tensor]:
+    return [_new_static_input(t, training) for t in spec.tensors]
 
 
-def _new_static_input(t: torch.Tensor) -> torch.Tensor:
+def _new_static_input(t: torch.Tensor, training: bool = True) -> torch.Tensor:
     # Fresh buffers rather than the user's sample tensors: the caller may reuse or free
     # the samples, and the graph must own what it reads. Parameters passed as inputs
     # (explicit-parameter adapters) are the exception: they are persistent, the graph
     # reads them in place (no copy per call), and every call must pass the same
     # parameter with the same storage (checked on the replay path); the graph gets
     # an alias of it (:func:`~.warmup.parameter_alias` says why).
+    # Without a backward graph (eval mode, grad disabled) no buffer requires grad
+    # whatever the sample did: a call's copy into a leaf that requires grad fails, and
+    # a call whose input requires grad is then the uncaptured-gradient case it is.
     if isinstance(t, torch.nn.Parameter):
         return parameter_alias(t)
-    return t.detach().clone().requires_grad_(t.requires_grad)
+    return t.detach().clone().requires_grad_(t.requires_grad and training)
 
 
 def _static_inputs(
@@ -89,7 +92,8 @@ def _static_inputs(
     spec = plan.entries[index]
     chained = chained_inputs(opts.sharing, index, spec.tensors, outputs_of)
     static = [
-        chained[p][0] if p in chained else _new_static_input(t) for p, t in enumerate(spec.tensors)
+        chained[p][0] if p in chained else _new_static_input(t, plan.training)
+        for p, t in enumerate(spec.tensors)
     ]
     return static, {p: source for p, (_, source) in chained.items()}
 
@@ -119,7 +123,10 @@ def _entry_inputs(
         leaves=[None if i in tensor_slots else x for i, x in enumerate(spec.leaves)],
         tensor_positions=spec.tensor_positions,
         paths=spec.paths,
-        input_meta=tuple((t.shape, t.dtype, t.requires_grad) for t in spec.tensors),
+        # Whether a gradient is captured for the input: only with a backward graph.
+        input_meta=tuple(
+            (t.shape, t.dtype, t.requires_grad and plan.training) for t in spec.tensors
+        ),
         pinned=tuple(
             (i, t.data_ptr(), t)
             for i, t in enumerate(spec.tensors)
@@ -130,6 +137,7 @@ def _entry_inputs(
         untracked_params=()
         if plan.training or opts is None
         else tuple(zip(target.param_names, target.params)),
+        frozen_params=target.frozen if opts is not None else (),
         clone_param_grads=opts.clone_param_grads_on_return if opts is not None else True,
         positional_only=positional_only,
         replay_keywords=ReplayKeywords.of(

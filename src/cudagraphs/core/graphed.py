@@ -179,6 +179,7 @@ class GraphedCallable:
             missing = graphs.gradients_not_captured(tensors)
             if missing:
                 params = [p for _, p in graphs.untracked_params]
+                params += [p for _, p in graphs.frozen_params if p.requires_grad]
                 outs = _UncapturedGradientReplay.apply(graphs, missing, *tensors, *params)
                 return graphs.output_tree(outs)
             if graphs.bwd_graph is not None:

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _NOT_CAPTURED = "requires_grad (the sample did not: no gradient was captured for it)"
 _NO_BACKWARD = "requires_grad (captured without a backward graph)"
+_FROZEN = "requires_grad (frozen at capture: no gradient was captured for it)"
 
 
 def copy_into(dsts: list[torch.Tensor], srcs: Any) -> None:
@@ -129,6 +130,10 @@ class EntryGraphs:
     # (name, parameter) of the parameters that required grad at a capture that made no
     # backward graph (grad disabled, or modules in eval mode): see gradients_not_captured.
     untracked_params: tuple[tuple[str, torch.nn.Parameter], ...] = ()
+    # (name, parameter) of the module's parameters frozen at capture: the graphs
+    # compute no gradient for them, so one unfrozen since (gradual unfreezing, an
+    # adapter switch) is said rather than left without a gradient.
+    frozen_params: tuple[tuple[str, torch.nn.Parameter], ...] = ()
     replay_keywords: ReplayKeywords | None = None  # keywords a call may add (te_compat)
     grad_targets: GradTargets | None = None  # in-graph accumulation of param grads
     # Differentiable tensor outputs captured as getting no gradient (no incoming-gradient
@@ -288,8 +293,9 @@ class EntryGraphs:
 
     def gradients_not_captured(self, tensors: Sequence[torch.Tensor]) -> list[Mismatch]:
         """With grad enabled: the inputs of this call that require grad although no
-        captured graph computes their gradient (the sample did not require grad), and
-        the parameters that require grad when no backward graph was captured. Empty on
+        captured graph computes their gradient (the sample did not require grad), the
+        parameters that require grad when no backward graph was captured, and those
+        frozen at capture that require grad now. Empty on
         the common path. torch's helper replays such a call with outputs that carry no
         gradient path, so a backward that reaches the input by another path too
         (``graphed(x) + x``) comes out silently short (pytorch#124582)."""
@@ -301,6 +307,9 @@ class EntryGraphs:
         for name, param in self.untracked_params:
             if param.requires_grad:
                 missing.append(Mismatch(name, _NO_BACKWARD, False, True))
+        for name, param in self.frozen_params:
+            if param.requires_grad:
+                missing.append(Mismatch(name, _FROZEN, False, True))
         return missing
 
     def _raise(self, what: str, problems: list[Mismatch], fix: str) -> None:
