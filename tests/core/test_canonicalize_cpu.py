@@ -456,3 +456,20 @@ def test_an_entrys_graphs_hold_the_calls_constants_but_none_of_its_sample_tensor
     assert gone() is None, "the entry keeps a sample tensor alive"
     assert graphs.leaves == [None, 2.5]
     assert graphs.user_tensors((torch.ones(2, 3), 2.5), {})[0].tolist() == [[1.0] * 3] * 2
+
+
+def test_a_module_graphed_already_in_its_mode_is_refused_with_the_reset_fix():
+    from types import SimpleNamespace
+
+    from cudagraphs.core.graphed import GraphedCallable
+
+    layer = nn.Linear(4, 4)
+    graphs = SimpleNamespace(released=False, replay_keywords=None)
+    layer.cuda_graph = GraphedCallable(graphs, layer.forward, layer, True)
+    with pytest.raises(CudaGraphsValueError, match=r"module.cuda_graph.reset\(\) first"):
+        canonicalize((layer,), ((torch.randn(2, 4),),))
+    layer.eval()  # the other mode: the installed forward runs it eagerly, so it chains
+    canonicalize((layer,), ((torch.randn(2, 4),),))
+    layer.train()
+    graphs.released = True  # after reset(): graph it again
+    canonicalize((layer,), ((torch.randn(2, 4),),))

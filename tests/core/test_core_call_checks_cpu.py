@@ -71,6 +71,17 @@ def test_a_changed_constant_is_named_with_both_values():
     assert err.mismatches == [Mismatch("args[1]", "constant", 2.5, 3.0)]
 
 
+def test_nan_and_array_constants_compare_by_value_and_never_raise_their_own_errors():
+    np = pytest.importorskip("numpy")
+    nan = _entry(_scale, (torch.zeros(2), float("nan")))
+    nan.user_tensors((torch.ones(2), float("nan")), {})  # NaN as captured: accepted
+    array = _entry(_scale, (torch.zeros(2), np.array([1.0, 2.0])))
+    array.user_tensors((torch.ones(2), np.array([1.0, 2.0])), {})  # equal values
+    for other in (np.array([1.0, 3.0]), np.array([1.0, 2.0, 3.0]), "x"):
+        err = _mismatches(lambda o=other: array.user_tensors((torch.ones(2), o), {}))
+        assert [(m.path, m.field) for m in err.mismatches] == [("args[1]", "constant")]
+
+
 def test_a_tensor_where_a_constant_was_captured_is_refused():
     entry = _entry(_scale, (torch.zeros(2), 2.5))
     err = _mismatches(lambda: entry.user_tensors((torch.ones(2), torch.ones(1)), {}))

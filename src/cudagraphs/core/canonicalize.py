@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from ..checks import check_int
 from ..errors import CudaGraphsTypeError, CudaGraphsValueError
 from ..torch_private import compiled_module
+from .graphed import GraphedCallable
 from .hooks import CaptureTimeHooks, canonicalize_capture_time_hooks
 from .schedule import Entry, Layout, Step, assign_buffer_slots, build_layout, build_schedule
 
@@ -132,6 +133,25 @@ def _refuse_compiled_call(module: torch.nn.Module, name: str) -> None:
         )
 
 
+def _refuse_graphed_again(module: torch.nn.Module, name: str) -> None:
+    # Its forward is the graphed one: a warmup and capture in the same mode would run
+    # the old graph's replays (refused for a new shape, recorded inside the new graph
+    # for the same one). In the other mode the installed forward runs the module
+    # eagerly, so a train graph and an eval graph of one module chain as intended.
+    graphed = module.__dict__.get("cuda_graph")
+    if (
+        isinstance(graphed, GraphedCallable)
+        and not graphed.graphs.released
+        and graphed.captured_training == module.training
+    ):
+        mode = "training" if module.training else "eval"
+        raise CudaGraphsValueError(
+            f"{name} is graphed already in {mode} mode (module.cuda_graph), and its "
+            "forward replays that graph. Fix: module.cuda_graph.reset() first, then "
+            "graph it again (for new shapes, say)"
+        )
+
+
 def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
     single = not isinstance(callables, (tuple, list))
     items = (callables,) if single else tuple(callables)
@@ -166,6 +186,7 @@ def _canonical_callables(callables: Any) -> tuple[list[CallableSpec], bool]:
                 )
             _refuse_buffers_requiring_grad(module, name)
             _refuse_compiled_call(module, name)
+            _refuse_graphed_again(module, name)
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             params = tuple(p for _, p in named)
             param_names = tuple(n for n, _ in named)

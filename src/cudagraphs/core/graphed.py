@@ -114,6 +114,11 @@ class GraphedCallable:
         self._on_reset = on_reset
 
     @property
+    def captured_training(self) -> bool | None:
+        """The module's ``training`` flag at capture (``None`` for a function)."""
+        return self._captured_training
+
+    @property
     def memory(self) -> Any:
         """Where the device memory of the ``make_graphed_callables`` call that made
         this went (:class:`~cudagraphs.memory.MemoryAccount`, shared by all its
