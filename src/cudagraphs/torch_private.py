@@ -612,6 +612,12 @@ def compile_modes() -> tuple[str, ...]:
     return tuple(list_mode_options())
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's version counter: autograd's count of in-place writes to its memory
+    (views share it), which is how a write into an argument is seen."""
+    return t._version
+
+
 def compile_backends() -> tuple[str, ...]:
     """The backend names ``torch.compile`` takes, every tag included (dynamo's
     registry: an unknown name raises ``InvalidBackend`` at ``torch.compile``)."""

@@ -22,7 +22,7 @@ from cudagraphs.core.canonicalize import canonicalize
 from cudagraphs.core.capture_phase import capture_plan
 from cudagraphs.core.sharing import BufferSharing
 from cudagraphs.core.warmup import run_warmup
-from cudagraphs.errors import CaptureTimeHookError
+from cudagraphs.errors import CaptureTimeHookError, CudaGraphsValueError
 from helpers.pipeline import reference_log
 from helpers.stand_in_capture import PlantedCaptureError, StandInCapture, cpu_options
 
@@ -741,3 +741,18 @@ def test_a_training_capture_records_the_parameters_frozen_at_capture(monkeypatch
     layer.bias.requires_grad_(True)
     (unfrozen,) = graphs.gradients_not_captured([torch.randn(2, 4, requires_grad=True)])
     assert unfrozen.path == "bias" and "frozen at capture" in unfrozen.field
+
+
+def test_a_forward_that_writes_into_its_argument_is_refused_at_the_warmup():
+    # A replay writes into the graph's own copy of the argument: the caller's tensor
+    # would silently keep its old value.
+    def accumulate(x, acc):
+        acc.add_(x)
+        return acc * 2
+
+    plan = canonicalize(accumulate, (torch.ones(3), torch.zeros(3)))
+    with pytest.raises(CudaGraphsValueError, match=r"writes into args\[1\] in place"):
+        run_warmup(plan, 1, allow_unused_input=False)
+    # Reading its arguments only: fine.
+    plan = canonicalize(lambda x, acc: acc + x, (torch.ones(3), torch.zeros(3)))
+    run_warmup(plan, 1, allow_unused_input=False)

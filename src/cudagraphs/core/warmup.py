@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from ..compile_watch import CompileReport, CompileWatch
 from ..errors import CudaGraphsValueError
+from ..torch_private import tensor_version
 from .canonicalize import EntrySpec, GraphPlan
 
 __all__ = ["differentiable_inputs", "parameter_alias", "run_warmup"]
@@ -192,8 +193,10 @@ def _warmup_iteration(
         hooks = plan.hooks[step.callable_index]
         if step.kind == "fwd":
             hooks.run("forward_pre_hooks", target.fn)
+            versions = [tensor_version(t) for t in call.tensors]
             with grad_mode():
                 outputs[step.entry] = target.fn(*call.args, **call.kwargs)
+            _refuse_written_inputs(plan, step.entry, call, versions)
             hooks.run("forward_hooks", target.fn)
         else:
             hooks.run("backward_pre_hooks", target.fn)
@@ -206,3 +209,27 @@ def _warmup_iteration(
                 unreached.get(step.entry, frozenset()),
             )
             hooks.run("backward_hooks", target.fn)
+
+
+def _refuse_written_inputs(
+    plan: GraphPlan, entry_index: int, call: WarmupCall, versions: list[int]
+) -> None:
+    """Refuse a forward that wrote into a tensor argument in place: a replay copies
+    each argument into a buffer of the graph's own, so the write would reach that
+    buffer and never the caller's tensor. Parameters passed as inputs are read (and
+    written) in place, so theirs would land: they are left alone."""
+    spec = plan.entries[entry_index]
+    written = [
+        spec.paths[spec.tensor_positions[i]]
+        for i, (t, before) in enumerate(zip(call.tensors, versions))
+        if tensor_version(t) != before and not isinstance(spec.tensors[i], torch.nn.Parameter)
+    ]
+    if written:
+        raise CudaGraphsValueError(
+            f"{plan.callable_of(entry_index).name}: its forward writes into "
+            f"{', '.join(written)} in place. A replay copies each argument into the "
+            "graph's own buffer, so the write would change that buffer and never the "
+            "tensor passed. Fixes: 1. return the new value instead of writing into the "
+            "argument; 2. keep the tensor on the module (a buffer), which the graph "
+            "reads and writes in place"
+        )
