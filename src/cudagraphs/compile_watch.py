@@ -439,8 +439,10 @@ def check_compile_options(where: str, options: Any) -> dict[str, Any] | None:
         )
     try:
         # What torch.compile refuses of its keywords' values (``dynamic="yes"``, ...) it
-        # refuses here, before anything compiles; the function is never called.
-        torch.compile(_never_called, **options)
+        # refuses here, before anything compiles; the function is never called. A
+        # wrapped torch.compile (a patch, a shim) is not called for this.
+        if not takes_any:
+            torch.compile(_never_called, **options)
     except Exception as exc:  # torch's refusals share no base class
         said = str(exc).strip().splitlines()
         raise CudaGraphsValueError(

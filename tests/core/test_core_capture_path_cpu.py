@@ -384,18 +384,19 @@ def test_the_warmup_passes_keywords_and_runs_without_grad_for_inference():
 
 def test_non_tensor_outputs_and_outputs_without_differentiable_inputs_are_skipped():
     """A backward takes only the outputs that require grad, and none at all where the
-    entry has nothing differentiable of its own (an output that requires grad through
-    a tensor the callable closes over)."""
-    weight = torch.ones(4, requires_grad=True)
+    entry has nothing differentiable (an input that does not require grad). An output
+    that requires grad through a tensor the callable closes over is refused: its
+    gradient would be missing (test_a_function_that_uses_a_weight_it_does_not_take_...)."""
+    layer = nn.Linear(4, 4)
 
-    def closes_over(x):
-        return x * weight, 3  # a non-tensor leaf beside the tensor
+    def constant_beside(x):
+        return x * 2, 3  # a non-tensor leaf beside the tensor
 
-    modules = (nn.Linear(4, 4), closes_over)
+    modules = (layer, constant_beside)
     plan = canonicalize(modules, ((_sample(0),), (_sample(1).detach(),)))
     assert plan.training
     run_warmup(plan, 2, allow_unused_input=False)
-    assert weight.grad is None  # warmup backwards never touch .grad
+    assert layer.weight.grad is None  # warmup backwards never touch .grad
 
 
 def test_every_capture_goes_to_the_options_pool_and_stream_and_counts_its_growth(monkeypatch):
@@ -755,4 +756,23 @@ def test_a_forward_that_writes_into_its_argument_is_refused_at_the_warmup():
         run_warmup(plan, 1, allow_unused_input=False)
     # Reading its arguments only: fine.
     plan = canonicalize(lambda x, acc: acc + x, (torch.ones(3), torch.zeros(3)))
+    run_warmup(plan, 1, allow_unused_input=False)
+
+
+def test_a_function_that_uses_a_weight_it_does_not_take_is_refused_at_the_warmup():
+    # Its gradient would be missing: the backward graph computes gradients for the
+    # call's arguments and the callable's parameters only.
+    lin = nn.Linear(4, 4)
+
+    def closure(x):
+        return lin(x).relu()
+
+    plan = canonicalize(closure, (torch.randn(2, 4, requires_grad=True),))
+    with pytest.raises(CudaGraphsValueError, match=r"depend on 2 tensor\(s\).*\(4, 4\)"):
+        run_warmup(plan, 1, allow_unused_input=False)
+    # Wrapped as a module (its parameters), or frozen: fine.
+    plan = canonicalize(nn.Sequential(lin, nn.ReLU()), (torch.randn(2, 4, requires_grad=True),))
+    run_warmup(plan, 1, allow_unused_input=False)
+    lin.requires_grad_(False)
+    plan = canonicalize(closure, (torch.randn(2, 4, requires_grad=True),))
     run_warmup(plan, 1, allow_unused_input=False)

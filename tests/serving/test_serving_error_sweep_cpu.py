@@ -49,7 +49,7 @@ def _bad_calls():
             r"inputs\['x'\]: type expected 'Tensor'",
         ),
         "not a dict": (lambda n: [batch(n)["x"]], r"type expected .Mapping"),
-        "no rows": (lambda n: batch(0), r"batch_size must be >= 1, got 0"),
+        "no rows": (lambda n: batch(0), r"the batch has no rows"),
     }
 
 

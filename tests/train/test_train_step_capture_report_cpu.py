@@ -256,6 +256,8 @@ def test_the_update_reduces_with_the_groups_and_bucket_size_asked_for(rig):
             made.append("reduced")
 
     rig.monkeypatch.setattr(step_module, "GradientReducer", Reducer)
+    # all_reduce=True needs a process group (TrainStepOptions checks it is there).
+    rig.monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     group = object()
     step = _step(rig, all_reduce=True, process_group=group, bucket_mb=7.0)
     step(_batches(1, seed=6)[0])  # before capture: the same step, eagerly

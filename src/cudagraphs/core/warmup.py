@@ -115,6 +115,7 @@ def _warmup_backward(
     # sets the pool's size (measured on the memory benchmark's partial "model" scope).
     outs = differentiable_outputs(output, unreached)
     _, inputs = differentiable_inputs(call.tensors, plan.callable_of(entry_index).params)
+    _refuse_outside_leaves(plan, entry_index, outs, call.tensors)
     if not outs or not inputs:
         return
     try:
@@ -232,4 +233,38 @@ def _refuse_written_inputs(
             "tensor passed. Fixes: 1. return the new value instead of writing into the "
             "argument; 2. keep the tensor on the module (a buffer), which the graph "
             "reads and writes in place"
+        )
+
+
+def _refuse_outside_leaves(
+    plan: GraphPlan, entry_index: int, outs: list[torch.Tensor], tensors: list[torch.Tensor]
+) -> None:
+    """Refuse outputs that depend on tensors requiring grad that are neither the
+    call's arguments nor the callable's parameters (a function's closure, a module
+    reading another module's weight): the backward graph computes gradients for its
+    inputs and parameters only, so theirs would silently be missing (eager gives
+    them one)."""
+    target = plan.callable_of(entry_index)
+    known = {id(t) for t in tensors} | {id(p) for p in target.params}
+    outside: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack = [o.grad_fn for o in outs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node's tensor
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in known:
+            outside[id(leaf)] = leaf
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    if outside:
+        found = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in outside.values())
+        raise CudaGraphsValueError(
+            f"{target.name}: its outputs depend on {len(outside)} tensor(s) that require "
+            f"grad but are neither its arguments nor its parameters ({found}); the "
+            "backward graph computes gradients for those two only, so theirs would be "
+            "missing. Fixes: 1. pass them as arguments; 2. hold them in a module that "
+            "is the callable (as its parameters); 3. detach them, or set "
+            "requires_grad=False, if they take no gradient"
         )
