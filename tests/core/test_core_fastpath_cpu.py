@@ -211,3 +211,18 @@ def test_in_graph_accumulation_tracks_one_parameter_and_hands_autograd_no_gradie
     w0.grad = None  # zero_grad(set_to_none=True)
     graphed(x).sum().backward()
     assert torch.equal(w0.grad, x) and torch.equal(w1.grad, 3 * x)
+
+
+def test_in_graph_accumulation_refuses_a_backward_that_adds_into_no_grad():
+    # torch.autograd.grad (a gradient penalty, a saliency map): eager leaves .grad
+    # alone, so the graph, which adds into .grad itself, must not replay.
+    w0 = nn.Parameter(torch.ones(3))
+    g, graphed = _in_graph_entry((w0,))
+    x = torch.tensor([1.0, 2.0, 3.0])
+    y = graphed(x)
+    with pytest.raises(cudagraphs.CudaGraphsStateError, match="accumulate_grads_in_graph"):
+        torch.autograd.grad(y.sum(), w0)
+    # .grad as the capture left it (zeros, allocated for the graph to add into).
+    assert torch.equal(w0.grad, torch.zeros(3)) and g.bwd_graph.replays == 0
+    graphed(x).sum().backward()  # the next plain backward works
+    assert torch.equal(w0.grad, x)

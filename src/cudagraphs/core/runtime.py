@@ -180,6 +180,7 @@ class EntryGraphs:
     _lent_input_ptrs: list[int] = field(init=False, repr=False)
     _lent_positions: frozenset[int] = field(init=False, repr=False)
     _probe_accumulator: Any = field(init=False, repr=False)
+    _anchor_accumulator: Any = field(init=False, repr=False)
     _held: tuple[HeldStorage, ...] = field(init=False, repr=False)
     _held_of: tuple[HeldStorage | None, ...] = field(init=False, repr=False)  # per buffer
     # Owned outputs: their storages, decided at the first forward replay (None before;
@@ -345,6 +346,24 @@ class EntryGraphs:
         self.fwd_graph.replay()
         self.forward_replays += 1
 
+    def _check_accumulates(self) -> None:
+        """In-graph accumulation adds every parameter gradient into its ``.grad`` inside
+        the backward graph: refuse a backward pass that adds into no ``.grad``
+        (``torch.autograd.grad``, ``backward(inputs=...)`` without the parameters),
+        which would otherwise change them all behind its back."""
+        if self._anchor_accumulator is not None and not _engine_accumulates(
+            self._anchor_accumulator
+        ):
+            raise CudaGraphsStateError(
+                f"{self.name}: captured with accumulate_grads_in_graph=True, whose "
+                "backward graph adds every parameter gradient into .grad itself, reached "
+                "by a backward that adds into no parameter's .grad (torch.autograd.grad, "
+                "or backward(inputs=...) without the parameters). Replayed, it would "
+                "change .grad all the same. Fixes: 1. graph this module without "
+                "accumulate_grads_in_graph for such uses; 2. run that backward through "
+                "an eager copy"
+            )
+
     def check_backward_of(self, forward: int) -> None:
         """Refuse the backward of forward replay number ``forward`` once a later forward
         replay of this entry has run: that one overwrote the static inputs and saved
@@ -505,6 +524,13 @@ class EntryGraphs:
         # outputs differentiable when no user input requires grad, and the engine
         # tracks one edge instead of one per parameter.
         self.autograd_params = self.params if self.grad_targets is None else self.params[:1]
+        # In-graph accumulation writes .grad inside the graph: its anchor's accumulator
+        # tells whether the running backward adds into .grad at all (check_accumulates).
+        self._anchor_accumulator = (
+            _grad_accumulator(self.params[0])
+            if self.grad_targets is not None and self.params and self.bwd_graph is not None
+            else None
+        )
         self._grad_output_buffers = [g for g in self.static_grad_outputs if g is not None]
         self._grad_output_mask = tuple(g is not None for g in self.static_grad_outputs)
 
@@ -554,6 +580,7 @@ class EntryGraphs:
         if self.bwd_graph is None:
             return result
         if self.grad_targets is not None:
+            self._check_accumulates()
             self.grad_targets.check_and_rebind()
         stage_grad_outputs(
             self._grad_output_buffers, [g for g, m in zip(grads, self._grad_output_mask) if m]
