@@ -238,3 +238,24 @@ def test_a_sub_config_reads_its_own_key_of_a_dict():
 )
 def test_static_experts(implementation, static):
     assert static_experts(implementation) is static
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_collected_router_logits_keep_each_router_graphed_alone(implementation):
+    # MoE training with the load-balancing loss (output_router_logits=True):
+    # transformers collects the logits with a forward hook on each router, which a
+    # replay of a graph around the router would never run (router_logits empty, an
+    # IndexError in the loss). The router is its own target, its hook outside.
+    model = tiny("mixtral")
+    model.set_experts_implementation(implementation)
+    assert {t.kind for t in plan_targets(model).targets} == {"layer"}
+    model.config.output_router_logits = True
+    plan = plan_targets(model)
+    assert [(t.name, t.kind) for t in plan.targets] == [
+        ("model.layers.0.self_attn", "attention"),
+        ("model.layers.0.mlp.gate", "router"),
+        ("model.layers.1.self_attn", "attention"),
+        ("model.layers.1.mlp.gate", "router"),
+    ]
+    assert [n.reason for n in plan.narrowed] == ["router_logits"] * 2
+    assert "forward hook on model.layers.0.mlp.gate" in plan.narrowed[0].detail

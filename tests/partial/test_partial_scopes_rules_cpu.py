@@ -42,9 +42,15 @@ from helpers.scopes import (
 
 
 def offer(
-    attention=True, router=False, moe=False, experts=None, mlp=False, on_device=True
+    attention=True,
+    router=False,
+    moe=False,
+    experts=None,
+    mlp=False,
+    on_device=True,
+    router_logits=False,
 ) -> BlockOffer:
-    return BlockOffer(attention, router, moe, experts, mlp, on_device)
+    return BlockOffer(attention, router, moe, experts, mlp, on_device, router_logits)
 
 
 DENSE = offer(mlp=True)
@@ -92,6 +98,23 @@ MOE_HOST_GROUPED = offer(router=True, moe=True, experts="grouped_mm", on_device=
         # The router's parent is the block: no MoE sublayer to graph apart from it.
         (ROUTER_IN_BLOCK, ("moe", "moe_router"), ScopeChoice(("moe_router",))),
         (DENSE, (), ScopeChoice(())),
+        # Router logits collected by a hook on the router: the router graphed alone,
+        # its hook outside the graph, whatever the experts.
+        (
+            offer(router=True, moe=True, experts="grouped_mm", router_logits=True),
+            SCOPES,
+            ScopeChoice(ATTN_ROUTER, "layer", ("router_logits",)),
+        ),
+        (
+            offer(router=True, moe=True, experts="batched_mm", router_logits=True),
+            ("moe", "moe_router"),
+            ScopeChoice(("moe_router",), "moe", ("router_logits",)),
+        ),
+        (
+            offer(router=True, moe=False, experts="grouped_mm", router_logits=True),
+            SCOPES,
+            ScopeChoice(("attention", "moe_router"), "layer", ("router_logits",)),
+        ),
     ],
 )
 def test_choose_scopes(block, requested, choice):

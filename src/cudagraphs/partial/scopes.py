@@ -115,6 +115,10 @@ class BlockOffer:
     # torch's grouped GEMM keeps the offsets on the device for the experts' dtype there
     # (see .kernels); read only for "grouped_mm" experts.
     grouped_on_device: bool = True
+    # The model collects its routers' logits (config.output_router_logits, for the
+    # load-balancing loss): transformers does that with a forward hook on each router,
+    # which a replay of a graph around the router would never run.
+    router_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,10 @@ def _layer_refusal(offer: BlockOffer) -> NarrowReason | None:
 
 
 def _experts_refusal(offer: BlockOffer) -> NarrowReason | None:
+    if offer.router_logits:
+        # The router graphed alone (moe_router) keeps its hook outside the graph: it
+        # runs in the router's own call, around the replay.
+        return "router_logits"
     if offer.experts == "grouped_mm" and not offer.grouped_on_device:
         return "host_grouped_mm"
     if static_experts(offer.experts):
@@ -209,6 +217,7 @@ def scope_block(
         experts=experts,
         mlp=mlp is not None,
         grouped_on_device=grouped_on_device,
+        router_logits=block.router is not None and collects_router_logits(model),
     )
     choice = choose_scopes(offer, requested)
     where: dict[str, tuple[str, nn.Module] | None] = {
@@ -224,3 +233,10 @@ def scope_block(
         assert hit is not None, f"scope {scope} chosen in {block.name} without its module"
         pieces.append((hit[0], hit[1], scope))
     return ScopedBlock(offer, choice, tuple(pieces))
+
+
+def collects_router_logits(model: nn.Module) -> bool:
+    """Whether the model's config asks for its routers' logits on every forward
+    (``output_router_logits``, which MoE training sets for the load-balancing loss).
+    A call that passes ``output_router_logits=True`` itself is not seen here."""
+    return bool(getattr(getattr(model, "config", None), "output_router_logits", False))

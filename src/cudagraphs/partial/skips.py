@@ -86,6 +86,15 @@ _EAGER = (
     "the experts of {moe} run the experts implementation 'eager': a Python loop over the "
     "experts hit, with shapes read on the host (a sync, and shapes that change every step)"
 )
+_ROUTER_LOGITS = (
+    "the model collects its routers' logits (config.output_router_logits) with a "
+    "forward hook on {router}, which a replay of a graph around the router would never "
+    "run (the logits, and the load-balancing loss, would be missing)"
+)
+_ROUTER_LOGITS_FIXES = (
+    "leave it so: the router is graphed alone, its hook outside the graph",
+    "set config.output_router_logits=False where the load-balancing loss is not needed",
+)
 _HOST_GROUPED = (
     "the experts of {moe} run 'grouped_mm', but torch has no grouped-GEMM kernel for their "
     "dtype on this GPU and falls back to a loop that copies the expert offsets to the host "
@@ -232,10 +241,13 @@ def _refusal(reason: NarrowReason, block: DiscoveredBlock, scoped: ScopedBlock) 
 
 
 def _experts_refusal(block: DiscoveredBlock, scoped: ScopedBlock) -> str:
-    # .scopes refuses experts as "host_grouped_mm" when grouped_mm runs off the device
-    # for their dtype, as "eager_experts" when the implementation is "eager", and as
-    # "unknown_experts" otherwise.
+    # .scopes refuses experts as "router_logits" when the model collects its routers'
+    # logits, "host_grouped_mm" when grouped_mm runs off the device for their dtype, as
+    # "eager_experts" when the implementation is "eager", and as "unknown_experts"
+    # otherwise.
     experts = scoped.offer.experts
+    if scoped.offer.router_logits:
+        return _ROUTER_LOGITS.format(router=block.router.name if block.router else block.moe)
     if _host_grouped(scoped):
         return _HOST_GROUPED.format(moe=block.moe)
     if experts == "eager":
@@ -255,6 +267,8 @@ def _host_grouped(scoped: ScopedBlock) -> bool:
 def _experts_fixes(block: DiscoveredBlock, scoped: ScopedBlock) -> list[str]:
     # A stated implementation ("eager" or one not known to be static) is switched; with
     # none stated (a user model), the MoE sublayer is named instead.
+    if scoped.offer.router_logits:
+        return list(_ROUTER_LOGITS_FIXES)
     if _host_grouped(scoped):
         return list(_HOST_GROUPED_FIXES)
     if scoped.offer.experts:

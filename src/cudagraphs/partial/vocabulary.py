@@ -235,7 +235,9 @@ SKIPPED = ReasonFamily(
     },
 )
 
-NarrowReason = Literal["no_attention", "eager_experts", "unknown_experts", "host_grouped_mm"]
+NarrowReason = Literal[
+    "no_attention", "eager_experts", "unknown_experts", "host_grouped_mm", "router_logits"
+]
 NARROWED = ReasonFamily(
     "narrowed_",
     "a block graphed at narrower scopes than the widest asked for",
@@ -248,6 +250,9 @@ NARROWED = ReasonFamily(
         "keep static shapes (grouped_mm, batched_mm)",
         "host_grouped_mm": "its experts run 'grouped_mm', which torch runs for their dtype "
         "on this GPU with the expert offsets copied to the host",
+        "router_logits": "the model collects its routers' logits (output_router_logits) "
+        "with a forward hook on each router, which no replay of a graph around the router "
+        "would run: the router is graphed alone, its hook outside the graph",
     },
 )
 
