@@ -52,3 +52,30 @@ def test_a_missing_attribute_counts_as_unbound():
     t.check_and_rebind()
     assert ps[1].main_grad is t.targets[1] and torch.equal(ps[1].main_grad, torch.zeros(2))
     assert ps[0].main_grad is t.targets[0]
+
+
+def test_targets_no_backward_graph_writes_are_dropped_and_their_grad_given_back_none():
+    # allow_unused_input=True: an unused parameter's .grad stays None, as eagerly; a
+    # zero tensor there would let AdamW's weight decay move it at every step.
+    ps = params()
+    kept = torch.ones(2)
+    ps[2].grad = kept  # the user's own tensor: left as it was
+    t = targets(ps)
+    t.note_written([torch.ones(2), None, None])  # one entry's backward capture
+    t.note_written([torch.ones(2), None, None])  # another microbatch, the same
+    t.keep_written()
+    assert t.names == ("p0",) and t.params == (ps[0],)
+    assert ps[1].grad is None  # allocated for the capture: given back
+    assert ps[2].grad is kept
+    ps[0].grad = None  # zero_grad(set_to_none=True): only the written one comes back
+    t.check_and_rebind()
+    assert ps[0].grad is t.targets[0] and ps[1].grad is None
+
+
+def test_a_target_any_entry_writes_is_kept():
+    ps = params(2)
+    t = targets(ps)
+    t.note_written([torch.ones(2), None])
+    t.note_written([None, torch.ones(2)])
+    t.keep_written()
+    assert t.names == ("p0", "p1")

@@ -424,6 +424,7 @@ def _capture_backward(
         )
         if targets is not None:
             # In-graph accumulation: one multi-tensor add inside the graph.
+            targets.note_written(grads[n_diff:])
             pairs = [(t, d) for t, d in zip(targets.targets, grads[n_diff:]) if d is not None]
             if pairs:
                 with torch.no_grad():
@@ -534,6 +535,9 @@ def capture_plan(plan: GraphPlan, opts: CaptureOptions) -> list[EntryGraphs]:
         for p in pending.values():
             p.release()
         raise
+    for targets in opts.grad_targets or ():
+        if targets is not None:
+            targets.keep_written()
     graphs = {i: p.build() for i, p in pending.items()}
     for entry, chained in chains.items():
         for i, source in chained.items():

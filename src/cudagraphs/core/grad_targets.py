@@ -12,6 +12,7 @@ replaced raises with the fix, so a replay never writes into memory it does not o
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -32,6 +33,37 @@ class GradTargets:
     names: tuple[str, ...]
     targets: tuple[torch.Tensor, ...]
     data_ptrs: tuple[int, ...]
+    # Per parameter: whether its target was allocated here (its .grad was None).
+    allocated: tuple[bool, ...] = ()
+    # Per parameter: whether some backward graph adds into its target (None: not known
+    # yet, before the captures; see keep_written).
+    written: list[bool] | None = None
+
+    def note_written(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """A backward capture computed ``grads`` (one per parameter, ``None`` for an
+        unused one): which targets its graph adds into."""
+        got = [g is not None for g in grads]
+        self.written = got if self.written is None else [a or b for a, b in zip(self.written, got)]
+
+    def keep_written(self) -> None:
+        """After the captures: drop the parameters no backward graph writes (unused,
+        ``allow_unused_input=True``) and give back ``.grad = None`` where it was
+        allocated here, as eager leaves an unused parameter's gradient: a zero tensor
+        there would let a weight-decaying optimizer move it, and the re-binding after
+        ``zero_grad(set_to_none=True)`` would bring it back at every step."""
+        if self.written is None or all(self.written):
+            return
+        keep = self.written
+        allocated = self.allocated or (False,) * len(self.params)
+        for p, t, made, w in zip(self.params, self.targets, allocated, keep):
+            if not w and made and getattr(p, self.attr, None) is t:
+                setattr(p, self.attr, None)
+        self.params = tuple(x for x, w in zip(self.params, keep) if w)
+        self.names = tuple(x for x, w in zip(self.names, keep) if w)
+        self.targets = tuple(x for x, w in zip(self.targets, keep) if w)
+        self.data_ptrs = tuple(x for x, w in zip(self.data_ptrs, keep) if w)
+        self.allocated = tuple(x for x, w in zip(allocated, keep) if w)
+        self.written = [True] * len(self.params)
 
     def check_and_rebind(self) -> None:
         """Before a backward replay: every target in place, ``None`` ones re-bound."""
@@ -78,9 +110,10 @@ def prepare_grad_targets(
         ValueError: an attribute other than ``grad`` is missing or has the wrong shape
             or device (naming the parameter).
     """
-    targets = []
+    targets, allocated = [], []
     for p, name in zip(params, names):
         t = getattr(p, attr, None)
+        allocated.append(t is None and attr == "grad")
         if t is None and attr == "grad":
             p.grad = t = torch.zeros_like(p)
         if not isinstance(t, torch.Tensor):
@@ -101,4 +134,5 @@ def prepare_grad_targets(
         names=tuple(names),
         targets=tuple(targets),
         data_ptrs=tuple(t.data_ptr() for t in targets),
+        allocated=tuple(allocated),
     )
