@@ -615,7 +615,7 @@ def compile_modes() -> tuple[str, ...]:
 def tensor_version(t: torch.Tensor) -> int:
     """The tensor's version counter: autograd's count of in-place writes to its memory
     (views share it), which is how a write into an argument is seen."""
-    return t._version
+    return getattr(t, "_version", 0)  # read by name: private to torch
 
 
 def compile_backends() -> tuple[str, ...]:
