@@ -328,3 +328,19 @@ def test_a_failed_second_capture_leaves_a_step_that_runs_eagerly_and_captures_ag
     assert step.graphed
     assert torch.isfinite(step(batch)).all()
 
+
+
+def test_parameters_moved_to_new_memory_after_capture_are_refused(rig):
+    # model.to(dtype) / .data assignment: the graphs would keep training the old memory.
+    from cudagraphs.errors import CudaGraphsStateError
+
+    step = _step(rig, warmup_steps=2)
+    step.capture(CpuPool())
+    batch = _batches(1, seed=6)[0]
+    step(batch)
+    last = step.params[-1]
+    last.data = last.data.clone()
+    with pytest.raises(CudaGraphsStateError, match="moved to new memory since capture"):
+        step(batch)
+    step.capture(CpuPool())  # captured again around the new memory: steps run
+    assert step.graphed and torch.isfinite(step(batch)).all()

@@ -30,6 +30,7 @@ from ..compile_watch import (
 )
 from ..errors import (
     CudaGraphCaptureError,
+    CudaGraphsStateError,
     CudaGraphsTypeError,
     CudaGraphsValueError,
     GraphReleasedError,
@@ -120,6 +121,7 @@ class GraphedTrainStep:
         self._buffer: ReusableValueBuffer | None = None
         self._guard: HyperparameterGuard | None = None
         self._keeper: StateKeeper | None = None
+        self._ends: tuple[int, int] = (0, 0)
         self._grads: list[torch.Tensor | None] = []
         self._losses: torch.Tensor | None = None
         self._released = False
@@ -339,6 +341,9 @@ class GraphedTrainStep:
         # One parameter with a gradient tells whether zero_grad() ran since the last step.
         self._sentinel = next((p, g) for p, g in zip(self.params, self._grads) if g is not None)
         self._guard = HyperparameterGuard.watch(self.optimizer)
+        # The first and last parameters' memory, checked at each call: the graphs read
+        # and update the parameters where they were at capture.
+        self._ends = (self.params[0].data_ptr(), self.params[-1].data_ptr())
         if self._keeper is not None:  # a capture before this one: one load hook only
             self._keeper.remove()
         self._keeper = StateKeeper.install(self.optimizer)
@@ -426,7 +431,8 @@ class GraphedTrainStep:
             CudaGraphInputError: a batch whose structure, shapes, strides or dtypes
                 differ from ``sample_batch`` (every difference named by path).
             CudaGraphsStateError: optimizer hyperparameters other than the learning
-                rate changed after capture.
+                rate changed after capture, or the parameters were moved to new memory
+                (the first and last parameters are checked).
             GraphReleasedError: after :meth:`reset`.
         """
         self._check_live()
@@ -438,6 +444,8 @@ class GraphedTrainStep:
         if not self.graphed:
             return self._eager_step(batches)
         self._guard.check()
+        if self._ends != (self.params[0].data_ptr(), self.params[-1].data_ptr()):
+            self._refuse_moved_params()
         sentinel, grad = self._sentinel
         if sentinel.grad is not grad:
             # zero_grad() dropped the graph's gradients; they are ours and still written
@@ -460,6 +468,17 @@ class GraphedTrainStep:
             losses[i].copy_(captured.accumulate_loss)
         captured.update.replay()
         return losses
+
+    def _refuse_moved_params(self) -> None:
+        """The parameters' memory changed since capture (``model.to(dtype)``,
+        ``model.cuda(1)``, ``param.data = ...``): the graphs would read and update the
+        old memory, training nothing the model holds."""
+        raise CudaGraphsStateError(
+            "graph_train_step: the optimizer's parameters were moved to new memory since "
+            "capture (model.to(...), .data assignment, resharding); the graphs read and "
+            "update the old memory, so the step would train nothing the model holds. "
+            "Fix: call capture() again (or build a new step) after moving the model"
+        )
 
     def _batches(self, batch: Any) -> Sequence[Any]:
         n = self.options.accumulation_steps
