@@ -349,3 +349,16 @@ def test_a_sparse_tensor_inside_a_registered_leaf_names_its_path():
         cudagraphs.CudaGraphsTypeError, match=r"^value\[0\]\.data: a torch.sparse_coo tensor"
     ):
         signature([q])
+
+
+def test_rebuilt_dicts_keep_the_described_values_key_order():
+    # The function gets its input dicts, and the caller its output dicts, in their own
+    # order (a, b = d.values() must not swap); flattening stays canonical.
+    w, b = torch.zeros(2), torch.ones(3)
+    sig = signature({"w": w, "b": b, "nested": {"z": w, "a": b}})
+    assert sig.keys == ("b", "nested", "w")
+    rebuilt = sig.rebuild(sig.flatten({"w": w, "b": b, "nested": {"z": w, "a": b}}))
+    assert list(rebuilt) == ["w", "b", "nested"] and list(rebuilt["nested"]) == ["z", "a"]
+    assert rebuilt["w"] is w and rebuilt["b"] is b
+    # The same keys in another order still match the signature.
+    assert signature({"b": b, "nested": {"a": b, "z": w}, "w": w}) == sig

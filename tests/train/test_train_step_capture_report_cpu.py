@@ -344,3 +344,23 @@ def test_parameters_moved_to_new_memory_after_capture_are_refused(rig):
         step(batch)
     step.capture(CpuPool())  # captured again around the new memory: steps run
     assert step.graphed and torch.isfinite(step(batch)).all()
+
+
+def test_gradients_made_non_finite_by_the_all_reduce_keep_the_parameters(rig):
+    # Another rank's inf reaches this rank's gradients only through the all-reduce:
+    # the finiteness check of the warmup must read them after it, or the lr-0 warmup
+    # step writes 0 * inf = NaN into this rank's parameters, never restored.
+    class InfFromAnotherRank:
+        def __init__(self, grads, group, bucket_mb):
+            self.grads = grads
+
+        def __call__(self):
+            for g in self.grads:
+                g.fill_(float("inf"))
+
+    rig.monkeypatch.setattr(step_module, "GradientReducer", InfFromAnotherRank)
+    rig.monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    step = _step(rig, all_reduce=True, warmup_steps=2)
+    before = [p.detach().clone() for p in step.params]
+    step.capture(CpuPool())
+    assert all(torch.equal(a, p) for a, p in zip(before, step.params))

@@ -130,6 +130,11 @@ class ValueTreeSignature:
     keys: tuple[Any, ...] = ()
     container: ContainerSignature | None = None  # kind "node": a registered container
     _leaf_types: LeafTypes | None = field(default=None, compare=False, repr=False)
+    # A dict's keys in the order the described value held them. Not part of the
+    # signature (``keys`` is canonical, sorted); rebuilt dicts take it, so a function
+    # sees its input dicts, and a caller its output dicts, in their own order
+    # (``a, b = d.values()`` must not swap).
+    key_order: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
@@ -187,7 +192,13 @@ class ValueTreeSignature:
                 )
                 for k in keys
             )
-            return cls("dict", children=children, keys=tuple(keys), _leaf_types=leaf_types)
+            return cls(
+                "dict",
+                children=children,
+                keys=tuple(keys),
+                _leaf_types=leaf_types,
+                key_order=tuple(value),
+            )
         described = describe_container(value)
         if described is not None:
             container, items = described
@@ -367,7 +378,10 @@ class ValueTreeSignature:
             leaf_type = self._leaf_types.by_name(self.leaf.type_name)
             return leaf_type.unflatten(named, dict(self.leaf.metadata))
         if self.kind == "dict":
-            return {k: child._rebuild(it) for k, child in zip(self.keys, self.children)}
+            built = {k: child._rebuild(it) for k, child in zip(self.keys, self.children)}
+            if self.key_order and list(self.key_order) != list(self.keys):
+                return {k: built[k] for k in self.key_order}
+            return built
         if self.kind == "node":
             return self.container.build([child._rebuild(it) for child in self.children])
         items = [child._rebuild(it) for child in self.children]

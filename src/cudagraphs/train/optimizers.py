@@ -404,7 +404,8 @@ class HyperparameterGuard:
         if len(groups) != len(self.baked):
             raise CudaGraphsStateError(
                 f"the optimizer has {len(groups)} parameter groups; the step was captured "
-                f"with {len(self.baked)}. Call reset() and graph the step again."
+                f"with {len(self.baked)}. Build a new step with graph_train_step "
+                "(reset() this one first to free its graphs)."
             )
         changed = []
         for i, (group, lr, baked) in enumerate(zip(groups, self.lrs, self.baked)):

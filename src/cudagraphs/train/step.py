@@ -139,12 +139,18 @@ class GraphedTrainStep:
         # AccumulateGrad nodes alive across captures.
         return loss.detach()
 
-    def _update(self) -> torch.Tensor | None:
+    def _update(self, before_update: OptimizerSnapshot | None = None) -> torch.Tensor | None:
         with_grad = [p for p in self.params if p.grad is not None]
         if self.options.reduces():
             GradientReducer(
                 [p.grad for p in with_grad], self.options.process_group, self.options.bucket_mb
             )()
+        if before_update is not None and not _grads_finite(with_grad):
+            # A warmup step runs at learning rate 0, which keeps a parameter only where
+            # its update is finite (0 * inf is NaN): keep the parameters on the host.
+            # Read after the all-reduce: every rank then holds the same gradients and
+            # decides alike (one rank's inf reaches all of them).
+            before_update.keep_params()
         norm = None
         if self.options.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(
@@ -207,11 +213,7 @@ class GraphedTrainStep:
                 "parameters of the model step_fn runs."
             )
         self._say_unused()
-        if before_update is not None and not _grads_finite(self.params):
-            # A warmup step runs at learning rate 0, which keeps a parameter only where
-            # its update is finite (0 * inf is NaN): keep the parameters on the host.
-            before_update.keep_params()
-        self._update()
+        self._update(before_update)
         return losses[0] if len(losses) == 1 else torch.stack(losses)
 
     # ---- capture -------------------------------------------------------------------
