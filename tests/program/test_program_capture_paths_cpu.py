@@ -22,6 +22,7 @@ from cudagraphs.errors import (
     CudaGraphCaptureError,
     CudaGraphsStateError,
     CudaGraphsTypeError,
+    CudaGraphsValueError,
     SignatureMismatchError,
 )
 from cudagraphs.program import graph_capture
@@ -524,3 +525,22 @@ def test_graphs_disabled_a_replay_after_reset_names_the_program():
     got.graph.reset()
     with pytest.raises(CudaGraphsStateError, match=r"^program p: replay\(\) after reset\(\)$"):
         got.graph.replay()
+
+
+def test_the_first_replay_check_takes_nan_where_the_warmup_had_nan():
+    # A masked softmax's fully padded row is NaN at every run: a fixed schedule.
+    same = graph_capture._same_values
+    nan = float("nan")
+    assert same(torch.tensor([nan, 1.0]), torch.tensor([nan, 1.0]))
+    assert not same(torch.tensor([nan, 1.0]), torch.tensor([nan, 2.0]))
+    assert not same(torch.tensor([nan, 1.0]), torch.tensor([1.0, nan]))
+    assert same(torch.tensor([1, 2]), torch.tensor([1, 2]))
+
+
+def test_a_function_that_writes_into_its_inputs_is_refused_naming_them():
+    a, b = torch.zeros(3), torch.zeros(3)
+    versions = [graph_capture.tensor_version(t) for t in (a, b)]
+    graph_capture._refuse_written_inputs([a, b], versions, "p")  # nothing written
+    b.add_(1)
+    with pytest.raises(CudaGraphsValueError, match=r"writes into input tensors \[1\]"):
+        graph_capture._refuse_written_inputs([a, b], versions, "p")

@@ -211,3 +211,16 @@ def test_nodes_track_the_last_call(steps):
         assert len(runtime.calls) - calls_before == changed
         last = expected_reads
         runtime.refuse.clear()
+
+
+def test_a_conjugate_view_is_left_to_the_copy_its_bytes_are_not_its_values():
+    buffers = [torch.zeros(4, dtype=torch.complex64), torch.zeros(4, dtype=torch.complex64)]
+    staging, runtime = _staging(buffers)
+    z = torch.tensor([1 + 2j, 3 - 1j, 0.5j, 2], dtype=torch.complex64)
+    other = torch.ones(4, dtype=torch.complex64)
+    staging.bind([z, other])
+    conj = z.conj()
+    assert conj.is_conj() and conj.is_contiguous() and conj.data_ptr() == z.data_ptr()
+    out = staging.bind([conj, other])
+    assert out[0] is conj  # copied by the caller (copy_ resolves the conjugate bit)
+    assert runtime.calls[-1] == (100, buffers[0].data_ptr())

@@ -25,6 +25,7 @@ from ..capture import (
 from ..checks import check_callable, check_int
 from ..errors import CudaGraphCaptureError, CudaGraphsTypeError, CudaGraphsValueError
 from ..settings import DISABLE_ENV
+from ..torch_private import tensor_version
 from .buffer import ReusableValueBuffer
 from .leaves import LeafTypes
 from .pool import CudaGraphCaptureStats, CudaGraphPool
@@ -165,11 +166,29 @@ def warm_up(
             for _ in range(warmup):
                 fresh = ReusableValueBuffer(signature, device)
                 fresh.copy_from(inputs, path="inputs")
+                versions = [tensor_version(t) for t in fresh.tensors]
                 last = function(*fresh.value)
+                _refuse_written_inputs(fresh.tensors, versions, name)
         torch.cuda.synchronize(device)
+    except CudaGraphsValueError:
+        raise
     except Exception as exc:
         raise CudaGraphCaptureError(f"warmup of program {name} failed: {exc}") from exc
     return last
+
+
+def _refuse_written_inputs(tensors: list[torch.Tensor], versions: list[int], name: str) -> None:
+    """The function wrote into input tensors in place: a replay writes into the
+    program's own buffers (or their staging copies), never into the tensors passed, so
+    it would diverge from running the function eagerly."""
+    written = [i for i, (t, v) in enumerate(zip(tensors, versions)) if tensor_version(t) != v]
+    if written:
+        raise CudaGraphsValueError(
+            f"program {name}: the function writes into input tensors {written} (in flatten "
+            "order) in place; a replay writes into the program's own copy of each input, "
+            "so the tensors passed would keep their values. Fix: return the new values "
+            "instead of writing into the inputs"
+        )
 
 
 def first_replay_mismatch(
@@ -178,7 +197,7 @@ def first_replay_mismatch(
     """Why the first replay's ``output`` is not the last warmup's ``last``, or ``None``."""
     got = out_sig.flatten(output, path="output")
     want = out_sig.flatten(detached(last, leaf_types), path="output")
-    bad = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+    bad = [i for i, (a, b) in enumerate(zip(got, want)) if not _same_values(a, b)]
     if not bad:
         return None
     return (
@@ -188,6 +207,17 @@ def first_replay_mismatch(
         "state outside its inputs?). For functions that draw random numbers pass "
         "check_first_replay=False."
     )
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where the other is NaN (a masked softmax's fully padded row is NaN
+    at every run: a fixed schedule all the same)."""
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()) or a.shape != b.shape:
+        return False
+    nan = a.isnan()
+    return bool(torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan]))
 
 
 @dataclass

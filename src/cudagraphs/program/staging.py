@@ -173,6 +173,9 @@ class GraphStaging:
                 and src.dtype is home.dtype
                 and src.numel() == s.numel
                 and src.is_contiguous()
+                # A conjugate or negative view's bytes are not its values: copy it.
+                and not src.is_conj()
+                and not src.is_neg()
             ):
                 ptr = src.data_ptr()
                 # A source overlapping the node's destination (a program output that
