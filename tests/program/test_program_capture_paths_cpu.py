@@ -544,3 +544,15 @@ def test_a_function_that_writes_into_its_inputs_is_refused_naming_them():
     b.add_(1)
     with pytest.raises(CudaGraphsValueError, match=r"writes into input tensors \[1\]"):
         graph_capture._refuse_written_inputs([a, b], versions, "p")
+
+
+def test_outputs_in_an_inputs_memory_are_copied_inside_the_graph():
+    # step(cur, prev) -> (2 * cur - prev, cur): the pass-through fed back as the next
+    # input would be read after the next call's copy overwrote it.
+    cur, prev = torch.ones(3), torch.zeros(3)
+    new = 2 * cur - prev
+    out = graph_capture._own_outputs({"new": new, "cur": cur, "view": prev[1:]}, [cur, prev])
+    assert out["new"] is new  # the function's own memory: handed out as it is
+    assert out["cur"] is not cur and torch.equal(out["cur"], cur)
+    assert out["cur"].untyped_storage().data_ptr() != cur.untyped_storage().data_ptr()
+    assert out["view"].untyped_storage().data_ptr() != prev.untyped_storage().data_ptr()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..capture import (
     GraphMemoryPool,
@@ -343,10 +344,10 @@ def capture_function(
 
     def call() -> Any:
         if mode == "copy":
-            return function(*buffer.value)
+            return _own_outputs(function(*buffer.value), buffer.tensors)
         tensors, ptrs = staged_arguments(buffer.tensors)
         inner_ptrs.update(ptrs)
-        return function(*signature.rebuild(tensors))
+        return _own_outputs(function(*signature.rebuild(tensors)), [*buffer.tensors, *tensors])
 
     opts = {
         "stream": stream,
@@ -387,6 +388,23 @@ def capture_function(
         graph.reset()
         raise
     return CapturedGraph(graph, out_sig.rebuild(static), out_sig, staged)
+
+
+def _own_outputs(output: Any, inputs: Sequence[torch.Tensor]) -> Any:
+    """``output`` with each tensor that lies in an input's memory (a pass-through,
+    ``return x``, or a view of an input) replaced by a copy made inside the graph.
+
+    Why: the inputs' memory is the program's input buffers (or the graph's staging
+    copies of them), which the next call's copy overwrites. An output fed back as the
+    next input (``step(cur, prev) -> (new, cur)``) would be read after it was
+    overwritten, and a prefetch (``copy_inputs_from``) would change an output already
+    handed out. Tensors inside registered leaf types are not looked into."""
+    held = {t.untyped_storage().data_ptr() for t in inputs}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if t.untyped_storage().data_ptr() in held else t
+
+    return pytree.tree_map_only(torch.Tensor, own, output)
 
 
 def run_function_eagerly(
