@@ -387,3 +387,19 @@ def test_static_state_bound_by_partial_or_callable_object():
             assert_bitwise_equal(program.replay(y), function(y), repr(program))
         finally:
             program.close()
+
+
+def test_a_copy_handle_or_wait_for_of_the_wrong_kind_is_a_type_error_and_the_next_call_works(
+    bad_input_program,
+):
+    from cudagraphs import CudaGraphsTypeError
+
+    program = bad_input_program
+    good = _bad_example(1)
+    with pytest.raises(CudaGraphsTypeError, match="wait_for must be a torch.cuda.Event"):
+        program.copy_inputs_from(*good, wait_for=3)
+    with pytest.raises(CudaGraphsTypeError, match="copy_handle must be the CopyHandle"):
+        program.replay_prepared(copy_handle="h")
+    handle = program.copy_inputs_from(*good)
+    out = program.replay_prepared(copy_handle=handle)
+    _assert_tree_equal(out, _bad_fn(*good), "replay_prepared after the refused arguments")

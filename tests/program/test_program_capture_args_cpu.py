@@ -30,6 +30,7 @@ def _check(function=_fn, example_inputs=None, warmup=3, pool=None, staging="auto
         ({"example_inputs": ()}, ValueError, "no tensor"),
         ({"example_inputs": ([], {"k": ()})}, ValueError, "no tensor"),
         ({"example_inputs": (torch.zeros(3), 3)}, TypeError, r"inputs\[1\]"),
+        ({"pool": "cuda"}, TypeError, "pool must be a CudaGraphPool"),
         # On a machine without a GPU every tensor is on the CPU: refused by name.
         ({}, ValueError, "one CUDA device"),
     ],

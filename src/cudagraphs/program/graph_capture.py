@@ -81,6 +81,12 @@ def check_capture_arguments(
     """Check the arguments of ``CudaGraphProgram.capture``; return the inputs as a
     tuple, their signature and their device. Nothing is captured or allocated."""
     check_capture_options(function, example_inputs, warmup, staging)
+    # Read as a pool by what it offers (a CudaGraphPool; tests stand in for it).
+    if pool is not None and not (hasattr(pool, "check_open") and hasattr(pool, "device")):
+        raise CudaGraphsTypeError(
+            f"pool must be a CudaGraphPool (shared by programs), got {type(pool).__name__} "
+            f"{pool!r}; pass CudaGraphPool(device) or leave it out"
+        )
     inputs = tuple(example_inputs)
     signature = ValueTreeSignature.from_value(inputs, leaf_types=leaf_types, path="inputs")
     device = check_examples(signature, signature.flatten(inputs, path="inputs"))

@@ -17,7 +17,7 @@ import torch
 
 from ..capture_state import capture_scope
 from ..checks import require_cuda
-from ..errors import CudaGraphCaptureError, CudaGraphsTypeError
+from ..errors import CudaGraphCaptureError, CudaGraphInputError, CudaGraphsTypeError
 from ..settings import graphs_disabled
 from ..torch_private import current_stream_key
 from .graph_capture import (
@@ -192,9 +192,20 @@ class CudaGraphProgram(Generic[OutputT]):
             ) from exc
         if last is None:
             return
-        problem = first_replay_mismatch(
-            self._out_sig, self._output, last, self._leaf_types, self._name
-        )
+        try:
+            problem = first_replay_mismatch(
+                self._out_sig, self._output, last, self._leaf_types, self._name
+            )
+        except CudaGraphInputError as exc:
+            # The warmup's output has another structure or metadata than the capture's:
+            # the function is no fixed schedule; not a problem of the caller's inputs.
+            self.close()
+            raise CudaGraphCaptureError(
+                f"program {self._name}: the last warmup's output and the captured output "
+                f"differ in structure or metadata ({exc}). The function is not a fixed "
+                "schedule (host-side control flow?): make its outputs depend on its "
+                "inputs' shapes alone"
+            ) from exc
         if problem is not None:
             self.close()
             raise CudaGraphCaptureError(problem)
@@ -369,6 +380,12 @@ class CudaGraphProgram(Generic[OutputT]):
         if self._staging is not None:
             self._staging.unbind()  # the graph reads the buffer this copy fills
         events = [wait_for] if isinstance(wait_for, torch.cuda.Event) else list(wait_for or ())
+        bad = [type(e).__name__ for e in events if not isinstance(e, torch.cuda.Event)]
+        if bad:
+            raise CudaGraphsTypeError(
+                f"wait_for must be a torch.cuda.Event or a sequence of them, got {bad}; "
+                "pass the events the sources' producers recorded"
+            )
         done = self._buffer.copy_on(stream, sources, non_blocking=non_blocking, wait_for=events)
         self._generation += 1
         self._last_copy = done
@@ -392,6 +409,11 @@ class CudaGraphProgram(Generic[OutputT]):
         self._check_open()
         stream = self._current_stream()
         if copy_handle is not None:
+            if not isinstance(copy_handle, CopyHandle):
+                raise CudaGraphsTypeError(
+                    f"copy_handle must be the CopyHandle copy_inputs_from returned, got "
+                    f"{type(copy_handle).__name__}"
+                )
             copy_handle.check(self._token, self._generation, self._name)
             stream.wait_event(copy_handle.event)
         elif self._last_copy is not None:
