@@ -44,3 +44,13 @@ def test_staging_is_checked_before_the_examples():
     # A typo in staging is reported even when the examples are fine otherwise.
     with pytest.raises(ValueError, match="staging"):
         _check(staging="graphs", example_inputs=(torch.zeros(2),))
+
+
+@pytest.mark.parametrize("wait_for", [3, [3], "event", (None,)])
+def test_a_wait_for_that_holds_no_events_is_a_type_error_before_any_copy(wait_for):
+    from cudagraphs import CudaGraphsTypeError
+    from cudagraphs.program.program import _events
+
+    with pytest.raises(CudaGraphsTypeError, match="wait_for must be a torch.cuda.Event"):
+        _events(wait_for)
+    assert _events(None) == [] and _events(()) == []

@@ -373,19 +373,13 @@ class CudaGraphProgram(Generic[OutputT]):
             A :class:`CopyHandle` for :meth:`replay_prepared`.
         """
         self._check_open()
+        events = _events(wait_for)
         sources = self._validate(inputs, "inputs")
         stream = torch.cuda.current_stream(self._device) if stream is None else stream
         self._order_buffer_write(stream)
         self._order.recording = True  # a prefetching program: see __init__
         if self._staging is not None:
             self._staging.unbind()  # the graph reads the buffer this copy fills
-        events = [wait_for] if isinstance(wait_for, torch.cuda.Event) else list(wait_for or ())
-        bad = [type(e).__name__ for e in events if not isinstance(e, torch.cuda.Event)]
-        if bad:
-            raise CudaGraphsTypeError(
-                f"wait_for must be a torch.cuda.Event or a sequence of them, got {bad}; "
-                "pass the events the sources' producers recorded"
-            )
         done = self._buffer.copy_on(stream, sources, non_blocking=non_blocking, wait_for=events)
         self._generation += 1
         self._last_copy = done
@@ -441,3 +435,21 @@ class CudaGraphProgram(Generic[OutputT]):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.input_nbytes} input bytes"
         return f"CudaGraphProgram({self._name}, {state})"
+
+
+def _events(wait_for: Any) -> list[torch.cuda.Event]:
+    """``copy_inputs_from``'s ``wait_for`` as a list of events, checked before anything
+    is copied."""
+    if wait_for is None:
+        return []
+    if isinstance(wait_for, torch.cuda.Event):
+        return [wait_for]
+    items = list(wait_for) if isinstance(wait_for, (list, tuple)) else [wait_for]
+    bad = [type(e).__name__ for e in items if not isinstance(e, torch.cuda.Event)]
+    if bad:
+        raise CudaGraphsTypeError(
+            f"wait_for must be a torch.cuda.Event or a list or tuple of them, got {bad}; "
+            "pass the events the sources' producers recorded"
+        )
+    return items
+
