@@ -284,6 +284,14 @@ def capture_into_graph(
 
 
 def _failure_hint(message: str) -> str:
+    if "appears to not have been used in the graph" in message:
+        # autograd.grad's refusal of an unused input: with num_warmup_iters=0 the
+        # capture is the first backward, so the warmup's own check never ran.
+        return (
+            "An input or parameter that requires grad is not used by the forward, so it "
+            "can get no gradient. Fixes: 1. allow_unused_input=True (its gradient is "
+            "then None); 2. requires_grad=False on it. "
+        )
     if "legacy stream" in message:
         # Seen on torch 2.11: autograd runs a leaf's AccumulateGrad on the stream it was
         # created on, and an eager graph still alive keeps that node (default stream).

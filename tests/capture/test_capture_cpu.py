@@ -220,3 +220,16 @@ def test_a_pool_drops_torchs_workspaces_once_per_device_before_making_its_stream
     assert events == ["clear", ("stream", 0), ("stream", 0)]  # nothing made or cleared again
     other = pool.capture_stream(1)
     assert events[3:] == ["clear", ("stream", 1), ("stream", 1)] and other.index == 1
+
+
+def test_capture_failure_hint_names_allow_unused_input_for_an_unused_input():
+    # num_warmup_iters=0: the capture is the first backward, so autograd's refusal of
+    # an unused input comes from the capture, not the warmup's own check.
+    from cudagraphs.capture import _failure_hint
+
+    hint = _failure_hint(
+        "One of the differentiated Tensors appears to not have been used in the graph. "
+        "Set allow_unused=True if this is the desired behavior."
+    )
+    assert "allow_unused_input=True" in hint and "host sync" not in hint
+
