@@ -170,12 +170,8 @@ def test_close_restores_eager_modules_and_is_idempotent():
         mgr.start_recording()
 
 
-@pytest.mark.parametrize("replacement", ["parameter", "plain_tensor"])
-def test_a_parameter_object_replaced_after_capture_falls_back_and_trains_the_new_one(
-    caplog, replacement
-):
-    # load_state_dict(assign=True) or layer.weight = nn.Parameter(...): the graph must
-    # not read the old parameter (stale weights, the new one left without a gradient).
+def _captured_toy():
+    """A Toy and its manager (the pinning stand-in backend), recorded and captured."""
     model = Toy()
     mgr = PartialCudaGraphManager.from_model_parts(
         [model], capture_backend=pinning_backend, scopes=NARROW
@@ -183,11 +179,21 @@ def test_a_parameter_object_replaced_after_capture_falls_back_and_trains_the_new
     mgr.start_recording()
     model(torch.randn(2, 8))
     mgr.capture()
+    return model, mgr
+
+
+@pytest.mark.parametrize("replacement", ["parameter", "plain_tensor"])
+def test_a_parameter_object_replaced_after_capture_falls_back_and_trains_the_new_one(
+    caplog, replacement
+):
+    # load_state_dict(assign=True) or layer.weight = nn.Parameter(...): the graph must
+    # not read the old parameter (stale weights, the new one left without a gradient).
+    model, mgr = _captured_toy()
     q = model.layers[0].self_attn.q
     new = torch.randn(8, 8)
     if replacement == "parameter":
         q.weight = nn.Parameter(new.clone())
-    else:  # an attribute no longer a parameter: the name still reads a tensor
+    else:  # a plain tensor attribute now: no longer a parameter of the module
         del q.weight
         q.weight = new.clone().requires_grad_()
     x = torch.randn(2, 8)
@@ -201,13 +207,7 @@ def test_a_parameter_object_replaced_after_capture_falls_back_and_trains_the_new
 
 
 def test_a_parameter_deleted_after_capture_falls_back_naming_it(caplog):
-    model = Toy()
-    mgr = PartialCudaGraphManager.from_model_parts(
-        [model], capture_backend=pinning_backend, scopes=NARROW
-    )
-    mgr.start_recording()
-    model(torch.randn(2, 8))
-    mgr.capture()
+    model, mgr = _captured_toy()
     q = model.layers[0].self_attn.q
     del q.weight
     q.weight = None  # a forward that reads it fails eagerly, as without graphs
@@ -219,18 +219,12 @@ def test_a_parameter_deleted_after_capture_falls_back_naming_it(caplog):
     assert not isinstance(err.value, CudaGraphInputError)  # the eager forward's own error
     assert mgr.stats()["fallback_param_storage"] == 1
     (said,) = fallback_warnings(caplog, "param_storage")
-    assert "'weight' of Linear is no longer a tensor (now NoneType)" in said.getMessage()
+    assert "'weight' of Linear is no longer a parameter (now NoneType)" in said.getMessage()
     mgr.close()
 
 
 def test_a_replaced_parameter_storage_falls_back_with_its_reason(caplog):
-    model = Toy()
-    mgr = PartialCudaGraphManager.from_model_parts(
-        [model], capture_backend=pinning_backend, scopes=NARROW
-    )
-    mgr.start_recording()
-    model(torch.randn(2, 8))
-    mgr.capture()
+    model, mgr = _captured_toy()
     model(torch.randn(2, 8))
     assert mgr.stats()["replayed"] == 2
     model.layers[0].self_attn.q.weight.data = torch.randn(8, 8)  # e.g. a reshard

@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from ..diagnostics import WarnOnce
 from ..errors import CudaGraphInputError, CudaGraphsValueError
-from ..torch_private import current_graph_task_id
+from ..torch_private import current_graph_task_id, parameter_table
 from .chaining import Link, OutputLinks
 from .contract import CallContract, ContractSet
 from .vocabulary import MODEL_KIND, OffReason, Target
@@ -183,8 +183,11 @@ class TargetRecording:
     target: Target
     contracts: ContractSet
     param_names: tuple[str, ...] = ()
-    # (owning module, attribute) of each of param_names, found at the first call.
-    params_at: tuple[tuple[nn.Module, str], ...] | None = field(default=None, repr=False)
+    # (owner's parameter table, attribute, owner) of each of param_names, found at the
+    # first call.
+    params_at: tuple[tuple[dict[str, Any], str, nn.Module], ...] | None = field(
+        default=None, repr=False
+    )
     # Under FSDP2 (see .fsdp): parameters are fetched at each call and copied into the
     # graph rather than read in place.
     fsdp: bool = False
@@ -254,35 +257,38 @@ class TargetRecording:
         leaving the new one without a gradient.
 
         Raises:
-            CudaGraphInputError: a name no longer holds a tensor (the module's
-                attribute deleted or replaced by another kind of object).
+            CudaGraphInputError: a name no longer holds a parameter (deleted, or
+                replaced by a plain tensor or another kind of object).
         """
-        return tuple(self._current(owner, attr) for owner, attr in self._param_slots())
+        slots = self._param_slots()
+        params = tuple([table.get(attr) for table, attr, _ in slots])  # the hot path
+        for p, (_, attr, owner) in zip(params, slots):
+            if not isinstance(p, torch.Tensor):
+                self._refuse_missing(owner, attr)
+        return params
 
     def capture_params(self, variant: int) -> tuple[torch.Tensor, ...]:
         """The parameter samples to capture ``variant`` with."""
         return self.variants[variant].params if self.fsdp else self.call_params()
 
-    def _param_slots(self) -> tuple[tuple[nn.Module, str], ...]:
+    def _param_slots(self) -> tuple[tuple[dict[str, Any], str, nn.Module], ...]:
         if self.params_at is None:
             module = self.target.module
             slots = []
             for name in self.param_names:
                 path, _, attr = name.rpartition(".")
-                slots.append((module.get_submodule(path) if path else module, attr))
+                owner = module.get_submodule(path) if path else module
+                slots.append((parameter_table(owner), attr, owner))
             self.params_at = tuple(slots)
         return self.params_at
 
-    def _current(self, owner: nn.Module, attr: str) -> torch.Tensor:
+    def _refuse_missing(self, owner: nn.Module, attr: str) -> None:
         value = getattr(owner, attr, None)
-        if not isinstance(value, torch.Tensor):
-            raise CudaGraphInputError(
-                f"{self.name}: its parameter {attr!r} of {type(owner).__name__} is no "
-                f"longer a tensor (now {type(value).__name__}) since the graph was "
-                "captured; the call runs eagerly. Fix: build the manager again for the "
-                "changed model"
-            )
-        return value
+        raise CudaGraphInputError(
+            f"{self.name}: its parameter {attr!r} of {type(owner).__name__} is no longer "
+            f"a parameter (now {type(value).__name__}) since the graph was captured; the "
+            "call runs eagerly. Fix: build the manager again for the changed model"
+        )
 
     def graphs(self) -> list[Any]:
         """The graphs held, one per captured variant."""
