@@ -6,6 +6,8 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -119,6 +121,40 @@ MOE_HOST_GROUPED = offer(router=True, moe=True, experts="grouped_mm", on_device=
 )
 def test_choose_scopes(block, requested, choice):
     assert choose_scopes(block, requested) == choice
+
+
+OFFERS = st.builds(
+    BlockOffer,
+    attention=st.booleans(),
+    router=st.booleans(),
+    moe=st.booleans(),
+    experts=st.sampled_from([None, "eager", "grouped_mm", "batched_mm", "other"]),
+    mlp=st.booleans(),
+    grouped_on_device=st.booleans(),
+    router_logits=st.booleans(),
+)
+REQUESTS = st.sets(st.sampled_from(SCOPES))
+
+
+@settings(max_examples=300, deadline=None)
+@given(OFFERS, REQUESTS)
+def test_collected_router_logits_never_leave_a_router_inside_a_wider_graph(offer, requested):
+    # The reference: with the router's logits collected by its hook, no chosen graph
+    # holds the router with anything else (layer, moe); the router alone is taken where
+    # asked for, and "router_logits" is the reason a wider requested scope was refused.
+    # Without a router the flag changes nothing.
+    import dataclasses
+
+    choice = choose_scopes(offer, requested)
+    plain = choose_scopes(dataclasses.replace(offer, router_logits=False), requested)
+    if not (offer.router and offer.router_logits):
+        assert choice == plain
+        return
+    assert not {"layer", "moe"} & set(choice.scopes)
+    if "moe_router" in requested:
+        assert "moe_router" in choice.scopes
+    wider = ("layer" in requested and offer.attention) or ("moe" in requested and offer.moe)
+    assert ("router_logits" in choice.reasons) == wider
 
 
 # --- the dense MLP rule ---------------------------------------------------------------

@@ -173,7 +173,7 @@ def _layer_refusal(offer: BlockOffer) -> NarrowReason | None:
 
 
 def _experts_refusal(offer: BlockOffer) -> NarrowReason | None:
-    if offer.router_logits:
+    if offer.router and offer.router_logits:
         # The router graphed alone (moe_router) keeps its hook outside the graph: it
         # runs in the router's own call, around the replay.
         return "router_logits"

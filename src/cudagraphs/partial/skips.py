@@ -246,7 +246,7 @@ def _experts_refusal(block: DiscoveredBlock, scoped: ScopedBlock) -> str:
     # "eager_experts" when the implementation is "eager", and as "unknown_experts"
     # otherwise.
     experts = scoped.offer.experts
-    if scoped.offer.router_logits:
+    if scoped.offer.router and scoped.offer.router_logits:
         return _ROUTER_LOGITS.format(router=block.router.name if block.router else block.moe)
     if _host_grouped(scoped):
         return _HOST_GROUPED.format(moe=block.moe)
@@ -267,7 +267,7 @@ def _host_grouped(scoped: ScopedBlock) -> bool:
 def _experts_fixes(block: DiscoveredBlock, scoped: ScopedBlock) -> list[str]:
     # A stated implementation ("eager" or one not known to be static) is switched; with
     # none stated (a user model), the MoE sublayer is named instead.
-    if scoped.offer.router_logits:
+    if scoped.offer.router and scoped.offer.router_logits:
         return list(_ROUTER_LOGITS_FIXES)
     if _host_grouped(scoped):
         return list(_HOST_GROUPED_FIXES)
